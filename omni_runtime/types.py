@@ -55,3 +55,15 @@ class Connector(Protocol):
     def put(self, key: str, obj: Any) -> None: ...
 
     def get(self, key: str) -> Any | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedChunk:
+    """Stands in, in a connector's `get_many` result, for a value that failed to decode.
+
+    The value was already consumed, so the receiver skips its id instead of
+    waiting for it forever; it counts and logs the loss.
+    """
+
+    key: str
+    error: str

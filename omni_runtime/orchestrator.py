@@ -1,0 +1,179 @@
+"""The central router of a pipeline (SPEC §3): sequential mode.
+
+Three queues and three kinds of task. Only the dispatcher changes request
+state, and it updates all of it before its first await, so an output handled
+while a `submit` is in flight always sees a consistent `ReqState`. The same
+class runs in-process (fake stages) and in the orchestrator service (Redis
+stage clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from omni_runtime.types import OrchOutput, ReqState, Stage, StageOutput
+
+log = logging.getLogger(__name__)
+
+ForwardFn = Callable[[int, Any, list[Any]], Any]
+"""`forward_fn(next_stage_id, prompt, all data of the previous stage) -> next input`."""
+
+
+def forward_previous_data(next_stage_id: int, prompt: Any, previous: list[Any]) -> Any:
+    """The default forward function: the next stage gets all of the previous stage's data."""
+    return previous
+
+
+class Orchestrator:
+    """Routes every stage's outputs: forward to the next stage, emit to the user, clean up."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        final_stage_ids: Iterable[int],
+        forward_fn: ForwardFn = forward_previous_data,
+    ) -> None:
+        self.stages: list[Stage] = list(stages)
+        self.final_stage_ids: frozenset[int] = frozenset(final_stage_ids)
+        if not self.final_stage_ids:
+            raise ValueError("final_stage_ids must name at least one stage")
+        bad = sorted(s for s in self.final_stage_ids if not 0 <= s < len(self.stages))
+        if bad:
+            raise ValueError(f"final stage ids {bad} outside 0..{len(self.stages) - 1}")
+        self.last_stage: int = max(self.final_stage_ids)
+        self.forward_fn = forward_fn
+        self.request_states: dict[str, ReqState] = {}
+        self.dropped_outputs: int = 0
+        self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
+        self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
+        self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the handler, one reader per stage up to the last final one, the dispatcher."""
+        if self._tasks:
+            raise RuntimeError("orchestrator already started")
+        self._tasks.append(asyncio.create_task(self._handler_loop(), name="orch-handler"))
+        for sid in range(self.last_stage + 1):
+            self._tasks.append(
+                asyncio.create_task(self._reader_loop(sid), name=f"orch-reader-{sid}")
+            )
+        self._tasks.append(asyncio.create_task(self._dispatcher_loop(), name="orch-dispatcher"))
+
+    async def shutdown(self) -> None:
+        """Cancel every task and wait for them, so none is destroyed while pending."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> Orchestrator:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    # --- public API ------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Any) -> None:
+        """Only enqueue: the handler task creates the state and submits to stage 0."""
+        await self._req_q.put(("add", request_id, prompt))
+
+    async def next_output(self, timeout: float | None = None) -> OrchOutput:
+        """The next output for the user; raises `TimeoutError` after `timeout` seconds."""
+        if timeout is None:
+            return await self._out_q.get()
+        async with asyncio.timeout(timeout):
+            return await self._out_q.get()
+
+    # --- loops -----------------------------------------------------------------
+
+    async def _handler_loop(self) -> None:
+        while True:
+            _kind, request_id, prompt = await self._req_q.get()
+            await self._handle_add(request_id, prompt)
+
+    async def _reader_loop(self, stage_id: int) -> None:
+        """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
+        stage = self.stages[stage_id]
+        while True:
+            outputs = await stage.get_output()
+            for out in outputs:
+                self._ready_q.put_nowait((stage_id, out))
+
+    async def _dispatcher_loop(self) -> None:
+        while True:
+            stage_id, out = await self._ready_q.get()
+            await self._handle_output(stage_id, out)
+
+    # --- routing ---------------------------------------------------------------
+
+    async def _handle_add(self, request_id: str, prompt: Any) -> None:
+        if request_id in self.request_states:
+            await self._out_q.put(
+                OrchOutput(request_id, 0, None, True, error="duplicate request id")
+            )
+            return
+        state = ReqState(prompt=prompt)
+        self.request_states[request_id] = state  # registered before the first await
+        state.submitted.add(0)
+        await self._submit(request_id, 0, prompt)
+
+    async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
+        rid = out.request_id
+        state = self.request_states.get(rid)
+        if state is None:  # late, or never added: never resurrect state
+            self.dropped_outputs += 1
+            return
+        state.stage_data.setdefault(stage_id, []).append(out.data)
+        if out.finished:
+            state.finished.add(stage_id)
+        if stage_id in self.final_stage_ids:
+            done = self.final_stage_ids <= state.finished
+            if done:
+                self._cleanup(rid)
+            await self._out_q.put(OrchOutput(rid, stage_id, out.data, done))
+            if done:
+                return
+        if out.finished and stage_id < self.last_stage:
+            nxt = stage_id + 1
+            next_input = self.forward_fn(nxt, state.prompt, state.stage_data[stage_id])
+            state.submitted.add(nxt)
+            await self._submit(rid, nxt, next_input)
+
+    async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:
+        """Submit; a failing stage ends this request alone with one error output."""
+        try:
+            await self.stages[stage_id].submit(request_id, data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("stage %d submit failed for %r: %r", stage_id, request_id, e)
+            if self.request_states.get(request_id) is None:
+                return
+            self._cleanup(request_id)
+            await self._out_q.put(
+                OrchOutput(
+                    request_id,
+                    stage_id,
+                    None,
+                    True,
+                    error=f"stage {stage_id} submit failed: {type(e).__name__}: {e}",
+                )
+            )
+
+    def _cleanup(self, request_id: str) -> None:
+        """Forget the request; later outputs for it are dropped and counted."""
+        self.request_states.pop(request_id, None)
