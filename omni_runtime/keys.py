@@ -15,3 +15,67 @@ CHUNK_TTL_S = 300
 def chunk_key(request_id: str, stage_id: int, chunk_id: int, prefix: str = "") -> str:
     """`<req>_<stage>_<id>` (SPEC §4), optionally behind a namespace prefix."""
     return f"{prefix}{request_id}_{stage_id}_{chunk_id}"
+
+
+def chunk_notify_key(request_id: str, stage_id: int, prefix: str = "") -> str:
+    """List a sender RPUSHes to after each chunk put, so the receiver can block instead of poll."""
+    return f"{prefix}notify:{request_id}_{stage_id}"
+
+
+# --- control plane (Streams) ---------------------------------------------------
+
+ORCHESTRATOR_GROUP = "orchestrator"
+"""Consumer group the orchestrator reads the requests and stage output streams with."""
+WORKERS_GROUP = "workers"
+"""Consumer group the replicas of one stage share its input stream through."""
+STREAM_MAXLEN = 100_000
+"""Approximate MAXLEN every XADD trims to: bounded history, never an unbounded stream."""
+CLIENT_STREAM_TTL_S = 600
+"""A client's output stream expires this long after its last write (client gone away)."""
+HEARTBEAT_TTL_S = 5
+"""A process whose heartbeat key is older than this is taken for dead."""
+DEAD_LETTER_MAXLEN = 10_000
+PAYLOAD_FIELD = "m"
+"""The one field of every stream entry: the msgpack-encoded wire message."""
+
+
+class Names:
+    """Every stream and key name of one namespace; namespaces isolate pipelines on one Redis."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.prefix = f"{namespace}:"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}requests"
+
+    @property
+    def control(self) -> str:
+        """Broadcast control entries (aborts) every worker reads."""
+        return f"{self.prefix}control"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}dead"
+
+    def stage_in(self, stage_id: int) -> str:
+        return f"{self.prefix}stage:{stage_id}:in"
+
+    def stage_out(self, stage_id: int) -> str:
+        return f"{self.prefix}stage:{stage_id}:out"
+
+    def client_out(self, client_id: str) -> str:
+        return f"{self.prefix}client:{client_id}"
+
+    def heartbeat(self, role: str) -> str:
+        """`role` is "orchestrator" or "stage:<id>:<worker id>"."""
+        return f"{self.prefix}hb:{role}"
+
+    def heartbeat_pattern(self, stage_id: int) -> str:
+        return f"{self.prefix}hb:stage:{stage_id}:*"
+
+    @property
+    def chunk_prefix(self) -> str:
+        """Data-plane keys live under `<namespace>:chunk:` so one SCAN finds leftovers."""
+        return f"{self.prefix}chunk:"

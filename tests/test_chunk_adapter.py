@@ -147,7 +147,9 @@ def test_snapshot_isolates_nested_containers(pair: tuple[ChunkAdapter, ChunkAdap
     live["tokens"].append(3)
     live["meta"]["k"].append(1)
     live["new"] = True
-    assert drain(rcv, "n", 1) == [{"data": {"tokens": [1, 2], "meta": {"k": [0]}}, "finished": True}]
+    assert drain(rcv, "n", 1) == [
+        {"data": {"tokens": [1, 2], "meta": {"k": [0]}}, "finished": True}
+    ]
 
 
 class FlakyConnector(MemoryConnector):
@@ -232,7 +234,9 @@ def test_ids_restart_at_0_after_a_final(conn: MemoryConnector) -> None:
 # --- receiver rules ------------------------------------------------------------
 
 
-def test_chunks_put_before_load_async_are_received(pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any) -> None:
+def test_chunks_put_before_load_async_are_received(
+    pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any
+) -> None:
     snd, rcv = pair
     snd.save_async("early", "x", False)
     snd.save_async("early", "y", True)
@@ -342,7 +346,9 @@ def test_failing_get_does_not_kill_the_recv_thread() -> None:
         rcv.stop()
 
 
-def test_malformed_chunk_is_counted_and_skipped(pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any) -> None:
+def test_malformed_chunk_is_counted_and_skipped(
+    pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any
+) -> None:
     _snd, rcv = pair
     conn.put("r_0_0", {"unexpected": 1})
     conn.put("r_0_1", {"data": "ok", "finished": True})
@@ -351,7 +357,9 @@ def test_malformed_chunk_is_counted_and_skipped(pair: tuple[ChunkAdapter, ChunkA
     assert rcv.malformed_chunks == 1
 
 
-def test_many_requests_keep_order_and_contiguous_ids(pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any) -> None:
+def test_many_requests_keep_order_and_contiguous_ids(
+    pair: tuple[ChunkAdapter, ChunkAdapter], conn: Any
+) -> None:
     snd, rcv = pair
     n_req, n_chunks = 50, 20
     for r in range(n_req):

@@ -1,0 +1,183 @@
+"""Wire codec: every message on Redis is msgpack, never pickle.
+
+msgpack is compact, sub-microsecond for a typical envelope, language-neutral, and carries
+binary payloads as ``bin`` without base64. numpy arrays travel as one ext type so dtype and
+shape survive; numpy stays optional (it is imported only when an array is actually met).
+
+Type mapping (what ``decode(encode(x))`` gives back):
+
+* None, bool, int (-2**63 .. 2**64-1), float, str: unchanged.
+* bytes / bytearray / memoryview: ``bytes``. tuple / list: ``list`` (msgpack has one array type).
+* dict: ``dict``; keys should be str, int or bytes (other keys may not decode).
+* numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
+  are refused). numpy scalars: the equivalent Python scalar.
+
+Array ext payload (code ``NDARRAY_EXT_CODE``)::
+
+    u16 LE header length | header = msgpack [dtype.str, shape] | zero pad to 16 | raw C bytes
+
+The pad keeps the decoded zero-copy view aligned for every dtype. ``decode`` is the door for
+untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import sys
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from omni_runtime.errors import CodecError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "NDARRAY_EXT_CODE",
+    "decode",
+    "decode_model",
+    "encode",
+    "encode_model",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+"""Refuse bigger inputs before parsing: a bound on what one bad message can cost."""
+
+NDARRAY_EXT_CODE: Final = 1
+
+M = TypeVar("M", bound=BaseModel)
+
+_ALIGN: Final = 16
+_HLEN: Final = struct.Struct("<H")
+_MAX_NDIM: Final = 64
+# Canonical ``dtype.str`` only (what encode emits): no object "O", no structured specs, and no
+# odd spellings numpy would parse with a deprecation warning.
+_DTYPE_RE: Final = re.compile(r"[<>|][biufcmMSUV][0-9]{1,10}(?:\[[0-9]{0,10}[A-Za-z]{1,7}\])?")
+
+
+def encode(obj: Any) -> bytes:
+    """Serialize ``obj`` to msgpack; unsupported types raise CodecError naming the type."""
+    try:
+        data: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError, BufferError) as e:
+        raise CodecError(f"cannot encode: {e}") from e
+    return data
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
+) -> Any:
+    """Parse msgpack bytes; oversize or malformed input of any kind raises CodecError.
+
+    Decoded arrays are read-only views over the ext payload that msgpack hands out (no copy
+    beyond the one msgpack itself makes while unpacking).
+    """
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if max_bytes is not None and size > max_bytes:
+        raise CodecError(f"message of {size} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+    except CodecError:
+        raise
+    except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
+        raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+def encode_model(model: BaseModel) -> bytes:
+    """Encode a pydantic model as its python-mode dump (bytes fields stay bytes)."""
+    return encode(model.model_dump(mode="python"))
+
+
+def decode_model(
+    data: bytes | bytearray | memoryview,
+    model_cls: type[M],
+    *,
+    max_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
+) -> M:
+    """Decode and validate in one step, so no unvalidated message reaches the caller."""
+    obj = decode(data, max_bytes=max_bytes)
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0] if errors else {"loc": (), "msg": str(e)}
+        loc = ".".join(str(part) for part in first["loc"]) or "<root>"
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CodecError(f"invalid {model_cls.__name__}: {loc}: {first['msg']}{more}") from e
+
+
+def _default(obj: object) -> Any:
+    """msgpack fallback for types it does not know; the only place numpy is considered."""
+    if sys.modules.get("numpy") is not None:  # numpy never imported -> obj is no numpy object
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            return _pack_array(obj)
+        if isinstance(obj, np.generic):
+            return obj.item()
+    raise CodecError(
+        f"cannot encode object of type {type(obj).__module__}.{type(obj).__qualname__}"
+    )
+
+
+def _pad_to(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _pack_array(arr: npt.NDArray[Any]) -> msgpack.ExtType:
+    import numpy as np
+
+    dt = arr.dtype
+    if dt.hasobject or dt.fields is not None or dt.itemsize == 0:
+        raise CodecError(f"cannot encode numpy array of dtype {dt}: object/structured/empty")
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")  # the only extra copy, and only for strided input
+    header = msgpack.packb([dt.str, list(arr.shape)], use_bin_type=True)
+    start = _pad_to(_HLEN.size + len(header))
+    prefix = _HLEN.pack(len(header)) + header + bytes(start - _HLEN.size - len(header))
+    raw = memoryview(arr.reshape(-1).view(np.uint8))  # buffer view, no tobytes()
+    # ExtType insists on bytes, so joining prefix and buffer is the one unavoidable copy.
+    return msgpack.ExtType(NDARRAY_EXT_CODE, b"".join((prefix, raw)))
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    """Rebuild an array as a zero-copy, read-only view over ``data``; check every field."""
+    if code != NDARRAY_EXT_CODE:
+        raise CodecError(f"unknown msgpack ext type {code}")
+    try:
+        import numpy as np
+    except ImportError as e:
+        raise CodecError("message carries a numpy array but numpy is not installed") from e
+    (hlen,) = _HLEN.unpack_from(data)
+    start = _pad_to(_HLEN.size + hlen)
+    if start > len(data):
+        raise CodecError("array ext: truncated header")
+    header = msgpack.unpackb(data[_HLEN.size : _HLEN.size + hlen], raw=False)
+    if not (isinstance(header, list) and len(header) == 2):
+        raise CodecError("array ext: header is not [dtype, shape]")
+    dtype_str, shape = header
+    if not (isinstance(dtype_str, str) and _DTYPE_RE.fullmatch(dtype_str)):
+        raise CodecError(f"array ext: bad dtype {dtype_str!r}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_NDIM
+        and all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise CodecError(f"array ext: bad shape {shape!r}")
+    dt: np.dtype[Any] = np.dtype(dtype_str)
+    if dt.str != dtype_str or dt.itemsize == 0:
+        raise CodecError(f"array ext: non-canonical dtype {dtype_str!r}")
+    count = math.prod(shape)
+    if count * dt.itemsize != len(data) - start:
+        raise CodecError("array ext: data length does not match dtype and shape")
+    return np.frombuffer(memoryview(data)[start:], dtype=dt, count=count).reshape(shape)

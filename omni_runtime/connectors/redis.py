@@ -1,0 +1,215 @@
+"""Redis connector: the ChunkAdapter's data plane over plain keys (SPEC §5).
+
+`put` is `SET <prefix><key> <msgpack> EX <ttl_s>` and `get` is `GETDEL`, so a
+chunk is read at most once and a chunk nobody reads expires. Keys handed in are
+the bare `<req>_<stage>_<id>` strings; the namespace prefix is applied here.
+
+Errors, by class (`omni_runtime.errors`):
+* `TransportError` — Redis failed. `put` retries first (`put_retries` more
+  attempts, exponential backoff from `retry_backoff_s`); `get`, `get_many` and
+  `delete_many` do not (the receiver polls again anyway, and retrying a GETDEL
+  whose reply was lost cannot bring the value back).
+* `CodecError` — a stored value is not a valid message. It is logged and counted
+  in `malformed`, and raised: the value is already consumed, and the caller
+  decides whether that fails the request or is skipped. `None` keeps meaning
+  only "not there yet".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from omni_runtime import codec, keys
+from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.types import MalformedChunk
+
+log = logging.getLogger(__name__)
+
+_PACKER_BUFFER_CUTOFF = 6000
+"""Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
+
+
+class RedisConnector:
+    """`put` / consume-once `get` on one sync `redis.Redis`; thread-safe like the client."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        ttl_s: int = keys.CHUNK_TTL_S,
+        prefix: str = "",
+        put_retries: int = 3,
+        retry_backoff_s: float = 0.01,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ConfigError(f"RedisConnector ttl_s must be > 0 (chunks must expire), got {ttl_s}")
+        if put_retries < 0 or retry_backoff_s < 0:
+            raise ConfigError(
+                "RedisConnector put_retries and retry_backoff_s must be >= 0, "
+                f"got {put_retries} and {retry_backoff_s}"
+            )
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ConfigError("RedisConnector needs a client with decode_responses=False")
+        self.client = client
+        self.ttl_s = ttl_s
+        self.prefix = prefix
+        self.put_retries = put_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.malformed = 0
+        self._malformed_lock = threading.Lock()
+        self._owns_client = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        ttl_s: int = keys.CHUNK_TTL_S,
+        prefix: str = "",
+        put_retries: int = 3,
+        retry_backoff_s: float = 0.01,
+        **redis_kwargs: Any,
+    ) -> RedisConnector:
+        """Connect to `url` (`redis://`, `rediss://`, `unix://`; ACL user/password in the URL).
+
+        The client's pool packs commands with redis-py's Python packer instead of
+        hiredis's: `hiredis.pack_command` copies every argument into a fresh
+        mmap'd buffer and is ~5x slower for MiB-size values (research §0.2).
+        The connection itself does not retry (`retry` defaults to none here), so
+        `put_retries` is the one retry policy. `redis_kwargs` go to the pool;
+        the connector owns the client and `close()` closes it.
+        """
+        redis_kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
+        # The packer must encode str arguments like the connections would (URL `encoding=`),
+        # so it is built from the pool's own encoder. The pool hands the one packer object to
+        # every connection it makes (`command_packer` kwarg); it keeps no state, so that is safe.
+        packer = PythonRespSerializer(_PACKER_BUFFER_CUTOFF, pool.get_encoder().encode)
+        pool.connection_kwargs["command_packer"] = packer
+        client = redis.Redis.from_pool(pool)
+        try:
+            connector = cls(
+                client,
+                ttl_s=ttl_s,
+                prefix=prefix,
+                put_retries=put_retries,
+                retry_backoff_s=retry_backoff_s,
+            )
+        except BaseException:
+            client.close()
+            raise
+        connector._owns_client = True
+        return connector
+
+    # --- the Connector protocol -------------------------------------------------
+
+    def put(self, key: str, obj: Any) -> None:
+        """Store `obj` under `prefix + key` with the TTL; raise `TransportError` after retries."""
+        name = self.prefix + key
+        value = codec.encode(obj)
+        attempt = 0
+        while True:
+            try:
+                self.client.set(name, value, ex=self.ttl_s)
+                return
+            except RedisError as e:
+                if attempt >= self.put_retries:
+                    raise TransportError(
+                        f"SET {name!r} failed after {attempt + 1} attempt(s): {e}"
+                    ) from e
+                delay_s = self.retry_backoff_s * 2**attempt
+                attempt += 1
+                log.warning(
+                    "SET %r failed (%s); retry %d/%d in %.3f s",
+                    name,
+                    e,
+                    attempt,
+                    self.put_retries,
+                    delay_s,
+                )
+                time.sleep(delay_s)
+
+    def get(self, key: str) -> Any | None:
+        """GETDEL `prefix + key` and decode it; `None` when absent."""
+        name = self.prefix + key
+        try:
+            raw = self.client.getdel(name)
+        except RedisError as e:
+            raise TransportError(f"GETDEL {name!r} failed: {e}") from e
+        if raw is None:
+            return None
+        return self._decode(name, raw)
+
+    # --- batch operations ---------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[Any | None]:
+        """GETDEL every key in one round trip (non-transactional pipeline).
+
+        The result is aligned with `keys`. If any value is malformed, every
+        value is still consumed and stands as a `MalformedChunk` in its slot, so
+        the good values of the same round trip are not lost.
+        """
+        if not keys:
+            return []
+        names = [self.prefix + key for key in keys]
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.getdel(name)
+                raws: list[bytes | None] = pipe.execute()
+        except RedisError as e:
+            raise TransportError(f"pipelined GETDEL of {len(names)} key(s) failed: {e}") from e
+        results: list[Any | None] = []
+        for name, raw in zip(names, raws, strict=True):
+            if raw is None:
+                results.append(None)
+                continue
+            try:
+                results.append(self._decode(name, raw))
+            except CodecError as e:
+                results.append(MalformedChunk(name, str(e)))
+        return results
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """UNLINK every listed key in one command; missing keys are ignored."""
+        names = [self.prefix + key for key in keys]
+        if not names:
+            return
+        try:
+            self.client.unlink(*names)
+        except RedisError as e:
+            raise TransportError(f"UNLINK of {len(names)} key(s) failed: {e}") from e
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the client if `from_url` created it; a client passed in stays open."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> RedisConnector:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _decode(self, name: str, raw: bytes | str) -> Any:
+        try:
+            if not isinstance(raw, bytes):  # only a decode_responses client returns str
+                raise CodecError(f"expected bytes from Redis, got {type(raw).__name__}")
+            return codec.decode(raw)
+        except CodecError as e:
+            with self._malformed_lock:
+                self.malformed += 1
+            log.error("malformed value under %r (%d bytes) dropped: %s", name, len(raw), e)
+            raise

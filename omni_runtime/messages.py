@@ -1,0 +1,74 @@
+"""Typed wire messages: every stream entry is one of these, msgpack-encoded, validated on read.
+
+Each model forbids extra fields and carries its `type` and a version `v`, so a
+reader can reject a message from an incompatible peer with a clear error
+instead of misreading it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WIRE_VERSION = 1
+
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+ClientId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = WIRE_VERSION
+
+
+class RequestMsg(_Wire):
+    """Client → orchestrator, on the requests stream."""
+
+    type: Literal["request"] = "request"
+    request_id: RequestId
+    client_id: ClientId
+    prompt: Any
+    deadline_s: Annotated[float, Field(gt=0)] | None = None
+
+
+class AbortMsg(_Wire):
+    """Client → orchestrator (requests stream) and orchestrator → workers (control stream)."""
+
+    type: Literal["abort"] = "abort"
+    request_id: RequestId
+    reason: str = "aborted"
+
+
+class StageInputMsg(_Wire):
+    """Orchestrator → a stage's workers. `streaming`: the input arrives as chunks instead."""
+
+    type: Literal["stage_input"] = "stage_input"
+    request_id: RequestId
+    data: Any
+    streaming: bool = False
+
+
+class StageOutputMsg(_Wire):
+    """A stage's worker → orchestrator. `error` set: the stage failed this request."""
+
+    type: Literal["stage_output"] = "stage_output"
+    request_id: RequestId
+    data: Any
+    finished: bool
+    error: str | None = None
+
+
+class OrchOutputMsg(_Wire):
+    """Orchestrator → the client that submitted the request."""
+
+    type: Literal["orch_output"] = "orch_output"
+    request_id: RequestId
+    stage_id: int
+    data: Any
+    finished: bool
+    error: str | None = None
+
+
+ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]
+"""What may appear on the requests stream."""

@@ -1,0 +1,302 @@
+"""Rules of the wire codec (omni_runtime.codec): msgpack round trips, zero-copy arrays,
+and CodecError as the only failure on untrusted bytes."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict
+
+from omni_runtime.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    NDARRAY_EXT_CODE,
+    decode,
+    decode_model,
+    encode,
+    encode_model,
+)
+from omni_runtime.errors import CodecError
+
+SETTINGS = settings(deadline=None, max_examples=200)
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+    | st.binary()
+)
+values = st.recursive(
+    scalars,
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality that also checks types (True is not 1) and treats NaN as equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@SETTINGS
+@given(values)
+def test_roundtrip_is_identity_for_supported_types(obj: Any) -> None:
+    assert same(decode(encode(obj)), obj)
+
+
+def test_tuples_decode_as_lists() -> None:
+    assert decode(encode((1, (2, "x"), [3]))) == [1, [2, "x"], [3]]
+
+
+def test_bytes_like_travel_as_bin_and_decode_as_bytes() -> None:
+    payload = bytes(range(256))
+    for obj in (payload, bytearray(payload), memoryview(payload)):
+        wire = encode(obj)
+        assert payload in wire  # raw, not base64
+        assert decode(wire) == payload
+
+
+def test_int_and_bytes_dict_keys_roundtrip() -> None:
+    obj = {1: "a", -2: "b", b"k": "c", "s": {b"\x00": 3}}
+    assert decode(encode(obj)) == obj
+
+
+def test_decode_accepts_bytearray_and_memoryview() -> None:
+    wire = encode({"a": [1, 2.5, b"x"]})
+    for buf in (wire, bytearray(wire), memoryview(wire)):
+        assert decode(buf) == {"a": [1, 2.5, b"x"]}
+
+
+ARRAYS = {
+    "float32_pcm": np.sin(np.linspace(0, 6.28, 480, dtype=np.float32)),
+    "int16_pcm": (np.arange(-1000, 1000, 7, dtype=np.int16)),
+    "zero_d": np.array(3.5),
+    "empty": np.zeros((0, 4), dtype=np.float64),
+    "non_contiguous": np.arange(60, dtype=np.int32).reshape(6, 10)[::2, 1::3],
+    "fortran": np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
+    "big_endian": np.arange(5, dtype=">f8"),
+    "bool": np.array([[True, False], [False, True]]),
+    "uint8_3d": np.arange(24, dtype=np.uint8).reshape(2, 3, 4),
+    "complex": np.array([1 + 2j, -3.5j], dtype=np.complex128),
+    "float16": np.array([0.5, -1.0], dtype=np.float16),
+    "unicode": np.array(["ab", "cde"]),
+    "datetime": np.array(["2024-01-01", "2025-06-30"], dtype="datetime64[ns]"),
+}
+
+
+@pytest.mark.parametrize("arr", list(ARRAYS.values()), ids=list(ARRAYS))
+def test_ndarray_roundtrip_keeps_dtype_shape_values(arr: np.ndarray[Any, Any]) -> None:
+    out = decode(encode(arr))
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == arr.dtype
+    assert out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+
+
+@pytest.mark.parametrize("arr", list(ARRAYS.values()), ids=list(ARRAYS))
+def test_decoded_ndarray_is_zero_copy_readonly_and_aligned(arr: np.ndarray[Any, Any]) -> None:
+    out = decode(encode({"data": arr}))["data"]
+    assert not out.flags.owndata  # a view over the ext payload, not a copy
+    assert out.base is not None
+    assert not out.flags.writeable
+    assert out.flags.aligned
+    assert out.flags.c_contiguous
+
+
+def test_array_payload_is_raw_c_order_bytes_not_base64() -> None:
+    arr = np.arange(1000, dtype=np.float32)
+    assert arr.tobytes() in encode(arr)
+    assert np.ascontiguousarray(arr[::3]).tobytes() in encode(arr[::3])
+
+
+def test_ndarray_nested_in_envelope_roundtrips() -> None:
+    pcm = np.arange(16, dtype=np.float32)
+    out = decode(encode({"req": "r1", "chunks": [pcm, pcm[::2]], "meta": {"sr": 24000}}))
+    assert out["req"] == "r1" and out["meta"] == {"sr": 24000}
+    np.testing.assert_array_equal(out["chunks"][0], pcm)
+    np.testing.assert_array_equal(out["chunks"][1], pcm[::2])
+
+
+def test_numpy_scalars_become_python_scalars() -> None:
+    out = decode(encode([np.float32(1.5), np.int64(-7), np.bool_(True), np.uint8(255)]))
+    assert out == [1.5, -7, True, 255]
+    assert [type(x) for x in out] == [float, int, bool, int]
+
+
+@SETTINGS
+@given(st.binary(max_size=2048))
+def test_random_bytes_decode_or_raise_only_codec_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except CodecError:
+        pass
+
+
+@SETTINGS
+@given(st.binary(max_size=256))
+def test_random_array_ext_payload_decodes_or_raises_only_codec_error(payload: bytes) -> None:
+    try:
+        decode(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, payload)))
+    except CodecError:
+        pass
+
+
+def test_oversize_input_raises_codec_error() -> None:
+    wire = encode(b"x" * 1000)
+    with pytest.raises(CodecError, match="exceeds"):
+        decode(wire, max_bytes=100)
+    with pytest.raises(CodecError, match="exceeds"):
+        decode(memoryview(wire), max_bytes=100)
+    assert decode(wire, max_bytes=None) == b"x" * 1000
+    assert DEFAULT_MAX_MESSAGE_BYTES == 64 * 1024 * 1024
+
+
+@pytest.mark.parametrize("obj", [object(), {1, 2}, frozenset(), 1j, {"k": [object()]}], ids=repr)
+def test_unsupported_type_raises_codec_error_naming_it(obj: Any) -> None:
+    with pytest.raises(CodecError, match="cannot encode"):
+        encode(obj)
+
+
+def test_unsupported_type_message_names_the_type() -> None:
+    with pytest.raises(CodecError, match="builtins.set"):
+        encode({"a": {1}})
+
+
+def test_int_out_of_msgpack_range_raises_codec_error() -> None:
+    with pytest.raises(CodecError):
+        encode(2**64)
+    with pytest.raises(CodecError):
+        encode(-(2**63) - 1)
+
+
+def test_object_dtype_array_raises_codec_error() -> None:
+    with pytest.raises(CodecError, match="dtype"):
+        encode(np.array([1, "a", None], dtype=object))
+
+
+def test_structured_dtype_array_raises_codec_error() -> None:
+    with pytest.raises(CodecError, match="dtype"):
+        encode(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]))
+
+
+def test_unknown_ext_code_raises_codec_error() -> None:
+    with pytest.raises(CodecError, match="ext type 42"):
+        decode(msgpack.packb(msgpack.ExtType(42, b"abc")))
+
+
+def _array_ext(header: Any, raw: bytes, pad: bool = True) -> bytes:
+    h = msgpack.packb(header)
+    prefix = len(h).to_bytes(2, "little") + h
+    if pad:
+        prefix += bytes(-len(prefix) % 16)
+    return bytes(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, prefix + raw)))
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        _array_ext(["|O8", [1]], bytes(8)),  # object dtype
+        _array_ext(["<f4", [3]], bytes(8)),  # length mismatch
+        _array_ext(["|f4", [2]], bytes(8)),  # non-canonical spelling
+        _array_ext(["<f4", [-1]], bytes(8)),  # negative dimension
+        _array_ext(["<f4", [True, 2]], bytes(8)),  # bool is not a dimension
+        _array_ext(["<f4"], bytes(8)),  # header too short
+        _array_ext({"dtype": "<f4"}, bytes(8)),  # header not a list
+        _array_ext(["<i4,<f8", [1]], bytes(12)),  # structured dtype spec
+        _array_ext(["<f3", [2]], bytes(6)),  # dtype numpy does not know
+        _array_ext(["|S0", [0]], b""),  # zero itemsize
+        bytes(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, b"\xff\xff\x00"))),  # truncated
+    ],
+)
+def test_bad_array_ext_header_raises_codec_error(wire: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode(wire)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [b"", b"\xc1", b"\x92\x01", b"\x01\x02", b"\xa3ab", b"\xa2\xff\xfe", b"\x81\x90\x01"],
+    ids=["empty", "never_used", "truncated", "extra_data", "short_str", "bad_utf8", "list_key"],
+)
+def test_malformed_bytes_raise_exactly_codec_error(wire: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode(wire)
+
+
+def test_codec_error_chains_the_cause() -> None:
+    with pytest.raises(CodecError) as info:
+        decode(b"\x01\x02")
+    assert info.value.__cause__ is not None
+
+
+class Chunk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    seq: int
+    data: bytes
+    tags: list[str] = []
+
+
+def test_decode_model_roundtrips_model_with_bytes() -> None:
+    chunk = Chunk(request_id="r1", seq=3, data=b"\x00\xffpcm", tags=["a"])
+    wire = encode_model(chunk)
+    assert b"\x00\xffpcm" in wire
+    assert decode_model(wire, Chunk) == chunk
+
+
+def test_decode_model_wrong_shape_raises_codec_error_naming_model_and_field() -> None:
+    wire = encode({"request_id": "r1", "seq": "not-an-int", "data": b""})
+    with pytest.raises(CodecError, match=r"Chunk: seq: .*integer"):
+        decode_model(wire, Chunk)
+
+
+def test_decode_model_extra_field_raises_codec_error() -> None:
+    wire = encode({"request_id": "r1", "seq": 1, "data": b"", "evil": 1})
+    with pytest.raises(CodecError, match="evil"):
+        decode_model(wire, Chunk)
+
+
+@pytest.mark.parametrize("wire", [b"\xc1\x00", encode(5), encode([1, 2])], ids=repr)
+def test_decode_model_garbage_raises_codec_error(wire: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode_model(wire, Chunk)
+
+
+def test_module_imports_and_works_without_numpy() -> None:
+    arr_wire = encode(np.arange(3, dtype=np.int16))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["numpy"] = None  # make `import numpy` fail
+        from omni_runtime.codec import decode, encode
+        from omni_runtime.errors import CodecError
+        assert decode(encode({{"a": [1, b"x"]}})) == {{"a": [1, b"x"]}}
+        try:
+            decode({arr_wire!r})
+        except CodecError as e:
+            assert "numpy" in str(e), e
+        else:
+            raise AssertionError("array decoded without numpy")
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
