@@ -145,7 +145,7 @@ def _pack_array(arr: npt.NDArray[Any]) -> msgpack.ExtType:
     header = msgpack.packb([dt.str, list(arr.shape)], use_bin_type=True)
     start = _pad_to(_HLEN.size + len(header))
     prefix = _HLEN.pack(len(header)) + header + bytes(start - _HLEN.size - len(header))
-    raw = memoryview(arr.reshape(-1).view(np.uint8))  # buffer view, no tobytes()
+    raw = arr.reshape(-1).view(np.uint8).data  # memoryview over arr, no tobytes()
     # ExtType insists on bytes, so joining prefix and buffer is the one unavoidable copy.
     return msgpack.ExtType(NDARRAY_EXT_CODE, b"".join((prefix, raw)))
 

@@ -3,6 +3,7 @@ and CodecError as the only failure on untrusted bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -146,19 +147,15 @@ def test_numpy_scalars_become_python_scalars() -> None:
 @SETTINGS
 @given(st.binary(max_size=2048))
 def test_random_bytes_decode_or_raise_only_codec_error(data: bytes) -> None:
-    try:
+    with contextlib.suppress(CodecError):
         decode(data)
-    except CodecError:
-        pass
 
 
 @SETTINGS
 @given(st.binary(max_size=256))
 def test_random_array_ext_payload_decodes_or_raises_only_codec_error(payload: bytes) -> None:
-    try:
+    with contextlib.suppress(CodecError):
         decode(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, payload)))
-    except CodecError:
-        pass
 
 
 def test_oversize_input_raises_codec_error() -> None:
@@ -178,7 +175,7 @@ def test_unsupported_type_raises_codec_error_naming_it(obj: Any) -> None:
 
 
 def test_unsupported_type_message_names_the_type() -> None:
-    with pytest.raises(CodecError, match="builtins.set"):
+    with pytest.raises(CodecError, match=r"builtins\.set"):
         encode({"a": {1}})
 
 

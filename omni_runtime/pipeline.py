@@ -1,0 +1,99 @@
+"""The pipeline file (YAML): which stages, in which mode, which of them the user sees."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omni_runtime.errors import ConfigError
+
+EntryPoint = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
+"""`package.module:callable`."""
+
+
+class StageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[int, Field(ge=0)]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    entry: EntryPoint
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the stage factory (see `stage_api.load_stage`)."""
+
+
+class PipelineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    mode: Literal["sequential", "streaming"] = "sequential"
+    final_stage_ids: Annotated[list[int], Field(min_length=1)]
+    forward: EntryPoint | None = None
+    """`forward_fn(next_stage_id, prompt, previous_stage_data)`; default: the data as is."""
+    stages: Annotated[list[StageConfig], Field(min_length=1)]
+    source_dir: Path | None = Field(default=None, exclude=True)
+    """Directory of the file it came from: stage modules next to it are importable."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineConfig:
+        ids = [s.id for s in self.stages]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"stage ids must be 0, 1, ... in order, got {ids}")
+        bad = [f for f in self.final_stage_ids if f not in ids]
+        if bad:
+            raise ValueError(f"final_stage_ids {bad} name no stage (ids {ids})")
+        return self
+
+    @property
+    def last_stage(self) -> int:
+        return max(self.final_stage_ids)
+
+    def stage(self, stage_id: int) -> StageConfig:
+        if not 0 <= stage_id < len(self.stages):
+            raise ConfigError(f"pipeline {self.name!r} has no stage {stage_id}")
+        return self.stages[stage_id]
+
+
+def load_pipeline(path: str | Path, mode: str | None = None) -> PipelineConfig:
+    """Read and validate a pipeline file; errors name the file and the field path."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read pipeline file: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a pipeline file is a mapping, got {type(raw).__name__}")
+    if mode is not None:
+        raw["mode"] = mode
+    try:
+        config = PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"{path}: invalid pipeline: {problems}") from e
+    config.source_dir = path.resolve().parent
+    return config
+
+
+def resolve_entry(entry: str, source_dir: Path | None = None) -> Any:
+    """Import `module:attr`, looking next to the pipeline file as well as on sys.path."""
+    module_name, _, attr_path = entry.partition(":")
+    for extra in (source_dir, source_dir.parent if source_dir else None):
+        if extra is not None and str(extra) not in sys.path:
+            sys.path.append(str(extra))
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr_path.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot load entry {entry!r}: {e}") from e
+    return obj
