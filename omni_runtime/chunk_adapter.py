@@ -51,12 +51,15 @@ class ChunkAdapter:
         src_stage_id: int | None = None,
         build_payload: Callable[[Any], Any] | None = None,
         snapshot: Callable[[Any], Any] = copy.deepcopy,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.connector = connector
         self.stage_id = stage_id
         self.src_stage_id = stage_id - 1 if src_stage_id is None else src_stage_id
         self.build_payload: Callable[[Any], Any] = build_payload or (lambda snap: snap)
         self.snapshot = snapshot
+        self.on_ready = on_ready
+        """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
         self._get_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
             connector, "get_many", None
         )
@@ -224,7 +227,10 @@ class ChunkAdapter:
                 self._stop.wait(backoff_s)
                 continue
             backoff_s = 0.0
-            if not self._commit(batch, values):
+            if self._commit(batch, values):
+                if self.on_ready is not None:
+                    self.on_ready()
+            else:
                 self._idle_between_rounds(round_keys)
 
     def _take_round(self) -> list[tuple[str, object, int]] | None:

@@ -57,6 +57,9 @@ class StageOutputMsg(_Wire):
     data: Any
     finished: bool
     error: str | None = None
+    seq: Annotated[int, Field(ge=0)] = 0
+    """Index of this output within the request at this stage: a replica that re-runs a
+    request taken over from a dead one repeats seqs the orchestrator already has."""
 
 
 class OrchOutputMsg(_Wire):

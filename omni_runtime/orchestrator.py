@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from omni_runtime.types import OrchOutput, ReqState, Stage, StageOutput
+from omni_runtime.types import OrchOutput, ReqState, Stage, StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,13 @@ class Orchestrator:
                 self._ready_q.put_nowait((stage_id, out))
 
     async def _dispatcher_loop(self) -> None:
+        handled = [getattr(stage, "output_handled", None) for stage in self.stages]
         while True:
             stage_id, out = await self._ready_q.get()
             await self._handle_output(stage_id, out)
+            ack = handled[stage_id]
+            if ack is not None:  # a durable stage acknowledges only what was handled
+                ack(out)
 
     # --- routing ---------------------------------------------------------------
 
@@ -136,6 +140,9 @@ class Orchestrator:
         state = self.request_states.get(rid)
         if state is None:  # late, or never added: never resurrect state
             self.dropped_outputs += 1
+            return
+        if isinstance(out.data, StageFailure):
+            await self._fail(rid, stage_id, out.data.error)
             return
         state.stage_data.setdefault(stage_id, []).append(out.data)
         if out.finished:
@@ -161,18 +168,15 @@ class Orchestrator:
             raise
         except Exception as e:
             log.warning("stage %d submit failed for %r: %r", stage_id, request_id, e)
-            if self.request_states.get(request_id) is None:
-                return
-            self._cleanup(request_id)
-            await self._out_q.put(
-                OrchOutput(
-                    request_id,
-                    stage_id,
-                    None,
-                    True,
-                    error=f"stage {stage_id} submit failed: {type(e).__name__}: {e}",
+            if request_id in self.request_states:
+                await self._fail(
+                    request_id, stage_id, f"stage {stage_id} submit failed: {type(e).__name__}: {e}"
                 )
-            )
+
+    async def _fail(self, request_id: str, stage_id: int, error: str) -> None:
+        """End one request with exactly one error output; every other request goes on."""
+        self._cleanup(request_id)
+        await self._out_q.put(OrchOutput(request_id, stage_id, None, True, error=error))
 
     def _cleanup(self, request_id: str) -> None:
         """Forget the request; later outputs for it are dropped and counted."""

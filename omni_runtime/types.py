@@ -37,6 +37,13 @@ class ReqState:
     pending_final: dict[int, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class StageFailure:
+    """The `data` of a StageOutput whose stage failed the request; ends it with an error."""
+
+    error: str
+
+
 @runtime_checkable
 class Stage(Protocol):
     """A stage as the orchestrator sees it: in-process fake or Redis client alike."""

@@ -1,0 +1,185 @@
+"""The orchestrator process: the very SPEC §3 Orchestrator, wired to Redis streams.
+
+It reads client requests, runs them through the pipeline with one
+`RedisStageClient` per stage, and delivers each `OrchOutput` to the stream of
+the client that asked. It beats a heartbeat key so clients and the local
+runner know it is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import TypeAdapter
+from redis.exceptions import RedisError
+
+from omni_runtime import codec, keys
+from omni_runtime.errors import CodecError
+from omni_runtime.messages import AbortMsg, ClientCommand, OrchOutputMsg, RequestMsg
+from omni_runtime.orchestrator import Orchestrator, forward_previous_data
+from omni_runtime.pipeline import PipelineConfig, resolve_entry
+from omni_runtime.settings import Settings
+from omni_runtime.transport import (
+    RedisStageClient,
+    StreamWriter,
+    dead_letter_fields,
+    ensure_group,
+    entry_fields,
+    read_group,
+)
+from omni_runtime.types import OrchOutput
+
+log = logging.getLogger(__name__)
+
+_COMMAND = TypeAdapter(ClientCommand)
+
+
+def build_orchestrator(pipeline: PipelineConfig, stages: list[Any]) -> Orchestrator:
+    """The orchestrator class of the pipeline's mode, with its forward function."""
+    forward = (
+        resolve_entry(pipeline.forward, pipeline.source_dir)
+        if pipeline.forward
+        else forward_previous_data
+    )
+    if pipeline.mode == "streaming":
+        from omni_runtime.streaming import StreamingOrchestrator
+
+        return StreamingOrchestrator(stages, pipeline.final_stage_ids, forward)
+    return Orchestrator(stages, pipeline.final_stage_ids, forward)
+
+
+class OrchestratorService:
+    def __init__(self, pipeline: PipelineConfig, settings: Settings) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.names = settings.names
+        self.client_of: dict[str, str] = {}
+        """request id → client id, for the requests in flight."""
+        self.malformed_requests = 0
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then flush what was queued and close."""
+        s = self.settings
+        client = aioredis.Redis.from_url(s.require_redis_url())
+        writer = StreamWriter(client, s.stream_maxlen)
+        streaming = self.pipeline.mode == "streaming"
+        stages = [
+            RedisStageClient(
+                client,
+                writer,
+                sid,
+                self.names,
+                read_count=s.read_count,
+                block_ms=s.block_ms,
+                max_message_bytes=s.max_message_bytes,
+                streaming=streaming and sid > 0,
+            )
+            for sid in range(len(self.pipeline.stages))
+        ]
+        self.orchestrator = build_orchestrator(self.pipeline, stages)
+        try:
+            await ensure_group(client, self.names.requests, keys.ORCHESTRATOR_GROUP)
+            for sid in range(len(stages)):
+                await ensure_group(client, self.names.stage_out(sid), keys.ORCHESTRATOR_GROUP)
+            writer_task = asyncio.create_task(writer.run(), name="stream-writer")
+            async with self.orchestrator:
+                tasks = [
+                    asyncio.create_task(self._read_requests(client, writer), name="requests"),
+                    asyncio.create_task(self._deliver_outputs(writer), name="deliver"),
+                    asyncio.create_task(self._heartbeat(client), name="heartbeat"),
+                ]
+                self.ready.set()
+                log.info(
+                    "orchestrator of %r ready (%s mode)", self.pipeline.name, self.pipeline.mode
+                )
+                await stop.wait()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2):
+                    await writer.flushed()
+            writer_task.cancel()
+            await asyncio.gather(writer_task, return_exceptions=True)
+            await client.delete(self.names.heartbeat("orchestrator"))
+        finally:
+            await client.aclose()
+
+    async def _read_requests(self, client: aioredis.Redis, writer: StreamWriter) -> None:
+        s = self.settings
+        stream = self.names.requests
+        while True:
+            reply = await read_group(
+                client, stream, keys.ORCHESTRATOR_GROUP, "orchestrator", s.read_count, s.block_ms
+            )
+            for _s, entries in reply:
+                for entry_id, fields in entries:
+                    await self._handle_command(writer, stream, entry_id, fields)
+                    writer.xack(stream, keys.ORCHESTRATOR_GROUP, entry_id)
+
+    async def _handle_command(
+        self, writer: StreamWriter, stream: str, entry_id: bytes, fields: Any
+    ) -> None:
+        try:
+            raw = fields.get(keys.PAYLOAD_FIELD.encode())
+            if raw is None or len(fields) != 1:
+                raise CodecError(f"entry must have exactly the field {keys.PAYLOAD_FIELD!r}")
+            cmd = _COMMAND.validate_python(
+                codec.decode(raw, max_bytes=self.settings.max_message_bytes)
+            )
+        except (CodecError, ValueError) as e:
+            self.malformed_requests += 1
+            log.error("malformed request entry %s dead-lettered: %s", entry_id, e)
+            writer.xadd(
+                self.names.dead_letters,
+                dead_letter_fields(stream, entry_id, str(e), fields),
+                keys.DEAD_LETTER_MAXLEN,
+            )
+            return
+        if isinstance(cmd, RequestMsg):
+            self.client_of[cmd.request_id] = cmd.client_id
+            await self.orchestrator.add_request(cmd.request_id, cmd.prompt)
+        elif isinstance(cmd, AbortMsg):
+            await self._abort(cmd)
+
+    async def _abort(self, cmd: AbortMsg) -> None:
+        abort = getattr(self.orchestrator, "abort_request", None)
+        if abort is None:
+            log.warning("abort of %r ignored: this orchestrator cannot abort", cmd.request_id)
+            return
+        await abort(cmd.request_id, cmd.reason)
+
+    async def _deliver_outputs(self, writer: StreamWriter) -> None:
+        ttl_s = self.settings.client_stream_ttl_s
+        while True:
+            out: OrchOutput = await self.orchestrator.next_output()
+            client_id = self.client_of.get(out.request_id)
+            if out.finished:
+                self.client_of.pop(out.request_id, None)
+            if client_id is None:
+                log.warning("output for %r has no client; dropped", out.request_id)
+                continue
+            msg = OrchOutputMsg(
+                request_id=out.request_id,
+                stage_id=out.stage_id,
+                data=out.data,
+                finished=out.finished,
+                error=out.error,
+            )
+            stream = self.names.client_out(client_id)
+            writer.xadd(stream, entry_fields(msg))
+            writer.expire(stream, ttl_s)
+
+    async def _heartbeat(self, client: aioredis.Redis) -> None:
+        key = self.names.heartbeat("orchestrator")
+        while True:
+            try:
+                await client.set(key, self.pipeline.name, ex=keys.HEARTBEAT_TTL_S)
+            except RedisError as e:
+                log.warning("heartbeat failed: %r", e)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)

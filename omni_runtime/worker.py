@@ -1,0 +1,260 @@
+"""A stage worker process: one scheduler loop around the stage's engine.
+
+I/O threads hand off to the loop through in-memory queues and one wake-up
+Event, so the loop never blocks on Redis: an input-reader thread does the
+blocking XREADGROUP, the ChunkAdapter's threads move chunks (streaming
+mode), a heartbeat thread keeps the worker visible and re-claims the inputs
+of replicas whose heartbeat expired. Each loop iteration: take new inputs,
+feed received chunks, step the engine, publish outputs in one pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+
+from omni_runtime import keys
+from omni_runtime.chunk_adapter import ChunkAdapter
+from omni_runtime.connectors.redis import RedisConnector
+from omni_runtime.errors import CodecError
+from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.settings import Settings
+from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
+from omni_runtime.transport import dead_letter_fields, ensure_group_sync, entry_fields, parse_entry
+from omni_runtime.worker_io import Heartbeat, InputReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActiveRequest:
+    entry_id: bytes
+    stream: ChunkStream | None = None
+    seq: int = 0
+    last_input_at: float = field(default_factory=time.monotonic)
+
+
+class StageWorker:
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        stage_id: int,
+        settings: Settings,
+        worker_id: str | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stage = pipeline.stage(stage_id)
+        self.stage_id = stage_id
+        self.settings = settings
+        self.names = settings.names
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.streaming = pipeline.mode == "streaming"
+        self.sends_chunks = self.streaming and stage_id < pipeline.last_stage
+        self.receives_chunks = self.streaming and stage_id > 0
+        self.in_stream = self.names.stage_in(stage_id)
+        self.out_stream = self.names.stage_out(stage_id)
+        self.wake = threading.Event()
+        self.stop_event = threading.Event()
+        self.active: dict[str, ActiveRequest] = {}
+        self.completed = 0
+        self.malformed_inputs = 0
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
+        s = self.settings
+        self.client = redis.Redis.from_url(s.require_redis_url())
+        ensure_group_sync(self.client, self.in_stream, keys.WORKERS_GROUP)
+        self.engine = load_engine(
+            self.stage, self.pipeline.source_dir, s.worker_max_concurrency, self.wake.set
+        )
+        self.adapter: ChunkAdapter | None = None
+        if self.streaming:
+            connector = RedisConnector.from_url(
+                s.require_redis_url(), ttl_s=s.chunk_ttl_s, prefix=self.names.chunk_prefix
+            )
+            self.adapter = ChunkAdapter(connector, self.stage_id, on_ready=self.wake.set)
+        self.reader = InputReader(self, self.client)
+        self.heartbeat = Heartbeat(self, self.client)
+        self.heartbeat.start()
+        self.reader.start()
+        log.info("worker %s of stage %d (%s) ready", self.worker_id, self.stage_id, self.stage.name)
+        try:
+            self._loop()
+        finally:
+            self.reader.stop()
+            self.heartbeat.stop()
+            if self.adapter is not None:
+                self.adapter.stop()
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+            self.client.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.wake.set()
+
+    def free_slots(self) -> int:
+        return self.settings.worker_max_concurrency - len(self.active)
+
+    # --- the scheduler loop ----------------------------------------------------
+
+    def _loop(self) -> None:
+        drain_deadline: float | None = None
+        while True:
+            if self.stop_event.is_set():
+                drain_deadline = drain_deadline or time.monotonic() + 5.0
+                if not self.active or time.monotonic() > drain_deadline:
+                    return
+            self.wake.clear()
+            busy = self._take_inputs()
+            busy |= self._feed_chunks()
+            outputs = self.engine.step() if self.engine.has_work() else []
+            if outputs:
+                self._publish(outputs)
+            elif not busy:
+                self._expire_stalled_inputs()
+                self.wake.wait(0.05)
+
+    def _take_inputs(self) -> bool:
+        entries = self.reader.take()
+        for entry_id, fields in entries:
+            try:
+                msg = parse_entry(fields, StageInputMsg, self.settings.max_message_bytes)
+            except CodecError as e:
+                self._dead_letter(entry_id, fields, str(e))
+                continue
+            if msg.request_id in self.active:  # a redelivery of what we already run
+                self.client.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
+                continue
+            req = ActiveRequest(entry_id)
+            self.active[msg.request_id] = req
+            data = msg.data
+            if msg.streaming and self.receives_chunks:
+                req.stream = data = ChunkStream()
+                assert self.adapter is not None
+                self.adapter.load_async(msg.request_id)
+            self.engine.add_request(msg.request_id, data)
+        return bool(entries)
+
+    def _feed_chunks(self) -> bool:
+        if self.adapter is None or not self.receives_chunks:
+            return False
+        ready = self.adapter.poll_ready()
+        now = time.monotonic()
+        for rid, chunks in ready.items():
+            req = self.active.get(rid)
+            if req is None or req.stream is None:
+                continue
+            req.last_input_at = now
+            req.stream.extend([c["data"] for c in chunks], closed=chunks[-1]["finished"])
+        return bool(ready)
+
+    def _expire_stalled_inputs(self) -> None:
+        """An upstream that never sends its next chunk fails the request instead of hanging it."""
+        limit = self.settings.input_timeout_s
+        now = time.monotonic()
+        stalled = [
+            rid
+            for rid, req in self.active.items()
+            if req.stream is not None and not req.stream.closed and now - req.last_input_at > limit
+        ]
+        for rid in stalled:
+            self.engine.abort(rid)
+            error = (
+                f"no input from stage {self.stage_id - 1} within {limit:g}s (OMNI_INPUT_TIMEOUT_S)"
+            )
+            self._publish([EngineOutput(rid, None, True, error=error)])
+
+    # --- output ----------------------------------------------------------------
+
+    def _publish(self, outputs: list[EngineOutput]) -> None:
+        """One pipeline: every output entry, and the acks of the inputs they finished."""
+        finished: list[tuple[str, ActiveRequest]] = []
+        with self.client.pipeline(transaction=False) as pipe:
+            for out in outputs:
+                req = self.active.get(out.request_id)
+                if req is None:
+                    continue  # aborted meanwhile
+                fields = self._encode_output(out, req.seq)
+                req.seq += 1
+                pipe.xadd(
+                    self.out_stream, fields, maxlen=self.settings.stream_maxlen, approximate=True
+                )
+                if self.sends_chunks and self.adapter is not None:
+                    if out.error is not None:
+                        self.adapter.cancel_sender(out.request_id)
+                    self.adapter.save_async(
+                        out.request_id, out.data, out.finished or out.error is not None
+                    )
+                if out.finished or out.error is not None:
+                    pipe.xack(self.in_stream, keys.WORKERS_GROUP, req.entry_id)
+                    finished.append((out.request_id, req))
+            self._execute(pipe)
+        for rid, _req in finished:
+            self.active.pop(rid, None)
+            if self.adapter is not None and self.receives_chunks:
+                self.adapter.cleanup_receiver(rid)
+            self.completed += 1
+        if finished:
+            self.reader.slots_freed()
+
+    def _encode_output(self, out: EngineOutput, seq: int) -> dict[str, bytes]:
+        msg = StageOutputMsg(
+            request_id=out.request_id,
+            data=out.data,
+            finished=out.finished,
+            error=out.error,
+            seq=seq,
+        )
+        try:
+            return entry_fields(msg)
+        except CodecError as e:
+            log.error("stage %d output for %r cannot be sent: %s", self.stage_id, out.request_id, e)
+            bad = StageOutputMsg(
+                request_id=out.request_id,
+                data=None,
+                finished=True,
+                seq=seq,
+                error=f"output not encodable: {e}",
+            )
+            return entry_fields(bad)
+
+    def _execute(self, pipe: Any) -> None:
+        delay_s = 0.01
+        while True:
+            try:
+                pipe.execute()
+                return
+            except RedisError as e:
+                if self.stop_event.is_set() and delay_s > 1:
+                    log.error("dropping a batch of outputs on shutdown: %r", e)
+                    return
+                log.warning("publishing outputs failed, retrying in %.2fs: %r", delay_s, e)
+                time.sleep(delay_s)
+                delay_s = min(2.0, delay_s * 2)
+
+    def _dead_letter(self, entry_id: bytes, fields: Any, error: str) -> None:
+        self.malformed_inputs += 1
+        log.error("malformed entry %s on %s dead-lettered: %s", entry_id, self.in_stream, error)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                self.names.dead_letters,
+                dead_letter_fields(self.in_stream, entry_id, error, fields),
+                maxlen=keys.DEAD_LETTER_MAXLEN,
+                approximate=True,
+            )
+            pipe.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
+            self._execute(pipe)

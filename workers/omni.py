@@ -1,0 +1,187 @@
+"""An omni-style demo: thinker (text tokens) → talker (codec codes) → code2wav (audio).
+
+The "models" are stand-ins (sleeps and sines) but the shapes are real: two generator
+stages and one batching step engine. Every stage reads its input through `with_last` or
+`ChunkStream`, so sequential and streaming mode give identical final outputs.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import wave
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, with_last
+
+CODEBOOK_SIZE = 1024
+"""Codes are ints in [0, CODEBOOK_SIZE): the talker makes them, code2wav has a frame each."""
+
+BASE_HZ = 200.0
+AMPLITUDE = 0.3
+FADE_MS = 2.0
+
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+Audio = npt.NDArray[np.float32]
+
+
+def _sleep_ms(ms: float) -> None:
+    if ms > 0:
+        time.sleep(ms / 1000)
+
+
+def tokenize(text: str) -> list[str]:
+    """Words and single punctuation marks: "Hello, world!" → Hello , world !"""
+    return _TOKEN_RE.findall(text)
+
+
+def thinker(data: Any, token_delay_ms: float = 20) -> Iterator[Any]:
+    """Stage 0: the prompt's tokens, one chunk each; the sleep stands in for decode steps."""
+    tokens = tokenize(str(data)) if data is not None else []
+    for tok, last in with_last(tokens):
+        _sleep_ms(token_delay_ms)
+        yield Final(tok) if last else tok
+
+
+def token_codes(token: str) -> list[int]:
+    """One code per character, from crc32 (stable across processes, unlike `hash`)."""
+    seed = zlib.crc32(token.encode())
+    return [zlib.crc32(f"{i}:{ch}".encode(), seed) % CODEBOOK_SIZE for i, ch in enumerate(token)]
+
+
+def talker(data: Iterable[Any], code_delay_ms: float = 2) -> Iterator[Any]:
+    """Stage 1: per upstream token, `{"token", "codes"}`; `None` tokens ("no output") skipped."""
+    for tok, last in with_last(data):
+        if tok is None:
+            continue
+        _sleep_ms(code_delay_ms)
+        chunk = {"token": str(tok), "codes": token_codes(str(tok))}
+        yield Final(chunk) if last else chunk
+
+
+@dataclass
+class _Request:
+    stream: ChunkStream
+    pending: list[Any] = field(default_factory=list)
+    ended: bool = False
+    """Input closed and everything taken: the next step emits this request's last output."""
+
+
+class Code2Wav:
+    """Stage 2: a step engine turning codes into PCM, all requests with new codes in one batch.
+
+    Each code is a faded sine frame looked up in a table built once, so a step is one
+    gather for the whole batch and the same codes always give bit-identical audio.
+    One output per upstream chunk; if the input closes after its last chunk was already
+    sent, the request ends with an empty finished array.
+    """
+
+    def __init__(self, sample_rate: int = 16000, frame_ms: float = 20) -> None:
+        frame_len = round(sample_rate * frame_ms / 1000)
+        if sample_rate <= 0 or frame_len < 1:
+            raise ValueError(
+                f"need sample_rate > 0 and frames of >= 1 sample, got "
+                f"sample_rate={sample_rate}, frame_ms={frame_ms}"
+            )
+        self.sample_rate = sample_rate
+        self.frame_len = frame_len
+        self._table = _frame_table(sample_rate, frame_len)
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Request] = {}
+
+    def add_request(self, request_id: str, data: Any) -> None:
+        """`data`: a list (sequential mode) or a ChunkStream (streaming mode) of talker chunks."""
+        stream = data if isinstance(data, ChunkStream) else ChunkStream(data or (), closed=True)
+        with self._lock:
+            self._reqs[request_id] = _Request(stream)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._reqs.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return any(self._poll(r) for r in self._reqs.values())
+
+    def step(self) -> list[EngineOutput]:
+        with self._lock:
+            batch = [(rid, r) for rid, r in self._reqs.items() if self._poll(r)]
+            outputs: list[EngineOutput] = []
+            ok: list[tuple[str, _Request, list[list[int]]]] = []
+            for rid, r in batch:
+                try:
+                    ok.append((rid, r, [_codes_of(c) for c in r.pending]))
+                except ValueError as e:
+                    del self._reqs[rid]
+                    outputs.append(EngineOutput(rid, None, True, error=f"ValueError: {e}"))
+            flat = [c for _, _, per_chunk in ok for codes in per_chunk for c in codes]
+            audio = self._table[np.asarray(flat, dtype=np.intp)].reshape(-1)
+            pos = 0
+            for rid, r, per_chunk in ok:
+                datas = []
+                for codes in per_chunk:
+                    end = pos + len(codes) * self.frame_len
+                    datas.append(audio[pos:end])
+                    pos = end
+                if r.ended and not datas:
+                    datas.append(np.zeros(0, dtype=np.float32))
+                for i, d in enumerate(datas):
+                    outputs.append(EngineOutput(rid, d, r.ended and i == len(datas) - 1))
+                r.pending = []
+                if r.ended:
+                    del self._reqs[rid]
+            return outputs
+
+    @staticmethod
+    def _poll(r: _Request) -> bool:
+        """Move new input into `pending`; True if the request has something to emit."""
+        closed = r.stream.closed  # read before take: closed then means nothing more will come
+        r.pending.extend(r.stream.take())
+        r.ended = r.ended or closed
+        return bool(r.pending) or r.ended
+
+
+def _codes_of(chunk: Any) -> list[int]:
+    """A talker chunk's codes (`None` = no codes), checked against the codebook."""
+    if chunk is None:
+        return []
+    codes = chunk.get("codes") if isinstance(chunk, dict) else None
+    if not isinstance(codes, list) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < CODEBOOK_SIZE for c in codes
+    ):
+        raise ValueError(f"expected {{'codes': [int in [0, {CODEBOOK_SIZE})]}}, got {chunk!r:.80}")
+    return codes
+
+
+def _frame_table(sample_rate: int, frame_len: int) -> Audio:
+    """Row k: AMPLITUDE * sin at BASE_HZ + k Hz, linear fade in/out against clicks."""
+    t = np.arange(frame_len, dtype=np.float64) / sample_rate
+    freqs = BASE_HZ + np.arange(CODEBOOK_SIZE, dtype=np.float64)
+    env = np.ones(frame_len, dtype=np.float64)
+    fade = max(1, min(frame_len // 4, round(sample_rate * FADE_MS / 1000)))
+    env[:fade] = np.linspace(0.0, 1.0, fade)
+    env[-fade:] *= np.linspace(1.0, 0.0, fade)
+    table = AMPLITUDE * np.sin(2 * np.pi * freqs[:, None] * t[None, :]) * env
+    return table.astype(np.float32)
+
+
+def write_wav(path: str | Path, chunks: Sequence[npt.ArrayLike], sample_rate: int) -> int:
+    """Write the chunks as one 16-bit PCM mono WAV; returns the number of frames written."""
+    parts = [np.asarray(c, dtype=np.float32).reshape(-1) for c in chunks]
+    audio = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    pcm = np.round(np.clip(audio, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm.tobytes())
+    return int(pcm.size)
