@@ -22,6 +22,7 @@ from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, ClientCommand, OrchOutputMsg, RequestMsg
 from omni_runtime.orchestrator import Orchestrator, forward_previous_data
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
+from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.transport import (
     RedisStageClient,
@@ -53,9 +54,12 @@ def build_orchestrator(pipeline: PipelineConfig, stages: list[Any]) -> Orchestra
 
 
 class OrchestratorService:
-    def __init__(self, pipeline: PipelineConfig, settings: Settings) -> None:
+    def __init__(
+        self, pipeline: PipelineConfig, settings: Settings, clients: RedisClients | None = None
+    ) -> None:
         self.pipeline = pipeline
         self.settings = settings
+        self.clients = clients or RedisClients.from_url(settings.require_redis_url())
         self.names = settings.names
         self.client_of: dict[str, str] = {}
         """request id → client id, for the requests in flight."""
@@ -65,7 +69,7 @@ class OrchestratorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then flush what was queued and close."""
         s = self.settings
-        client = aioredis.Redis.from_url(s.require_redis_url())
+        client = self.clients.aio()
         writer = StreamWriter(client, s.stream_maxlen)
         streaming = self.pipeline.mode == "streaming"
         stages = [

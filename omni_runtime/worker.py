@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
@@ -28,6 +27,7 @@ from omni_runtime.connectors.redis import RedisConnector
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
 from omni_runtime.transport import dead_letter_fields, ensure_group_sync, entry_fields, parse_entry
@@ -50,12 +50,14 @@ class StageWorker:
         pipeline: PipelineConfig,
         stage_id: int,
         settings: Settings,
+        clients: RedisClients | None = None,
         worker_id: str | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.stage = pipeline.stage(stage_id)
         self.stage_id = stage_id
         self.settings = settings
+        self.clients = clients or RedisClients.from_url(settings.require_redis_url())
         self.names = settings.names
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.streaming = pipeline.mode == "streaming"
@@ -74,15 +76,15 @@ class StageWorker:
     def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
         s = self.settings
-        self.client = redis.Redis.from_url(s.require_redis_url())
+        self.client = self.clients.sync()
         ensure_group_sync(self.client, self.in_stream, keys.WORKERS_GROUP)
         self.engine = load_engine(
             self.stage, self.pipeline.source_dir, s.worker_max_concurrency, self.wake.set
         )
         self.adapter: ChunkAdapter | None = None
         if self.streaming:
-            connector = RedisConnector.from_url(
-                s.require_redis_url(), ttl_s=s.chunk_ttl_s, prefix=self.names.chunk_prefix
+            connector = RedisConnector(
+                self.client, ttl_s=s.chunk_ttl_s, prefix=self.names.chunk_prefix
             )
             self.adapter = ChunkAdapter(connector, self.stage_id, on_ready=self.wake.set)
         self.reader = InputReader(self, self.client)

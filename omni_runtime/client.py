@@ -1,0 +1,202 @@
+"""The asyncio client: submit prompts, stream back their outputs, abort.
+
+Each client owns one output stream (`<ns>:client:<client id>`) that the
+orchestrator writes every output of this client's requests to; one reader
+task fans them out to per-request queues. The stream expires if the client
+goes away, and is deleted when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from omni_runtime.errors import CodecError, StartupTimeoutError
+from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
+from omni_runtime.redis_clients import RedisClients
+from omni_runtime.settings import Settings
+from omni_runtime.transport import StreamWriter, entry_fields, parse_entry
+from omni_runtime.types import OrchOutput
+
+log = logging.getLogger(__name__)
+
+
+class RequestTimeoutError(TimeoutError):
+    """No output of a request arrived within the request timeout."""
+
+
+class OmniClient:
+    def __init__(
+        self,
+        settings: Settings,
+        clients: RedisClients | None = None,
+        client_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.names = settings.names
+        self.clients = clients or RedisClients.from_url(settings.require_redis_url())
+        self.client_id = client_id or uuid.uuid4().hex
+        self.out_stream = self.names.client_out(self.client_id)
+        self._queues: dict[str, asyncio.Queue[OrchOutput]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+        self.dropped_outputs = 0
+
+    async def __aenter__(self) -> OmniClient:
+        self.redis: aioredis.Redis = self.clients.aio()
+        self._writer = StreamWriter(self.redis, self.settings.stream_maxlen)
+        self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
+        self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop reading (within one `block_ms`, no command cut off midway), drop the stream."""
+        if self._reader is not None:
+            self._closing = True
+            try:
+                async with asyncio.timeout(self.settings.block_ms / 1000 + 5):
+                    await asyncio.shield(self._reader)
+            except TimeoutError:
+                self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+            self._writer_task.cancel()
+            await asyncio.gather(self._writer_task, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self.redis.delete(self.out_stream)
+        await self.redis.aclose()
+
+    async def wait_ready(self, stage_ids: list[int], timeout_s: float | None = None) -> None:
+        """Wait until the orchestrator and a worker of every listed stage beat their heartbeat."""
+        timeout_s = timeout_s or self.settings.startup_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        missing: list[str] = []
+        while True:
+            missing = []
+            if not await self.redis.exists(self.names.heartbeat("orchestrator")):
+                missing.append("orchestrator")
+            for sid in stage_ids:
+                found = False
+                async for _key in self.redis.scan_iter(
+                    self.names.heartbeat_pattern(sid), count=100
+                ):
+                    found = True
+                    break
+                if not found:
+                    missing.append(f"stage {sid} worker")
+            if not missing:
+                return
+            if loop.time() > deadline:
+                raise StartupTimeoutError(
+                    f"not ready after {timeout_s:g}s: no {', '.join(missing)} "
+                    "(raise OMNI_STARTUP_TIMEOUT_S, or check that those processes run "
+                    "against the same Redis URL and namespace)"
+                )
+            await asyncio.sleep(0.05)
+
+    async def submit(
+        self, prompt: Any, request_id: str | None = None, deadline_s: float | None = None
+    ) -> str:
+        """Send a request; its outputs queue up until `stream` is iterated."""
+        request_id = request_id or uuid.uuid4().hex
+        msg = RequestMsg(
+            request_id=request_id, client_id=self.client_id, prompt=prompt, deadline_s=deadline_s
+        )
+        fields = entry_fields(msg)
+        self._queues[request_id] = asyncio.Queue()
+        self._writer.xadd(self.names.requests, fields)  # concurrent submits share one pipeline
+        await self._writer.flushed()
+        return request_id
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        msg = AbortMsg(request_id=request_id, reason=reason)
+        self._writer.xadd(self.names.requests, entry_fields(msg))
+        await self._writer.flushed()
+
+    async def stream(
+        self, request_id: str, timeout_s: float | None = None
+    ) -> AsyncIterator[OrchOutput]:
+        """The request's outputs as they arrive, up to and including the finished one."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"request {request_id!r} was not submitted by this client")
+        timeout_s = timeout_s or self.settings.request_timeout_s
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        out = await queue.get()
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"no output for request {request_id!r} within {timeout_s:g}s "
+                        "(OMNI_REQUEST_TIMEOUT_S)"
+                    ) from None
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    async def generate(self, prompt: Any, **kwargs: Any) -> AsyncIterator[OrchOutput]:
+        """`submit` then `stream`."""
+        request_id = await self.submit(prompt, **kwargs)
+        async for out in self.stream(request_id):
+            yield out
+
+    async def _read_outputs(self) -> None:
+        last_id = b"0-0"
+        delay_s = 0.05
+        while not self._closing:
+            try:
+                reply = await self.redis.xread(
+                    {self.out_stream: last_id},
+                    count=self.settings.read_count,
+                    block=self.settings.block_ms,
+                )
+                delay_s = 0.05
+            except RedisError as e:
+                log.warning("reading outputs failed, retrying in %.2fs: %r", delay_s, e)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2.0, delay_s * 2)
+                continue
+            ids: list[bytes] = []
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    ids.append(entry_id)
+                    self._deliver(fields)
+            if ids:  # read once: keep the stream short
+                with contextlib.suppress(RedisError):
+                    await self.redis.xdel(self.out_stream, *ids)
+
+    def _deliver(self, fields: Any) -> None:
+        try:
+            msg = parse_entry(fields, OrchOutputMsg, self.settings.max_message_bytes)
+        except CodecError as e:
+            self.dropped_outputs += 1
+            log.error("malformed output entry dropped: %s", e)
+            return
+        queue = self._queues.get(msg.request_id)
+        if queue is None:
+            self.dropped_outputs += 1
+            return
+        queue.put_nowait(
+            OrchOutput(msg.request_id, msg.stage_id, msg.data, msg.finished, msg.error)
+        )

@@ -1,0 +1,170 @@
+"""SPEC §3 over the Redis transport: service, workers and client on one fakeredis server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+
+from omni_runtime import codec, keys
+from omni_runtime.messages import StageOutputMsg
+from omni_runtime.pipeline import PipelineConfig, load_pipeline
+from omni_runtime.redis_clients import RedisClients
+from omni_runtime.settings import Settings
+from omni_runtime.transport import entry_fields
+from tests.cluster import InProcessCluster
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS = Path(__file__).resolve().parent.parent / "workers"
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def fake_clients(server: fakeredis.FakeServer) -> RedisClients:
+    return RedisClients(
+        sync=lambda: fakeredis.FakeRedis(server=server),
+        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+    )
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+
+
+def seed(**update: Any) -> PipelineConfig:
+    return load_pipeline(WORKERS / "seed.yaml").model_copy(update=update)
+
+
+@pytest.fixture
+async def seed_cluster(
+    fake_clients: RedisClients, settings: Settings
+) -> AsyncIterator[InProcessCluster]:
+    async with InProcessCluster(seed(), settings, fake_clients) as c:
+        yield c
+
+
+async def wait_for(cond: Callable[[], bool], deadline_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not cond():
+        assert loop.time() < end, "condition not met before the deadline"
+        await asyncio.sleep(0.005)
+
+
+def triples(outs: list[Any]) -> list[tuple[int, Any, bool]]:
+    return [(o.stage_id, o.data, o.finished) for o in outs]
+
+
+async def test_seed_finals_0_and_2_over_redis(seed_cluster: InProcessCluster) -> None:
+    outs = await seed_cluster.run("hi there")
+    assert triples(outs) == [
+        (0, "hi", False),
+        (0, "there", False),
+        (2, "wav:HI", False),
+        (2, "wav:THERE", True),
+    ]
+    assert all(o.error is None for o in outs)
+    orch = seed_cluster.service.orchestrator
+    await wait_for(lambda: orch.request_states == {})
+    assert orch.dropped_outputs == 0
+
+
+async def test_seed_final_2_only_over_redis(fake_clients: RedisClients, settings: Settings) -> None:
+    async with InProcessCluster(seed(final_stage_ids=[2]), settings, fake_clients) as c:
+        outs = await c.run("a b c")
+    assert triples(outs) == [(2, "wav:A", False), (2, "wav:B", False), (2, "wav:C", True)]
+
+
+async def test_seed_ghost_and_late_outputs_dropped_over_redis(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    async with InProcessCluster(seed(final_stage_ids=[2]), settings, fake_clients) as c:
+        raw = fake_clients.aio()
+        names = settings.names
+        ghost = StageOutputMsg(request_id="ghost", data="?", finished=True)
+        await raw.xadd(names.stage_out(1), entry_fields(ghost))
+        outs = await c.run("hi there", request_id="r1")
+        late = StageOutputMsg(request_id="r1", data="wav:LATE", finished=True, seq=5)
+        await raw.xadd(names.stage_out(2), entry_fields(late))
+        orch = c.service.orchestrator
+        await wait_for(lambda: orch.dropped_outputs == 2)
+        assert [o.data for o in outs] == ["wav:HI", "wav:THERE"]
+        assert orch.request_states == {}
+        await raw.aclose()
+
+
+async def test_stage_error_ends_only_that_request(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    pipeline = seed(final_stage_ids=[2])
+    pipeline.stages[1].options["fail_word"] = "boom"
+    async with InProcessCluster(pipeline, settings, fake_clients) as c:
+        bad, good = await asyncio.gather(c.run("x boom"), c.run("fine"))
+    assert len(bad) == 1 and bad[0].finished and bad[0].stage_id == 1
+    assert bad[0].error is not None and "stage 1" in bad[0].error and "boom" in bad[0].error
+    assert triples(good) == [(2, "wav:FINE", True)]
+
+
+async def test_malformed_entries_are_dead_lettered_and_acknowledged(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    names = settings.names
+    async with InProcessCluster(seed(), settings, fake_clients) as c:
+        raw = fake_clients.aio()
+        garbage = {keys.PAYLOAD_FIELD: b"\xc1not msgpack"}
+        wrong_type = {keys.PAYLOAD_FIELD: codec.encode({"type": "stage_output", "v": 1})}
+        await raw.xadd(names.requests, garbage)
+        await raw.xadd(names.requests, {"other": b"field"})
+        await raw.xadd(names.stage_in(1), garbage)
+        await raw.xadd(names.stage_out(2), wrong_type)
+        dead = 4
+
+        async def dead_letters() -> int:
+            return int(await raw.xlen(names.dead_letters))
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while await dead_letters() < dead:
+            assert loop.time() < end
+            await asyncio.sleep(0.01)
+        # everything still works afterwards
+        outs = await c.run("still alive")
+        assert outs[-1].data == "wav:ALIVE" and outs[-1].finished
+        for stream, group in (
+            (names.requests, keys.ORCHESTRATOR_GROUP),
+            (names.stage_in(1), keys.WORKERS_GROUP),
+            (names.stage_out(2), keys.ORCHESTRATOR_GROUP),
+        ):
+            pending = await raw.xpending(stream, group)
+            assert pending["pending"] == 0, stream
+        assert c.service.malformed_requests == 2
+        assert c.service.orchestrator.stages[2].malformed_entries == 1  # type: ignore[attr-defined]
+        assert sum(w.malformed_inputs for w in c.workers) == 1
+        await raw.aclose()
+
+
+async def test_many_concurrent_requests_no_loss_no_duplicate(
+    seed_cluster: InProcessCluster,
+) -> None:
+    prompts = {f"p{i}": f"w{i} x{i}" for i in range(100)}
+    results = await asyncio.gather(
+        *(seed_cluster.run(p, request_id=rid) for rid, p in prompts.items())
+    )
+    for (rid, prompt), outs in zip(prompts.items(), results, strict=True):
+        a, b = prompt.split()
+        assert triples(outs) == [
+            (0, a, False),
+            (0, b, False),
+            (2, f"wav:{a.upper()}", False),
+            (2, f"wav:{b.upper()}", True),
+        ], rid
