@@ -103,6 +103,13 @@ class StageWorker:
             if close is not None:
                 close()
             self.client.close()
+            log.info(
+                "worker %s of stage %d stopped: %d requests completed, %d malformed inputs",
+                self.worker_id,
+                self.stage_id,
+                self.completed,
+                self.malformed_inputs,
+            )
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -16,7 +16,8 @@ import pytest
 
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.stage_api import ChunkStream, EngineOutput, Final
-from workers.omni import CODEBOOK_SIZE, Code2Wav, talker, thinker, token_codes, write_wav
+from omni_runtime.wav import write_wav
+from workers.omni import CODEBOOK_SIZE, Code2Wav, talker, thinker, token_codes
 from workers.seed import prefix_wav, split_words, upper_all
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"

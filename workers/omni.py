@@ -10,11 +10,9 @@ from __future__ import annotations
 import re
 import threading
 import time
-import wave
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,16 +170,3 @@ def _frame_table(sample_rate: int, frame_len: int) -> Audio:
     env[-fade:] *= np.linspace(1.0, 0.0, fade)
     table = AMPLITUDE * np.sin(2 * np.pi * freqs[:, None] * t[None, :]) * env
     return table.astype(np.float32)
-
-
-def write_wav(path: str | Path, chunks: Sequence[npt.ArrayLike], sample_rate: int) -> int:
-    """Write the chunks as one 16-bit PCM mono WAV; returns the number of frames written."""
-    parts = [np.asarray(c, dtype=np.float32).reshape(-1) for c in chunks]
-    audio = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-    pcm = np.round(np.clip(audio, -1.0, 1.0) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(pcm.tobytes())
-    return int(pcm.size)

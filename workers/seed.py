@@ -5,6 +5,7 @@ Small enough to check by eye, so the end-to-end tests can assert exact outputs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,12 +22,16 @@ def split_words(data: Any) -> Iterator[Any]:
         yield Final(word) if last else word
 
 
-def upper_all(data: Iterable[Any], fail_word: str | None = None) -> list[str]:
+def upper_all(
+    data: Iterable[Any], fail_word: str | None = None, delay_ms: float = 0.0
+) -> list[str]:
     """Stage 1: one chunk, the list of all stage-0 words uppercased.
 
     `None` items (stage 0's "no words" marker) are skipped. `fail_word` provokes a stage
-    error on purpose, so tests can exercise error routing.
+    error on purpose, so tests can exercise error routing; `delay_ms` stands in for compute.
     """
+    if delay_ms > 0:
+        time.sleep(delay_ms / 1000)
     words = [str(w) for w in data if w is not None]
     if fail_word is not None and fail_word in words:
         raise ValueError(f"refusing {fail_word!r}")
