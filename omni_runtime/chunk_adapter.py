@@ -30,6 +30,8 @@ IDLE_WAIT_S = 0.1
 """Longest sleep on a Condition: a lost notification costs at most this much."""
 NO_PROGRESS_SLEEP_S = 0.001
 """Pause between polling rounds that found nothing, for connectors with no wake-up signal."""
+READ_AHEAD = 8
+"""Ids looked at per round for a request that just made progress (drains a backlog fast)."""
 MAX_GET_BACKOFF_S = 1.0
 
 
@@ -63,9 +65,22 @@ class ChunkAdapter:
         self._get_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
             connector, "get_many", None
         )
-        self._wait_for_puts: Callable[[Sequence[str], float], bool] | None = getattr(
-            connector, "wait_for_puts", None
+        self._peek_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
+            connector, "peek_many", None
         )
+        self._delete_many: Callable[[Sequence[str]], None] | None = getattr(
+            connector, "delete_many", None
+        )
+        self._listen: Callable[[Sequence[str]], None] | None = getattr(connector, "listen", None)
+        self._unlisten: Callable[[Sequence[str]], None] | None = getattr(
+            connector, "unlisten", None
+        )
+        self._recv_wake = threading.Event()
+        """Set by the connector after a put (if it can tell) and by `load_async`."""
+        on_put: Callable[[Callable[[], None]], None] | None = getattr(connector, "on_put", None)
+        self._has_wakeups = on_put is not None
+        if on_put is not None:
+            on_put(self._recv_wake.set)
         self._stop = threading.Event()
         # sender state, guarded by _send_cv
         self._send_cv = threading.Condition()
@@ -79,6 +94,10 @@ class ChunkAdapter:
         self._recv_ids: dict[str, int] = {}
         self._ready: dict[str, list[Chunk]] = {}
         self._poll_q: deque[str] = deque()
+        self._to_listen: list[str] = []
+        self._to_unlisten: list[str] = []
+        self._hot: set[str] = set()
+        """Requests that made progress last round (RECV thread only): read ahead for them."""
         # counters, for logs and metrics
         self.sent_chunks = 0
         self.dropped_chunks = 0
@@ -119,7 +138,9 @@ class ChunkAdapter:
             self._tokens[request_id] = object()
             self._recv_ids[request_id] = 0
             self._poll_q.append(request_id)
+            self._to_listen.append(request_id)
             self._recv_cv.notify()
+        self._recv_wake.set()
 
     def poll_ready(self) -> dict[str, list[Chunk]]:
         """Take everything received since the last call: `{req: [chunk, ...]}` in id order."""
@@ -130,13 +151,15 @@ class ChunkAdapter:
     def cleanup_receiver(self, request_id: str) -> None:
         """Commit barrier: once this returns, no get in flight for the request is committed."""
         with self._recv_cv:
-            self._tokens.pop(request_id, None)
+            if self._tokens.pop(request_id, None) is not None:
+                self._to_unlisten.append(request_id)
             self._recv_ids.pop(request_id, None)
             self._ready.pop(request_id, None)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Wake both threads and join them; returns promptly even while they idle."""
         self._stop.set()
+        self._recv_wake.set()
         for cv in (self._send_cv, self._recv_cv):
             with cv:
                 cv.notify_all()
@@ -211,32 +234,36 @@ class ChunkAdapter:
     def _recv_loop(self) -> None:
         backoff_s = 0.0
         while not self._stop.is_set():
-            batch = self._take_round()
-            if batch is None:
+            taken = self._take_round()
+            if taken is None:
                 return
-            if not batch:
-                continue
-            round_keys = [keys.chunk_key(r, self.src_stage_id, i) for r, _t, i in batch]
+            batch, to_listen, to_unlisten = taken
+            self._recv_wake.clear()  # a put after this point wakes the idle wait below
             try:
-                values = self._fetch(round_keys)
+                self._update_routes(to_listen, to_unlisten)
+                progress = self._poll(batch)
             except Exception as e:
                 self.failed_gets += 1
                 backoff_s = min(MAX_GET_BACKOFF_S, max(0.01, backoff_s * 2))
                 log.warning("chunk get failed (retrying in %.2fs): %r", backoff_s, e)
-                self._commit(batch, [None] * len(batch))
+                with self._recv_cv:
+                    self._to_listen.extend(to_listen)
+                self._commit(batch, [1] * len(batch), [None] * len(batch))
                 self._stop.wait(backoff_s)
                 continue
             backoff_s = 0.0
-            if self._commit(batch, values):
+            if progress:
                 if self.on_ready is not None:
                     self.on_ready()
+            elif self._has_wakeups:
+                self._recv_wake.wait(IDLE_WAIT_S)
             else:
-                self._idle_between_rounds(round_keys)
+                self._stop.wait(NO_PROGRESS_SLEEP_S)
 
-    def _take_round(self) -> list[tuple[str, object, int]] | None:
+    def _take_round(self) -> tuple[list[tuple[str, object, int]], list[str], list[str]] | None:
         """Under the lock: the queued, still-registered requests with their token and next id."""
         with self._recv_cv:
-            while not self._poll_q and not self._stop.is_set():
+            while not self._poll_q and not self._to_unlisten and not self._stop.is_set():
                 self._recv_cv.wait(IDLE_WAIT_S)
             if self._stop.is_set():
                 return None
@@ -249,45 +276,90 @@ class ChunkAdapter:
                     continue
                 seen.add(rid)
                 batch.append((rid, token, self._recv_ids[rid]))
-            return batch
+            to_listen, self._to_listen = self._to_listen, []
+            to_unlisten, self._to_unlisten = self._to_unlisten, []
+            return batch, to_listen, to_unlisten
 
-    def _fetch(self, round_keys: list[str]) -> list[Any]:
-        """Outside the lock: one batched round trip when the connector offers one."""
+    def _update_routes(self, to_listen: list[str], to_unlisten: list[str]) -> None:
+        """Tell the connector whose puts should wake us, before the first poll of a request."""
+        src = self.src_stage_id
+        if self._listen is not None and to_listen:
+            self._listen([f"{rid}_{src}" for rid in to_listen])
+        if self._unlisten is not None and to_unlisten:
+            self._unlisten([f"{rid}_{src}" for rid in to_unlisten])
+
+    def _poll(self, batch: list[tuple[str, object, int]]) -> bool:
+        """Outside the lock: fetch, then commit. Look ahead for requests that just made progress."""
+        if not batch:
+            return False
+        src = self.src_stage_id
+        if self._peek_many is not None and self._delete_many is not None:
+            depths = [READ_AHEAD if rid in self._hot else 1 for rid, _t, _i in batch]
+            round_keys = [
+                keys.chunk_key(rid, src, next_id + j)
+                for (rid, _t, next_id), depth in zip(batch, depths, strict=True)
+                for j in range(depth)
+            ]
+            consumed = self._commit(batch, depths, self._peek_many(round_keys), round_keys)
+            if consumed:
+                self._delete_many(consumed)
+            return bool(consumed)
+        round_keys = [keys.chunk_key(rid, src, next_id) for rid, _t, next_id in batch]
         if self._get_many is not None:
-            return self._get_many(round_keys)
-        return [self.connector.get(k) for k in round_keys]
+            values = self._get_many(round_keys)
+        else:
+            values = [self.connector.get(k) for k in round_keys]
+        return bool(self._commit(batch, [1] * len(batch), values, round_keys))
 
-    def _commit(self, batch: list[tuple[str, object, int]], values: list[Any]) -> bool:
-        """Under the lock: commit what belongs to a live registration; True if anything did."""
-        progress = False
+    def _commit(
+        self,
+        batch: list[tuple[str, object, int]],
+        depths: list[int],
+        values: list[Any],
+        round_keys: list[str] | None = None,
+    ) -> list[str]:
+        """Under the lock: commit, in id order, what belongs to a live registration.
+
+        Returns the keys taken (committed or skipped as malformed): the caller
+        deletes them when it only peeked.
+        """
+        taken_keys: list[str] = []
+        hot: set[str] = set()
         with self._recv_cv:
-            for (rid, token, chunk_id), value in zip(batch, values, strict=True):
+            i = 0
+            for (rid, token, next_id), depth in zip(batch, depths, strict=True):
+                row = values[i : i + depth]
+                row_keys = round_keys[i : i + depth] if round_keys else [""] * depth
+                i += depth
                 if self._tokens.get(rid) is not token:
                     continue  # cleaned up (and maybe registered again) meanwhile
-                if value is None:
-                    self._poll_q.append(rid)
-                    continue
-                progress = True
-                self._recv_ids[rid] = chunk_id + 1
-                if isinstance(value, MalformedChunk) or not _is_chunk(value):
-                    self.malformed_chunks += 1
-                    log.error("malformed chunk %s_%d_%d skipped", rid, self.src_stage_id, chunk_id)
-                    self._poll_q.append(rid)
-                    continue
-                self.received_chunks += 1
-                self._ready.setdefault(rid, []).append(value)
-                if value["finished"]:
+                took, finished = 0, False
+                for value, key in zip(row, row_keys, strict=True):
+                    if value is None:
+                        break
+                    took += 1
+                    taken_keys.append(key)
+                    if isinstance(value, MalformedChunk) or not _is_chunk(value):
+                        self.malformed_chunks += 1
+                        log.error(
+                            "malformed chunk %s_%d_%d skipped",
+                            rid,
+                            self.src_stage_id,
+                            next_id + took - 1,
+                        )
+                        continue
+                    self.received_chunks += 1
+                    self._ready.setdefault(rid, []).append(value)
+                    if value["finished"]:
+                        finished = True
+                        break
+                if finished:
                     del self._tokens[rid], self._recv_ids[rid]
-                else:
-                    self._poll_q.append(rid)
-        return progress
-
-    def _idle_between_rounds(self, round_keys: list[str]) -> None:
-        """Nothing arrived: block on the connector's put signal if it has one, else ~1 ms."""
-        if self._wait_for_puts is not None:
-            try:
-                self._wait_for_puts(round_keys, IDLE_WAIT_S)
-                return
-            except Exception as e:
-                log.warning("wait_for_puts failed, polling instead: %r", e)
-        self._stop.wait(NO_PROGRESS_SLEEP_S)
+                    self._to_unlisten.append(rid)
+                    continue
+                if took:
+                    hot.add(rid)
+                    self._recv_ids[rid] = next_id + took
+                self._poll_q.append(rid)
+        self._hot = hot
+        return taken_keys

@@ -17,9 +17,14 @@ def chunk_key(request_id: str, stage_id: int, chunk_id: int, prefix: str = "") -
     return f"{prefix}{request_id}_{stage_id}_{chunk_id}"
 
 
-def chunk_notify_key(request_id: str, stage_id: int, prefix: str = "") -> str:
-    """List a sender RPUSHes to after each chunk put, so the receiver can block instead of poll."""
-    return f"{prefix}notify:{request_id}_{stage_id}"
+def chunk_route_key(route_id: str, prefix: str = "") -> str:
+    """`route_id` is `<req>_<sender stage>`; the value names the receiver's wake-up list."""
+    return f"{prefix}route:{route_id}"
+
+
+def receiver_notify_key(receiver_id: str, prefix: str = "") -> str:
+    """A receiving connector's wake-up list: senders RPUSH to it after each put it listens to."""
+    return f"{prefix}notify:{receiver_id}"
 
 
 # --- control plane (Streams) ---------------------------------------------------

@@ -36,9 +36,31 @@ def drain(rcv: ChunkAdapter, rid: str, n: int) -> list[Chunk]:
     return got
 
 
-@pytest.fixture
-def conn() -> MemoryConnector:
-    return MemoryConnector()
+class PlainConnector:
+    """Only the duck-typed minimum of SPEC §2 (put, consuming get): the polling fallback path."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._store: dict[str, Any] = {}
+        self.puts: list[str] = []
+
+    def put(self, key: str, obj: Any) -> None:
+        with self._lock:
+            self._store[key] = obj
+            self.puts.append(key)
+
+    def get(self, key: str) -> Any | None:
+        with self._lock:
+            return self._store.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+@pytest.fixture(params=["memory", "plain"])
+def conn(request: pytest.FixtureRequest) -> Any:
+    """Every rule holds with wake-ups and look-ahead (memory) and with bare polling (plain)."""
+    return MemoryConnector() if request.param == "memory" else PlainConnector()
 
 
 @pytest.fixture
@@ -276,7 +298,7 @@ def test_finished_chunk_unregisters_the_request(pair: tuple[ChunkAdapter, ChunkA
 
 
 class BlockingGetConnector(MemoryConnector):
-    """`get_many` of a round containing `hold_key` blocks until `release` is set."""
+    """A fetch of a round containing `hold_key` blocks until `release` is set."""
 
     def __init__(self, hold_key: str) -> None:
         super().__init__()
@@ -284,14 +306,14 @@ class BlockingGetConnector(MemoryConnector):
         self.in_get = threading.Event()
         self.release = threading.Event()
 
-    def get_many(self, keys: Any) -> list[Any]:
+    def peek_many(self, keys: Any) -> list[Any]:
         if self.hold_key in keys:
-            values = super().get_many(keys)  # read before the barrier ...
+            values = super().peek_many(keys)  # read before the barrier ...
             self.in_get.set()
             assert self.release.wait(10)  # ... commit attempted after it
             self.hold_key = ""
             return values
-        return super().get_many(keys)
+        return super().peek_many(keys)
 
 
 def test_cleanup_receiver_is_a_barrier_against_an_in_flight_get() -> None:
@@ -303,8 +325,8 @@ def test_cleanup_receiver_is_a_barrier_against_an_in_flight_get() -> None:
         assert conn.in_get.wait(10)
         rcv.cleanup_receiver("r")
         rcv.load_async("r")  # registered again with a fresh token
+        conn.put("r_0_0", {"data": "fresh", "finished": True})  # before the stale read returns
         conn.release.set()
-        conn.put("r_0_0", {"data": "fresh", "finished": True})
         wait_until(lambda: rcv.pending_receives() == 0)
         assert rcv.poll_ready() == {"r": [{"data": "fresh", "finished": True}]}
     finally:
@@ -327,11 +349,11 @@ class FailingGetConnector(MemoryConnector):
         super().__init__()
         self.failures = failures
 
-    def get_many(self, keys: Any) -> list[Any]:
+    def peek_many(self, keys: Any) -> list[Any]:
         if self.failures > 0:
             self.failures -= 1
             raise OSError("connection reset")
-        return super().get_many(keys)
+        return super().peek_many(keys)
 
 
 def test_failing_get_does_not_kill_the_recv_thread() -> None:

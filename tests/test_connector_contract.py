@@ -106,7 +106,25 @@ def fail_commands(
                 raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
         return real(*args, **options)
 
+    real_pipeline: Callable[..., Any] = conn.client.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        def execute(*e_args: Any, **e_kwargs: Any) -> Any:
+            if any(str(c[0][0]).upper() == command for c in pipe.command_stack):
+                calls[0] += 1
+                if calls[0] <= times:
+                    pipe.reset()
+                    raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
+            return real_execute(*e_args, **e_kwargs)
+
+        pipe.execute = execute
+        return pipe
+
     monkeypatch.setattr(conn.client, "execute_command", flaky)
+    monkeypatch.setattr(conn.client, "pipeline", pipeline)
     return calls
 
 
@@ -363,3 +381,44 @@ def test_unreachable_server_is_a_transport_error() -> None:
                 conn.get("r1_0_0")
             with pytest.raises(TransportError):
                 conn.get_many(["r1_0_0"])
+
+
+# --- look-ahead and wake-ups (the ChunkAdapter's optional connector features) ------
+
+
+def test_peek_many_reads_without_consuming(connector: AnyConnector) -> None:
+    connector.put("p_0_0", {"data": 1, "finished": False})
+    assert connector.peek_many(["p_0_0", "p_0_1"]) == [{"data": 1, "finished": False}, None]
+    assert connector.get("p_0_0") == {"data": 1, "finished": False}
+    assert connector.peek_many([]) == []
+
+
+def test_a_put_on_a_listened_route_wakes_the_receiver(redis_variant: RedisVariant) -> None:
+    receiver = redis_variant.make(prefix="ns:")
+    sender = redis_variant.make(prefix="ns:")
+    woken = threading.Event()
+    receiver.on_put(woken.set)
+    receiver.listen(["req_0"])
+    sender.put("req_0_0", {"data": "x", "finished": False})
+    assert woken.wait(10), "receiver was not woken"
+    woken.clear()
+    sender.put("req_0_1", {"data": "y", "finished": True})  # route now cached by the sender
+    assert woken.wait(10)
+    receiver.unlisten(["req_0"])
+    assert redis_variant.raw.get(keys.chunk_route_key("req_0", "ns:")) is None
+    receiver.close()
+    sender.close()
+
+
+def test_puts_on_an_unlistened_route_leave_no_wakeup_state(redis_variant: RedisVariant) -> None:
+    sender = redis_variant.make(prefix="ns:")
+    sender.put("solo_0_0", {"data": "x", "finished": True})
+    assert sorted(k.decode() for k in redis_variant.raw.keys("*")) == ["ns:solo_0_0"]
+
+
+def test_memory_connector_calls_wakeup_callbacks_on_put() -> None:
+    conn = MemoryConnector()
+    calls: list[int] = []
+    conn.on_put(lambda: calls.append(1))
+    conn.put("a_0_0", 1)
+    assert calls == [1]

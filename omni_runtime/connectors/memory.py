@@ -9,7 +9,7 @@ nothing else holds a reference that could mutate a value between `put` and
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -23,12 +23,16 @@ class MemoryConnector:
         self._lock = threading.Lock()
         self._store: dict[str, Any] = {}
         self.puts: list[str] = []
+        self._callbacks: list[Callable[[], None]] = []
 
     def put(self, key: str, obj: Any) -> None:
         """Store `obj` under `key` (replacing any unread value)."""
         with self._lock:
             self._store[key] = obj
             self.puts.append(key)
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback()
 
     def get(self, key: str) -> Any | None:
         """Remove and return the value under `key`; `None` when it is not there (yet)."""
@@ -39,6 +43,22 @@ class MemoryConnector:
         """`get` for each key under one lock acquisition; the result is aligned with `keys`."""
         with self._lock:
             return [self._store.pop(key, None) for key in keys]
+
+    def peek_many(self, keys: Sequence[str]) -> list[Any | None]:
+        """The values under `keys` (or `None`), left in place."""
+        with self._lock:
+            return [self._store.get(key) for key in keys]
+
+    def on_put(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after every put: receivers in this process block instead of polling."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def listen(self, route_ids: Sequence[str]) -> None:
+        """Nothing to register: every put already calls every callback."""
+
+    def unlisten(self, route_ids: Sequence[str]) -> None:
+        """See `listen`."""
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """Drop every listed key that exists; missing keys are ignored."""

@@ -17,10 +17,12 @@ Errors, by class (`omni_runtime.errors`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -37,6 +39,11 @@ log = logging.getLogger(__name__)
 
 _PACKER_BUFFER_CUTOFF = 6000
 """Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
+
+
+LISTEN_BLOCK_S = 1.0
+"""Longest BLPOP of the wake-up listener; bounds how long `close` may wait for it."""
+MAX_CACHED_ROUTES = 100_000
 
 
 class RedisConnector:
@@ -68,6 +75,12 @@ class RedisConnector:
         self.malformed = 0
         self._malformed_lock = threading.Lock()
         self._owns_client = False
+        self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
+        self._lock = threading.Lock()
+        self._routes: dict[str, str] = {}
+        self._callbacks: list[Callable[[], None]] = []
+        self._listener: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @classmethod
     def from_url(
@@ -114,14 +127,19 @@ class RedisConnector:
     # --- the Connector protocol -------------------------------------------------
 
     def put(self, key: str, obj: Any) -> None:
-        """Store `obj` under `prefix + key` with the TTL; raise `TransportError` after retries."""
+        """Store `obj` under `prefix + key` with the TTL, and wake the receiver if it listens.
+
+        Raises `TransportError` after `put_retries` retries. The wake-up rides in
+        the same round trip as the SET once the receiver's route is known.
+        """
         name = self.prefix + key
         value = codec.encode(obj)
+        route_id = key.rsplit("_", 1)[0]  # "<req>_<stage>"
         attempt = 0
         while True:
             try:
-                self.client.set(name, value, ex=self.ttl_s)
-                return
+                self._set_and_notify(name, value, route_id)
+                break
             except RedisError as e:
                 if attempt >= self.put_retries:
                     raise TransportError(
@@ -138,6 +156,33 @@ class RedisConnector:
                     delay_s,
                 )
                 time.sleep(delay_s)
+        if isinstance(obj, dict) and obj.get("finished") is True:
+            with self._lock:
+                self._routes.pop(route_id, None)
+
+    def _set_and_notify(self, name: str, value: bytes, route_id: str) -> None:
+        with self._lock:
+            route = self._routes.get(route_id)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(name, value, ex=self.ttl_s)
+            if route is not None:
+                pipe.rpush(route, route_id)
+                pipe.expire(route, self.ttl_s)
+            else:
+                pipe.get(keys.chunk_route_key(route_id, self.prefix))
+            replies = pipe.execute()
+        if route is None and replies[1] is not None:
+            # The receiver listens but was not known yet: wake it now, then remember it.
+            # SET came before GET, so a receiver that starts listening later polls first.
+            route = replies[1].decode()
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.rpush(route, route_id)
+                pipe.expire(route, self.ttl_s)
+                pipe.execute()
+            with self._lock:
+                if len(self._routes) >= MAX_CACHED_ROUTES:
+                    self._routes.clear()
+                self._routes[route_id] = route
 
     def get(self, key: str) -> Any | None:
         """GETDEL `prefix + key` and decode it; `None` when absent."""
@@ -180,6 +225,80 @@ class RedisConnector:
                 results.append(MalformedChunk(name, str(e)))
         return results
 
+    def peek_many(self, keys: Sequence[str]) -> list[Any | None]:
+        """MGET: read without consuming, so a reader can look ahead and delete what it keeps.
+
+        One command for any number of keys: a round over 1,000 idle requests
+        costs one reply array, not 1,000 pipelined replies.
+        """
+        if not keys:
+            return []
+        names = [self.prefix + key for key in keys]
+        try:
+            raws: list[bytes | None] = self.client.mget(names)
+        except RedisError as e:
+            raise TransportError(f"MGET of {len(names)} key(s) failed: {e}") from e
+        results: list[Any | None] = []
+        for name, raw in zip(names, raws, strict=True):
+            if raw is None:
+                results.append(None)
+                continue
+            try:
+                results.append(self._decode(name, raw))
+            except CodecError as e:
+                results.append(MalformedChunk(name, str(e)))
+        return results
+
+    # --- wake-ups: a receiver blocks instead of polling ------------------------------
+
+    def listen(self, route_ids: Sequence[str]) -> None:
+        """Ask senders of these `<req>_<stage>` routes to wake this connector after each put."""
+        if not route_ids:
+            return
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for route_id in route_ids:
+                    pipe.set(
+                        keys.chunk_route_key(route_id, self.prefix), self.notify_key, ex=self.ttl_s
+                    )
+                pipe.execute()
+        except RedisError as e:
+            raise TransportError(f"registering {len(route_ids)} route(s) failed: {e}") from e
+
+    def unlisten(self, route_ids: Sequence[str]) -> None:
+        if route_ids:
+            self.delete_many([f"route:{route_id}" for route_id in route_ids])
+
+    def on_put(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on a listener thread) whenever a sender woke this connector."""
+        with self._lock:
+            self._callbacks.append(callback)
+            if self._listener is None:
+                self._listener = threading.Thread(
+                    target=self._listen_loop, name="chunk-wakeups", daemon=True
+                )
+                self._listener.start()
+
+    def _listen_loop(self) -> None:
+        delay_s = 0.05
+        while not self._closed.is_set():
+            try:
+                with self.client.pipeline(transaction=False) as pipe:
+                    pipe.blpop([self.notify_key], timeout=LISTEN_BLOCK_S)
+                    pipe.delete(self.notify_key)  # one wake-up covers every put before it
+                    popped, _ = pipe.execute()
+                delay_s = 0.05
+            except RedisError as e:
+                log.warning("chunk wake-up listener failed, retrying in %.2fs: %r", delay_s, e)
+                self._closed.wait(delay_s)
+                delay_s = min(2.0, delay_s * 2)
+                popped = True  # wake the receiver: it falls back to polling meanwhile
+            if popped is not None:
+                with self._lock:
+                    callbacks = list(self._callbacks)
+                for callback in callbacks:
+                    callback()
+
     def delete_many(self, keys: Iterable[str]) -> None:
         """UNLINK every listed key in one command; missing keys are ignored."""
         names = [self.prefix + key for key in keys]
@@ -193,7 +312,13 @@ class RedisConnector:
     # --- lifecycle ------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the client if `from_url` created it; a client passed in stays open."""
+        """Stop the wake-up listener; close the client if `from_url` created it."""
+        self._closed.set()
+        if self._listener is not None:
+            with contextlib.suppress(RedisError):
+                self.client.rpush(self.notify_key, "")  # unblock its BLPOP now
+                self.client.delete(self.notify_key)
+            self._listener.join(LISTEN_BLOCK_S + 1)
         if self._owns_client:
             self.client.close()
 
