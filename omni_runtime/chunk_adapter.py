@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,10 @@ IDLE_WAIT_S = 0.1
 """Longest sleep on a Condition: a lost notification costs at most this much."""
 NO_PROGRESS_SLEEP_S = 0.001
 """Pause between polling rounds that found nothing, for connectors with no wake-up signal."""
+PUT_BATCH = 64
+"""Most chunks one all-or-nothing put carries when more are queued (connectors with put_many)."""
+SWEEP_INTERVAL_S = 0.5
+"""With wake-ups: how often parked requests are polled anyway (a safety net, not the path)."""
 READ_AHEAD = 8
 """Ids looked at per round for a request that just made progress (drains a backlog fast)."""
 MAX_GET_BACKOFF_S = 1.0
@@ -62,6 +67,10 @@ class ChunkAdapter:
         self.snapshot = snapshot
         self.on_ready = on_ready
         """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
+        self._put_many: Callable[[list[tuple[str, Any]]], None] | None = getattr(
+            connector, "put_many", None
+        )
+        self._put_batch = PUT_BATCH if self._put_many is not None else 1
         self._get_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
             connector, "get_many", None
         )
@@ -75,12 +84,9 @@ class ChunkAdapter:
         self._unlisten: Callable[[Sequence[str]], None] | None = getattr(
             connector, "unlisten", None
         )
-        self._recv_wake = threading.Event()
-        """Set by the connector after a put (if it can tell) and by `load_async`."""
-        on_put: Callable[[Callable[[], None]], None] | None = getattr(connector, "on_put", None)
+        on_put: Callable[[Callable[[str], None]], None] | None = getattr(connector, "on_put", None)
         self._has_wakeups = on_put is not None
-        if on_put is not None:
-            on_put(self._recv_wake.set)
+        """With wake-ups, idle requests are parked instead of polled every round."""
         self._stop = threading.Event()
         # sender state, guarded by _send_cv
         self._send_cv = threading.Condition()
@@ -96,8 +102,15 @@ class ChunkAdapter:
         self._poll_q: deque[str] = deque()
         self._to_listen: list[str] = []
         self._to_unlisten: list[str] = []
+        self._parked: set[str] = set()
+        """Registered requests that found nothing: polled again on a wake-up or a sweep."""
+        self._notified: set[str] = set()
+        """Woken while in flight: must not be parked by the commit of that same round."""
+        self._last_sweep = time.monotonic()
         self._hot: set[str] = set()
         """Requests that made progress last round (RECV thread only): read ahead for them."""
+        self._consumed: list[str] = []
+        """Keys committed but not yet deleted (RECV thread only): go with the next read."""
         # counters, for logs and metrics
         self.sent_chunks = 0
         self.dropped_chunks = 0
@@ -105,6 +118,8 @@ class ChunkAdapter:
         self.received_chunks = 0
         self.failed_gets = 0
         self.malformed_chunks = 0
+        if on_put is not None:
+            on_put(self._on_put)
         self._save_thread = threading.Thread(
             target=self._save_loop, name=f"chunk-save-{stage_id}", daemon=True
         )
@@ -140,7 +155,6 @@ class ChunkAdapter:
             self._poll_q.append(request_id)
             self._to_listen.append(request_id)
             self._recv_cv.notify()
-        self._recv_wake.set()
 
     def poll_ready(self) -> dict[str, list[Chunk]]:
         """Take everything received since the last call: `{req: [chunk, ...]}` in id order."""
@@ -153,13 +167,14 @@ class ChunkAdapter:
         with self._recv_cv:
             if self._tokens.pop(request_id, None) is not None:
                 self._to_unlisten.append(request_id)
+            self._parked.discard(request_id)
+            self._notified.discard(request_id)
             self._recv_ids.pop(request_id, None)
             self._ready.pop(request_id, None)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Wake both threads and join them; returns promptly even while they idle."""
         self._stop.set()
-        self._recv_wake.set()
         for cv in (self._send_cv, self._recv_cv):
             with cv:
                 cv.notify_all()
@@ -174,42 +189,78 @@ class ChunkAdapter:
     # --- SAVE thread: build + put only ----------------------------------------
 
     def _save_loop(self) -> None:
+        """Build items one by one (each checked for cancel when its turn comes); put them
+        together when more are queued, in one all-or-nothing round trip."""
+        batch: list[tuple[str, str, Chunk]] = []
+        staged_ids: dict[str, int] = {}
         while True:
             with self._send_cv:
-                while not self._send_q and not self._stop.is_set():
+                while not self._send_q and not batch and not self._stop.is_set():
                     self._send_cv.wait(IDLE_WAIT_S)
                 if self._stop.is_set():
                     return
-                request_id, snap, is_final = self._send_q.popleft()
-                cancelled = request_id in self._cancelled
-            self._save_one(request_id, snap, is_final, cancelled)
+                item = self._send_q.popleft() if self._send_q else None
+                cancelled = item is not None and item[0] in self._cancelled
+            if item is not None:
+                self._stage(batch, staged_ids, *item, cancelled)
+            with self._send_cv:
+                more = bool(self._send_q)
+            if batch and (not more or len(batch) >= self._put_batch):
+                self._flush(batch)
+                batch, staged_ids = [], {}
 
-    def _save_one(self, request_id: str, snap: Any, is_final: bool, cancelled: bool) -> None:
-        try:
-            if cancelled and not is_final:
-                self.dropped_chunks += 1
-                return
-            payload = None if cancelled else self._build(request_id, snap)
-            if payload is None and not is_final:
-                return
+    def _stage(
+        self,
+        batch: list[tuple[str, str, Chunk]],
+        staged_ids: dict[str, int],
+        request_id: str,
+        snap: Any,
+        is_final: bool,
+        cancelled: bool,
+    ) -> None:
+        """Cancel check, build, and the key of the request's current id (counting the batch)."""
+        if cancelled and not is_final:
+            self.dropped_chunks += 1
+            self._done_pending([request_id])
+            return
+        payload = None if cancelled else self._build(request_id, snap)
+        if payload is None and not is_final:
+            self._done_pending([request_id])
+            return
+        if request_id in staged_ids:
+            chunk_id = staged_ids[request_id]
+        else:
             with self._send_cv:
                 chunk_id = self._send_ids.get(request_id, 0)
-            key = keys.chunk_key(request_id, self.stage_id, chunk_id)
-            try:
-                self.connector.put(key, {"data": payload, "finished": is_final})
-            except Exception as e:
-                self.failed_puts += 1
-                log.error("put %s failed, chunk dropped (final=%s): %r", key, is_final, e)
-                if is_final:
-                    self._forget_sender(request_id)
-                return
-            self.sent_chunks += 1
-            with self._send_cv:
-                self._send_ids[request_id] = chunk_id + 1
-            if is_final:
-                self._forget_sender(request_id)
-        finally:
-            with self._send_cv:
+        staged_ids[request_id] = 0 if is_final else chunk_id + 1
+        key = keys.chunk_key(request_id, self.stage_id, chunk_id)
+        batch.append((request_id, key, {"data": payload, "finished": is_final}))
+
+    def _flush(self, batch: list[tuple[str, str, Chunk]]) -> None:
+        """Put the batch; only a successful put advances ids (all of the batch, or none)."""
+        try:
+            if len(batch) == 1 or self._put_many is None:
+                self.connector.put(batch[0][1], batch[0][2])
+            else:
+                self._put_many([(key, chunk) for _r, key, chunk in batch])
+            ok = True
+        except Exception as e:
+            ok = False
+            self.failed_puts += len(batch)
+            log.error("put of %d chunk(s) failed, dropped (%s ...): %r", len(batch), batch[0][1], e)
+        with self._send_cv:
+            for request_id, key, chunk in batch:
+                if ok:
+                    self.sent_chunks += 1
+                    self._send_ids[request_id] = int(key.rsplit("_", 1)[1]) + 1
+                if chunk["finished"]:
+                    self._send_ids.pop(request_id, None)
+                    self._cancelled.discard(request_id)
+        self._done_pending([r for r, _k, _c in batch])
+
+    def _done_pending(self, request_ids: list[str]) -> None:
+        with self._send_cv:
+            for request_id in request_ids:
                 left = self._send_pending.get(request_id, 1) - 1
                 if left > 0:
                     self._send_pending[request_id] = left
@@ -224,12 +275,20 @@ class ChunkAdapter:
             log.exception("build_payload failed for %r; chunk skipped", request_id)
             return None
 
-    def _forget_sender(self, request_id: str) -> None:
-        with self._send_cv:
-            self._send_ids.pop(request_id, None)
-            self._cancelled.discard(request_id)
-
     # --- RECV thread: get + commit only ---------------------------------------
+
+    def _on_put(self, route_id: str) -> None:
+        """A sender put a chunk of `<req>_<stage>`: poll that request in the next round."""
+        rid, _, stage = route_id.rpartition("_")
+        if stage != str(self.src_stage_id):
+            return
+        with self._recv_cv:
+            if rid in self._parked:
+                self._parked.discard(rid)
+                self._poll_q.append(rid)
+                self._recv_cv.notify()
+            elif rid in self._tokens:
+                self._notified.add(rid)
 
     def _recv_loop(self) -> None:
         backoff_s = 0.0
@@ -238,7 +297,6 @@ class ChunkAdapter:
             if taken is None:
                 return
             batch, to_listen, to_unlisten = taken
-            self._recv_wake.clear()  # a put after this point wakes the idle wait below
             try:
                 self._update_routes(to_listen, to_unlisten)
                 progress = self._poll(batch)
@@ -248,25 +306,43 @@ class ChunkAdapter:
                 log.warning("chunk get failed (retrying in %.2fs): %r", backoff_s, e)
                 with self._recv_cv:
                     self._to_listen.extend(to_listen)
-                self._commit(batch, [1] * len(batch), [None] * len(batch))
+                    self._to_unlisten.extend(to_unlisten)
+                self._commit(batch, [1] * len(batch), [None] * len(batch), requeue=True)
                 self._stop.wait(backoff_s)
                 continue
             backoff_s = 0.0
             if progress:
                 if self.on_ready is not None:
                     self.on_ready()
-            elif self._has_wakeups:
-                self._recv_wake.wait(IDLE_WAIT_S)
-            else:
+            elif not self._has_wakeups:
                 self._stop.wait(NO_PROGRESS_SLEEP_S)
 
     def _take_round(self) -> tuple[list[tuple[str, object, int]], list[str], list[str]] | None:
-        """Under the lock: the queued, still-registered requests with their token and next id."""
+        """Under the lock: the queued, still-registered requests with their token and next id.
+
+        With nothing queued, first hand the deletions of consumed keys to Redis,
+        then sleep on the Condition; every `SWEEP_INTERVAL_S` the parked
+        requests are polled anyway, so a lost wake-up costs latency, never data.
+        """
+        if self._consumed and self._delete_many is not None and not self._poll_q:
+            consumed, self._consumed = self._consumed, []
+            try:
+                self._delete_many(consumed)
+            except Exception as e:
+                log.warning(
+                    "deleting %d consumed chunk(s) failed (they expire): %r", len(consumed), e
+                )
         with self._recv_cv:
             while not self._poll_q and not self._to_unlisten and not self._stop.is_set():
+                if self._parked and time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
+                    break
                 self._recv_cv.wait(IDLE_WAIT_S)
             if self._stop.is_set():
                 return None
+            if time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
+                self._last_sweep = time.monotonic()
+                self._poll_q.extend(self._parked)
+                self._parked.clear()
             batch: list[tuple[str, object, int]] = []
             seen: set[str] = set()
             while self._poll_q:
@@ -275,6 +351,7 @@ class ChunkAdapter:
                 if token is None or rid in seen:
                     continue
                 seen.add(rid)
+                self._notified.discard(rid)
                 batch.append((rid, token, self._recv_ids[rid]))
             to_listen, self._to_listen = self._to_listen, []
             to_unlisten, self._to_unlisten = self._to_unlisten, []
@@ -300,10 +377,12 @@ class ChunkAdapter:
                 for (rid, _t, next_id), depth in zip(batch, depths, strict=True)
                 for j in range(depth)
             ]
-            consumed = self._commit(batch, depths, self._peek_many(round_keys), round_keys)
-            if consumed:
-                self._delete_many(consumed)
-            return bool(consumed)
+            # last round's consumed keys are deleted in the same round trip, before the read
+            consumed, self._consumed = self._consumed, []
+            values = self._peek_many(round_keys, consumed)
+            taken = self._commit(batch, depths, values, round_keys)
+            self._consumed = taken
+            return bool(taken)
         round_keys = [keys.chunk_key(rid, src, next_id) for rid, _t, next_id in batch]
         if self._get_many is not None:
             values = self._get_many(round_keys)
@@ -317,6 +396,7 @@ class ChunkAdapter:
         depths: list[int],
         values: list[Any],
         round_keys: list[str] | None = None,
+        requeue: bool = False,
     ) -> list[str]:
         """Under the lock: commit, in id order, what belongs to a live registration.
 
@@ -356,10 +436,15 @@ class ChunkAdapter:
                 if finished:
                     del self._tokens[rid], self._recv_ids[rid]
                     self._to_unlisten.append(rid)
+                    self._notified.discard(rid)
                     continue
                 if took:
                     hot.add(rid)
                     self._recv_ids[rid] = next_id + took
-                self._poll_q.append(rid)
+                if took or requeue or not self._has_wakeups or rid in self._notified:
+                    self._notified.discard(rid)
+                    self._poll_q.append(rid)
+                else:
+                    self._parked.add(rid)
         self._hot = hot
         return taken_keys

@@ -174,7 +174,7 @@ def test_snapshot_isolates_nested_containers(pair: tuple[ChunkAdapter, ChunkAdap
     ]
 
 
-class FlakyConnector(MemoryConnector):
+class FlakyConnector(PlainConnector):
     """Raises on the puts whose 0-based call number is in `fail_calls`."""
 
     def __init__(self, fail_calls: set[int]) -> None:
@@ -187,6 +187,39 @@ class FlakyConnector(MemoryConnector):
         if n in self.fail_calls:
             raise OSError("redis went away")
         super().put(key, obj)
+
+
+class FlakyBatchConnector(MemoryConnector):
+    """`put_many` (all or nothing) fails on its first call; single puts succeed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[str]] = []
+
+    def put_many(self, items: Any) -> None:
+        self.batches.append([k for k, _o in items])
+        if len(self.batches) == 1:
+            raise OSError("redis went away")
+        super().put_many(items)
+
+
+def test_a_failed_batch_advances_no_id() -> None:
+    conn = FlakyBatchConnector()
+    gate = Gate("hold")
+    snd = ChunkAdapter(conn, stage_id=0, build_payload=gate)
+    try:
+        snd.save_async("x", "hold", True)  # holds the SAVE thread so the next ones queue up
+        assert gate.entered.wait(10)
+        for i in range(3):
+            snd.save_async("r", i, False)
+        gate.release.set()
+        wait_until(lambda: snd.failed_puts == 4)
+        assert conn.batches == [["x_0_0", "r_0_0", "r_0_1", "r_0_2"]]
+        snd.save_async("r", "again", True)
+        wait_until(lambda: conn.puts == ["r_0_0"])  # id 0 again: the batch advanced nothing
+    finally:
+        gate.release.set()
+        snd.stop()
 
 
 def test_id_advances_only_on_successful_put() -> None:
@@ -306,14 +339,14 @@ class BlockingGetConnector(MemoryConnector):
         self.in_get = threading.Event()
         self.release = threading.Event()
 
-    def peek_many(self, keys: Any) -> list[Any]:
+    def peek_many(self, keys: Any, delete_first: Any = ()) -> list[Any]:
         if self.hold_key in keys:
-            values = super().peek_many(keys)  # read before the barrier ...
+            values = super().peek_many(keys, delete_first)  # read before the barrier ...
             self.in_get.set()
             assert self.release.wait(10)  # ... commit attempted after it
             self.hold_key = ""
             return values
-        return super().peek_many(keys)
+        return super().peek_many(keys, delete_first)
 
 
 def test_cleanup_receiver_is_a_barrier_against_an_in_flight_get() -> None:
@@ -349,11 +382,11 @@ class FailingGetConnector(MemoryConnector):
         super().__init__()
         self.failures = failures
 
-    def peek_many(self, keys: Any) -> list[Any]:
+    def peek_many(self, keys: Any, delete_first: Any = ()) -> list[Any]:
         if self.failures > 0:
             self.failures -= 1
             raise OSError("connection reset")
-        return super().peek_many(keys)
+        return super().peek_many(keys, delete_first)
 
 
 def test_failing_get_does_not_kill_the_recv_thread() -> None:

@@ -397,7 +397,7 @@ def test_a_put_on_a_listened_route_wakes_the_receiver(redis_variant: RedisVarian
     receiver = redis_variant.make(prefix="ns:")
     sender = redis_variant.make(prefix="ns:")
     woken = threading.Event()
-    receiver.on_put(woken.set)
+    receiver.on_put(lambda route_id: woken.set())
     receiver.listen(["req_0"])
     sender.put("req_0_0", {"data": "x", "finished": False})
     assert woken.wait(10), "receiver was not woken"
@@ -419,6 +419,6 @@ def test_puts_on_an_unlistened_route_leave_no_wakeup_state(redis_variant: RedisV
 def test_memory_connector_calls_wakeup_callbacks_on_put() -> None:
     conn = MemoryConnector()
     calls: list[int] = []
-    conn.on_put(lambda: calls.append(1))
+    conn.on_put(lambda route_id: calls.append(route_id))
     conn.put("a_0_0", 1)
-    assert calls == [1]
+    assert calls == ["a_0"]

@@ -23,7 +23,7 @@ class MemoryConnector:
         self._lock = threading.Lock()
         self._store: dict[str, Any] = {}
         self.puts: list[str] = []
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[str], None]] = []
 
     def put(self, key: str, obj: Any) -> None:
         """Store `obj` under `key` (replacing any unread value)."""
@@ -31,8 +31,20 @@ class MemoryConnector:
             self._store[key] = obj
             self.puts.append(key)
             callbacks = list(self._callbacks)
+        route_id = key.rsplit("_", 1)[0]
         for callback in callbacks:
-            callback()
+            callback(route_id)
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
+        """`put` each item, all under one lock acquisition (all or nothing)."""
+        with self._lock:
+            for key, obj in items:
+                self._store[key] = obj
+                self.puts.append(key)
+            callbacks = list(self._callbacks)
+        for route_id in dict.fromkeys(key.rsplit("_", 1)[0] for key, _obj in items):
+            for callback in callbacks:
+                callback(route_id)
 
     def get(self, key: str) -> Any | None:
         """Remove and return the value under `key`; `None` when it is not there (yet)."""
@@ -44,13 +56,15 @@ class MemoryConnector:
         with self._lock:
             return [self._store.pop(key, None) for key in keys]
 
-    def peek_many(self, keys: Sequence[str]) -> list[Any | None]:
-        """The values under `keys` (or `None`), left in place."""
+    def peek_many(self, keys: Sequence[str], delete_first: Sequence[str] = ()) -> list[Any | None]:
+        """The values under `keys` (or `None`), left in place; `delete_first` are dropped before."""
         with self._lock:
+            for key in delete_first:
+                self._store.pop(key, None)
             return [self._store.get(key) for key in keys]
 
-    def on_put(self, callback: Callable[[], None]) -> None:
-        """Call `callback` after every put: receivers in this process block instead of polling."""
+    def on_put(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(<req>_<stage>)` after every put: receivers block instead of polling."""
         with self._lock:
             self._callbacks.append(callback)
 

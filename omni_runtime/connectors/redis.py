@@ -44,6 +44,7 @@ _PACKER_BUFFER_CUTOFF = 6000
 LISTEN_BLOCK_S = 1.0
 """Longest BLPOP of the wake-up listener; bounds how long `close` may wait for it."""
 MAX_CACHED_ROUTES = 100_000
+LISTEN_BATCH = 10_000
 
 
 class RedisConnector:
@@ -78,7 +79,7 @@ class RedisConnector:
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._lock = threading.Lock()
         self._routes: dict[str, str] = {}
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[str], None]] = []
         self._listener: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -132,57 +133,79 @@ class RedisConnector:
         Raises `TransportError` after `put_retries` retries. The wake-up rides in
         the same round trip as the SET once the receiver's route is known.
         """
-        name = self.prefix + key
-        value = codec.encode(obj)
-        route_id = key.rsplit("_", 1)[0]  # "<req>_<stage>"
+        self.put_many([(key, obj)], transaction=False)
+
+    def put_many(self, items: Sequence[tuple[str, Any]], transaction: bool = True) -> None:
+        """Put every item in one round trip, all or nothing (MULTI/EXEC): a sender may
+        advance its chunk ids for all of them, or for none."""
+        encoded = [
+            (self.prefix + key, codec.encode(obj), key.rsplit("_", 1)[0]) for key, obj in items
+        ]
         attempt = 0
         while True:
             try:
-                self._set_and_notify(name, value, route_id)
+                self._set_and_notify(encoded, transaction)
                 break
             except RedisError as e:
                 if attempt >= self.put_retries:
                     raise TransportError(
-                        f"SET {name!r} failed after {attempt + 1} attempt(s): {e}"
+                        f"SET of {len(encoded)} chunk(s) ({encoded[0][0]!r} ...) failed "
+                        f"after {attempt + 1} attempt(s): {e}"
                     ) from e
                 delay_s = self.retry_backoff_s * 2**attempt
                 attempt += 1
                 log.warning(
                     "SET %r failed (%s); retry %d/%d in %.3f s",
-                    name,
+                    encoded[0][0],
                     e,
                     attempt,
                     self.put_retries,
                     delay_s,
                 )
                 time.sleep(delay_s)
-        if isinstance(obj, dict) and obj.get("finished") is True:
+        finished = {
+            key.rsplit("_", 1)[0]
+            for key, obj in items
+            if isinstance(obj, dict) and obj.get("finished") is True
+        }
+        if finished:
             with self._lock:
-                self._routes.pop(route_id, None)
+                for route_id in finished:
+                    self._routes.pop(route_id, None)
 
-    def _set_and_notify(self, name: str, value: bytes, route_id: str) -> None:
+    def _set_and_notify(self, encoded: list[tuple[str, bytes, str]], transaction: bool) -> None:
+        route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))
         with self._lock:
-            route = self._routes.get(route_id)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(name, value, ex=self.ttl_s)
-            if route is not None:
-                pipe.rpush(route, route_id)
-                pipe.expire(route, self.ttl_s)
-            else:
+            routes = {r: self._routes.get(r) for r in route_ids}
+        unknown = [r for r in route_ids if routes[r] is None]
+        with self.client.pipeline(transaction=transaction) as pipe:
+            for name, value, _route_id in encoded:
+                pipe.set(name, value, ex=self.ttl_s)
+            for route_id, route in routes.items():
+                if route is not None:
+                    pipe.rpush(route, route_id)
+                    pipe.expire(route, self.ttl_s)
+            for route_id in unknown:
                 pipe.get(keys.chunk_route_key(route_id, self.prefix))
             replies = pipe.execute()
-        if route is None and replies[1] is not None:
-            # The receiver listens but was not known yet: wake it now, then remember it.
-            # SET came before GET, so a receiver that starts listening later polls first.
-            route = replies[1].decode()
-            with self.client.pipeline(transaction=False) as pipe:
+        found = {
+            route_id: reply.decode()
+            for route_id, reply in zip(unknown, replies[len(replies) - len(unknown) :], strict=True)
+            if reply is not None
+        }
+        if not found:
+            return
+        # Receivers that listen but were not known yet: wake them now, then remember them.
+        # The SETs came before the GETs, so a receiver that starts listening later polls first.
+        with self.client.pipeline(transaction=False) as pipe:
+            for route_id, route in found.items():
                 pipe.rpush(route, route_id)
                 pipe.expire(route, self.ttl_s)
-                pipe.execute()
-            with self._lock:
-                if len(self._routes) >= MAX_CACHED_ROUTES:
-                    self._routes.clear()
-                self._routes[route_id] = route
+            pipe.execute()
+        with self._lock:
+            if len(self._routes) + len(found) > MAX_CACHED_ROUTES:
+                self._routes.clear()
+            self._routes.update(found)
 
     def get(self, key: str) -> Any | None:
         """GETDEL `prefix + key` and decode it; `None` when absent."""
@@ -225,17 +248,26 @@ class RedisConnector:
                 results.append(MalformedChunk(name, str(e)))
         return results
 
-    def peek_many(self, keys: Sequence[str]) -> list[Any | None]:
+    def peek_many(self, keys: Sequence[str], delete_first: Sequence[str] = ()) -> list[Any | None]:
         """MGET: read without consuming, so a reader can look ahead and delete what it keeps.
 
         One command for any number of keys: a round over 1,000 idle requests
-        costs one reply array, not 1,000 pipelined replies.
+        costs one reply array, not 1,000 pipelined replies. `delete_first`
+        (keys consumed last round) are unlinked in the same round trip.
         """
         if not keys:
+            if delete_first:
+                self.delete_many(delete_first)
             return []
         names = [self.prefix + key for key in keys]
         try:
-            raws: list[bytes | None] = self.client.mget(names)
+            if delete_first:
+                with self.client.pipeline(transaction=False) as pipe:
+                    pipe.unlink(*[self.prefix + key for key in delete_first])
+                    pipe.mget(names)
+                    raws: list[bytes | None] = pipe.execute()[1]
+            else:
+                raws = self.client.mget(names)
         except RedisError as e:
             raise TransportError(f"MGET of {len(names)} key(s) failed: {e}") from e
         results: list[Any | None] = []
@@ -269,8 +301,8 @@ class RedisConnector:
         if route_ids:
             self.delete_many([f"route:{route_id}" for route_id in route_ids])
 
-    def on_put(self, callback: Callable[[], None]) -> None:
-        """Call `callback` (on a listener thread) whenever a sender woke this connector."""
+    def on_put(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(<req>_<stage>)` (on a listener thread) for each put we listen to."""
         with self._lock:
             self._callbacks.append(callback)
             if self._listener is None:
@@ -285,19 +317,22 @@ class RedisConnector:
             try:
                 with self.client.pipeline(transaction=False) as pipe:
                     pipe.blpop([self.notify_key], timeout=LISTEN_BLOCK_S)
-                    pipe.delete(self.notify_key)  # one wake-up covers every put before it
-                    popped, _ = pipe.execute()
+                    pipe.lpop(self.notify_key, LISTEN_BATCH)  # and whatever queued behind it
+                    popped, rest = pipe.execute()
                 delay_s = 0.05
             except RedisError as e:
                 log.warning("chunk wake-up listener failed, retrying in %.2fs: %r", delay_s, e)
                 self._closed.wait(delay_s)
                 delay_s = min(2.0, delay_s * 2)
-                popped = True  # wake the receiver: it falls back to polling meanwhile
-            if popped is not None:
-                with self._lock:
-                    callbacks = list(self._callbacks)
+                continue  # receivers sweep their parked requests meanwhile
+            if popped is None:
+                continue
+            route_ids = {popped[1].decode(), *(r.decode() for r in rest or [])}
+            with self._lock:
+                callbacks = list(self._callbacks)
+            for route_id in route_ids:
                 for callback in callbacks:
-                    callback()
+                    callback(route_id)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """UNLINK every listed key in one command; missing keys are ignored."""
