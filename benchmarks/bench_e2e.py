@@ -83,7 +83,7 @@ RAW_PAD = os.urandom(160)  # + seq + stamp + framing ~ 200 B of msgpack
 STARTUP_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
 START_DELAY_NS = 100_000_000  # clients start together this long after the command is sent
-MACHINE = "machine busy (2 vCPU = 200%)"
+MACHINE = "machine (all CPUs)"
 
 
 def load_deadline_s(n: int, concurrency: int, gap_ms: float) -> float:
@@ -262,20 +262,30 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 async def run_requests(
-    client: Any, n: int, concurrency: int, gap_ms: float, tag: str, start_at_ns: int
+    client: Any,
+    n: int,
+    concurrency: int,
+    gap_ms: float,
+    tag: str,
+    start_at_ns: int,
+    timeline: bool = False,
 ) -> dict[str, Any]:
-    """n requests of PROMPT, at most `concurrency` in flight; each slot waits ~gap_ms after."""
+    """n requests of PROMPT, at most `concurrency` in flight; each slot waits ~gap_ms after.
+
+    `timeline`: also return `{request id: [submit, finished]}` in monotonic ns.
+    """
     delay_s = (start_at_ns - time.monotonic_ns()) / 1e9
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     slots = asyncio.Semaphore(concurrency)
     latencies_ns: list[int] = []
     errors: list[str] = []
+    stamps: dict[str, list[int]] = {}
 
     async def one(i: int) -> None:
         async with slots:
             rid = f"{tag}-{i}"
-            t0 = time.perf_counter_ns()
+            t0 = time.monotonic_ns()
             try:
                 await client.submit(PROMPT, request_id=rid)
                 outs = [
@@ -285,7 +295,10 @@ async def run_requests(
             except Exception as e:  # counted, the run goes on
                 errors.append(f"{rid}: {type(e).__name__}: {e}")
             else:
-                latencies_ns.append(time.perf_counter_ns() - t0)
+                t1 = time.monotonic_ns()
+                latencies_ns.append(t1 - t0)
+                if timeline:
+                    stamps[rid] = [t0, t1]
                 if outs != EXPECTED:
                     errors.append(f"{rid}: unexpected outputs {outs}")
             if gap_ms > 0:
@@ -302,6 +315,7 @@ async def run_requests(
         "latencies_ns": latencies_ns,
         "errors": errors[:20],
         "n_errors": len(errors),
+        "timeline": stamps,
     }
 
 
@@ -329,6 +343,7 @@ async def _client_main(settings: Settings, stage_ids: list[int]) -> None:
                         cmd["gap_ms"],
                         cmd["tag"],
                         cmd["start_at_ns"],
+                        cmd.get("timeline", False),
                     )
             except TimeoutError:
                 _emit({"error": f"load did not finish within {deadline_s:g} s"})
@@ -365,7 +380,12 @@ def start_clients(
 
 
 def run_load(
-    clients: list[LineProc], n: int, concurrency: int, gap_ms: float, tag: str
+    clients: list[LineProc],
+    n: int,
+    concurrency: int,
+    gap_ms: float,
+    tag: str,
+    timeline: bool = False,
 ) -> list[dict[str, Any]]:
     """Split n requests and the concurrency over the clients; start them together."""
     start_at = time.monotonic_ns() + START_DELAY_NS
@@ -379,6 +399,7 @@ def run_load(
                 "gap_ms": gap_ms,
                 "tag": f"{tag}c{i}",
                 "start_at_ns": start_at,
+                "timeline": timeline,
             }
         )
     timeout_s = load_deadline_s(n, concurrency, gap_ms) + 15
@@ -507,26 +528,24 @@ def machine_cpu() -> tuple[float, float]:
 
 
 class CpuSampler:
-    """CPU seconds each named process used between `start` and `stop`, plus machine busy %."""
+    """CPU seconds each named process used between `start` and `stop`, plus the machine's."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
 
     def start(self) -> None:
-        self.t0 = time.monotonic()
         self.c0 = {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
         self.m0 = machine_cpu()
 
     def stop(self) -> dict[str, float]:
-        wall = time.monotonic() - self.t0
+        """CPU seconds per process; MACHINE: busy CPU seconds of all CPUs together."""
         m1 = machine_cpu()
         out: dict[str, float] = {}
         for name, pid in self.pids.items():
             c0, c1 = self.c0.get(name), proc_cpu_s(pid)
             if c0 is not None and c1 is not None:
-                out[name] = (c1 - c0) / wall
-        busy, total = m1[0] - self.m0[0], m1[1] - self.m0[1]
-        out[MACHINE] = (os.cpu_count() or 1) * busy / total if total else 0.0
+                out[name] = c1 - c0
+        out[MACHINE] = (m1[0] - self.m0[0]) * _TICK_S
         return out
 
 
@@ -584,25 +603,33 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             rates: list[float] = []
             latencies: list[int] = []
             errors: list[str] = []
-            cpu: list[dict[str, float]] = []
+            util: list[dict[str, float]] = []
+            per_request_us: list[dict[str, float]] = []
             for rep in range(sizes.reps):
                 gc.collect()
                 sampler.start()
                 results = run_load(
                     active, sizes.requests, concurrency, 0.0, f"r{n_clients}x{concurrency}n{rep}"
                 )
-                cpu.append(sampler.stop())
+                cpu_s = sampler.stop()
                 group.check_alive()
-                wall_ns = max(r["t_end_ns"] for r in results) - min(
-                    r["t_start_ns"] for r in results
-                )
+                wall_s = (
+                    max(r["t_end_ns"] for r in results) - min(r["t_start_ns"] for r in results)
+                ) / 1e9
                 done = sum(len(r["latencies_ns"]) for r in results)
-                rates.append(done / (wall_ns / 1e9))
+                rates.append(done / wall_s)
+                # the processes idle outside the load window: its CPU is all in the window
+                util.append({name: v / wall_s for name, v in cpu_s.items()})
+                per_request_us.append(
+                    {name: 1e6 * v / max(1, done) for name, v in cpu_s.items() if name != MACHINE}
+                )
                 for r in results:
                     latencies.extend(r["latencies_ns"])
                     errors.extend(r["errors"])
             rows.append(
-                _throughput_row(sizes, n_clients, concurrency, rates, latencies, errors, cpu)
+                _throughput_row(
+                    sizes, n_clients, concurrency, rates, latencies, errors, util, per_request_us
+                )
             )
     finally:
         for c in clients:
@@ -619,18 +646,24 @@ def _throughput_row(
     rates: list[float],
     latencies_ns: list[int],
     errors: list[str],
-    cpu: list[dict[str, float]],
+    util: list[dict[str, float]],
+    per_request_us: list[dict[str, float]],
 ) -> Row:
     rate = Summary.of(rates)
-    cpu_median = {name: statistics.median(c.get(name, 0.0) for c in cpu) for name in cpu[0]}
+
+    def median_of(samples: list[dict[str, float]]) -> dict[str, float]:
+        return {name: statistics.median(d.get(name, 0.0) for d in samples) for name in samples[0]}
+
+    util_median, us_median = median_of(util), median_of(per_request_us)
     who = "1 client process" if n_clients == 1 else f"{n_clients} client processes"
-    cpu_text = ", ".join(f"{name} {100 * v:.0f}%" for name, v in cpu_median.items())
-    us_per_req = {name: 1e6 * v / rate.median for name, v in cpu_median.items() if name != MACHINE}
+    cpus = os.cpu_count() or 1
     notes = [
         f"{sizes.requests} requests/rep x {sizes.reps} reps, prompt {PROMPT!r} (4 outputs "
         "checked per request); p50/p99 = submit -> finished output",
-        f"CPU, % of one core (median over reps): {cpu_text}",
-        "CPU per request: " + ", ".join(f"{name} {v:.0f} us" for name, v in us_per_req.items()),
+        "CPU, % of one core over the load window (median of reps): "
+        + ", ".join(f"{name} {100 * v:.0f}%" for name, v in util_median.items())
+        + f" (of {100 * cpus}%)",
+        "CPU per request: " + ", ".join(f"{name} {v:.0f} us" for name, v in us_median.items()),
     ]
     if errors:
         notes.append(f"{len(errors)} failed or wrong requests, e.g. {errors[0]}")
@@ -646,7 +679,7 @@ def _throughput_row(
         target=f">= {TARGET_RPS:,.0f}/s",
         met=rate.median >= TARGET_RPS and not errors,
         notes=notes,
-        details={"cpu_fraction_of_core": cpu_median, "cpu_us_per_request": us_per_req},
+        details={"cpu_fraction_of_core": util_median, "cpu_us_per_request": us_median},
     )
 
 
@@ -667,6 +700,34 @@ class HopStamps:
         """The writer task began the pipeline carrying this stage input."""
         self.write_done: dict[tuple[int, str], int] = {}
         """That pipeline's replies were in hand."""
+        self.request_replies: list[tuple[int, Any]] = []
+        """(stamp, reply) of every read of the requests stream that returned entries."""
+
+    def requests_read(self) -> dict[str, int]:
+        """request id -> when the orchestrator's read of the requests stream returned it."""
+        from omni_runtime import codec
+
+        out: dict[str, int] = {}
+        for t, reply in self.request_replies:
+            for _stream, entries in reply:
+                for _eid, fields in entries:
+                    with contextlib.suppress(Exception):
+                        msg = codec.decode(fields[keys.PAYLOAD_FIELD.encode()])
+                        out.setdefault(msg["request_id"], t)
+        return out
+
+
+def make_stamping_read_group(stamps: HopStamps) -> Any:
+    """`read_group` of the service module (it reads only the requests stream), stamped."""
+    from omni_runtime.transport import read_group
+
+    async def stamped_read_group(*args: Any, **kwargs: Any) -> Any:
+        reply = await read_group(*args, **kwargs)
+        if reply:
+            stamps.request_replies.append((time.monotonic_ns(), reply))
+        return reply
+
+    return stamped_read_group
 
 
 def make_instrumented_classes(stamps: HopStamps) -> tuple[type, type]:
@@ -795,6 +856,7 @@ class HopSamples:
     rep_p50_ns: list[float] = field(default_factory=list)
     rep_p50_by_stage_ns: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: []})
     segments_ns: dict[str, list[int]] = field(default_factory=dict)
+    timeline_ns: dict[str, list[int]] = field(default_factory=dict)
     missing: int = 0
     request_ns: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -844,6 +906,38 @@ def collect_hops(
         out.rep_p50_ns.append(percentile(rep, 50))
 
 
+TIMELINE = (
+    ("client submit -> orchestrator read", "submit", "request read"),
+    ("-> S0 read", "request read", "read 0"),
+    ("S0 run -> orchestrator read", "read 0", "out 0"),
+    ("hop S0->S1", "out 0", "read 1"),
+    ("S1 run -> orchestrator read", "read 1", "out 1"),
+    ("hop S1->S2", "out 1", "read 2"),
+    ("S2 run -> orchestrator read", "read 2", "out 2"),
+    ("-> client has it", "out 2", "done"),
+)
+"""A light-load request, end to end: (segment, from stamp, to stamp)."""
+
+
+def collect_timeline(
+    stamps: HopStamps,
+    worker_reads: dict[int, dict[str, int]],
+    client_stamps: dict[str, list[int]],
+    out: HopSamples,
+) -> None:
+    requests_read = stamps.requests_read()
+    for rid, (submit, done) in client_stamps.items():
+        at: dict[str, int | None] = {"submit": submit, "done": done}
+        at["request read"] = requests_read.get(rid)
+        for sid in (0, 1, 2):
+            at[f"read {sid}"] = worker_reads[sid].get(rid)
+            at[f"out {sid}"] = stamps.arrived.get((sid, rid))
+        for name, a, b in TIMELINE:
+            ta, tb = at[a], at[b]
+            if ta is not None and tb is not None:
+                out.timeline_ns.setdefault(name, []).append(tb - ta)
+
+
 def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
     from omni_runtime import service as service_module
 
@@ -865,13 +959,15 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
     raw_async: list[int] = []
     raw_sync_rep_p50: list[float] = []
     raw_async_rep_p50: list[float] = []
+    patches = contextlib.ExitStack()
     try:
-        with (
-            patched(service_module, "StreamWriter", writer_cls),
-            patched(service_module, "RedisStageClient", stage_cls),
-        ):
-            orch = OrchestratorThread(pipeline, settings)
-            orch.start(STARTUP_TIMEOUT_S)
+        patches.enter_context(patched(service_module, "StreamWriter", writer_cls))
+        patches.enter_context(patched(service_module, "RedisStageClient", stage_cls))
+        patches.enter_context(
+            patched(service_module, "read_group", make_stamping_read_group(stamps))
+        )
+        orch = OrchestratorThread(pipeline, settings)
+        orch.start(STARTUP_TIMEOUT_S)
         for sid in stage_ids:
             cmd = _role_cmd(
                 "stamped-worker",
@@ -900,7 +996,9 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
 
             gc.collect()
             tag = f"hop{rep}"
-            (result,) = run_load(clients, sizes.light_requests, 1, sizes.light_gap_ms, tag)
+            (result,) = run_load(
+                clients, sizes.light_requests, 1, sizes.light_gap_ms, tag, timeline=True
+            )
             for w in workers:
                 if w.proc.poll() is not None:
                     raise RuntimeError(f"{w.name} exited\n{w.tail()}")
@@ -909,6 +1007,7 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             rids = [f"{tag}c0-{i}" for i in range(sizes.light_requests)]
             reads = {sid: read_worker_stamps(stamp_files[sid], tag) for sid in stage_ids}
             collect_hops(stamps, reads, rids, hops)
+            collect_timeline(stamps, reads, result["timeline"], hops)
             hops.request_ns.extend(result["latencies_ns"])
             hops.errors.extend(result["errors"])
 
@@ -933,6 +1032,7 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             w.stop()
         if orch is not None:
             orch.stop()
+        patches.close()
         delete_namespace(url, namespace)
     return _hop_rows(sizes, hops, raw_sync, raw_sync_rep_p50, raw_async, raw_async_rep_p50)
 
@@ -1042,8 +1142,24 @@ def _hop_rows(
                 value=Summary.of([_us(percentile(hops.request_ns, 50))]),
                 p50_ms=percentile(hops.request_ns, 50) / 1e6,
                 p99_ms=percentile(hops.request_ns, 99) / 1e6,
-                notes=[f"submit -> finished output, {light}"]
+                notes=[
+                    f"submit -> finished output, {light}",
+                    "timeline, p50 us: "
+                    + ", ".join(
+                        f"{name} {_us(percentile(v, 50)):.0f}"
+                        for name, v in hops.timeline_ns.items()
+                        if v
+                    ),
+                ]
                 + ([f"{len(hops.errors)} failed: {hops.errors[0]}"] if hops.errors else []),
+                details={
+                    "timeline_p50_us": {
+                        k: _us(percentile(v, 50)) for k, v in hops.timeline_ns.items() if v
+                    },
+                    "timeline_p99_us": {
+                        k: _us(percentile(v, 99)) for k, v in hops.timeline_ns.items() if v
+                    },
+                },
             )
         )
     return rows

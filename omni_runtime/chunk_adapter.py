@@ -25,6 +25,8 @@ from omni_runtime.types import Connector, MalformedChunk
 log = logging.getLogger(__name__)
 
 Chunk = dict[str, Any]
+_PURGE = object()
+"""A SAVE-queue item that deletes a discarded request's keys once its final went out."""
 """Exactly `{"data": payload, "finished": is_final}`."""
 
 IDLE_WAIT_S = 0.1
@@ -35,6 +37,9 @@ PUT_BATCH = 64
 """Most chunks one all-or-nothing put carries when more are queued (connectors with put_many)."""
 SWEEP_INTERVAL_S = 0.5
 """With wake-ups: how often parked requests are polled anyway (a safety net, not the path)."""
+LATE_SWEEP_S = 1.0
+"""A discarded request's unread chunks are deleted at once and again this much later,
+for chunks its upstream put while the discard was under way."""
 READ_AHEAD = 8
 """Ids looked at per round for a request that just made progress (drains a backlog fast)."""
 MAX_GET_BACKOFF_S = 1.0
@@ -94,6 +99,8 @@ class ChunkAdapter:
         self._send_ids: dict[str, int] = {}
         self._send_pending: dict[str, int] = {}
         self._cancelled: set[str] = set()
+        self._purge_wanted: set[str] = set()
+        self._sent_upto: dict[str, int] = {}
         # receiver state, guarded by _recv_cv
         self._recv_cv = threading.Condition()
         self._tokens: dict[str, object] = {}
@@ -109,6 +116,8 @@ class ChunkAdapter:
         self._last_sweep = time.monotonic()
         self._hot: set[str] = set()
         """Requests that made progress last round (RECV thread only): read ahead for them."""
+        self._sweeps: list[tuple[float, str, int]] = []
+        """(due, request, first unread id): unread chunks of discarded requests to delete."""
         self._consumed: list[str] = []
         """Keys committed but not yet deleted (RECV thread only): go with the next read."""
         # counters, for logs and metrics
@@ -172,6 +181,27 @@ class ChunkAdapter:
             self._recv_ids.pop(request_id, None)
             self._ready.pop(request_id, None)
 
+    def discard(self, request_id: str) -> None:
+        """Abort the request here: drop its queued chunks (a final with data None still goes
+        out if it was mid-stream), stop receiving it, and delete every chunk key of it that
+        this stage wrote or had yet to read. Returns at once; the threads do the I/O."""
+        with self._send_cv:
+            if request_id in self._send_pending or request_id in self._send_ids:
+                self._cancelled.add(request_id)
+                self._send_q.append((request_id, None, True))
+                self._send_pending[request_id] = self._send_pending.get(request_id, 0) + 1
+            self._purge_wanted.add(request_id)
+            self._send_q.append((request_id, _PURGE, True))
+            self._send_cv.notify()
+        with self._recv_cv:
+            from_id = self._recv_ids.get(request_id, 0)
+            now = time.monotonic()
+            self._sweeps.extend(
+                [(now, request_id, from_id), (now + LATE_SWEEP_S, request_id, from_id)]
+            )
+            self._recv_cv.notify()
+        self.cleanup_receiver(request_id)
+
     def stop(self, timeout_s: float = 2.0) -> None:
         """Wake both threads and join them; returns promptly even while they idle."""
         self._stop.set()
@@ -201,6 +231,12 @@ class ChunkAdapter:
                     return
                 item = self._send_q.popleft() if self._send_q else None
                 cancelled = item is not None and item[0] in self._cancelled
+            if item is not None and item[1] is _PURGE:
+                if batch:
+                    self._flush(batch)
+                    batch, staged_ids = [], {}
+                self._purge_sent(item[0])
+                continue
             if item is not None:
                 self._stage(batch, staged_ids, *item, cancelled)
             with self._send_cv:
@@ -254,9 +290,29 @@ class ChunkAdapter:
                     self.sent_chunks += 1
                     self._send_ids[request_id] = int(key.rsplit("_", 1)[1]) + 1
                 if chunk["finished"]:
+                    if request_id in self._purge_wanted:
+                        self._sent_upto[request_id] = int(key.rsplit("_", 1)[1]) + 1
                     self._send_ids.pop(request_id, None)
                     self._cancelled.discard(request_id)
         self._done_pending([r for r, _k, _c in batch])
+
+    def _purge_sent(self, request_id: str) -> None:
+        """Delete every chunk key this stage wrote for the request (after its final went out)."""
+        with self._send_cv:
+            self._purge_wanted.discard(request_id)
+            upto = self._sent_upto.pop(request_id, None)
+            if upto is None:
+                upto = self._send_ids.pop(request_id, 0)
+            self._cancelled.discard(request_id)
+        if upto and self._delete_many is not None:
+            try:
+                self._delete_many(
+                    [keys.chunk_key(request_id, self.stage_id, i) for i in range(upto)]
+                )
+            except Exception as e:
+                log.warning(
+                    "deleting the chunks of aborted %r failed (they expire): %r", request_id, e
+                )
 
     def _done_pending(self, request_ids: list[str]) -> None:
         with self._send_cv:
@@ -332,9 +388,12 @@ class ChunkAdapter:
                 log.warning(
                     "deleting %d consumed chunk(s) failed (they expire): %r", len(consumed), e
                 )
+        self._run_due_sweeps()
         with self._recv_cv:
             while not self._poll_q and not self._to_unlisten and not self._stop.is_set():
                 if self._parked and time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
+                    break
+                if self._sweeps and min(d for d, _r, _i in self._sweeps) <= time.monotonic():
                     break
                 self._recv_cv.wait(IDLE_WAIT_S)
             if self._stop.is_set():
@@ -356,6 +415,31 @@ class ChunkAdapter:
             to_listen, self._to_listen = self._to_listen, []
             to_unlisten, self._to_unlisten = self._to_unlisten, []
             return batch, to_listen, to_unlisten
+
+    def _run_due_sweeps(self) -> None:
+        """Delete the unread chunks of discarded requests, page by page while pages are full."""
+        if not self._sweeps or self._peek_many is None or self._delete_many is None:
+            return
+        now = time.monotonic()
+        with self._recv_cv:
+            due = [sw for sw in self._sweeps if sw[0] <= now]
+            self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
+        for _due, rid, first in due:
+            try:
+                while True:
+                    page = [keys.chunk_key(rid, self.src_stage_id, first + i) for i in range(64)]
+                    found = [
+                        k for k, v in zip(page, self._peek_many(page), strict=True) if v is not None
+                    ]
+                    if found:
+                        self._delete_many(found)
+                    if len(found) < len(page):
+                        break
+                    first += len(page)
+            except Exception as e:
+                log.warning(
+                    "deleting unread chunks of discarded %r failed (they expire): %r", rid, e
+                )
 
     def _update_routes(self, to_listen: list[str], to_unlisten: list[str]) -> None:
         """Tell the connector whose puts should wake us, before the first poll of a request."""

@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from omni_runtime import keys
 from omni_runtime.errors import CodecError, StartupTimeoutError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_clients import RedisClients
@@ -54,6 +55,8 @@ class OmniClient:
         self.redis: aioredis.Redis = self.clients.aio()
         self._writer = StreamWriter(self.redis, self.settings.stream_maxlen)
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
+        self._heartbeat_key = self.names.heartbeat(f"client:{self.client_id}")
+        await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
         return self
 
@@ -67,6 +70,8 @@ class OmniClient:
 
     async def close(self) -> None:
         """Stop reading (within one `block_ms`, no command cut off midway), drop the stream."""
+        for request_id in list(self._queues):  # nobody will read them: free the pipeline
+            self._writer.xadd(self.names.requests, entry_fields(AbortMsg(request_id=request_id)))
         if self._reader is not None:
             self._closing = True
             try:
@@ -76,10 +81,13 @@ class OmniClient:
                 self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
             self._reader = None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2):
+                    await self._writer.flushed()
             self._writer_task.cancel()
             await asyncio.gather(self._writer_task, return_exceptions=True)
         with contextlib.suppress(RedisError):
-            await self.redis.delete(self.out_stream)
+            await self.redis.delete(self.out_stream, self._heartbeat_key)
         await self.redis.aclose()
 
     async def wait_ready(self, stage_ids: list[int], timeout_s: float | None = None) -> None:
@@ -138,6 +146,7 @@ class OmniClient:
         if queue is None:
             raise KeyError(f"request {request_id!r} was not submitted by this client")
         timeout_s = timeout_s or self.settings.request_timeout_s
+        finished = False
         try:
             while True:
                 try:
@@ -148,11 +157,16 @@ class OmniClient:
                         f"no output for request {request_id!r} within {timeout_s:g}s "
                         "(OMNI_REQUEST_TIMEOUT_S)"
                     ) from None
+                finished = out.finished
                 yield out
-                if out.finished:
+                if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
+            if not finished:  # abandoned (break, timeout, cancel): stop the work it causes
+                self._writer.xadd(
+                    self.names.requests, entry_fields(AbortMsg(request_id=request_id))
+                )
 
     async def generate(self, prompt: Any, **kwargs: Any) -> AsyncIterator[OrchOutput]:
         """`submit` then `stream`."""
@@ -163,8 +177,13 @@ class OmniClient:
     async def _read_outputs(self) -> None:
         last_id = b"0-0"
         delay_s = 0.05
+        beat_at = 0.0
+        loop = asyncio.get_running_loop()
         while not self._closing:
             try:
+                if loop.time() >= beat_at:
+                    await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
+                    beat_at = loop.time() + self.settings.heartbeat_interval_s
                 reply = await self.redis.xread(
                     {self.out_stream: last_id},
                     count=self.settings.read_count,

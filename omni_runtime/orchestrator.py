@@ -10,6 +10,8 @@ stage clients).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -36,6 +38,7 @@ class Orchestrator:
         stages: Sequence[Stage],
         final_stage_ids: Iterable[int],
         forward_fn: ForwardFn = forward_previous_data,
+        default_deadline_s: float | None = None,
     ) -> None:
         self.stages: list[Stage] = list(stages)
         self.final_stage_ids: frozenset[int] = frozenset(final_stage_ids)
@@ -46,12 +49,18 @@ class Orchestrator:
             raise ValueError(f"final stage ids {bad} outside 0..{len(self.stages) - 1}")
         self.last_stage: int = max(self.final_stage_ids)
         self.forward_fn = forward_fn
+        self.default_deadline_s = default_deadline_s
         self.request_states: dict[str, ReqState] = {}
         self.dropped_outputs: int = 0
         self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
         self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._deadline_s: dict[str, float] = {}
+        """Per-request deadline overrides, read once by the handler."""
+        self._deadlines: list[tuple[float, int, str, ReqState]] = []
+        self._deadline_added = asyncio.Event()
+        self._deadline_seq = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -65,6 +74,7 @@ class Orchestrator:
                 asyncio.create_task(self._reader_loop(sid), name=f"orch-reader-{sid}")
             )
         self._tasks.append(asyncio.create_task(self._dispatcher_loop(), name="orch-dispatcher"))
+        self._tasks.append(asyncio.create_task(self._deadline_loop(), name="orch-deadlines"))
 
     async def shutdown(self) -> None:
         """Cancel every task and wait for them, so none is destroyed while pending."""
@@ -87,9 +97,24 @@ class Orchestrator:
 
     # --- public API ------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: Any) -> None:
-        """Only enqueue: the handler task creates the state and submits to stage 0."""
+    async def add_request(
+        self, request_id: str, prompt: Any, deadline_s: float | None = None
+    ) -> None:
+        """Only enqueue: the handler task creates the state and submits to stage 0.
+
+        Past `deadline_s` (default: `default_deadline_s`) the request ends with an
+        error output and is aborted at every stage.
+        """
+        if deadline_s is not None:
+            self._deadline_s[request_id] = deadline_s
         await self._req_q.put(("add", request_id, prompt))
+
+    async def abort_request(self, request_id: str, reason: str = "aborted") -> None:
+        """End a live request with one error output and abort it at every stage that has it.
+
+        A request that already ended is left alone: it got its one final output.
+        """
+        await self._req_q.put(("abort", request_id, reason))
 
     async def next_output(self, timeout: float | None = None) -> OrchOutput:
         """The next output for the user; raises `TimeoutError` after `timeout` seconds."""
@@ -102,8 +127,26 @@ class Orchestrator:
 
     async def _handler_loop(self) -> None:
         while True:
-            _kind, request_id, prompt = await self._req_q.get()
-            await self._handle_add(request_id, prompt)
+            kind, request_id, payload = await self._req_q.get()
+            if kind == "add":
+                await self._handle_add(request_id, payload)
+            else:
+                await self._handle_abort(request_id, payload)
+
+    async def _deadline_loop(self) -> None:
+        """Sleeps until the earliest deadline; a request still live then is aborted."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._deadline_added.clear()
+            timeout = self._deadlines[0][0] - loop.time() if self._deadlines else None
+            if timeout is None or timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._deadline_added.wait()
+                continue
+            _at, _seq, request_id, state = heapq.heappop(self._deadlines)
+            if self.request_states.get(request_id) is state:
+                await self._handle_abort(request_id, "deadline exceeded")
 
     async def _reader_loop(self, stage_id: int) -> None:
         """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
@@ -125,15 +168,50 @@ class Orchestrator:
     # --- routing ---------------------------------------------------------------
 
     async def _handle_add(self, request_id: str, prompt: Any) -> None:
-        if request_id in self.request_states:
+        state = self._register(request_id, prompt)
+        if state is None:
             await self._out_q.put(
                 OrchOutput(request_id, 0, None, True, error="duplicate request id")
             )
             return
-        state = ReqState(prompt=prompt)
-        self.request_states[request_id] = state  # registered before the first await
         state.submitted.add(0)
         await self._submit(request_id, 0, prompt)
+
+    def _register(self, request_id: str, prompt: Any) -> ReqState | None:
+        """Create and register the state (no await here); None for a duplicate id."""
+        deadline_s = self._deadline_s.pop(request_id, self.default_deadline_s)
+        if request_id in self.request_states:
+            return None
+        state = ReqState(prompt=prompt)
+        self.request_states[request_id] = state
+        if deadline_s is not None:
+            at = asyncio.get_running_loop().time() + deadline_s
+            self._deadline_seq += 1
+            heapq.heappush(self._deadlines, (at, self._deadline_seq, request_id, state))
+            self._deadline_added.set()
+        return state
+
+    async def _handle_abort(self, request_id: str, reason: str) -> None:
+        state = self.request_states.get(request_id)
+        if state is None:
+            return  # already ended (or never added): it had, or will have, its one output
+        self._cleanup(request_id)
+        stage_id = max(state.submitted, default=0)
+        await self._out_q.put(OrchOutput(request_id, stage_id, None, True, error=reason))
+        await self._abort_stages(request_id, state.submitted - state.finished)
+
+    async def _abort_stages(self, request_id: str, stage_ids: set[int]) -> None:
+        """Tell every stage that may still hold the request to drop it."""
+        for sid in sorted(stage_ids):
+            abort = getattr(self.stages[sid], "abort", None)
+            if abort is None:
+                continue
+            try:
+                await abort(request_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("stage %d could not abort %r: %r", sid, request_id, e)
 
     async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
         rid = out.request_id
@@ -147,18 +225,21 @@ class Orchestrator:
         state.stage_data.setdefault(stage_id, []).append(out.data)
         if out.finished:
             state.finished.add(stage_id)
-        if stage_id in self.final_stage_ids:
-            done = self.final_stage_ids <= state.finished
-            if done:
-                self._cleanup(rid)
-            await self._out_q.put(OrchOutput(rid, stage_id, out.data, done))
-            if done:
-                return
+        if stage_id in self.final_stage_ids and await self._emit_final(rid, stage_id, state, out):
+            return
         if out.finished and stage_id < self.last_stage:
             nxt = stage_id + 1
             next_input = self.forward_fn(nxt, state.prompt, state.stage_data[stage_id])
             state.submitted.add(nxt)
             await self._submit(rid, nxt, next_input)
+
+    async def _emit_final(self, rid: str, stage_id: int, state: ReqState, out: StageOutput) -> bool:
+        """Step 4: emit a final stage's output; True if that ended the request (cleaned up)."""
+        done = self.final_stage_ids <= state.finished
+        if done:
+            self._cleanup(rid)
+        await self._out_q.put(OrchOutput(rid, stage_id, out.data, done))
+        return done
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:
         """Submit; a failing stage ends this request alone with one error output."""
@@ -174,9 +255,15 @@ class Orchestrator:
                 )
 
     async def _fail(self, request_id: str, stage_id: int, error: str) -> None:
-        """End one request with exactly one error output; every other request goes on."""
+        """End one request with exactly one error output; every other request goes on.
+
+        Stages that still hold the request (streaming mode starts them all) are aborted.
+        """
+        state = self.request_states.get(request_id)
         self._cleanup(request_id)
         await self._out_q.put(OrchOutput(request_id, stage_id, None, True, error=error))
+        if state is not None:
+            await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 
     def _cleanup(self, request_id: str) -> None:
         """Forget the request; later outputs for it are dropped and counted."""

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 _COMMAND = TypeAdapter(ClientCommand)
 
 
-def build_orchestrator(pipeline: PipelineConfig, stages: list[Any]) -> Orchestrator:
+def build_orchestrator(
+    pipeline: PipelineConfig, stages: list[Any], default_deadline_s: float | None = None
+) -> Orchestrator:
     """The orchestrator class of the pipeline's mode, with its forward function."""
     forward = (
         resolve_entry(pipeline.forward, pipeline.source_dir)
@@ -49,8 +51,8 @@ def build_orchestrator(pipeline: PipelineConfig, stages: list[Any]) -> Orchestra
     if pipeline.mode == "streaming":
         from omni_runtime.streaming import StreamingOrchestrator
 
-        return StreamingOrchestrator(stages, pipeline.final_stage_ids, forward)
-    return Orchestrator(stages, pipeline.final_stage_ids, forward)
+        return StreamingOrchestrator(stages, pipeline.final_stage_ids, forward, default_deadline_s)
+    return Orchestrator(stages, pipeline.final_stage_ids, forward, default_deadline_s)
 
 
 class OrchestratorService:
@@ -85,7 +87,7 @@ class OrchestratorService:
             )
             for sid in range(len(self.pipeline.stages))
         ]
-        self.orchestrator = build_orchestrator(self.pipeline, stages)
+        self.orchestrator = build_orchestrator(self.pipeline, stages, s.deadline_s)
         try:
             await ensure_group(client, self.names.requests, keys.ORCHESTRATOR_GROUP)
             for sid in range(len(stages)):
@@ -96,6 +98,7 @@ class OrchestratorService:
                     asyncio.create_task(self._read_requests(client, writer), name="requests"),
                     asyncio.create_task(self._deliver_outputs(writer), name="deliver"),
                     asyncio.create_task(self._heartbeat(client), name="heartbeat"),
+                    asyncio.create_task(self._watch_clients(client), name="clients"),
                 ]
                 self.ready.set()
                 log.info(
@@ -147,16 +150,29 @@ class OrchestratorService:
             return
         if isinstance(cmd, RequestMsg):
             self.client_of[cmd.request_id] = cmd.client_id
-            await self.orchestrator.add_request(cmd.request_id, cmd.prompt)
+            await self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.deadline_s)
         elif isinstance(cmd, AbortMsg):
-            await self._abort(cmd)
+            await self.orchestrator.abort_request(cmd.request_id, cmd.reason)
 
-    async def _abort(self, cmd: AbortMsg) -> None:
-        abort = getattr(self.orchestrator, "abort_request", None)
-        if abort is None:
-            log.warning("abort of %r ignored: this orchestrator cannot abort", cmd.request_id)
-            return
-        await abort(cmd.request_id, cmd.reason)
+    async def _watch_clients(self, client: aioredis.Redis) -> None:
+        """Abort the requests of clients whose heartbeat expired: nobody will read them."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            client_ids = sorted(set(self.client_of.values()))
+            if not client_ids:
+                continue
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for cid in client_ids:
+                        pipe.exists(self.names.heartbeat(f"client:{cid}"))
+                    alive = await pipe.execute()
+            except RedisError as e:
+                log.warning("checking client heartbeats failed: %r", e)
+                continue
+            gone = {cid for cid, ok in zip(client_ids, alive, strict=True) if not ok}
+            for rid, cid in list(self.client_of.items()):
+                if cid in gone:
+                    await self.orchestrator.abort_request(rid, "client went away")
 
     async def _deliver_outputs(self, writer: StreamWriter) -> None:
         ttl_s = self.settings.client_stream_ttl_s

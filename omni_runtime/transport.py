@@ -21,7 +21,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
 from omni_runtime.types import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ class RedisStageClient:
         self.in_stream = names.stage_in(stage_id)
         self.out_stream = names.stage_out(stage_id)
         self.dead_letters = names.dead_letters
+        self.control = names.control
         self.read_count = read_count
         self.block_ms = block_ms
         self.max_message_bytes = max_message_bytes
@@ -200,6 +201,10 @@ class RedisStageClient:
     async def submit(self, request_id: str, data: Any) -> None:
         msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
         self.writer.xadd(self.in_stream, entry_fields(msg))  # encodes now: bad data raises here
+
+    async def abort(self, request_id: str) -> None:
+        """Broadcast on the control stream: whichever worker holds the request drops it."""
+        self.writer.xadd(self.control, entry_fields(AbortMsg(request_id=request_id)))
 
     async def get_output(self) -> list[StageOutput]:
         while True:

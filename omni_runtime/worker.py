@@ -31,9 +31,13 @@ from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
 from omni_runtime.transport import dead_letter_fields, ensure_group_sync, entry_fields, parse_entry
-from omni_runtime.worker_io import Heartbeat, InputReader
+from omni_runtime.worker_io import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)
+
+HOUSEKEEPING_INTERVAL_S = 0.05
+"""How often the loop checks for stalled inputs, at the latest."""
+ABORT_MEMORY_S = 60.0
 
 
 @dataclass
@@ -69,7 +73,11 @@ class StageWorker:
         self.stop_event = threading.Event()
         self.active: dict[str, ActiveRequest] = {}
         self.completed = 0
+        self.aborted = 0
         self.malformed_inputs = 0
+        self.recent_aborts: dict[str, float] = {}
+        """Aborted request ids (bounded, ~1 min): an input that arrives after its abort is dropped."""
+        self._next_housekeeping = 0.0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -83,22 +91,26 @@ class StageWorker:
         )
         self.adapter: ChunkAdapter | None = None
         if self.streaming:
-            connector = RedisConnector(
+            self.connector = RedisConnector(
                 self.client, ttl_s=s.chunk_ttl_s, prefix=self.names.chunk_prefix
             )
-            self.adapter = ChunkAdapter(connector, self.stage_id, on_ready=self.wake.set)
+            self.adapter = ChunkAdapter(self.connector, self.stage_id, on_ready=self.wake.set)
         self.reader = InputReader(self, self.client)
+        self.control = ControlReader(self, self.client)
         self.heartbeat = Heartbeat(self, self.client)
         self.heartbeat.start()
+        self.control.start()  # before inputs: an abort is never older than what it aborts
         self.reader.start()
         log.info("worker %s of stage %d (%s) ready", self.worker_id, self.stage_id, self.stage.name)
         try:
             self._loop()
         finally:
             self.reader.stop()
+            self.control.stop()
             self.heartbeat.stop()
             if self.adapter is not None:
                 self.adapter.stop()
+                self.connector.close()
             close = getattr(self.engine, "close", None)
             if close is not None:
                 close()
@@ -128,14 +140,43 @@ class StageWorker:
                 if not self.active or time.monotonic() > drain_deadline:
                     return
             self.wake.clear()
+            self._take_aborts()
             busy = self._take_inputs()
             busy |= self._feed_chunks()
             outputs = self.engine.step() if self.engine.has_work() else []
             if outputs:
                 self._publish(outputs)
-            elif not busy:
+            if time.monotonic() >= self._next_housekeeping:
+                self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
                 self._expire_stalled_inputs()
-                self.wake.wait(0.05)
+                self._forget_old_aborts()
+            if not outputs and not busy:
+                self.wake.wait(HOUSEKEEPING_INTERVAL_S)
+
+    def _take_aborts(self) -> None:
+        """Drop aborted requests: engine, chunk sender and receiver, their chunk keys, the input."""
+        now = time.monotonic()
+        for rid in self.control.take():
+            self.recent_aborts[rid] = now
+            req = self.active.pop(rid, None)
+            if req is None:
+                continue
+            self.engine.abort(rid)
+            if self.adapter is not None:
+                self.adapter.discard(rid)
+            self._ack(req.entry_id)
+            self.aborted += 1
+            self.reader.slots_freed()
+
+    def _forget_old_aborts(self) -> None:
+        horizon = time.monotonic() - ABORT_MEMORY_S
+        for rid in [r for r, t in self.recent_aborts.items() if t < horizon]:
+            del self.recent_aborts[rid]
+
+    def _ack(self, entry_id: bytes) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
+            self._execute(pipe)
 
     def _take_inputs(self) -> bool:
         entries = self.reader.take()
@@ -145,8 +186,8 @@ class StageWorker:
             except CodecError as e:
                 self._dead_letter(entry_id, fields, str(e))
                 continue
-            if msg.request_id in self.active:  # a redelivery of what we already run
-                self.client.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
+            if msg.request_id in self.active or msg.request_id in self.recent_aborts:
+                self._ack(entry_id)  # a redelivery of what we run, or already aborted
                 continue
             req = ActiveRequest(entry_id)
             self.active[msg.request_id] = req
@@ -202,12 +243,11 @@ class StageWorker:
                 pipe.xadd(
                     self.out_stream, fields, maxlen=self.settings.stream_maxlen, approximate=True
                 )
-                if self.sends_chunks and self.adapter is not None:
-                    if out.error is not None:
-                        self.adapter.cancel_sender(out.request_id)
-                    self.adapter.save_async(
-                        out.request_id, out.data, out.finished or out.error is not None
-                    )
+                if self.adapter is not None:
+                    if out.error is not None:  # final with data None if mid-stream, keys deleted
+                        self.adapter.discard(out.request_id)
+                    elif self.sends_chunks:
+                        self.adapter.save_async(out.request_id, out.data, out.finished)
                 if out.finished or out.error is not None:
                     pipe.xack(self.in_stream, keys.WORKERS_GROUP, req.entry_id)
                     finished.append((out.request_id, req))

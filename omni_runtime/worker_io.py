@@ -11,7 +11,9 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from omni_runtime import keys
-from omni_runtime.transport import Entry, ensure_group_sync
+from omni_runtime.errors import CodecError
+from omni_runtime.messages import AbortMsg
+from omni_runtime.transport import Entry, ensure_group_sync, parse_entry
 
 if TYPE_CHECKING:
     from omni_runtime.worker import StageWorker
@@ -89,6 +91,65 @@ class InputReader:
             entries = [entry for _s, batch in reply or [] for entry in batch]
             if entries:
                 self.inject(entries)
+
+
+class ControlReader:
+    """Follows the broadcast control stream (aborts) from the moment the worker started."""
+
+    def __init__(self, worker: StageWorker, client: redis.Redis) -> None:
+        self.worker = worker
+        self.client = client
+        self._lock = threading.Lock()
+        self._aborts: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control-reader", daemon=True)
+
+    def start(self) -> None:
+        self._last_id = self._tail_id()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def take(self) -> list[str]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+        return aborts
+
+    def _tail_id(self) -> bytes:
+        last = self.client.xrevrange(self.worker.names.control, count=1)
+        return last[0][0] if last else b"0-0"
+
+    def _run(self) -> None:
+        w = self.worker
+        stream = w.names.control
+        delay_s = 0.05
+        while not self._stop.is_set() and not w.stop_event.is_set():
+            try:
+                reply = self.client.xread(
+                    {stream: self._last_id}, count=w.settings.read_count, block=w.settings.block_ms
+                )
+                delay_s = 0.05
+            except RedisError as e:
+                log.warning("reading %s failed, retrying in %.2fs: %r", stream, delay_s, e)
+                self._stop.wait(delay_s)
+                delay_s = min(2.0, delay_s * 2)
+                continue
+            aborts: list[str] = []
+            for _s, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    try:
+                        msg = parse_entry(fields, AbortMsg, w.settings.max_message_bytes)
+                    except CodecError as e:
+                        log.error("malformed control entry %s ignored: %s", entry_id, e)
+                        continue
+                    aborts.append(msg.request_id)
+            if aborts:
+                with self._lock:
+                    self._aborts.extend(aborts)
+                w.wake.set()
 
 
 class Heartbeat:
