@@ -116,10 +116,13 @@ class StageWorker:
                 close()
             self.client.close()
             log.info(
-                "worker %s of stage %d stopped: %d requests completed, %d malformed inputs",
+                "worker %s of stage %d stopped: %d requests completed, %d aborted, "
+                "%d still active, %d malformed inputs",
                 self.worker_id,
                 self.stage_id,
                 self.completed,
+                self.aborted,
+                len(self.active),
                 self.malformed_inputs,
             )
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import yaml
@@ -138,3 +140,87 @@ async def test_200_concurrent_requests_no_loss_no_duplicate_no_leftovers(
                     assert group["pending"] == 0, k
     finally:
         client.close()
+
+
+def omni(**options: Any) -> dict[str, Any]:
+    """Changes for workers/omni.yaml: fast stand-in models for tests."""
+    return {
+        "stages": {
+            0: {"options": {"token_delay_ms": options.get("token_delay_ms", 1)}},
+            1: {"options": {"code_delay_ms": 0}},
+        }
+    }
+
+
+async def test_streaming_and_sequential_give_identical_outputs(deploy: Any) -> None:
+    prompts = {f"q{i}": f"Hello number {i}, streaming world!" for i in range(10)}
+    seq = await deploy("omni.yaml", mode="sequential", **omni()).run_all(prompts)
+    stream = await deploy("omni.yaml", mode="streaming", **omni()).run_all(prompts)
+    for rid in prompts:
+        a, b = seq[rid], stream[rid]
+        assert all(o.error is None for o in a + b), rid
+        text_a = [o.data for o in a if o.stage_id == 0]
+        text_b = [o.data for o in b if o.stage_id == 0]
+        assert text_a == text_b == re.findall(r"\w+|[^\w\s]", prompts[rid])
+        audio_a = [o.data for o in a if o.stage_id == 2]
+        audio_b = [o.data for o in b if o.stage_id == 2]
+        assert len(audio_a) == len(audio_b) == len(text_a)
+        assert all(
+            np.array_equal(x, y) and x.dtype == y.dtype
+            for x, y in zip(audio_a, audio_b, strict=True)
+        )
+        assert a[-1].finished and b[-1].finished
+        assert sum(o.finished for o in a) == sum(o.finished for o in b) == 1
+
+
+async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
+    deploy: Any, redis_url: str
+) -> None:
+    d = deploy("omni.yaml", mode="streaming", **omni(token_delay_ms=2))
+    rng = random.Random(11)
+    n, concurrency = 500, 50
+    finals: dict[str, list[OrchOutput]] = {}
+    async with OmniClient(d.settings) as client:
+        await client.wait_ready([0, 1, 2], timeout_s=60)
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with slots:
+                rid = f"storm-{i}"
+                await client.submit(f"token {i} " * rng.randint(3, 30), request_id=rid)
+                abort_after = rng.random() * 0.08 if i % 2 else None
+                outs: list[OrchOutput] = []
+
+                async def consume() -> None:
+                    async for out in client.stream(rid, timeout_s=60):
+                        outs.append(out)
+
+                task = asyncio.create_task(consume())
+                if abort_after is not None:
+                    await asyncio.sleep(abort_after)  # a random moment of the request's life
+                    await client.abort(rid)
+                await task
+                finals[rid] = [o for o in outs if o.finished]
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    assert len(finals) == n
+    assert all(len(f) == 1 for f in finals.values()), "every request has exactly one final output"
+    aborted = [f[0] for f in finals.values() if f[0].error is not None]
+    assert aborted and all(f.error == "aborted" for f in aborted)
+    assert all(f[0].error is None for rid, f in finals.items() if int(rid.split("-")[1]) % 2 == 0)
+    # no chunk key of any request left in Redis (unread chunks are swept within ~1 s)
+    client_r = redis.Redis.from_url(redis_url)
+    try:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 15
+        while True:
+            left = [k for k in client_r.scan_iter(f"{d.namespace}:chunk:*") if b":notify:" not in k]
+            if not left or loop.time() > end:
+                break
+            await asyncio.sleep(0.1)
+        assert left == []
+    finally:
+        client_r.close()
+    d.group.stop()
+    still_active = [int(m.group(1)) for m in re.finditer(r"(\d+) still active", d.logs())]
+    assert len(still_active) == 3 and sum(still_active) == 0, "no worker holds state for them"

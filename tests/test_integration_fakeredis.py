@@ -168,3 +168,56 @@ async def test_many_concurrent_requests_no_loss_no_duplicate(
             (2, f"wav:{a.upper()}", False),
             (2, f"wav:{b.upper()}", True),
         ], rid
+
+
+def omni_fast(mode: str) -> PipelineConfig:
+    pipeline = load_pipeline(WORKERS / "omni.yaml", mode=mode)
+    pipeline.stages[0].options["token_delay_ms"] = 0
+    pipeline.stages[1].options["code_delay_ms"] = 0
+    return pipeline
+
+
+async def test_streaming_mode_over_redis_matches_sequential(
+    server: fakeredis.FakeServer, settings: Settings
+) -> None:
+    results = {}
+    for mode in ("sequential", "streaming"):
+        clients = RedisClients(
+            sync=lambda: fakeredis.FakeRedis(server=server),
+            aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+        )
+        ns = settings.model_copy(update={"namespace": mode})
+        async with InProcessCluster(omni_fast(mode), ns, clients) as c:
+            results[mode] = await c.run("Hello, streaming world!")
+    seq, stream = results["sequential"], results["streaming"]
+    assert [o.data for o in seq if o.stage_id == 0] == ["Hello", ",", "streaming", "world", "!"]
+    assert [o.data for o in stream if o.stage_id == 0] == [o.data for o in seq if o.stage_id == 0]
+    audio = [(o.data.tobytes(), o.finished) for o in seq if o.stage_id == 2]
+    assert [(o.data.tobytes(), o.finished) for o in stream if o.stage_id == 2] == audio
+
+
+async def test_abort_reaches_the_workers_and_ends_the_request_once(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    pipeline = omni_fast("streaming")
+    pipeline.stages[0].options["token_delay_ms"] = 50  # slow enough to abort mid-way
+    async with InProcessCluster(pipeline, settings, fake_clients) as c:
+        rid = await c.client.submit("one two three four five six seven eight nine ten")
+        outs = []
+        async for out in c.client.stream(rid):
+            outs.append(out)
+            if len(outs) == 1:
+                await c.client.abort(rid)
+        assert outs[-1].finished and outs[-1].error == "aborted"
+        assert sum(o.finished for o in outs) == 1
+        await wait_for(lambda: all(not w.active for w in c.workers))
+        assert sum(w.aborted for w in c.workers) >= 1
+
+
+async def test_deadline_ends_a_slow_request(fake_clients: RedisClients, settings: Settings) -> None:
+    pipeline = omni_fast("sequential")
+    pipeline.stages[0].options["token_delay_ms"] = 200
+    async with InProcessCluster(pipeline, settings, fake_clients) as c:
+        outs = await c.run("a b c d e f g h", deadline_s=0.3)
+        assert outs[-1].finished and outs[-1].error == "deadline exceeded"
+        await wait_for(lambda: all(not w.active for w in c.workers))
