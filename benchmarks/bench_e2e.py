@@ -855,7 +855,8 @@ class HopSamples:
     hop_ns: dict[int, list[int]] = field(default_factory=lambda: {0: [], 1: []})
     rep_p50_ns: list[float] = field(default_factory=list)
     rep_p50_by_stage_ns: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: []})
-    segments_ns: dict[str, list[int]] = field(default_factory=dict)
+    segments_ns: dict[int, dict[str, list[int]]] = field(default_factory=lambda: {0: {}, 1: {}})
+    """Per hop (0: S0->S1, 1: S1->S2): segment name -> samples."""
     timeline_ns: dict[str, list[int]] = field(default_factory=dict)
     missing: int = 0
     request_ns: list[int] = field(default_factory=list)
@@ -897,7 +898,7 @@ def collect_hops(
             for name, a, b in SEGMENTS:
                 ta, tb = at[a], at[b]
                 if ta is not None and tb is not None:
-                    out.segments_ns.setdefault(name, []).append(tb - ta)
+                    out.segments_ns[sid].setdefault(name, []).append(tb - ta)
         out.hop_ns[sid].extend(by_stage)
         if by_stage:
             out.rep_p50_by_stage_ns[sid].append(percentile(by_stage, 50))
@@ -1055,26 +1056,33 @@ def _hop_rows(
         f"1 request in flight, next ~{sizes.light_gap_ms:g} ms after the previous finished, "
         f"{sizes.light_requests} requests/rep x {sizes.reps} reps"
     )
-    seg_text = ", ".join(
-        f"{name} {_us(percentile(v, 50)):.0f}" for name, v in hops.segments_ns.items() if v
-    )
+    pooled_segments: dict[str, list[int]] = {}
+    for by_name in hops.segments_ns.values():
+        for seg, values in by_name.items():
+            pooled_segments.setdefault(seg, []).extend(values)
     rows: list[Row] = []
-    configs: list[tuple[str, list[int], list[float]]] = [
-        ("S0->S1 and S1->S2 pooled", hops.hop_ns[0] + hops.hop_ns[1], hops.rep_p50_ns),
-        ("S0->S1", hops.hop_ns[0], hops.rep_p50_by_stage_ns[0]),
-        ("S1->S2", hops.hop_ns[1], hops.rep_p50_by_stage_ns[1]),
+    configs: list[tuple[str, list[int], list[float], dict[str, list[int]]]] = [
+        (
+            "S0->S1 and S1->S2 pooled",
+            hops.hop_ns[0] + hops.hop_ns[1],
+            hops.rep_p50_ns,
+            pooled_segments,
+        ),
+        ("S0->S1", hops.hop_ns[0], hops.rep_p50_by_stage_ns[0], hops.segments_ns[0]),
+        ("S1->S2", hops.hop_ns[1], hops.rep_p50_by_stage_ns[1], hops.segments_ns[1]),
     ]
-    for name, samples, rep_p50 in configs:
+    for name, samples, rep_p50, segments in configs:
         if not samples:
             continue
         p50 = percentile(samples, 50)
         ratio = p50 / raw_p50
+        seg_p50 = {k: _us(percentile(v, 50)) for k, v in segments.items() if v}
         notes = [
-            f"{light}; {len(samples)} hops",
+            f"{light}; {len(samples)} hops; "
             f"p99 ratio vs raw p99: {percentile(samples, 99) / raw_p99:.2f}x",
+            "segments, p50 us: " + ", ".join(f"{k} {v:.0f}" for k, v in seg_p50.items()),
         ]
         if name.endswith("pooled"):
-            notes.append(f"segments, p50 us: {seg_text}")
             notes.append(
                 "hop = worker's XREADGROUP returned the input - orchestrator's XREADGROUP "
                 "returned the previous stage's finished output"
@@ -1097,15 +1105,11 @@ def _hop_rows(
                 met=ratio <= TARGET_HOP_RATIO,
                 notes=notes,
                 details={
-                    "segments_p50_us": {
-                        k: _us(percentile(v, 50)) for k, v in hops.segments_ns.items() if v
-                    },
+                    "segments_p50_us": seg_p50,
                     "segments_p99_us": {
-                        k: _us(percentile(v, 99)) for k, v in hops.segments_ns.items() if v
+                        k: _us(percentile(v, 99)) for k, v in segments.items() if v
                     },
-                }
-                if name.endswith("pooled")
-                else {},
+                },
             )
         )
     for label, samples, rep_p50, note in (
@@ -1274,6 +1278,11 @@ def _environment(redis_url: str) -> dict[str, Any]:
         env["redis_server"] = client.info("server").get("redis_version")
     finally:
         client.close()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+        env["git_head"] = head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
     return env
 
 
