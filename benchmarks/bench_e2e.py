@@ -10,28 +10,31 @@ request stage 0 emits 2 outputs, stage 1 one, stage 2 two; the client gets 4 out
     at C=64 and C=256, and two client processes sharing C=256, to show whether one client
     is the bottleneck. requests/s = N / (first submit -> last finished output), median over
     the repetitions; latency = submit -> finished output, p50/p99 over all requests of all
-    repetitions. CPU per process (``/proc/<pid>/stat``) is sampled around every repetition.
+    repetitions. CPU of every process (``/proc/<pid>/stat``) and of the machine
+    (``/proc/stat``) is sampled around every repetition; "other" is the machine's busy time
+    not used by the named processes (kernel workers, this coordinator).
 
 (2) Per-hop latency: "a stage output's arrival at the orchestrator -> the next stage's input
     read by its worker", at light load (one request at a time, the next one ~5 ms after the
     previous finished). The orchestrator runs in this process (``OrchestratorService`` on an
-    asyncio loop in a thread) with two instrumented subclasses patched into
-    ``omni_runtime.service`` for the run: a ``RedisStageClient`` that stamps when a reply of
-    the stage's output stream is in hand (before validation), when ``get_output`` returns
-    and when ``submit`` is called, and a ``StreamWriter`` that stamps the start and end of
-    the pipeline carrying each stage input. Each worker is a subprocess (``--role
+    asyncio loop in a thread) with instrumented subclasses patched into
+    ``omni_runtime.service`` for the run (routing logic untouched): a ``RedisStageClient``
+    that stamps when a reply of the stage's output stream is in hand (before validation),
+    when ``get_output`` returns and when ``submit`` is called; a ``StreamWriter`` that stamps
+    the start and end of the pipeline carrying each stage input; and a ``read_group`` that
+    stamps each read of the requests stream. Each worker is a subprocess (``--role
     stamped-worker``) whose ``InputReader.inject`` is patched to stamp every entry its
     XREADGROUP returned. All stamps are ``time.monotonic_ns`` (CLOCK_MONOTONIC: one clock for
     every process), correlated by request id. Hops S0->S1 and S1->S2 are reported alone and
-    pooled.
+    pooled, with their segments; the light-load request is also shown as a timeline.
 
     Baseline, in the same run, repetitions interleaved with the hop's: a raw one-way hand-off
-    between two processes, redis-py ``XADD`` -> ``XREADGROUP BLOCK`` (consumer group, COUNT
-    100, XACK after), ~200 B msgpack messages spaced U(2, 4) ms, producer stamp just before
-    the XADD, consumer stamp when XREADGROUP returned (research: redis_substrate §3a). The
-    producer is sync redis-py in this process's main thread; a second variant produces from
-    the orchestrator's own asyncio loop (redis.asyncio), to separate asyncio-client cost
-    from orchestrator logic. Ratio = hop p50 / raw (sync) p50.
+    between two processes of their own (``--role raw-producer`` / ``raw-consumer``),
+    redis-py ``XADD`` -> ``XREADGROUP BLOCK`` (consumer group, COUNT 100, XACK after),
+    ~200 B msgpack messages spaced U(2, 4) ms, producer stamp just before the XADD, consumer
+    stamp when XREADGROUP returned (research: redis_substrate §3a). A second variant
+    produces from the orchestrator's own asyncio loop (redis.asyncio), to separate the
+    asyncio client's cost from the orchestrator's logic. Ratio = hop p50 / raw (sync) p50.
 
 Targets (issue): >= 1,000 requests/s end to end; per-hop p50 <= 2x the raw hand-off p50.
 
@@ -84,6 +87,9 @@ STARTUP_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
 START_DELAY_NS = 100_000_000  # clients start together this long after the command is sent
 MACHINE = "machine (all CPUs)"
+OTHER = "other (kernel workers, this coordinator, ...)"
+SHARED_MACHINE_FRACTION = 0.15
+"""More "other" CPU than this (of one core) means something else ran on the machine."""
 
 
 def load_deadline_s(n: int, concurrency: int, gap_ms: float) -> float:
@@ -493,6 +499,18 @@ def raw_produce_sync(url: str, stream: str, n: int) -> None:
         client.close()
 
 
+def raw_producer_role(args: argparse.Namespace) -> int:
+    """A process of its own (no other thread to share a GIL with) producing on command."""
+    _emit({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") != "produce":
+            break
+        raw_produce_sync(args.redis_url, args.stream, cmd["n"])
+        _emit({"done": True})
+    return 0
+
+
 async def raw_produce_async(url: str, stream: str, n: int) -> None:
     client = aioredis.Redis.from_url(url)
     try:
@@ -546,6 +564,7 @@ class CpuSampler:
             if c0 is not None and c1 is not None:
                 out[name] = c1 - c0
         out[MACHINE] = (m1[0] - self.m0[0]) * _TICK_S
+        out[OTHER] = out[MACHINE] - sum(v for k, v in out.items() if k != MACHINE)
         return out
 
 
@@ -621,7 +640,11 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
                 # the processes idle outside the load window: its CPU is all in the window
                 util.append({name: v / wall_s for name, v in cpu_s.items()})
                 per_request_us.append(
-                    {name: 1e6 * v / max(1, done) for name, v in cpu_s.items() if name != MACHINE}
+                    {
+                        name: 1e6 * v / max(1, done)
+                        for name, v in cpu_s.items()
+                        if name not in (MACHINE, OTHER)
+                    }
                 )
                 for r in results:
                     latencies.extend(r["latencies_ns"])
@@ -665,6 +688,11 @@ def _throughput_row(
         + f" (of {100 * cpus}%)",
         "CPU per request: " + ", ".join(f"{name} {v:.0f} us" for name, v in us_median.items()),
     ]
+    if util_median.get(OTHER, 0.0) > SHARED_MACHINE_FRACTION:
+        notes.append(
+            f"WARNING: {100 * util_median[OTHER]:.0f}% of a core went to processes outside the "
+            "benchmark: the machine was shared, these figures are pessimistic"
+        )
     if errors:
         notes.append(f"{len(errors)} failed or wrong requests, e.g. {errors[0]}")
     lat = latencies_ns or [0]
@@ -860,6 +888,11 @@ class HopSamples:
     timeline_ns: dict[str, list[int]] = field(default_factory=dict)
     missing: int = 0
     request_ns: list[int] = field(default_factory=list)
+    request_rep_p50_ns: list[float] = field(default_factory=list)
+    machine_busy: list[float] = field(default_factory=list)
+    """Busy CPUs (in cores) during each light-load repetition."""
+    other_busy: list[float] = field(default_factory=list)
+    """Of which outside the benchmark's processes."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -954,6 +987,7 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
     workers: list[LineProc] = []
     clients: list[LineProc] = []
     consumer: LineProc | None = None
+    producer: LineProc | None = None
     orch: OrchestratorThread | None = None
     hops = HopSamples()
     raw_sync: list[int] = []
@@ -984,22 +1018,47 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             log_dir,
         )
         consumer.recv(STARTUP_TIMEOUT_S)
+        producer = LineProc(
+            "raw-producer",
+            _role_cmd("raw-producer", "--redis-url", url, "--stream", raw_stream),
+            child_env(url),
+            log_dir,
+        )
+        producer.recv(STARTUP_TIMEOUT_S)
+        raw_timeout_s = 30 + sizes.raw_messages * 0.01
+
+        def raw_sync_run(n: int) -> list[int]:
+            assert producer is not None and consumer is not None
+            producer.send({"op": "produce", "n": n})
+            producer.recv(raw_timeout_s)
+            samples: list[int] = consumer.recv(raw_timeout_s)["samples_ns"]
+            return samples
+
+        pids = {"benchmark+orchestrator": os.getpid()}
+        pids |= {p.name: p.proc.pid for p in [*workers, *clients, consumer, producer]}
+        server_pid = redis_server_pid(url)
+        if server_pid is not None:
+            pids["redis-server"] = server_pid
+        sampler = CpuSampler(pids)
         # warm-up: every code path once
         run_load(clients, 20, 1, sizes.light_gap_ms, "hopwarm")
-        raw_produce_sync(url, raw_stream, 20)
-        consumer.recv(30)
+        raw_sync_run(20)
         for rep in range(sizes.reps):
             gc.collect()
-            raw_produce_sync(url, raw_stream, sizes.raw_messages)
-            samples = consumer.recv(30 + sizes.raw_messages * 0.01)["samples_ns"]
+            samples = raw_sync_run(sizes.raw_messages)
             raw_sync.extend(samples)
             raw_sync_rep_p50.append(percentile(samples, 50))
 
             gc.collect()
             tag = f"hop{rep}"
+            sampler.start()
             (result,) = run_load(
                 clients, sizes.light_requests, 1, sizes.light_gap_ms, tag, timeline=True
             )
+            cpu_s = sampler.stop()
+            wall_s = (result["t_end_ns"] - result["t_start_ns"]) / 1e9
+            hops.machine_busy.append(cpu_s[MACHINE] / wall_s)
+            hops.other_busy.append(cpu_s[OTHER] / wall_s)
             for w in workers:
                 if w.proc.poll() is not None:
                     raise RuntimeError(f"{w.name} exited\n{w.tail()}")
@@ -1010,16 +1069,20 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             collect_hops(stamps, reads, rids, hops)
             collect_timeline(stamps, reads, result["timeline"], hops)
             hops.request_ns.extend(result["latencies_ns"])
+            if result["latencies_ns"]:
+                hops.request_rep_p50_ns.append(percentile(result["latencies_ns"], 50))
             hops.errors.extend(result["errors"])
 
             gc.collect()
             orch.call(raw_produce_async(url, raw_stream, sizes.raw_messages), 60)
-            samples = consumer.recv(30 + sizes.raw_messages * 0.01)["samples_ns"]
+            samples = consumer.recv(raw_timeout_s)["samples_ns"]
             raw_async.extend(samples)
             raw_async_rep_p50.append(percentile(samples, 50))
     finally:
         for c in clients:
             c.stop()
+        if producer is not None:
+            producer.stop(5)
         if consumer is not None:
             with contextlib.suppress(redis.RedisError):
                 r = redis.Redis.from_url(url)
@@ -1089,6 +1152,18 @@ def _hop_rows(
             )
             if hops.missing:
                 notes.append(f"{hops.missing} hops without both stamps (not counted)")
+            if hops.machine_busy:
+                other = statistics.median(hops.other_busy)
+                notes.append(
+                    f"machine busy during the light-load reps: "
+                    f"{100 * statistics.median(hops.machine_busy):.0f}% of a core, of which "
+                    f"{100 * other:.0f}% outside the benchmark's processes"
+                    + (
+                        " -- WARNING: the machine was shared"
+                        if other > SHARED_MACHINE_FRACTION
+                        else ""
+                    )
+                )
         rows.append(
             Row(
                 bench="2:hop",
@@ -1113,7 +1188,12 @@ def _hop_rows(
             )
         )
     for label, samples, rep_p50, note in (
-        ("sync redis-py producer", raw_sync, raw_sync_rep_p50, "the baseline of the ratios"),
+        (
+            "sync redis-py producer",
+            raw_sync,
+            raw_sync_rep_p50,
+            "producer and consumer each a process of its own; the baseline of the ratios",
+        ),
         (
             "redis.asyncio producer",
             raw_async,
@@ -1143,7 +1223,7 @@ def _hop_rows(
                 config="request latency",
                 metric="us p50",
                 unit="us",
-                value=Summary.of([_us(percentile(hops.request_ns, 50))]),
+                value=Summary.of([_us(v) for v in hops.request_rep_p50_ns]),
                 p50_ms=percentile(hops.request_ns, 50) / 1e6,
                 p99_ms=percentile(hops.request_ns, 99) / 1e6,
                 notes=[
@@ -1299,7 +1379,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     hidden = argparse.SUPPRESS  # the child processes this benchmark starts
     parser.add_argument(
         "--role",
-        choices=["bench", "client", "stamped-worker", "raw-consumer"],
+        choices=["bench", "client", "stamped-worker", "raw-consumer", "raw-producer"],
         default="bench",
         help=hidden,
     )
@@ -1341,6 +1421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stamped_worker_role(args)
     if args.role == "raw-consumer":
         return raw_consumer_role(args)
+    if args.role == "raw-producer":
+        return raw_producer_role(args)
     with contextlib.ExitStack() as stack:
         url: str = args.redis_url or stack.enter_context(private_redis_server())
         result = run(args, url)

@@ -7,50 +7,23 @@ putting (one FIFO keeps each request's chunks ordered and ids contiguous);
 one RECV thread does all getting. A per-registration token, compared under
 the same lock as the commit, makes `cleanup_receiver` a barrier against a get
 that was in flight when it ran.
+
+The two halves live in `chunk_sender.ChunkSender` (SAVE) and
+`chunk_receiver.ChunkReceiver` (RECV); this class is the one stage-facing
+object that owns both.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from omni_runtime import keys
-from omni_runtime.types import Connector, MalformedChunk
+from omni_runtime.chunk_receiver import ChunkReceiver
+from omni_runtime.chunk_sender import Chunk, ChunkSender
+from omni_runtime.types import Connector
 
-log = logging.getLogger(__name__)
-
-Chunk = dict[str, Any]
-_PURGE = object()
-"""A SAVE-queue item that deletes a discarded request's keys once its final went out."""
-"""Exactly `{"data": payload, "finished": is_final}`."""
-
-IDLE_WAIT_S = 0.1
-"""Longest sleep on a Condition: a lost notification costs at most this much."""
-NO_PROGRESS_SLEEP_S = 0.001
-"""Pause between polling rounds that found nothing, for connectors with no wake-up signal."""
-PUT_BATCH = 64
-"""Most chunks one all-or-nothing put carries when more are queued (connectors with put_many)."""
-SWEEP_INTERVAL_S = 0.5
-"""With wake-ups: how often parked requests are polled anyway (a safety net, not the path)."""
-LATE_SWEEP_S = 1.0
-"""A discarded request's unread chunks are deleted at once and again this much later,
-for chunks its upstream put while the discard was under way."""
-READ_AHEAD = 8
-"""Ids looked at per round for a request that just made progress (drains a backlog fast)."""
-MAX_GET_BACKOFF_S = 1.0
-
-
-def _is_chunk(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and value.keys() == {"data", "finished"}
-        and isinstance(value["finished"], bool)
-    )
+__all__ = ["Chunk", "ChunkAdapter"]
 
 
 class ChunkAdapter:
@@ -68,467 +41,104 @@ class ChunkAdapter:
         self.connector = connector
         self.stage_id = stage_id
         self.src_stage_id = stage_id - 1 if src_stage_id is None else src_stage_id
-        self.build_payload: Callable[[Any], Any] = build_payload or (lambda snap: snap)
-        self.snapshot = snapshot
-        self.on_ready = on_ready
-        """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
-        self._put_many: Callable[[list[tuple[str, Any]]], None] | None = getattr(
-            connector, "put_many", None
+        self._sender = ChunkSender(connector, stage_id, build_payload, snapshot)
+        self._receiver = ChunkReceiver(
+            connector, self.src_stage_id, on_ready, thread_name=f"chunk-recv-{stage_id}"
         )
-        self._put_batch = PUT_BATCH if self._put_many is not None else 1
-        self._get_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
-            connector, "get_many", None
-        )
-        self._peek_many: Callable[[Sequence[str]], list[Any]] | None = getattr(
-            connector, "peek_many", None
-        )
-        self._delete_many: Callable[[Sequence[str]], None] | None = getattr(
-            connector, "delete_many", None
-        )
-        self._listen: Callable[[Sequence[str]], None] | None = getattr(connector, "listen", None)
-        self._unlisten: Callable[[Sequence[str]], None] | None = getattr(
-            connector, "unlisten", None
-        )
-        on_put: Callable[[Callable[[str], None]], None] | None = getattr(connector, "on_put", None)
-        self._has_wakeups = on_put is not None
-        """With wake-ups, idle requests are parked instead of polled every round."""
-        self._stop = threading.Event()
-        # sender state, guarded by _send_cv
-        self._send_cv = threading.Condition()
-        self._send_q: deque[tuple[str, Any, bool]] = deque()
-        self._send_ids: dict[str, int] = {}
-        self._send_pending: dict[str, int] = {}
-        self._cancelled: set[str] = set()
-        self._purge_wanted: set[str] = set()
-        self._sent_upto: dict[str, int] = {}
-        # receiver state, guarded by _recv_cv
-        self._recv_cv = threading.Condition()
-        self._tokens: dict[str, object] = {}
-        self._recv_ids: dict[str, int] = {}
-        self._ready: dict[str, list[Chunk]] = {}
-        self._poll_q: deque[str] = deque()
-        self._to_listen: list[str] = []
-        self._to_unlisten: list[str] = []
-        self._parked: set[str] = set()
-        """Registered requests that found nothing: polled again on a wake-up or a sweep."""
-        self._notified: set[str] = set()
-        """Woken while in flight: must not be parked by the commit of that same round."""
-        self._last_sweep = time.monotonic()
-        self._hot: set[str] = set()
-        """Requests that made progress last round (RECV thread only): read ahead for them."""
-        self._sweeps: list[tuple[float, str, int]] = []
-        """(due, request, first unread id): unread chunks of discarded requests to delete."""
-        self._consumed: list[str] = []
-        """Keys committed but not yet deleted (RECV thread only): go with the next read."""
-        # counters, for logs and metrics
-        self.sent_chunks = 0
-        self.dropped_chunks = 0
-        self.failed_puts = 0
-        self.received_chunks = 0
-        self.failed_gets = 0
-        self.malformed_chunks = 0
-        if on_put is not None:
-            on_put(self._on_put)
-        self._save_thread = threading.Thread(
-            target=self._save_loop, name=f"chunk-save-{stage_id}", daemon=True
-        )
-        self._recv_thread = threading.Thread(
-            target=self._recv_loop, name=f"chunk-recv-{stage_id}", daemon=True
-        )
-        self._save_thread.start()
-        self._recv_thread.start()
+        self._save_thread = self._sender.thread
+        self._recv_thread = self._receiver.thread
 
     # --- scheduler-thread API: in-memory only, returns at once ---------------
 
     def save_async(self, request_id: str, obj: Any, is_final: bool) -> None:
         """Snapshot `obj` now (later mutation must not leak) and queue it for the SAVE thread."""
-        snap = self.snapshot(obj)
-        with self._send_cv:
-            self._send_q.append((request_id, snap, is_final))
-            self._send_pending[request_id] = self._send_pending.get(request_id, 0) + 1
-            self._send_cv.notify()
+        self._sender.save_async(request_id, obj, is_final)
 
     def cancel_sender(self, request_id: str) -> None:
         """Drop the request's queued non-final chunks; its final still goes out with data None."""
-        with self._send_cv:
-            if request_id in self._send_pending or request_id in self._send_ids:
-                self._cancelled.add(request_id)
+        self._sender.cancel_sender(request_id)
 
     def load_async(self, request_id: str) -> None:
         """Start receiving the request's chunks; a no-op while it is registered."""
-        with self._recv_cv:
-            if request_id in self._tokens:
-                return
-            self._tokens[request_id] = object()
-            self._recv_ids[request_id] = 0
-            self._poll_q.append(request_id)
-            self._to_listen.append(request_id)
-            self._recv_cv.notify()
+        self._receiver.load_async(request_id)
 
     def poll_ready(self) -> dict[str, list[Chunk]]:
         """Take everything received since the last call: `{req: [chunk, ...]}` in id order."""
-        with self._recv_cv:
-            ready, self._ready = self._ready, {}
-        return ready
+        return self._receiver.poll_ready()
 
     def cleanup_receiver(self, request_id: str) -> None:
         """Commit barrier: once this returns, no get in flight for the request is committed."""
-        with self._recv_cv:
-            if self._tokens.pop(request_id, None) is not None:
-                self._to_unlisten.append(request_id)
-            self._parked.discard(request_id)
-            self._notified.discard(request_id)
-            self._recv_ids.pop(request_id, None)
-            self._ready.pop(request_id, None)
+        self._receiver.cleanup_receiver(request_id)
 
     def discard(self, request_id: str) -> None:
         """Abort the request here: drop its queued chunks (a final with data None still goes
         out if it was mid-stream), stop receiving it, and delete every chunk key of it that
         this stage wrote or had yet to read. Returns at once; the threads do the I/O."""
-        with self._send_cv:
-            if request_id in self._send_pending or request_id in self._send_ids:
-                self._cancelled.add(request_id)
-                self._send_q.append((request_id, None, True))
-                self._send_pending[request_id] = self._send_pending.get(request_id, 0) + 1
-            self._purge_wanted.add(request_id)
-            self._send_q.append((request_id, _PURGE, True))
-            self._send_cv.notify()
-        with self._recv_cv:
-            from_id = self._recv_ids.get(request_id, 0)
-            now = time.monotonic()
-            self._sweeps.extend(
-                [(now, request_id, from_id), (now + LATE_SWEEP_S, request_id, from_id)]
-            )
-            self._recv_cv.notify()
-        self.cleanup_receiver(request_id)
+        self._sender.discard(request_id)
+        self._receiver.discard(request_id)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Wake both threads and join them; returns promptly even while they idle."""
-        self._stop.set()
-        for cv in (self._send_cv, self._recv_cv):
-            with cv:
-                cv.notify_all()
+        self._sender.request_stop()
+        self._receiver.request_stop()
         self._save_thread.join(timeout_s)
         self._recv_thread.join(timeout_s)
 
     def pending_receives(self) -> int:
         """How many requests are registered and still waiting for chunks."""
-        with self._recv_cv:
-            return len(self._tokens)
+        return self._receiver.pending_receives()
 
-    # --- SAVE thread: build + put only ----------------------------------------
+    # --- the halves' callables, readable and settable here as before ---------------
 
-    def _save_loop(self) -> None:
-        """Build items one by one (each checked for cancel when its turn comes); put them
-        together when more are queued, in one all-or-nothing round trip."""
-        batch: list[tuple[str, str, Chunk]] = []
-        staged_ids: dict[str, int] = {}
-        while True:
-            with self._send_cv:
-                while not self._send_q and not batch and not self._stop.is_set():
-                    self._send_cv.wait(IDLE_WAIT_S)
-                if self._stop.is_set():
-                    return
-                item = self._send_q.popleft() if self._send_q else None
-                cancelled = item is not None and item[0] in self._cancelled
-            if item is not None and item[1] is _PURGE:
-                if batch:
-                    self._flush(batch)
-                    batch, staged_ids = [], {}
-                self._purge_sent(item[0])
-                continue
-            if item is not None:
-                self._stage(batch, staged_ids, *item, cancelled)
-            with self._send_cv:
-                more = bool(self._send_q)
-            if batch and (not more or len(batch) >= self._put_batch):
-                self._flush(batch)
-                batch, staged_ids = [], {}
+    @property
+    def build_payload(self) -> Callable[[Any], Any]:
+        """`build_payload(snapshot) -> payload | None`, called on the SAVE thread."""
+        return self._sender.build_payload
 
-    def _stage(
-        self,
-        batch: list[tuple[str, str, Chunk]],
-        staged_ids: dict[str, int],
-        request_id: str,
-        snap: Any,
-        is_final: bool,
-        cancelled: bool,
-    ) -> None:
-        """Cancel check, build, and the key of the request's current id (counting the batch)."""
-        if cancelled and not is_final:
-            self.dropped_chunks += 1
-            self._done_pending([request_id])
-            return
-        payload = None if cancelled else self._build(request_id, snap)
-        if payload is None and not is_final:
-            self._done_pending([request_id])
-            return
-        if request_id in staged_ids:
-            chunk_id = staged_ids[request_id]
-        else:
-            with self._send_cv:
-                chunk_id = self._send_ids.get(request_id, 0)
-        staged_ids[request_id] = 0 if is_final else chunk_id + 1
-        key = keys.chunk_key(request_id, self.stage_id, chunk_id)
-        batch.append((request_id, key, {"data": payload, "finished": is_final}))
+    @build_payload.setter
+    def build_payload(self, fn: Callable[[Any], Any]) -> None:
+        self._sender.build_payload = fn
 
-    def _flush(self, batch: list[tuple[str, str, Chunk]]) -> None:
-        """Put the batch; only a successful put advances ids (all of the batch, or none)."""
-        try:
-            if len(batch) == 1 or self._put_many is None:
-                self.connector.put(batch[0][1], batch[0][2])
-            else:
-                self._put_many([(key, chunk) for _r, key, chunk in batch])
-            ok = True
-        except Exception as e:
-            ok = False
-            self.failed_puts += len(batch)
-            log.error("put of %d chunk(s) failed, dropped (%s ...): %r", len(batch), batch[0][1], e)
-        with self._send_cv:
-            for request_id, key, chunk in batch:
-                if ok:
-                    self.sent_chunks += 1
-                    self._send_ids[request_id] = int(key.rsplit("_", 1)[1]) + 1
-                if chunk["finished"]:
-                    if request_id in self._purge_wanted:
-                        self._sent_upto[request_id] = int(key.rsplit("_", 1)[1]) + 1
-                    self._send_ids.pop(request_id, None)
-                    self._cancelled.discard(request_id)
-        self._done_pending([r for r, _k, _c in batch])
+    @property
+    def snapshot(self) -> Callable[[Any], Any]:
+        """Copies `obj` in `save_async`, on the caller's thread."""
+        return self._sender.snapshot
 
-    def _purge_sent(self, request_id: str) -> None:
-        """Delete every chunk key this stage wrote for the request (after its final went out)."""
-        with self._send_cv:
-            self._purge_wanted.discard(request_id)
-            upto = self._sent_upto.pop(request_id, None)
-            if upto is None:
-                upto = self._send_ids.pop(request_id, 0)
-            self._cancelled.discard(request_id)
-        if upto and self._delete_many is not None:
-            try:
-                self._delete_many(
-                    [keys.chunk_key(request_id, self.stage_id, i) for i in range(upto)]
-                )
-            except Exception as e:
-                log.warning(
-                    "deleting the chunks of aborted %r failed (they expire): %r", request_id, e
-                )
+    @snapshot.setter
+    def snapshot(self, fn: Callable[[Any], Any]) -> None:
+        self._sender.snapshot = fn
 
-    def _done_pending(self, request_ids: list[str]) -> None:
-        with self._send_cv:
-            for request_id in request_ids:
-                left = self._send_pending.get(request_id, 1) - 1
-                if left > 0:
-                    self._send_pending[request_id] = left
-                else:
-                    self._send_pending.pop(request_id, None)
+    @property
+    def on_ready(self) -> Callable[[], None] | None:
+        """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
+        return self._receiver.on_ready
 
-    def _build(self, request_id: str, snap: Any) -> Any:
-        """Call the user's `build_payload` outside every lock; a failure skips the chunk."""
-        try:
-            return self.build_payload(snap)
-        except Exception:
-            log.exception("build_payload failed for %r; chunk skipped", request_id)
-            return None
+    @on_ready.setter
+    def on_ready(self, fn: Callable[[], None] | None) -> None:
+        self._receiver.on_ready = fn
 
-    # --- RECV thread: get + commit only ---------------------------------------
+    # --- counters, for logs and metrics (read-only) -----------------------------
 
-    def _on_put(self, route_id: str) -> None:
-        """A sender put a chunk of `<req>_<stage>`: poll that request in the next round."""
-        rid, _, stage = route_id.rpartition("_")
-        if stage != str(self.src_stage_id):
-            return
-        with self._recv_cv:
-            if rid in self._parked:
-                self._parked.discard(rid)
-                self._poll_q.append(rid)
-                self._recv_cv.notify()
-            elif rid in self._tokens:
-                self._notified.add(rid)
+    @property
+    def sent_chunks(self) -> int:
+        return self._sender.sent_chunks
 
-    def _recv_loop(self) -> None:
-        backoff_s = 0.0
-        while not self._stop.is_set():
-            taken = self._take_round()
-            if taken is None:
-                return
-            batch, to_listen, to_unlisten = taken
-            try:
-                self._update_routes(to_listen, to_unlisten)
-                progress = self._poll(batch)
-            except Exception as e:
-                self.failed_gets += 1
-                backoff_s = min(MAX_GET_BACKOFF_S, max(0.01, backoff_s * 2))
-                log.warning("chunk get failed (retrying in %.2fs): %r", backoff_s, e)
-                with self._recv_cv:
-                    self._to_listen.extend(to_listen)
-                    self._to_unlisten.extend(to_unlisten)
-                self._commit(batch, [1] * len(batch), [None] * len(batch), requeue=True)
-                self._stop.wait(backoff_s)
-                continue
-            backoff_s = 0.0
-            if progress:
-                if self.on_ready is not None:
-                    self.on_ready()
-            elif not self._has_wakeups:
-                self._stop.wait(NO_PROGRESS_SLEEP_S)
+    @property
+    def dropped_chunks(self) -> int:
+        return self._sender.dropped_chunks
 
-    def _take_round(self) -> tuple[list[tuple[str, object, int]], list[str], list[str]] | None:
-        """Under the lock: the queued, still-registered requests with their token and next id.
+    @property
+    def failed_puts(self) -> int:
+        return self._sender.failed_puts
 
-        With nothing queued, first hand the deletions of consumed keys to Redis,
-        then sleep on the Condition; every `SWEEP_INTERVAL_S` the parked
-        requests are polled anyway, so a lost wake-up costs latency, never data.
-        """
-        if self._consumed and self._delete_many is not None and not self._poll_q:
-            consumed, self._consumed = self._consumed, []
-            try:
-                self._delete_many(consumed)
-            except Exception as e:
-                log.warning(
-                    "deleting %d consumed chunk(s) failed (they expire): %r", len(consumed), e
-                )
-        self._run_due_sweeps()
-        with self._recv_cv:
-            while not self._poll_q and not self._to_unlisten and not self._stop.is_set():
-                if self._parked and time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
-                    break
-                if self._sweeps and min(d for d, _r, _i in self._sweeps) <= time.monotonic():
-                    break
-                self._recv_cv.wait(IDLE_WAIT_S)
-            if self._stop.is_set():
-                return None
-            if time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
-                self._last_sweep = time.monotonic()
-                self._poll_q.extend(self._parked)
-                self._parked.clear()
-            batch: list[tuple[str, object, int]] = []
-            seen: set[str] = set()
-            while self._poll_q:
-                rid = self._poll_q.popleft()
-                token = self._tokens.get(rid)
-                if token is None or rid in seen:
-                    continue
-                seen.add(rid)
-                self._notified.discard(rid)
-                batch.append((rid, token, self._recv_ids[rid]))
-            to_listen, self._to_listen = self._to_listen, []
-            to_unlisten, self._to_unlisten = self._to_unlisten, []
-            return batch, to_listen, to_unlisten
+    @property
+    def received_chunks(self) -> int:
+        return self._receiver.received_chunks
 
-    def _run_due_sweeps(self) -> None:
-        """Delete the unread chunks of discarded requests, page by page while pages are full."""
-        if not self._sweeps or self._peek_many is None or self._delete_many is None:
-            return
-        now = time.monotonic()
-        with self._recv_cv:
-            due = [sw for sw in self._sweeps if sw[0] <= now]
-            self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
-        for _due, rid, first in due:
-            try:
-                while True:
-                    page = [keys.chunk_key(rid, self.src_stage_id, first + i) for i in range(64)]
-                    found = [
-                        k for k, v in zip(page, self._peek_many(page), strict=True) if v is not None
-                    ]
-                    if found:
-                        self._delete_many(found)
-                    if len(found) < len(page):
-                        break
-                    first += len(page)
-            except Exception as e:
-                log.warning(
-                    "deleting unread chunks of discarded %r failed (they expire): %r", rid, e
-                )
+    @property
+    def failed_gets(self) -> int:
+        return self._receiver.failed_gets
 
-    def _update_routes(self, to_listen: list[str], to_unlisten: list[str]) -> None:
-        """Tell the connector whose puts should wake us, before the first poll of a request."""
-        src = self.src_stage_id
-        if self._listen is not None and to_listen:
-            self._listen([f"{rid}_{src}" for rid in to_listen])
-        if self._unlisten is not None and to_unlisten:
-            self._unlisten([f"{rid}_{src}" for rid in to_unlisten])
-
-    def _poll(self, batch: list[tuple[str, object, int]]) -> bool:
-        """Outside the lock: fetch, then commit. Look ahead for requests that just made progress."""
-        if not batch:
-            return False
-        src = self.src_stage_id
-        if self._peek_many is not None and self._delete_many is not None:
-            depths = [READ_AHEAD if rid in self._hot else 1 for rid, _t, _i in batch]
-            round_keys = [
-                keys.chunk_key(rid, src, next_id + j)
-                for (rid, _t, next_id), depth in zip(batch, depths, strict=True)
-                for j in range(depth)
-            ]
-            # last round's consumed keys are deleted in the same round trip, before the read
-            consumed, self._consumed = self._consumed, []
-            values = self._peek_many(round_keys, consumed)
-            taken = self._commit(batch, depths, values, round_keys)
-            self._consumed = taken
-            return bool(taken)
-        round_keys = [keys.chunk_key(rid, src, next_id) for rid, _t, next_id in batch]
-        if self._get_many is not None:
-            values = self._get_many(round_keys)
-        else:
-            values = [self.connector.get(k) for k in round_keys]
-        return bool(self._commit(batch, [1] * len(batch), values, round_keys))
-
-    def _commit(
-        self,
-        batch: list[tuple[str, object, int]],
-        depths: list[int],
-        values: list[Any],
-        round_keys: list[str] | None = None,
-        requeue: bool = False,
-    ) -> list[str]:
-        """Under the lock: commit, in id order, what belongs to a live registration.
-
-        Returns the keys taken (committed or skipped as malformed): the caller
-        deletes them when it only peeked.
-        """
-        taken_keys: list[str] = []
-        hot: set[str] = set()
-        with self._recv_cv:
-            i = 0
-            for (rid, token, next_id), depth in zip(batch, depths, strict=True):
-                row = values[i : i + depth]
-                row_keys = round_keys[i : i + depth] if round_keys else [""] * depth
-                i += depth
-                if self._tokens.get(rid) is not token:
-                    continue  # cleaned up (and maybe registered again) meanwhile
-                took, finished = 0, False
-                for value, key in zip(row, row_keys, strict=True):
-                    if value is None:
-                        break
-                    took += 1
-                    taken_keys.append(key)
-                    if isinstance(value, MalformedChunk) or not _is_chunk(value):
-                        self.malformed_chunks += 1
-                        log.error(
-                            "malformed chunk %s_%d_%d skipped",
-                            rid,
-                            self.src_stage_id,
-                            next_id + took - 1,
-                        )
-                        continue
-                    self.received_chunks += 1
-                    self._ready.setdefault(rid, []).append(value)
-                    if value["finished"]:
-                        finished = True
-                        break
-                if finished:
-                    del self._tokens[rid], self._recv_ids[rid]
-                    self._to_unlisten.append(rid)
-                    self._notified.discard(rid)
-                    continue
-                if took:
-                    hot.add(rid)
-                    self._recv_ids[rid] = next_id + took
-                if took or requeue or not self._has_wakeups or rid in self._notified:
-                    self._notified.discard(rid)
-                    self._poll_q.append(rid)
-                else:
-                    self._parked.add(rid)
-        self._hot = hot
-        return taken_keys
+    @property
+    def malformed_chunks(self) -> int:
+        return self._receiver.malformed_chunks
