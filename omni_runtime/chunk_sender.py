@@ -60,6 +60,8 @@ class ChunkSender:
         self._cancelled: set[str] = set()
         self._purge_wanted: set[str] = set()
         self._sent_upto: dict[str, int] = {}
+        self._finals_pending: dict[str, int] = {}
+        """Finals queued or being built, per request: `discard` adds one only if none is."""
         # counters, for logs and metrics
         self.sent_chunks = 0
         self.dropped_chunks = 0
@@ -77,6 +79,8 @@ class ChunkSender:
         with self._send_cv:
             self._send_q.append((request_id, snap, is_final))
             self._send_pending[request_id] = self._send_pending.get(request_id, 0) + 1
+            if is_final:
+                self._finals_pending[request_id] = self._finals_pending.get(request_id, 0) + 1
             self._send_cv.notify()
 
     def cancel_sender(self, request_id: str) -> None:
@@ -91,10 +95,11 @@ class ChunkSender:
         with self._send_cv:
             if request_id in self._send_pending or request_id in self._send_ids:
                 self._cancelled.add(request_id)
-                final_queued = any(r == request_id and fin for r, _s, fin in self._send_q)
-                if not final_queued:  # its own final, already queued, goes out with data None
+                if not self._finals_pending.get(request_id):
+                    # (a final already queued or being built goes out with data None instead)
                     self._send_q.append((request_id, None, True))
                     self._send_pending[request_id] = self._send_pending.get(request_id, 0) + 1
+                    self._finals_pending[request_id] = 1
             self._purge_wanted.add(request_id)
             self._send_q.append((request_id, _PURGE, True))
             self._send_cv.notify()
@@ -184,8 +189,12 @@ class ChunkSender:
                     self.sent_chunks += 1
                     self._send_ids[request_id] = int(key.rsplit("_", 1)[1]) + 1
                 if chunk["finished"]:
+                    left = self._finals_pending.pop(request_id, 1) - 1
+                    if left > 0:
+                        self._finals_pending[request_id] = left
                     if request_id in self._purge_wanted:
-                        self._sent_upto[request_id] = int(key.rsplit("_", 1)[1]) + 1
+                        upto = int(key.rsplit("_", 1)[1]) + 1
+                        self._sent_upto[request_id] = max(upto, self._sent_upto.get(request_id, 0))
                     self._send_ids.pop(request_id, None)
                     self._cancelled.discard(request_id)
         self._done_pending([r for r, _k, _c in batch])

@@ -22,10 +22,9 @@ class StreamingOrchestrator(Orchestrator):
                 OrchOutput(request_id, 0, None, True, error="duplicate request id")
             )
             return
-        stage_ids = range(self.last_stage + 1)
-        state.submitted.update(stage_ids)
         # Downstream first: a receiver is listening before its upstream's first chunk.
-        for sid in reversed(stage_ids):
+        for sid in reversed(range(self.last_stage + 1)):
+            state.submitted.add(sid)
             await self._submit(request_id, sid, prompt)
             if request_id not in self.request_states:
                 return  # that submit failed and ended the request
