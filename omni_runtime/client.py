@@ -24,7 +24,7 @@ from omni_runtime.errors import CodecError, StartupTimeoutError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
-from omni_runtime.transport import StreamWriter, entry_fields, parse_entry
+from omni_runtime.transport import StreamWriter, entry_fields, parse_entry, stream_reply
 from omni_runtime.types import OrchOutput
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class OmniClient:
                 delay_s = min(2.0, delay_s * 2)
                 continue
             ids: list[bytes] = []
-            for _stream, entries in reply or []:
+            for _stream, entries in stream_reply(reply):
                 for entry_id, fields in entries:
                     last_id = entry_id
                     ids.append(entry_id)

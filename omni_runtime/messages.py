@@ -7,11 +7,11 @@ instead of misreading it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-WIRE_VERSION = 1
+WIRE_VERSION: Final = 1
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 ClientId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]

@@ -36,7 +36,7 @@ from omni_runtime.types import OrchOutput
 
 log = logging.getLogger(__name__)
 
-_COMMAND = TypeAdapter(ClientCommand)
+_COMMAND: TypeAdapter[RequestMsg | AbortMsg] = TypeAdapter(ClientCommand)
 
 
 def build_orchestrator(

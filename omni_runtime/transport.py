@@ -12,12 +12,13 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 from redis.exceptions import RedisError, ResponseError
+from redis.typing import EncodableT, FieldT
 
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
@@ -34,6 +35,29 @@ DEAD_LETTER_RAW_BYTES = 4096
 
 def entry_fields(msg: BaseModel) -> dict[str, bytes]:
     return {keys.PAYLOAD_FIELD: codec.encode_model(msg)}
+
+
+# redis-py's stubs over-approximate: they type commands for every client configuration
+# (RESP3 maps, `str` under decode_responses). Ours keep redis-py's defaults (legacy reply
+# shapes, no decode_responses), so the two helpers below only state the types to mypy;
+# neither converts anything.
+
+
+def stream_reply(reply: object) -> list[tuple[bytes, list[Entry]]]:
+    """An XREAD / XREADGROUP reply, `[]` if none: `[[stream, [(id, fields), ...]], ...]`.
+
+    Each `[stream, entries]` pair is a list at runtime; callers only unpack it.
+    """
+    return cast("list[tuple[bytes, list[Entry]]]", reply or [])
+
+
+def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
+    """`fields`, unchanged, as the type redis-py's `xadd` declares.
+
+    The stub asks for a `dict[FieldT, EncodableT]`; dict is invariant, so it rejects our
+    `dict[str, ...]` although every str key is a `FieldT` and xadd only reads the items.
+    """
+    return cast("dict[FieldT, EncodableT]", fields)
 
 
 def parse_entry(fields: Mapping[bytes, bytes], model: type[M], max_bytes: int) -> M:
@@ -78,7 +102,7 @@ async def read_group(
             reply = await client.xreadgroup(
                 group, consumer, {stream: ">"}, count=count, block=block_ms
             )
-            return reply or []
+            return stream_reply(reply)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise

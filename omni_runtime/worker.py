@@ -30,7 +30,13 @@ from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
-from omni_runtime.transport import dead_letter_fields, ensure_group_sync, entry_fields, parse_entry
+from omni_runtime.transport import (
+    dead_letter_fields,
+    ensure_group_sync,
+    entry_fields,
+    parse_entry,
+    xadd_fields,
+)
 from omni_runtime.worker_io import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)
@@ -244,7 +250,10 @@ class StageWorker:
                 fields = self._encode_output(out, req.seq)
                 req.seq += 1
                 pipe.xadd(
-                    self.out_stream, fields, maxlen=self.settings.stream_maxlen, approximate=True
+                    self.out_stream,
+                    xadd_fields(fields),
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
                 )
                 if self.adapter is not None:
                     if out.error is not None:  # final with data None if mid-stream, keys deleted
@@ -304,7 +313,7 @@ class StageWorker:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.xadd(
                 self.names.dead_letters,
-                dead_letter_fields(self.in_stream, entry_id, error, fields),
+                xadd_fields(dead_letter_fields(self.in_stream, entry_id, error, fields)),
                 maxlen=keys.DEAD_LETTER_MAXLEN,
                 approximate=True,
             )

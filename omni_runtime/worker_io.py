@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 from redis.exceptions import RedisError, ResponseError
+from redis.typing import StreamIdT
 
 from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg
-from omni_runtime.transport import Entry, ensure_group_sync, parse_entry
+from omni_runtime.transport import Entry, ensure_group_sync, parse_entry, stream_reply
 
 if TYPE_CHECKING:
     from omni_runtime.worker import StageWorker
@@ -88,7 +89,7 @@ class InputReader:
                 self._stop.wait(delay_s)
                 delay_s = min(2.0, delay_s * 2)
                 continue
-            entries = [entry for _s, batch in reply or [] for entry in batch]
+            entries = [entry for _s, batch in stream_reply(reply) for entry in batch]
             if entries:
                 self.inject(entries)
 
@@ -118,7 +119,8 @@ class ControlReader:
         return aborts
 
     def _tail_id(self) -> bytes:
-        last = self.client.xrevrange(self.worker.names.control, count=1)
+        # Entries of bytes: our clients never use decode_responses (redis-py's stub allows str).
+        last = cast("list[Entry]", self.client.xrevrange(self.worker.names.control, count=1))
         return last[0][0] if last else b"0-0"
 
     def _run(self) -> None:
@@ -137,7 +139,7 @@ class ControlReader:
                 delay_s = min(2.0, delay_s * 2)
                 continue
             aborts: list[str] = []
-            for _s, entries in reply or []:
+            for _s, entries in stream_reply(reply):
                 for entry_id, fields in entries:
                     self._last_id = entry_id
                     try:
@@ -198,16 +200,22 @@ class Heartbeat:
             rows = self.client.xpending_range(
                 w.in_stream, keys.WORKERS_GROUP, min="-", max="+", count=100, consumername=name
             )
-            ids = [row["message_id"] for row in rows]
+            ids: list[StreamIdT] = [row["message_id"] for row in rows]
             if not ids:
                 self.client.xgroup_delconsumer(w.in_stream, keys.WORKERS_GROUP, name)
                 continue
-            claimed = self.client.xclaim(
-                w.in_stream,
-                keys.WORKERS_GROUP,
-                w.worker_id,
-                min_idle_time=keys.HEARTBEAT_TTL_S * 1000,
-                message_ids=ids,
+            # Without justid XCLAIM returns entries, of bytes for our clients (the stub allows
+            # ids only, and str); one whose entry was deleted may come back as (None, None),
+            # which inject_claimed drops.
+            claimed = cast(
+                "list[Entry]",
+                self.client.xclaim(
+                    w.in_stream,
+                    keys.WORKERS_GROUP,
+                    w.worker_id,
+                    min_idle_time=keys.HEARTBEAT_TTL_S * 1000,
+                    message_ids=ids,
+                ),
             )
             if claimed:
                 log.warning("took over %d input(s) of dead replica %s", len(claimed), name)

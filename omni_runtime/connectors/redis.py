@@ -265,7 +265,7 @@ class RedisConnector:
                 with self.client.pipeline(transaction=False) as pipe:
                     pipe.unlink(*[self.prefix + key for key in delete_first])
                     pipe.mget(names)
-                    raws: list[bytes | None] = pipe.execute()[1]
+                    raws: list[bytes | str | None] = pipe.execute()[1]
             else:
                 raws = self.client.mget(names)
         except RedisError as e:
