@@ -66,6 +66,8 @@ class OrchestratorService:
         self.client_of: dict[str, str] = {}
         """request id → client id, for the requests in flight."""
         self.malformed_requests = 0
+        self._stopping = False
+        self._stop_requested = asyncio.Event()
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -105,9 +107,16 @@ class OrchestratorService:
                     "orchestrator of %r ready (%s mode)", self.pipeline.name, self.pipeline.mode
                 )
                 await stop.wait()
+                self._stopping = True  # Redis loops end after their current command
+                self._stop_requested.set()
+                await asyncio.wait(
+                    {tasks[0], tasks[2], tasks[3]}, timeout=s.block_ms / 1000 + 5
+                )
                 for t in tasks:
-                    t.cancel()
+                    t.cancel()  # what is left waits on in-memory queues only
                 await asyncio.gather(*tasks, return_exceptions=True)
+                for stage in stages:
+                    await stage.quiesce()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2):
                     await writer.flushed()
@@ -120,7 +129,7 @@ class OrchestratorService:
     async def _read_requests(self, client: aioredis.Redis, writer: StreamWriter) -> None:
         s = self.settings
         stream = self.names.requests
-        while True:
+        while not self._stopping:
             reply = await read_group(
                 client, stream, keys.ORCHESTRATOR_GROUP, "orchestrator", s.read_count, s.block_ms
             )
@@ -156,8 +165,8 @@ class OrchestratorService:
 
     async def _watch_clients(self, client: aioredis.Redis) -> None:
         """Abort the requests of clients whose heartbeat expired: nobody will read them."""
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+        while not self._stopping:
+            await self._pause(self.settings.heartbeat_interval_s)
             client_ids = sorted(set(self.client_of.values()))
             if not client_ids:
                 continue
@@ -197,9 +206,15 @@ class OrchestratorService:
 
     async def _heartbeat(self, client: aioredis.Redis) -> None:
         key = self.names.heartbeat("orchestrator")
-        while True:
+        while not self._stopping:
             try:
                 await client.set(key, self.pipeline.name, ex=keys.HEARTBEAT_TTL_S)
             except RedisError as e:
                 log.warning("heartbeat failed: %r", e)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self._pause(self.settings.heartbeat_interval_s)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once on shutdown: loops end between commands, never inside one."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stop_requested.wait()

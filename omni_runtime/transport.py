@@ -221,6 +221,8 @@ class RedisStageClient:
         self.duplicate_outputs = 0
         self._next_seq: dict[str, int] = {}
         self._unacked: deque[bytes] = deque()
+        self._stopping = False
+        self._reading = False
 
     async def submit(self, request_id: str, data: Any) -> None:
         msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
@@ -230,16 +232,31 @@ class RedisStageClient:
         """Broadcast on the control stream: whichever worker holds the request drops it."""
         self.writer.xadd(self.control, entry_fields(AbortMsg(request_id=request_id)))
 
+    async def quiesce(self, timeout_s: float = 5.0) -> None:
+        """Stop reading between two reads, so shutdown never cuts a blocking read in half
+        (entries it delivered would stay pending; some clients hang on it)."""
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._reading and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+
     async def get_output(self) -> list[StageOutput]:
         while True:
-            reply = await read_group(
-                self.client,
-                self.out_stream,
-                keys.ORCHESTRATOR_GROUP,
-                "orchestrator",
-                self.read_count,
-                self.block_ms,
-            )
+            if self._stopping:
+                await asyncio.get_running_loop().create_future()  # parked until cancelled
+            self._reading = True
+            try:
+                reply = await read_group(
+                    self.client,
+                    self.out_stream,
+                    keys.ORCHESTRATOR_GROUP,
+                    "orchestrator",
+                    self.read_count,
+                    self.block_ms,
+                )
+            finally:
+                self._reading = False
             outputs = [out for _s, entries in reply or [] for out in self._parse(entries)]
             if outputs:
                 return outputs

@@ -63,7 +63,12 @@ class InProcessCluster:
         for t in self._threads:
             await asyncio.to_thread(t.join, 10)
         self._stop.set()
-        await asyncio.wait_for(self._service_task, 10)
+        done, _ = await asyncio.wait({self._service_task}, timeout=10)
+        if not done:  # say where it hangs, then fail
+            for task in asyncio.all_tasks():
+                task.print_stack(limit=6)
+            raise TimeoutError("orchestrator service did not stop within 10 s")
+        self._service_task.result()
 
     async def run(self, prompt: Any, **kwargs: Any) -> list[OrchOutput]:
         return [out async for out in self.client.generate(prompt, **kwargs)]
