@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,8 @@ class LineProc:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(f"    {s}" for s in text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """EOF on stdin ends an idle child's command loop; a busy or deaf one is terminated."""
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 assert self.proc.stdin is not None
@@ -392,8 +393,12 @@ def run_load(
     gap_ms: float,
     tag: str,
     timeline: bool = False,
+    check_alive: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Split n requests and the concurrency over the clients; start them together."""
+    """Split n requests and the concurrency over the clients; start them together.
+
+    `check_alive` is called while waiting and should raise if a pipeline process died.
+    """
     start_at = time.monotonic_ns() + START_DELAY_NS
     k = len(clients)
     for i, c in enumerate(clients):
@@ -408,8 +413,19 @@ def run_load(
                 "timeline": timeline,
             }
         )
-    timeout_s = load_deadline_s(n, concurrency, gap_ms) + 15
-    return [c.recv(timeout_s) for c in clients]
+    deadline = time.monotonic() + load_deadline_s(n, concurrency, gap_ms) + 15
+    results: list[dict[str, Any]] = []
+    for c in clients:
+        while True:  # wait in slices: a pipeline process that died fails the run at once
+            try:
+                results.append(c.recv(min(0.5, max(0.0, deadline - time.monotonic()))))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if check_alive is not None:
+                    check_alive()
+    return results
 
 
 # --- role: instrumented worker ------------------------------------------------------------------
@@ -577,7 +593,11 @@ def redis_server_pid(url: str) -> int | None:
         return None
     finally:
         client.close()
-    return pid if pid and Path(f"/proc/{pid}").exists() else None
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text() if pid else ""
+    except OSError:
+        return None
+    return pid if "redis" in comm or "valkey" in comm else None
 
 
 # --- (1) end-to-end throughput ----------------------------------------------------------------
@@ -615,7 +635,7 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
         server_pid = redis_server_pid(url)
         if server_pid is not None:
             pids["redis-server"] = server_pid
-        run_load(clients[:1], sizes.warmup_requests, 64, 0.0, "warm")
+        run_load(clients[:1], sizes.warmup_requests, 64, 0.0, "warm", check_alive=group.check_alive)
         for n_clients, concurrency in sizes.load_configs:
             active = clients[:n_clients]
             sampler = CpuSampler(pids | {f"client{i}": c.proc.pid for i, c in enumerate(active)})
@@ -628,7 +648,12 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
                 gc.collect()
                 sampler.start()
                 results = run_load(
-                    active, sizes.requests, concurrency, 0.0, f"r{n_clients}x{concurrency}n{rep}"
+                    active,
+                    sizes.requests,
+                    concurrency,
+                    0.0,
+                    f"r{n_clients}x{concurrency}n{rep}",
+                    check_alive=group.check_alive,
                 )
                 cpu_s = sampler.stop()
                 group.check_alive()
@@ -893,6 +918,8 @@ class HopSamples:
     """Busy CPUs (in cores) during each light-load repetition."""
     other_busy: list[float] = field(default_factory=list)
     """Of which outside the benchmark's processes."""
+    cpu_util: list[dict[str, float]] = field(default_factory=list)
+    """Per process, cores busy during each light-load repetition."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -1040,8 +1067,16 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
         if server_pid is not None:
             pids["redis-server"] = server_pid
         sampler = CpuSampler(pids)
+
+        def check_alive() -> None:
+            for w in workers:
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"{w.name} exited\n{w.tail()}")
+            assert orch is not None
+            orch.check_alive()
+
         # warm-up: every code path once
-        run_load(clients, 20, 1, sizes.light_gap_ms, "hopwarm")
+        run_load(clients, 20, 1, sizes.light_gap_ms, "hopwarm", check_alive=check_alive)
         raw_sync_run(20)
         for rep in range(sizes.reps):
             gc.collect()
@@ -1053,16 +1088,20 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
             tag = f"hop{rep}"
             sampler.start()
             (result,) = run_load(
-                clients, sizes.light_requests, 1, sizes.light_gap_ms, tag, timeline=True
+                clients,
+                sizes.light_requests,
+                1,
+                sizes.light_gap_ms,
+                tag,
+                timeline=True,
+                check_alive=check_alive,
             )
             cpu_s = sampler.stop()
             wall_s = (result["t_end_ns"] - result["t_start_ns"]) / 1e9
             hops.machine_busy.append(cpu_s[MACHINE] / wall_s)
             hops.other_busy.append(cpu_s[OTHER] / wall_s)
-            for w in workers:
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"{w.name} exited\n{w.tail()}")
-            orch.check_alive()
+            hops.cpu_util.append({name: v / wall_s for name, v in cpu_s.items()})
+            check_alive()
             time.sleep(0.05)  # the last stage's read stamp is written right after its read
             rids = [f"{tag}c0-{i}" for i in range(sizes.light_requests)]
             reads = {sid: read_worker_stamps(stamp_files[sid], tag) for sid in stage_ids}
@@ -1163,6 +1202,15 @@ def _hop_rows(
                         if other > SHARED_MACHINE_FRACTION
                         else ""
                     )
+                )
+                util = {
+                    k: statistics.median(d.get(k, 0.0) for d in hops.cpu_util)
+                    for k in hops.cpu_util[0]
+                    if k not in (MACHINE, OTHER)
+                }
+                notes.append(
+                    "CPU during the light-load reps, % of one core: "
+                    + ", ".join(f"{k} {100 * v:.0f}%" for k, v in util.items())
                 )
         rows.append(
             Row(

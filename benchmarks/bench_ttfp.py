@@ -56,6 +56,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import random
 import shutil
 import socket
@@ -627,8 +628,14 @@ def run_handoff(url: str, kind: str, total: int, warmup: int) -> HandoffRow:
     try:
         recv.start()
         send.start()
-        with contextlib.suppress(Exception):
-            result = out.get(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                result = out.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if recv.exitcode is not None or send.exitcode not in (None, 0):
+                    break  # a side died without a result: fail fast, not at the deadline
         done.set()
         for p in (send, recv):
             p.join(10)
@@ -944,6 +951,19 @@ def _environment(redis_url: str) -> dict[str, Any]:
         env["redis_server"] = client.info("server").get("redis_version")
     finally:
         client.close()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "-C", str(ROOT)]
+        env["git_commit"] = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        env["git_dirty"] = bool(
+            subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
     return env
 
 
@@ -972,6 +992,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
+    environment = _environment(url)  # before the run: the commit the processes import
     prompt, tokens = make_prompt(args.tokens)
     with tempfile.TemporaryDirectory(prefix="bench-ttfp-") as tmp:
         path, frame_len = write_pipeline_copy(Path(tmp), args.token_delay_ms)
@@ -1012,7 +1033,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "expected_audio_samples": expected.audio_samples,
             "namespaces": pipe.namespaces,
         },
-        "environment": _environment(url),
+        "environment": environment,
         "elapsed_s": elapsed,
         "cells": [asdict(c) for c in pipe.cells],
         "idle_cpu": [{**asdict(r), "pct_of_core": r.pct_of_core} for r in pipe.idle],

@@ -109,9 +109,7 @@ class OrchestratorService:
                 await stop.wait()
                 self._stopping = True  # Redis loops end after their current command
                 self._stop_requested.set()
-                await asyncio.wait(
-                    {tasks[0], tasks[2], tasks[3]}, timeout=s.block_ms / 1000 + 5
-                )
+                await asyncio.wait({tasks[0], tasks[2], tasks[3]}, timeout=s.block_ms / 1000 + 5)
                 for t in tasks:
                     t.cancel()  # what is left waits on in-memory queues only
                 await asyncio.gather(*tasks, return_exceptions=True)

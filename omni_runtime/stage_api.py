@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from omni_runtime.errors import OmniError
 from omni_runtime.pipeline import StageConfig, resolve_entry
@@ -60,6 +60,22 @@ class StageEngine(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def has_work(self) -> bool: ...
+
+
+MARKS_FINAL_ATTR = "__omni_marks_final__"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def marks_final(fn: F) -> F:
+    """Declare that a generator stage yields `Final(x)` for its last chunk.
+
+    Its chunks then go out the moment they are yielded, instead of one chunk
+    late (the look-ahead a plain generator needs to know which chunk is last).
+    If it ends without `Final`, a `None` chunk closes the request.
+    """
+    setattr(fn, MARKS_FINAL_ATTR, True)
+    return fn
 
 
 class RequestAborted(OmniError):
@@ -151,6 +167,7 @@ class GeneratorEngine:
         wake: Callable[[], None],
     ) -> None:
         self._fn = fn
+        self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
         self._options = options
         self._wake = wake
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="stage")
@@ -207,7 +224,7 @@ class GeneratorEngine:
         try:
             result = self._fn(data, **self._options)
             if inspect.isasyncgen(result):
-                result = asyncio.run(_collect_async(result, request_id, self._emit))
+                asyncio.run(_collect_async(result, request_id, self._emit, not self._marks_final))
                 return
             if inspect.iscoroutine(result):
                 result = asyncio.run(result)
@@ -223,7 +240,7 @@ class GeneratorEngine:
 
     def _drain(self, request_id: str, gen: Iterator[Any]) -> None:
         """Emit each chunk, holding one back unless the code marks its last with `Final`."""
-        sink = _LastChunkSink(request_id, self._emit)
+        sink = _LastChunkSink(request_id, self._emit, hold=not self._marks_final)
         try:
             for item in gen:
                 if not sink.push(item):
@@ -236,13 +253,17 @@ class GeneratorEngine:
 
 
 class _LastChunkSink:
-    """One chunk of look-ahead, so the last chunk can be marked finished."""
+    """One chunk of look-ahead, so the last chunk can be marked finished — unless the
+    stage is `marks_final`, whose chunks go out the moment they are yielded."""
 
     _EMPTY = object()
 
-    def __init__(self, request_id: str, emit: Callable[[str, Any, bool], bool]) -> None:
+    def __init__(
+        self, request_id: str, emit: Callable[[str, Any, bool], bool], hold: bool = True
+    ) -> None:
         self.request_id = request_id
         self.emit = emit
+        self.hold = hold
         self.held: Any = self._EMPTY
         self.done = False
 
@@ -255,10 +276,13 @@ class _LastChunkSink:
             self.done = True
             self.emit(self.request_id, item.data, True)
             return False
+        if not self.hold:
+            return self.emit(self.request_id, item, False)
         self.held = item
         return True
 
     def end(self) -> None:
+        """The generator is exhausted: its last chunk (or a `None`) closes the request."""
         if self.done:
             return
         last = None if self.held is self._EMPTY else self.held
@@ -266,9 +290,9 @@ class _LastChunkSink:
 
 
 async def _collect_async(
-    agen: Any, request_id: str, emit: Callable[[str, Any, bool], bool]
+    agen: Any, request_id: str, emit: Callable[[str, Any, bool], bool], hold: bool
 ) -> None:
-    sink = _LastChunkSink(request_id, emit)
+    sink = _LastChunkSink(request_id, emit, hold)
     try:
         async for item in agen:
             if not sink.push(item):

@@ -158,20 +158,32 @@ class StreamWriter:
             if not self._ops:
                 self._idle.set()
 
+    @staticmethod
+    def _fill(pipe: Any, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Writes in order; then one XACK per stream with all its ids and one EXPIRE per
+        key, after the writes they acknowledge (never an ack before its consequences)."""
+        acks: dict[tuple[str, str], list[bytes]] = {}
+        expires: dict[str, int] = {}
+        for op, args in ops:
+            if op == "xadd":
+                pipe.xadd(args[0], xadd_fields(args[1]), maxlen=args[2], approximate=True)
+            elif op == "xack":
+                acks.setdefault((args[0], args[1]), []).append(args[2])
+            elif op == "expire":
+                expires[args[0]] = max(args[1], expires.get(args[0], 0))
+            else:
+                pipe.delete(args[0])
+        for (stream, group), ids in acks.items():
+            pipe.xack(stream, group, *ids)
+        for key, ttl_s in expires.items():
+            pipe.expire(key, ttl_s)
+
     async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
         delay_s = 0.01
         for attempt in range(1, self.MAX_ATTEMPTS + 1):
             try:
                 async with self.client.pipeline(transaction=False) as pipe:
-                    for op, args in ops:
-                        if op == "xadd":
-                            pipe.xadd(args[0], args[1], maxlen=args[2], approximate=True)
-                        elif op == "xack":
-                            pipe.xack(args[0], args[1], args[2])
-                        elif op == "expire":
-                            pipe.expire(args[0], args[1])
-                        else:
-                            pipe.delete(args[0])
+                    self._fill(pipe, ops)
                     await pipe.execute()
                 return
             except RedisError as e:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, with_last
+from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, marks_final, with_last
 
 CODEBOOK_SIZE = 1024
 """Codes are ints in [0, CODEBOOK_SIZE): the talker makes them, code2wav has a frame each."""
@@ -42,6 +42,7 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN_RE.findall(text)
 
 
+@marks_final
 def thinker(data: Any, token_delay_ms: float = 20) -> Iterator[Any]:
     """Stage 0: the prompt's tokens, one chunk each; the sleep stands in for decode steps."""
     tokens = tokenize(str(data)) if data is not None else []
@@ -56,6 +57,7 @@ def token_codes(token: str) -> list[int]:
     return [zlib.crc32(f"{i}:{ch}".encode(), seed) % CODEBOOK_SIZE for i, ch in enumerate(token)]
 
 
+@marks_final
 def talker(data: Iterable[Any], code_delay_ms: float = 2) -> Iterator[Any]:
     """Stage 1: per upstream token, `{"token", "codes"}`; `None` tokens ("no output") skipped."""
     for tok, last in with_last(data):

@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from omni_runtime.stage_api import Final, with_last
+from omni_runtime.stage_api import Final, marks_final, with_last
 
 
+@marks_final
 def split_words(data: Any) -> Iterator[Any]:
     """Stage 0: each whitespace-separated word of the prompt, the last one sent at once.
 
@@ -38,6 +39,7 @@ def upper_all(
     return [w.upper() for w in words]
 
 
+@marks_final
 def prefix_wav(data: Iterable[Any]) -> Iterator[Any]:
     """Stage 2: "wav:" + each word of every stage-1 chunk (a list of words), last one final.
 

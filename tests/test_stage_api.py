@@ -1,0 +1,167 @@
+"""The stage interface: how functions, generators and step engines are driven."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineOutput,
+    Final,
+    GeneratorEngine,
+    marks_final,
+    with_last,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def drain(engine: GeneratorEngine, rid: str, deadline_s: float = 10.0) -> list[EngineOutput]:
+    outs: list[EngineOutput] = []
+    end = time.monotonic() + deadline_s
+    while not (outs and (outs[-1].finished or outs[-1].error)):
+        assert time.monotonic() < end, "no finished output before the deadline"
+        outs.extend(o for o in engine.step() if o.request_id == rid)
+        time.sleep(0.001)
+    return outs
+
+
+def engine_for(fn: Callable[..., Any], **options: Any) -> GeneratorEngine:
+    return GeneratorEngine(fn, options, max_concurrency=4, wake=lambda: None)
+
+
+def triples(outs: list[EngineOutput]) -> list[tuple[Any, bool, str | None]]:
+    return [(o.data, o.finished, o.error) for o in outs]
+
+
+def test_a_function_returning_a_value_is_one_finished_chunk() -> None:
+    engine = engine_for(lambda data, suffix: data + suffix, suffix="!")
+    engine.add_request("r", "hi")
+    assert triples(drain(engine, "r")) == [("hi!", True, None)]
+    engine.close()
+
+
+def test_a_plain_generator_marks_its_last_chunk_when_it_ends() -> None:
+    def gen(data: list[int]) -> Iterator[int]:
+        yield from data
+
+    engine = engine_for(gen)
+    engine.add_request("r", [1, 2, 3])
+    assert triples(drain(engine, "r")) == [(1, False, None), (2, False, None), (3, True, None)]
+    engine.close()
+
+
+def gated(
+    release: threading.Event, reached: threading.Event | None = None
+) -> Callable[[Any], Iterator[Any]]:
+    def gen(_data: Any) -> Iterator[Any]:
+        yield "first"
+        if reached is not None:
+            reached.set()  # "first" was yielded and taken by the engine
+        assert release.wait(10)
+        yield Final("last")
+
+    return gen
+
+
+def wait_for_outputs(engine: GeneratorEngine, n: int) -> list[EngineOutput]:
+    outs: list[EngineOutput] = []
+    end = time.monotonic() + 10
+    while len(outs) < n:
+        assert time.monotonic() < end
+        outs.extend(engine.step())
+        time.sleep(0.001)
+    return outs
+
+
+def test_a_plain_generator_holds_one_chunk_back() -> None:
+    release, reached = threading.Event(), threading.Event()
+    engine = engine_for(gated(release, reached))
+    engine.add_request("r", None)
+    assert reached.wait(10)  # the generator yielded "first" and is blocked on the gate
+    assert engine.step() == []  # held back: it might be the last one
+    release.set()
+    assert triples(wait_for_outputs(engine, 2)) == [("first", False, None), ("last", True, None)]
+    engine.close()
+
+
+def test_a_marks_final_generator_sends_each_chunk_at_once() -> None:
+    release = threading.Event()
+    engine = engine_for(marks_final(gated(release)))
+    engine.add_request("r", None)
+    assert triples(wait_for_outputs(engine, 1)) == [("first", False, None)]  # before the gate
+    release.set()
+    assert triples(wait_for_outputs(engine, 1)) == [("last", True, None)]
+    engine.close()
+
+
+def test_a_generator_yielding_nothing_sends_a_finished_none() -> None:
+    def nothing(_data: Any) -> Iterator[Any]:
+        yield from ()
+
+    engine = engine_for(marks_final(nothing))
+    engine.add_request("r", None)
+    assert triples(drain(engine, "r")) == [(None, True, None)]
+    engine.close()
+
+
+def test_an_async_generator_is_driven_too() -> None:
+    async def agen(data: list[str]) -> AsyncIterator[Any]:
+        for i, item in enumerate(data):
+            yield Final(item) if i == len(data) - 1 else item
+
+    engine = engine_for(agen)
+    engine.add_request("r", ["a", "b"])
+    assert triples(drain(engine, "r")) == [("a", False, None), ("b", True, None)]
+    engine.close()
+
+
+def test_an_exception_ends_only_its_request_with_an_error() -> None:
+    def gen(data: str) -> Iterator[str]:
+        if data == "bad":
+            raise ValueError("refusing bad")
+        yield Final(data)
+
+    engine = engine_for(gen)
+    engine.add_request("bad", "bad")
+    engine.add_request("good", "ok")
+    bad = drain(engine, "bad")
+    assert bad[-1].finished and bad[-1].error == "ValueError: refusing bad"
+    engine.close()
+
+
+def test_abort_stops_a_request_waiting_for_input() -> None:
+    stream = ChunkStream()
+    engine = engine_for(marks_final(lambda data: (x for x in data)))
+    engine.add_request("r", stream)
+    stream.extend(["a"], closed=False)
+    assert triples(wait_for_outputs(engine, 1)) == [("a", False, None)]
+    engine.abort("r")
+    stream.extend(["b"], closed=True)
+    time.sleep(0.05)
+    assert engine.step() == []  # nothing of an aborted request comes out
+    engine.close()
+
+
+def test_with_last_knows_the_last_item_of_a_list_and_of_a_chunk_stream() -> None:
+    assert list(with_last([1, 2, 3])) == [(1, False), (2, False), (3, True)]
+    assert list(with_last([])) == []
+    stream = ChunkStream()
+    stream.extend([1, 2], closed=False)
+    stream.extend([3], closed=True)
+    assert list(with_last(stream)) == [(1, False), (2, False), (3, True)]
+
+
+def test_chunk_stream_take_never_blocks_and_returns_only_what_is_new() -> None:
+    stream = ChunkStream()
+    assert stream.take() == [] and not stream.closed
+    stream.extend([1, 2], closed=False)
+    assert stream.take() == [1, 2]
+    stream.extend([3], closed=True)
+    assert stream.take() == [3] and stream.closed
+    assert stream.take() == []
