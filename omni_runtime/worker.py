@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL_S = 0.05
 """How often the loop checks for stalled inputs, at the latest."""
+IDLE_LOOP_WAIT_S = 1.0
+"""With no request in flight the loop sleeps until woken (inputs, aborts), at most this long."""
 ABORT_MEMORY_S = 60.0
 
 
@@ -160,7 +162,7 @@ class StageWorker:
                 self._expire_stalled_inputs()
                 self._forget_old_aborts()
             if not outputs and not busy:
-                self.wake.wait(HOUSEKEEPING_INTERVAL_S)
+                self.wake.wait(HOUSEKEEPING_INTERVAL_S if self.active else IDLE_LOOP_WAIT_S)
 
     def _take_aborts(self) -> None:
         """Drop aborted requests: engine, chunk sender and receiver, their chunk keys, the input."""

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IDLE_READ_BLOCK_MS = 1000
+"""A blocking read returns the moment an entry arrives; its timeout only sets how often an
+idle worker wakes (CPU) and how long `stop()` may wait for the thread."""
+
 
 class InputReader:
     """Blocking XREADGROUP on the stage's input stream, bounded by the worker's free slots.
@@ -76,7 +80,7 @@ class InputReader:
                     w.worker_id,
                     {w.in_stream: ">"},
                     count=min(s.read_count, free),
-                    block=s.block_ms,
+                    block=max(s.block_ms, IDLE_READ_BLOCK_MS),
                 )
                 delay_s = 0.05
             except ResponseError as e:
@@ -130,7 +134,9 @@ class ControlReader:
         while not self._stop.is_set() and not w.stop_event.is_set():
             try:
                 reply = self.client.xread(
-                    {stream: self._last_id}, count=w.settings.read_count, block=w.settings.block_ms
+                    {stream: self._last_id},
+                    count=w.settings.read_count,
+                    block=max(w.settings.block_ms, IDLE_READ_BLOCK_MS),
                 )
                 delay_s = 0.05
             except RedisError as e:
