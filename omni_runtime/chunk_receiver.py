@@ -75,6 +75,10 @@ class ChunkReceiver:
         )
         self._peek_many: _PeekMany | None = getattr(connector, "peek_many", None)
         self._delete_many: _KeysCall | None = getattr(connector, "delete_many", None)
+        self._deletes_pending: Callable[[], bool] | None = getattr(
+            connector, "deletes_pending", None
+        )
+        """A connector may hold back deletes it had no round trip for; flushed when idle."""
         self._listen: _KeysCall | None = getattr(connector, "listen", None)
         self._unlisten: _KeysCall | None = getattr(connector, "unlisten", None)
         on_put: Callable[[Callable[[str], None]], None] | None = getattr(connector, "on_put", None)
@@ -216,7 +220,8 @@ class ChunkReceiver:
         then sleep on the Condition; every `SWEEP_INTERVAL_S` the parked
         requests are polled anyway, so a lost wake-up costs latency, never data.
         """
-        if self._consumed and self._delete_many is not None and not self._poll_q:
+        pending = self._deletes_pending is not None and self._deletes_pending()
+        if (self._consumed or pending) and self._delete_many is not None and not self._poll_q:
             consumed, self._consumed = self._consumed, []
             try:
                 self._delete_many(consumed)

@@ -401,11 +401,30 @@ def test_a_put_on_a_listened_route_wakes_the_receiver(redis_variant: RedisVarian
     receiver.listen(["req_0"])
     sender.put("req_0_0", {"data": "x", "finished": False})
     assert woken.wait(10), "receiver was not woken"
+    assert receiver.peek_many(["req_0_0"]) == [{"data": "x", "finished": False}]
+    receiver.delete_many(["req_0_0"])
+    assert redis_variant.raw.get("ns:req_0_0") is None
     woken.clear()
     sender.put("req_0_1", {"data": "y", "finished": True})  # route now cached by the sender
     assert woken.wait(10)
     receiver.unlisten(["req_0"])
     assert redis_variant.raw.get(keys.chunk_route_key("req_0", "ns:")) is None
+    receiver.close()
+    sender.close()
+
+
+def test_a_small_chunk_rides_in_its_wakeup_and_is_read_without_redis(
+    redis_variant: RedisVariant,
+) -> None:
+    receiver = redis_variant.make(prefix="ns:")
+    sender = redis_variant.make(prefix="ns:")
+    woken = threading.Event()
+    receiver.on_put(lambda route_id: woken.set())
+    receiver.listen(["inl_0"])
+    sender.put("inl_0_0", {"data": b"small", "finished": True})
+    assert woken.wait(10)
+    redis_variant.raw.delete("ns:inl_0_0")  # proves the value came with the wake-up
+    assert receiver.peek_many(["inl_0_0"]) == [{"data": b"small", "finished": True}]
     receiver.close()
     sender.close()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -45,6 +46,20 @@ LISTEN_BLOCK_S = 1.0
 """Longest BLPOP of the wake-up listener; bounds how long `close` may wait for it."""
 MAX_CACHED_ROUTES = 100_000
 LISTEN_BATCH = 10_000
+INLINE_MAX_BYTES = 16 * 1024
+"""Chunks up to this size also travel inside their wake-up: one round trip less per hop."""
+MAX_INLINE_HELD = 10_000
+_WAKEUP_HEADER = struct.Struct("<H")
+
+
+def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
+    """`<u16 key length><key><value or nothing>`; None for anything else (logged)."""
+    try:
+        (n,) = _WAKEUP_HEADER.unpack_from(element)
+        return element[2 : 2 + n].decode(), element[2 + n :]
+    except (struct.error, UnicodeDecodeError) as e:
+        log.warning("malformed wake-up ignored: %r", e)
+        return None, b""
 
 
 class RedisConnector:
@@ -82,6 +97,11 @@ class RedisConnector:
         self._callbacks: list[Callable[[str], None]] = []
         self._listener: threading.Thread | None = None
         self._closed = threading.Event()
+        self._inline: dict[str, bytes] = {}
+        """Small chunk values that arrived with their wake-up, by full key, until peeked."""
+        self._unsent_deletes: list[str] = []
+        self._consumed_recently: dict[str, None] = {}
+        """Keys read and deleted lately (bounded): a wake-up arriving after them is stale."""
 
     @classmethod
     def from_url(
@@ -173,6 +193,18 @@ class RedisConnector:
                 for route_id in finished:
                     self._routes.pop(route_id, None)
 
+    def _wakeups(self, encoded: list[tuple[str, bytes, str]], route_id: str) -> list[bytes]:
+        """One wake-up per chunk of the route: its key, and the value itself when small, so
+        the receiver has it without another round trip (the SET stays the source of truth)."""
+        out = []
+        for name, value, rid in encoded:
+            if rid != route_id:
+                continue
+            key = name[len(self.prefix) :].encode()
+            inline = value if len(value) <= INLINE_MAX_BYTES else b""
+            out.append(_WAKEUP_HEADER.pack(len(key)) + key + inline)
+        return out
+
     def _set_and_notify(self, encoded: list[tuple[str, bytes, str]], transaction: bool) -> None:
         route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))
         with self._lock:
@@ -183,7 +215,7 @@ class RedisConnector:
                 pipe.set(name, value, ex=self.ttl_s)
             for route_id, route in routes.items():
                 if route is not None:
-                    pipe.rpush(route, route_id)
+                    pipe.rpush(route, *self._wakeups(encoded, route_id))
                     pipe.expire(route, self.ttl_s)
             for route_id in unknown:
                 pipe.get(keys.chunk_route_key(route_id, self.prefix))
@@ -199,7 +231,7 @@ class RedisConnector:
         # The SETs came before the GETs, so a receiver that starts listening later polls first.
         with self.client.pipeline(transaction=False) as pipe:
             for route_id, route in found.items():
-                pipe.rpush(route, route_id)
+                pipe.rpush(route, *self._wakeups(encoded, route_id))
                 pipe.expire(route, self.ttl_s)
             pipe.execute()
         with self._lock:
@@ -255,21 +287,28 @@ class RedisConnector:
         costs one reply array, not 1,000 pipelined replies. `delete_first`
         (keys consumed last round) are unlinked in the same round trip.
         """
-        if not keys:
-            if delete_first:
-                self.delete_many(delete_first)
-            return []
         names = [self.prefix + key for key in keys]
-        try:
-            if delete_first:
+        with self._lock:
+            inline = {n: self._inline.pop(n) for n in names if n in self._inline}
+            self._unsent_deletes.extend(self.prefix + key for key in delete_first)
+            self._remember_consumed(self.prefix + key for key in delete_first)
+            missing = [n for n in names if n not in inline]
+            deletes = self._unsent_deletes if missing else []
+            if missing:
+                self._unsent_deletes = []
+        raws: list[bytes | str | None] = [inline.get(n) for n in names]
+        if missing:  # what the wake-ups did not carry comes from Redis, deletes ride along
+            try:
                 with self.client.pipeline(transaction=False) as pipe:
-                    pipe.unlink(*[self.prefix + key for key in delete_first])
-                    pipe.mget(names)
-                    raws: list[bytes | str | None] = pipe.execute()[1]
-            else:
-                raws = self.client.mget(names)
-        except RedisError as e:
-            raise TransportError(f"MGET of {len(names)} key(s) failed: {e}") from e
+                    if deletes:
+                        pipe.unlink(*deletes)
+                    pipe.mget(missing)
+                    fetched = dict(zip(missing, pipe.execute()[-1], strict=True))
+            except RedisError as e:
+                with self._lock:
+                    self._unsent_deletes.extend(deletes)
+                raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
+            raws = [inline[n] if n in inline else fetched[n] for n in names]
         results: list[Any | None] = []
         for name, raw in zip(names, raws, strict=True):
             if raw is None:
@@ -327,16 +366,45 @@ class RedisConnector:
                 continue  # receivers sweep their parked requests meanwhile
             if popped is None:
                 continue
-            route_ids = {popped[1].decode(), *(r.decode() for r in rest or [])}
+            route_ids: dict[str, None] = {}
+            for element in [popped[1], *(rest or [])]:
+                key, value = _parse_wakeup(element)
+                if key is None:
+                    continue
+                route_ids[key.rsplit("_", 1)[0]] = None
+                if value:
+                    with self._lock:
+                        if self.prefix + key in self._consumed_recently:
+                            continue  # already read from Redis and deleted: a stale copy
+                        self._inline[self.prefix + key] = value
+                        while len(self._inline) > MAX_INLINE_HELD:
+                            self._inline.pop(next(iter(self._inline)))
             with self._lock:
                 callbacks = list(self._callbacks)
             for route_id in route_ids:
                 for callback in callbacks:
                     callback(route_id)
 
+    def _remember_consumed(self, names: Iterable[str]) -> None:
+        """Under `_lock`."""
+        for name in names:
+            self._inline.pop(name, None)
+            self._consumed_recently[name] = None
+        while len(self._consumed_recently) > MAX_INLINE_HELD:
+            self._consumed_recently.pop(next(iter(self._consumed_recently)))
+
+    def deletes_pending(self) -> bool:
+        """Whether `peek_many` holds deletes back (all it read came inline): flush with
+        `delete_many([])`."""
+        with self._lock:
+            return bool(self._unsent_deletes)
+
     def delete_many(self, keys: Iterable[str]) -> None:
-        """UNLINK every listed key in one command; missing keys are ignored."""
-        names = [self.prefix + key for key in keys]
+        """UNLINK every listed key (and deletes `peek_many` could not send yet) in one command."""
+        with self._lock:
+            names = [*self._unsent_deletes, *(self.prefix + key for key in keys)]
+            self._unsent_deletes = []
+            self._remember_consumed(names)
         if not names:
             return
         try:
