@@ -53,7 +53,12 @@ _WAKEUP_HEADER = struct.Struct("<H")
 
 
 def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
-    """`<u16 key length><key><value or nothing>`; None for anything else (logged)."""
+    """`<u16 key length><key><value or nothing>`; None for anything else (logged).
+
+    The empty element is `close()` unblocking the listener: no key, nothing to log.
+    """
+    if not element:
+        return None, b""
     try:
         (n,) = _WAKEUP_HEADER.unpack_from(element)
         return element[2 : 2 + n].decode(), element[2 + n :]
