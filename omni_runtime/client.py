@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
-from omni_runtime.errors import CodecError, StartupTimeoutError
+from omni_runtime.errors import CodecError, StartupTimeoutError, TransportError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
@@ -130,13 +130,15 @@ class OmniClient:
         fields = entry_fields(msg)
         self._queues[request_id] = asyncio.Queue()
         self._writer.xadd(self.names.requests, fields)  # concurrent submits share one pipeline
-        await self._writer.flushed()
+        if not await self._writer.written():
+            self._queues.pop(request_id, None)
+            raise TransportError(f"request {request_id!r} could not be sent to Redis")
         return request_id
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         msg = AbortMsg(request_id=request_id, reason=reason)
         self._writer.xadd(self.names.requests, entry_fields(msg))
-        await self._writer.flushed()
+        await self._writer.written()
 
     async def stream(
         self, request_id: str, timeout_s: float | None = None

@@ -58,7 +58,9 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._deadline_s: dict[str, float] = {}
         """Per-request deadline overrides, read once by the handler."""
-        self._deadlines: list[tuple[float, int, str, ReqState]] = []
+        self._deadlines: list[tuple[float, int, str]] = []
+        """Heap of (when, seq, request id); an entry is live while `_deadline_of[rid] == seq`."""
+        self._deadline_of: dict[str, int] = {}
         self._deadline_added = asyncio.Event()
         self._deadline_seq = 0
 
@@ -144,8 +146,8 @@ class Orchestrator:
                     async with asyncio.timeout(timeout):
                         await self._deadline_added.wait()
                 continue
-            _at, _seq, request_id, state = heapq.heappop(self._deadlines)
-            if self.request_states.get(request_id) is state:
+            _at, seq, request_id = heapq.heappop(self._deadlines)
+            if self._deadline_of.get(request_id) == seq:
                 await self._handle_abort(request_id, "deadline exceeded")
 
     async def _reader_loop(self, stage_id: int) -> None:
@@ -187,7 +189,8 @@ class Orchestrator:
         if deadline_s is not None:
             at = asyncio.get_running_loop().time() + deadline_s
             self._deadline_seq += 1
-            heapq.heappush(self._deadlines, (at, self._deadline_seq, request_id, state))
+            self._deadline_of[request_id] = self._deadline_seq
+            heapq.heappush(self._deadlines, (at, self._deadline_seq, request_id))
             self._deadline_added.set()
         return state
 
@@ -268,3 +271,8 @@ class Orchestrator:
     def _cleanup(self, request_id: str) -> None:
         """Forget the request; later outputs for it are dropped and counted."""
         self.request_states.pop(request_id, None)
+        if self._deadline_of.pop(request_id, None) is not None and len(self._deadlines) > 2 * (
+            len(self._deadline_of) + 64
+        ):  # drop dead heap entries now and then: memory follows live requests only
+            self._deadlines = [e for e in self._deadlines if self._deadline_of.get(e[2]) == e[1]]
+            heapq.heapify(self._deadlines)

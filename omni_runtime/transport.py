@@ -123,13 +123,23 @@ class StreamWriter:
         self.client = client
         self.maxlen = maxlen
         self._ops: list[tuple[str, tuple[Any, ...]]] = []
+        self._done: list[asyncio.Future[bool]] = []
+        """Resolved when the batch holding what was queued before them was written."""
         self._pending = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self.dropped_writes = 0
 
-    def xadd(self, stream: str, fields: dict[str, Any], maxlen: int | None = None) -> None:
-        self._queue("xadd", stream, fields, maxlen or self.maxlen)
+    def xadd(
+        self,
+        stream: str,
+        fields: dict[str, Any],
+        maxlen: int | None = None,
+        urgent: bool = False,
+    ) -> None:
+        """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
+        latency should not wait behind the outputs being delivered to clients."""
+        self._queue("xadd", stream, fields, maxlen or self.maxlen, urgent)
 
     def xack(self, stream: str, group: str, entry_id: bytes) -> None:
         self._queue("xack", stream, group, entry_id)
@@ -149,12 +159,31 @@ class StreamWriter:
         """Wait until everything queued so far reached Redis (or was given up on)."""
         await self._idle.wait()
 
+    async def written(self) -> bool:
+        """Wait for the batch holding everything queued so far; False if it was given up on.
+
+        Unlike `flushed`, later writes do not make the caller wait longer.
+        """
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._done.append(done)
+        self._pending.set()
+        return await done
+
     async def run(self) -> None:
         while True:
             await self._pending.wait()
             self._pending.clear()
             ops, self._ops = self._ops, []
-            await self._write(ops)
+            done, self._done = self._done, []
+            try:
+                ok = await self._write(ops) if ops else True
+            except Exception:  # never die with callers waiting on `written`
+                log.exception("stream writer failed on a batch of %d writes", len(ops))
+                self.dropped_writes += len(ops)
+                ok = False
+            for fut in done:
+                if not fut.done():
+                    fut.set_result(ok)
             if not self._ops:
                 self._idle.set()
 
@@ -164,6 +193,7 @@ class StreamWriter:
         key, after the writes they acknowledge (never an ack before its consequences)."""
         acks: dict[tuple[str, str], list[bytes]] = {}
         expires: dict[str, int] = {}
+        ops = sorted(ops, key=lambda o: not (o[0] == "xadd" and o[1][3]))  # stable: urgent first
         for op, args in ops:
             if op == "xadd":
                 pipe.xadd(args[0], xadd_fields(args[1]), maxlen=args[2], approximate=True)
@@ -178,24 +208,25 @@ class StreamWriter:
         for key, ttl_s in expires.items():
             pipe.expire(key, ttl_s)
 
-    async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+    async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> bool:
         delay_s = 0.01
         for attempt in range(1, self.MAX_ATTEMPTS + 1):
             try:
                 async with self.client.pipeline(transaction=False) as pipe:
                     self._fill(pipe, ops)
                     await pipe.execute()
-                return
+                return True
             except RedisError as e:
                 if attempt == self.MAX_ATTEMPTS:
                     self.dropped_writes += len(ops)
                     log.error(
                         "giving up on %d stream writes after %d attempts: %r", len(ops), attempt, e
                     )
-                    return
+                    return False
                 log.warning("stream write failed (attempt %d), retrying: %r", attempt, e)
                 await asyncio.sleep(delay_s)
                 delay_s = min(1.0, delay_s * 2)
+        return False
 
 
 class RedisStageClient:
@@ -238,7 +269,7 @@ class RedisStageClient:
 
     async def submit(self, request_id: str, data: Any) -> None:
         msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
-        self.writer.xadd(self.in_stream, entry_fields(msg))  # encodes now: bad data raises here
+        self.writer.xadd(self.in_stream, entry_fields(msg), urgent=True)  # bad data raises here
 
     async def abort(self, request_id: str) -> None:
         """Broadcast on the control stream: whichever worker holds the request drops it."""

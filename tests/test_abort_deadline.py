@@ -326,3 +326,14 @@ async def test_shutdown_with_pending_deadlines_leaves_no_pending_task(
     assert all(t.done() for t in asyncio.all_tasks() if t is not asyncio.current_task())
     assert all(stage.aborted == [] for stage in stages)
     assert orch.request_states.keys() == {"r1", "r2"}
+
+
+async def test_deadlines_of_ended_requests_are_not_retained() -> None:
+    """The deadline heap follows live requests: ended ones are dropped from it, in bulk."""
+    stages = [FakeStage(lambda rid, data: [(data, True)])]
+    async with Orchestrator(stages, {0}, default_deadline_s=600) as orch:
+        for i in range(1000):
+            await orch.add_request(f"r{i}", "x")
+            assert (await orch.next_output(timeout=5)).finished
+        assert orch.request_states == {}
+        assert len(orch._deadlines) <= 2 * 64 + 2
