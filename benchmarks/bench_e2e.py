@@ -794,24 +794,31 @@ def make_instrumented_classes(stamps: HopStamps) -> tuple[type, type]:
             self.next_tag: tuple[int, str] | None = None
             self._tag_of: dict[int, tuple[int, str]] = {}
 
-        def xadd(self, stream: str, fields: dict[str, Any], maxlen: int | None = None) -> None:
+        def xadd(
+            self,
+            stream: str,
+            fields: dict[str, Any],
+            maxlen: int | None = None,
+            urgent: bool = False,
+        ) -> None:
             if self.next_tag is not None:  # a stage input, queued by StampingStageClient
                 self._tag_of[id(fields)] = self.next_tag
                 self.next_tag = None
-            super().xadd(stream, fields, maxlen)
+            super().xadd(stream, fields, maxlen, urgent)
 
-        async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+        async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> bool:
             t0 = time.monotonic_ns()
             tags = [
                 tag
                 for op, args in ops
                 if op == "xadd" and (tag := self._tag_of.pop(id(args[1]), None)) is not None
             ]
-            await super()._write(ops)
+            ok = await super()._write(ops)
             t1 = time.monotonic_ns()
             for tag in tags:
                 stamps.write_start[tag] = t0
                 stamps.write_done[tag] = t1
+            return ok
 
     class StampingStageClient(RedisStageClient):
         def _parse(self, entries: list[Entry]) -> list[StageOutput]:

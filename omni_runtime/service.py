@@ -185,6 +185,8 @@ class OrchestratorService:
         ttl_s = self.settings.client_stream_ttl_s
         while True:
             out: OrchOutput = await self.orchestrator.next_output()
+            if writer.urgent_pending:
+                await asyncio.sleep(0)  # let the writer send a stage's next input first
             client_id = self.client_of.get(out.request_id)
             if out.finished:
                 self.client_of.pop(out.request_id, None)

@@ -124,6 +124,7 @@ class StreamWriter:
         self.maxlen = maxlen
         self._ops: list[tuple[str, tuple[Any, ...]]] = []
         self._done: list[asyncio.Future[bool]] = []
+        self._urgent_queued = False
         """Resolved when the batch holding what was queued before them was written."""
         self._pending = asyncio.Event()
         self._idle = asyncio.Event()
@@ -150,7 +151,14 @@ class StreamWriter:
     def delete(self, key: str) -> None:
         self._queue("delete", key)
 
+    @property
+    def urgent_pending(self) -> bool:
+        """Whether an urgent entry waits for the next pipeline."""
+        return self._urgent_queued
+
     def _queue(self, op: str, *args: Any) -> None:
+        if op == "xadd" and args[3]:
+            self._urgent_queued = True
         self._ops.append((op, args))
         self._idle.clear()
         self._pending.set()
@@ -174,6 +182,7 @@ class StreamWriter:
             await self._pending.wait()
             self._pending.clear()
             ops, self._ops = self._ops, []
+            self._urgent_queued = False
             done, self._done = self._done, []
             try:
                 ok = await self._write(ops) if ops else True
