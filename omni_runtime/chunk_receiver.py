@@ -210,6 +210,7 @@ class ChunkReceiver:
             if progress:
                 if self.on_ready is not None:
                     self.on_ready()
+                    time.sleep(0)  # let the woken scheduler take the GIL before the next round
             elif not self._has_wakeups:
                 self._stop.wait(NO_PROGRESS_SLEEP_S)
 

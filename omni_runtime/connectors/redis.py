@@ -389,6 +389,7 @@ class RedisConnector:
             for route_id in route_ids:
                 for callback in callbacks:
                     callback(route_id)
+            time.sleep(0)  # hand the GIL to the woken receiver before packing the next BLPOP
 
     def _remember_consumed(self, names: Iterable[str]) -> None:
         """Under `_lock`."""
