@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run()
+    stuck = [
+        t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
+    ]
+    if stuck:  # stage code that ignores aborts must not keep a stopped worker alive
+        log.warning("exiting with stage code still running on %s", ", ".join(stuck))
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

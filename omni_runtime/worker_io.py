@@ -106,6 +106,7 @@ class ControlReader:
         self.client = client
         self._lock = threading.Lock()
         self._aborts: list[str] = []
+        self.malformed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-reader", daemon=True)
 
@@ -151,6 +152,8 @@ class ControlReader:
                     try:
                         msg = parse_entry(fields, AbortMsg, w.settings.max_message_bytes)
                     except CodecError as e:
+                        # Broadcast, not a group: every worker sees it, so none dead-letters it.
+                        self.malformed += 1
                         log.error("malformed control entry %s ignored: %s", entry_id, e)
                         continue
                     aborts.append(msg.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,41 @@ async def test_deadline_ends_a_slow_request(fake_clients: RedisClients, settings
         outs = await c.run("a b c d e f g h", deadline_s=0.3)
         assert outs[-1].finished and outs[-1].error == "deadline exceeded"
         await wait_for(lambda: all(not w.active for w in c.workers))
+
+
+async def test_a_stage_whose_upstream_goes_silent_fails_the_request_after_the_input_timeout(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    pipeline = omni_fast("streaming")
+    pipeline.stages[0].options["token_delay_ms"] = 3_000  # silent for longer than the timeout
+    quick = settings.model_copy(update={"input_timeout_s": 0.5})
+    async with InProcessCluster(pipeline, quick, fake_clients) as c:
+        outs = await c.run("never spoken")
+        assert len(outs) == 1 and outs[0].finished
+        # stage 1 (upstream silent) or stage 2 (its upstream waits too) gives up first
+        assert outs[0].error is not None
+        assert re.search(r"no input from stage [01] within 0\.5s", outs[0].error), outs[0].error
+
+
+async def test_requests_of_a_client_that_vanished_are_aborted(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    from omni_runtime.client import OmniClient
+
+    pipeline = omni_fast("sequential")
+    pipeline.stages[0].options["token_delay_ms"] = 100
+    async with InProcessCluster(pipeline, settings, fake_clients) as c:
+        ghost = OmniClient(settings, fake_clients)
+        await ghost.__aenter__()
+        rid = await ghost.submit(" ".join(["word"] * 100))  # ~10 s of thinking
+        await wait_for(lambda: bool(c.workers[0].active))
+        # the process "dies": its tasks stop, nothing is closed or aborted politely
+        for task in (ghost._reader, ghost._writer_task):
+            assert task is not None
+            task.cancel()
+        await asyncio.gather(ghost._reader, ghost._writer_task, return_exceptions=True)
+        orch = c.service.orchestrator
+        await wait_for(lambda: rid not in orch.request_states, deadline_s=20)  # heartbeat TTL 5 s
+        await wait_for(lambda: not c.workers[0].active)
+        assert c.workers[0].aborted == 1
+        await ghost.redis.aclose()
