@@ -170,14 +170,20 @@ class Orchestrator:
     # --- routing ---------------------------------------------------------------
 
     async def _handle_add(self, request_id: str, prompt: Any) -> None:
+        state = await self._register_or_reject(request_id, prompt)
+        if state is None:
+            return
+        state.submitted.add(0)
+        await self._submit(request_id, 0, prompt)
+
+    async def _register_or_reject(self, request_id: str, prompt: Any) -> ReqState | None:
+        """Register the request; a duplicate id gets one error output and None."""
         state = self._register(request_id, prompt)
         if state is None:
             await self._out_q.put(
                 OrchOutput(request_id, 0, None, True, error="duplicate request id")
             )
-            return
-        state.submitted.add(0)
-        await self._submit(request_id, 0, prompt)
+        return state
 
     def _register(self, request_id: str, prompt: Any) -> ReqState | None:
         """Create and register the state (no await here); None for a duplicate id."""
@@ -216,18 +222,26 @@ class Orchestrator:
             except Exception as e:
                 log.warning("stage %d could not abort %r: %r", sid, request_id, e)
 
-    async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
-        rid = out.request_id
-        state = self.request_states.get(rid)
-        if state is None:  # late, or never added: never resurrect state
+    async def _record(self, stage_id: int, out: StageOutput) -> ReqState | None:
+        """Steps 1-3: drop and count an unknown request's output (never resurrect state), end
+        the request on a stage failure, else record the data. None: nothing more to do."""
+        state = self.request_states.get(out.request_id)
+        if state is None:  # late, or never added
             self.dropped_outputs += 1
-            return
+            return None
         if isinstance(out.data, StageFailure):
-            await self._fail(rid, stage_id, out.data.error)
-            return
+            await self._fail(out.request_id, stage_id, out.data.error)
+            return None
         state.stage_data.setdefault(stage_id, []).append(out.data)
         if out.finished:
             state.finished.add(stage_id)
+        return state
+
+    async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
+        rid = out.request_id
+        state = await self._record(stage_id, out)
+        if state is None:
+            return
         if stage_id in self.final_stage_ids and await self._emit_final(rid, stage_id, state, out):
             return
         if out.finished and stage_id < self.last_stage:

@@ -274,16 +274,7 @@ class RedisConnector:
                 raws: list[bytes | None] = pipe.execute()
         except RedisError as e:
             raise TransportError(f"pipelined GETDEL of {len(names)} key(s) failed: {e}") from e
-        results: list[Any | None] = []
-        for name, raw in zip(names, raws, strict=True):
-            if raw is None:
-                results.append(None)
-                continue
-            try:
-                results.append(self._decode(name, raw))
-            except CodecError as e:
-                results.append(MalformedChunk(name, str(e)))
-        return results
+        return self._decode_all(names, raws)
 
     def peek_many(self, keys: Sequence[str], delete_first: Sequence[str] = ()) -> list[Any | None]:
         """MGET: read without consuming, so a reader can look ahead and delete what it keeps.
@@ -314,16 +305,7 @@ class RedisConnector:
                     self._unsent_deletes.extend(deletes)
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
             raws = [inline[n] if n in inline else fetched[n] for n in names]
-        results: list[Any | None] = []
-        for name, raw in zip(names, raws, strict=True):
-            if raw is None:
-                results.append(None)
-                continue
-            try:
-                results.append(self._decode(name, raw))
-            except CodecError as e:
-                results.append(MalformedChunk(name, str(e)))
-        return results
+        return self._decode_all(names, raws)
 
     # --- wake-ups: a receiver blocks instead of polling ------------------------------
 
@@ -436,6 +418,20 @@ class RedisConnector:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _decode_all(self, names: list[str], raws: Sequence[bytes | str | None]) -> list[Any | None]:
+        """Decoded values aligned with `names`; a bad one becomes a `MalformedChunk` in its slot
+        (it was consumed with the others, which must not be lost with it)."""
+        results: list[Any | None] = []
+        for name, raw in zip(names, raws, strict=True):
+            if raw is None:
+                results.append(None)
+                continue
+            try:
+                results.append(self._decode(name, raw))
+            except CodecError as e:
+                results.append(MalformedChunk(name, str(e)))
+        return results
 
     def _decode(self, name: str, raw: bytes | str) -> Any:
         try:
