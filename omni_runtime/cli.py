@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from omni_runtime.errors import OmniError
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
@@ -237,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except (OmniError, ValidationError) as e:
         print(f"omni-runtime: error: {e}", file=sys.stderr)
+        return 2
+    except RedisError as e:
+        print(
+            f"omni-runtime: error: Redis: {e} (check OMNI_REDIS_URL / --redis-url)", file=sys.stderr
+        )
         return 2
     except KeyboardInterrupt:
         return 130
