@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError, StartupTimeoutError, TransportError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_clients import RedisClients
@@ -52,6 +52,7 @@ class OmniClient:
         self.dropped_outputs = 0
 
     async def __aenter__(self) -> OmniClient:
+        codec.warm_up()
         self.redis: aioredis.Redis = self.clients.aio()
         self._writer = StreamWriter(self.redis, self.settings.stream_maxlen)
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")

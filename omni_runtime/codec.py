@@ -22,6 +22,7 @@ untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import struct
@@ -44,6 +45,7 @@ __all__ = [
     "decode_model",
     "encode",
     "encode_model",
+    "warm_up",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -59,6 +61,13 @@ _MAX_NDIM: Final = 64
 # Canonical ``dtype.str`` only (what encode emits): no object "O", no structured specs, and no
 # odd spellings numpy would parse with a deprecation warning.
 _DTYPE_RE: Final = re.compile(r"[<>|][biufcmMSUV][0-9]{1,10}(?:\[[0-9]{0,10}[A-Za-z]{1,7}\])?")
+
+
+def warm_up() -> None:
+    """Import numpy now, if installed: a long-running process that would otherwise import it
+    on its first array stalls everything else for ~0.2 s right then (first-request latency)."""
+    with contextlib.suppress(ImportError):
+        import numpy  # noqa: F401
 
 
 def encode(obj: Any) -> bytes:

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from omni_runtime.errors import ConfigError
 
@@ -39,11 +46,17 @@ class PipelineConfig(BaseModel):
     source_dir: Path | None = Field(default=None, exclude=True)
     """Directory of the file it came from: stage modules next to it are importable."""
 
-    @model_validator(mode="after")
-    def _consistent(self) -> PipelineConfig:
-        ids = [s.id for s in self.stages]
+    @field_validator("stages")
+    @classmethod
+    def _ids_in_order(cls, stages: list[StageConfig]) -> list[StageConfig]:
+        ids = [s.id for s in stages]
         if ids != list(range(len(ids))):
             raise ValueError(f"stage ids must be 0, 1, ... in order, got {ids}")
+        return stages
+
+    @model_validator(mode="after")
+    def _finals_name_stages(self) -> PipelineConfig:
+        ids = [s.id for s in self.stages]
         bad = [f for f in self.final_stage_ids if f not in ids]
         if bad:
             raise ValueError(f"final_stage_ids {bad} name no stage (ids {ids})")

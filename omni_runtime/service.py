@@ -73,6 +73,7 @@ class OrchestratorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then flush what was queued and close."""
         s = self.settings
+        codec.warm_up()
         client = self.clients.aio()
         writer = StreamWriter(client, s.stream_maxlen)
         streaming = self.pipeline.mode == "streaming"

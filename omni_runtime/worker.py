@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.chunk_adapter import ChunkAdapter
 from omni_runtime.connectors.redis import RedisConnector
 from omni_runtime.errors import CodecError
@@ -92,6 +92,7 @@ class StageWorker:
     def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
         s = self.settings
+        codec.warm_up()
         self.client = self.clients.sync()
         ensure_group_sync(self.client, self.in_stream, keys.WORKERS_GROUP)
         self.engine = load_engine(
