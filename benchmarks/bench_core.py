@@ -42,22 +42,27 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import json
 import os
-import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
+from common import (
+    Row,
+    Summary,
+    base_parser,
+    environment,
+    format_table,
+    percentile,
+    private_redis_server,
+    write_results,
+)
 
 from omni_runtime.chunk_adapter import ChunkAdapter
 from omni_runtime.connectors.memory import MemoryConnector
@@ -115,48 +120,6 @@ QUICK = Sizes(
     latency_gap_ms=2.0,
     idle_requests=999,
 )
-
-
-# --- statistics -------------------------------------------------------------------------------
-
-
-@dataclass
-class Summary:
-    median: float
-    min: float
-    max: float
-    values: list[float]
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Summary:
-        vals = list(values)
-        return cls(statistics.median(vals), min(vals), max(vals), vals)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-@dataclass
-class Row:
-    """One line of the table and one object of the JSON file."""
-
-    bench: str
-    config: str
-    metric: str
-    unit: str
-    value: Summary
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    baseline: str = ""
-    baseline_value: float | None = None
-    ratio: float | None = None
-    target: str = ""
-    met: bool | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 # --- (a) Orchestrator -------------------------------------------------------------------------
@@ -569,127 +532,27 @@ def bench_adapter(sizes: Sizes, redis_url: str | None) -> list[Row]:
     return rows
 
 
-# --- redis-server ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-@contextlib.contextmanager
-def private_redis_server() -> Iterator[str | None]:
-    """A redis-server on a free loopback port for the run's duration; None if not on PATH."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        yield None
-        return
-    port = _free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10.0
-        while not _ping(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start")
-            time.sleep(0.02)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # --- output -----------------------------------------------------------------------------------
 
 
-def _fmt_rate(x: float) -> str:
+def _fmt_rate(x: float, _unit: str) -> str:
     return f"{x / 1e3:,.1f}k" if x >= 1e3 else f"{x:,.1f}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    header = (
-        "bench",
-        "config",
-        "metric: median [min..max]",
-        "p50 ms",
-        "p99 ms",
-        "baseline",
-        "ratio",
-        "target",
-        "met",
-    )
-    lines: list[tuple[str, ...]] = [header]
-    for r in rows:
-        v = r.value
-        lines.append(
-            (
-                r.bench,
-                r.config,
-                f"{_fmt_rate(v.median)} {r.metric} [{_fmt_rate(v.min)}..{_fmt_rate(v.max)}]",
-                "" if r.p50_ms is None else f"{r.p50_ms:.3f}",
-                "" if r.p99_ms is None else f"{r.p99_ms:.3f}",
-                "" if r.baseline_value is None else f"{_fmt_rate(r.baseline_value)}/s",
-                "" if r.ratio is None else f"{r.ratio:.2f}x",
-                r.target,
-                {None: "", True: "yes", False: "NO"}[r.met],
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    notes = [f"  [{r.bench} | {r.config}] {note}" for r in rows for note in r.notes]
-    return "\n".join([*out, "", "notes:", *notes])
-
-
-def _environment(redis_url: str | None) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "redis_py": redis.__version__,
-        "switchinterval_s": sys.getswitchinterval(),
-    }
-    if redis_url is not None:
-        client = redis.Redis.from_url(redis_url)
-        try:
-            env["redis_server"] = client.info("server").get("redis_version")
-        finally:
-            client.close()
-    return env
+def _fmt_baseline(x: float, _unit: str) -> str:
+    return f"{_fmt_rate(x, _unit)}/s"
 
 
 # --- main -------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument(
-        "--redis-url",
-        default=None,
-        help="Redis to use (default: start a private redis-server if on PATH, else skip Redis)",
+    parser = base_parser(
+        __doc__,
+        DEFAULT_JSON,
+        redis_help="Redis to use (default: start a private redis-server if on PATH, else skip Redis)",
+        quick_help="smaller sizes for a smoke run",
     )
-    parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     return parser.parse_args(argv)
 
 
@@ -699,14 +562,14 @@ def run(args: argparse.Namespace, redis_url: str | None, skipped: str | None) ->
     rows = bench_orchestrator(sizes)
     rows += bench_adapter(sizes, redis_url)
     elapsed = time.perf_counter() - started
-    print(format_table(rows))
+    print(format_table(rows, _fmt_rate, _fmt_baseline))
     if skipped:
         print(f"  NOTE: {skipped}")
     print(f"\ntotal {elapsed:.1f} s ({'quick' if args.quick else 'full'})")
     return {
         "mode": "quick" if args.quick else "full",
         "sizes": asdict(sizes),
-        "environment": _environment(redis_url),
+        "environment": environment(redis_url, switchinterval_s=sys.getswitchinterval()),
         "redis_skipped": skipped,
         "elapsed_s": elapsed,
         "rows": [asdict(r) for r in rows],
@@ -723,9 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if url is None:
                 skipped = "redis-server not on PATH and no --redis-url: Redis rows skipped"
         result = run(args, url, skipped)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_results(args.json, result)
     return 0
 
 

@@ -49,11 +49,9 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import queue
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,16 +64,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import common
 import msgpack
 import redis
 import redis.asyncio as aioredis
+from common import (
+    ROOT,
+    TICK_S,
+    Summary,
+    base_parser,
+    delete_keys,
+    environment,
+    format_table,
+    git,
+    percentile,
+    private_redis_server,
+    proc_cpu_s,
+    redis_server_pid,
+    stop_process,
+    write_results,
+)
 
 from omni_runtime import keys
 from omni_runtime.local import ProcessGroup, child_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
 SEED_PIPELINE = ROOT / "workers" / "seed.yaml"
 DEFAULT_JSON = Path("benchmarks/results/bench_e2e.json")
 PROMPT = "hi there"
@@ -135,46 +149,13 @@ QUICK = Sizes(
 )
 
 
-# --- statistics and rows (same shape as bench_core) -------------------------------------------
+# --- rows ------------------------------------------------------------------------------------
 
 
 @dataclass
-class Summary:
-    median: float
-    min: float
-    max: float
-    values: list[float]
+class Row(common.Row):
+    """A table row that also carries per-segment figures into the JSON file."""
 
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Summary:
-        vals = list(values)
-        return cls(statistics.median(vals), min(vals), max(vals), vals)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-@dataclass
-class Row:
-    """One line of the table and one object of the JSON file."""
-
-    bench: str
-    config: str
-    metric: str
-    unit: str
-    value: Summary
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    baseline: str = ""
-    baseline_value: float | None = None
-    ratio: float | None = None
-    target: str = ""
-    met: bool | None = None
-    notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -246,12 +227,7 @@ class LineProc:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                stop_process(self.proc)
         self._log.close()
 
 
@@ -540,18 +516,6 @@ async def raw_produce_async(url: str, stream: str, n: int) -> None:
 
 # --- CPU accounting ---------------------------------------------------------------------------
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all its threads), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
-
 
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs since boot."""
@@ -579,25 +543,9 @@ class CpuSampler:
             c0, c1 = self.c0.get(name), proc_cpu_s(pid)
             if c0 is not None and c1 is not None:
                 out[name] = c1 - c0
-        out[MACHINE] = (m1[0] - self.m0[0]) * _TICK_S
+        out[MACHINE] = (m1[0] - self.m0[0]) * TICK_S
         out[OTHER] = out[MACHINE] - sum(v for k, v in out.items() if k != MACHINE)
         return out
-
-
-def redis_server_pid(url: str) -> int | None:
-    """The server's pid when it runs on this machine (its INFO process_id exists here)."""
-    client = redis.Redis.from_url(url)
-    try:
-        pid = int(client.info("server").get("process_id", 0))
-    except (redis.RedisError, ValueError):
-        return None
-    finally:
-        client.close()
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text() if pid else ""
-    except OSError:
-        return None
-    return pid if "redis" in comm or "valkey" in comm else None
 
 
 # --- (1) end-to-end throughput ----------------------------------------------------------------
@@ -605,17 +553,6 @@ def redis_server_pid(url: str) -> int | None:
 
 def _namespace(kind: str) -> str:
     return f"bench-e2e-{kind}-{uuid.uuid4().hex[:8]}"
-
-
-def delete_namespace(url: str, namespace: str) -> None:
-    client = redis.Redis.from_url(url)
-    try:
-        for key in client.scan_iter(match=f"{namespace}:*", count=1000):
-            client.unlink(key)
-    except redis.RedisError:
-        pass
-    finally:
-        client.close()
 
 
 def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
@@ -632,7 +569,7 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
         )
         group.check_alive()
         pids = {name.split("-")[0]: proc.pid for name, proc, _f in group.procs}
-        server_pid = redis_server_pid(url)
+        server_pid = redis_server_pid(url, names=("redis", "valkey"))
         if server_pid is not None:
             pids["redis-server"] = server_pid
         run_load(clients[:1], sizes.warmup_requests, 64, 0.0, "warm", check_alive=group.check_alive)
@@ -683,7 +620,7 @@ def bench_throughput(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
         for c in clients:
             c.stop()
         group.stop()
-        delete_namespace(url, namespace)
+        delete_keys(url, f"{namespace}:*")
     return rows
 
 
@@ -1070,7 +1007,7 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
 
         pids = {"benchmark+orchestrator": os.getpid()}
         pids |= {p.name: p.proc.pid for p in [*workers, *clients, consumer, producer]}
-        server_pid = redis_server_pid(url)
+        server_pid = redis_server_pid(url, names=("redis", "valkey"))
         if server_pid is not None:
             pids["redis-server"] = server_pid
         sampler = CpuSampler(pids)
@@ -1143,7 +1080,7 @@ def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
         if orch is not None:
             orch.stop()
         patches.close()
-        delete_namespace(url, namespace)
+        delete_keys(url, f"{namespace}:*")
     return _hop_rows(sizes, hops, raw_sync, raw_sync_rep_p50, raw_async, raw_async_rep_p50)
 
 
@@ -1304,52 +1241,6 @@ def _hop_rows(
     return rows
 
 
-# --- redis-server ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-@contextlib.contextmanager
-def private_redis_server() -> Iterator[str]:
-    """A redis-server on a free loopback port for the run's duration."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not on PATH: install it or pass --redis-url")
-    port = _free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10.0
-        while not _ping(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start")
-            time.sleep(0.02)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # --- output -----------------------------------------------------------------------------------
 
 
@@ -1359,65 +1250,16 @@ def _fmt(x: float, unit: str) -> str:
     return f"{x / 1e3:,.2f}k" if x >= 1e3 else f"{x:,.1f}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    header = (
-        "bench",
-        "config",
-        "metric: median [min..max]",
-        "p50 ms",
-        "p99 ms",
-        "baseline",
-        "ratio",
-        "target",
-        "met",
-    )
-    lines: list[tuple[str, ...]] = [header]
-    for r in rows:
-        v = r.value
-        base = ""
-        if r.baseline_value is not None:
-            base = f"{_fmt(r.baseline_value, r.unit)} {'us' if r.unit == 'us' else '/s'}"
-        lines.append(
-            (
-                r.bench,
-                r.config,
-                f"{_fmt(v.median, r.unit)} {r.metric} "
-                f"[{_fmt(v.min, r.unit)}..{_fmt(v.max, r.unit)}]",
-                "" if r.p50_ms is None else f"{r.p50_ms:.3f}",
-                "" if r.p99_ms is None else f"{r.p99_ms:.3f}",
-                base,
-                "" if r.ratio is None else f"{r.ratio:.2f}x",
-                r.target,
-                {None: "", True: "yes", False: "NO"}[r.met],
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    notes = [f"  [{r.bench} | {r.config}] {note}" for r in rows for note in r.notes]
-    return "\n".join([*out, "", "notes:", *notes])
+def _fmt_baseline(x: float, unit: str) -> str:
+    return f"{_fmt(x, unit)} {'us' if unit == 'us' else '/s'}"
 
 
 def _environment(redis_url: str) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "redis_py": redis.__version__,
-    }
-    client = redis.Redis.from_url(redis_url)
-    try:
-        env["redis_server"] = client.info("server").get("redis_version")
-    finally:
-        client.close()
+    env = environment(redis_url)
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        git = ["git", "-C", str(ROOT)]
-        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
-        env["git_head"] = head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain")
+        env["git_head"] = head + (" (dirty)" if dirty else "")
     return env
 
 
@@ -1425,12 +1267,12 @@ def _environment(redis_url: str) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument(
-        "--redis-url", default=None, help="Redis to use (default: start a private redis-server)"
+    parser = base_parser(
+        __doc__,
+        DEFAULT_JSON,
+        redis_help="Redis to use (default: start a private redis-server)",
+        quick_help="smaller sizes for a smoke run",
     )
-    parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     hidden = argparse.SUPPRESS  # the child processes this benchmark starts
     parser.add_argument(
         "--role",
@@ -1457,7 +1299,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     elapsed = time.perf_counter() - started
-    print(format_table(rows))
+    print(format_table(rows, _fmt, _fmt_baseline))
     print(f"\ntotal {elapsed:.1f} s ({'quick' if args.quick else 'full'})")
     return {
         "mode": "quick" if args.quick else "full",
@@ -1479,11 +1321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "raw-producer":
         return raw_producer_role(args)
     with contextlib.ExitStack() as stack:
-        url: str = args.redis_url or stack.enter_context(private_redis_server())
+        url = args.redis_url or stack.enter_context(private_redis_server())
+        if url is None:
+            raise SystemExit("redis-server not on PATH: install it or pass --redis-url")
         result = run(args, url)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_results(args.json, result)
     return 0
 
 

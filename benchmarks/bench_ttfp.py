@@ -52,28 +52,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing as mp
-import os
-import platform
 import queue
 import random
-import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
 import yaml
+from common import (
+    ROOT,
+    base_parser,
+    delete_keys,
+    environment,
+    git,
+    met_cell,
+    percentile,
+    private_redis_server,
+    proc_cpu_s,
+    redis_server_pid,
+    write_results,
+)
 
 from omni_runtime import codec, keys
 from omni_runtime.chunk_adapter import ChunkAdapter
@@ -83,7 +90,6 @@ from omni_runtime.local import ProcessGroup, child_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
 OMNI_YAML = ROOT / "workers" / "omni.yaml"
 DEFAULT_JSON = Path("benchmarks/results/bench_ttfp.json")
 MODES = ("sequential", "streaming")
@@ -165,13 +171,6 @@ QUICK = Sizes(
 # --- statistics -------------------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
@@ -244,17 +243,6 @@ async def watched(deployments: Sequence[Deployment], work: Awaitable[T], timeout
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-
-
-def delete_namespace(url: str, pattern: str) -> None:
-    client = redis.Redis.from_url(url)
-    try:
-        for key in client.scan_iter(match=pattern, count=1000):
-            client.unlink(key)
-    except redis.RedisError:
-        pass
-    finally:
-        client.close()
 
 
 # --- (1) latency cells ----------------------------------------------------------------------
@@ -362,18 +350,6 @@ class Cell:
 
 # --- (2) idle CPU -----------------------------------------------------------------------------
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all its threads), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
-
 
 def proc_cpu_ns(pid: int) -> int | None:
     """On-CPU ns of all the process's threads (`/proc/<pid>/task/*/schedstat`), or None.
@@ -451,18 +427,6 @@ async def measure_idle(
             row.met = row.pct_of_core <= TARGET_IDLE_PCT
         rows.append(row)
     return rows
-
-
-def redis_server_pid(url: str) -> int | None:
-    """The server's pid when it runs on this machine (its INFO process_id exists here)."""
-    client = redis.Redis.from_url(url)
-    try:
-        pid = int(client.info("server").get("process_id", 0))
-    except (redis.RedisError, ValueError):
-        return None
-    finally:
-        client.close()
-    return pid if pid and Path(f"/proc/{pid}").exists() else None
 
 
 # --- (3) chunk hand-off -----------------------------------------------------------------------
@@ -645,7 +609,7 @@ def run_handoff(url: str, kind: str, total: int, warmup: int) -> HandoffRow:
                 p.terminate()
                 p.join(5)
         out.close()
-        delete_namespace(url, f"{prefix}*")
+        delete_keys(url, f"{prefix}*")
     lat = [x / 1e6 for x in result["lat_ns"]]
     return HandoffRow(
         kind,
@@ -671,52 +635,6 @@ def bench_handoff(url: str, sizes: Sizes) -> list[HandoffRow]:
         and adapter.p99_ms <= TARGET_HANDOFF_P99_MS
     )
     return rows
-
-
-# --- redis-server ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-@contextlib.contextmanager
-def private_redis_server() -> Iterator[str]:
-    """A redis-server on a free loopback port, no persistence, for the run's duration."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not on PATH: pass --redis-url")
-    port = _free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10.0
-        while not _ping(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start")
-            time.sleep(0.02)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --- the pipeline part ------------------------------------------------------------------------
@@ -772,7 +690,7 @@ async def bench_pipeline(
     finally:
         for d in deployments:
             d.group.stop()
-            delete_namespace(url, f"{d.namespace}:*")
+            delete_keys(url, f"{d.namespace}:*")
 
 
 # --- targets and output -----------------------------------------------------------------------
@@ -905,7 +823,7 @@ def idle_table(idle: list[IdleRow]) -> str:
             r.mode, r.process, str(r.pid), f"{r.window_s:.2f}", f"{r.stat_cpu_s:.2f}",
             f"{r.stat_pct_of_core:.2f}",
             "-" if r.schedstat_pct_of_core is None else f"{r.schedstat_pct_of_core:.3f}",
-            r.target, {None: "", True: "yes", False: "NO"}[r.met],
+            r.target, met_cell(r.met),
         ]
         for r in idle
     ]  # fmt: skip
@@ -926,7 +844,7 @@ def handoff_table(rows: list[HandoffRow]) -> str:
                 "-" if r.p90_ms is None else f"{r.p90_ms:.3f}",
                 "-" if r.p99_ms is None else f"{r.p99_ms:.3f}",
                 "-" if r.max_ms is None else f"{r.max_ms:.3f}",
-                _x(rel, 1), r.target, {None: "", True: "yes", False: "NO"}[r.met],
+                _x(rel, 1), r.target, met_cell(r.met),
             ]
         )  # fmt: skip
     return markdown(header, out)
@@ -935,35 +853,15 @@ def handoff_table(rows: list[HandoffRow]) -> str:
 def targets_table(targets: list[Target]) -> str:
     return markdown(
         ("Target", "Measured", "Met"),
-        [[t.name, t.measured, {None: "n/a", True: "yes", False: "NO"}[t.met]] for t in targets],
+        [[t.name, t.measured, met_cell(t.met, "n/a")] for t in targets],
     )
 
 
 def _environment(redis_url: str) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "redis_py": redis.__version__,
-    }
-    client = redis.Redis.from_url(redis_url)
-    try:
-        env["redis_server"] = client.info("server").get("redis_version")
-    finally:
-        client.close()
+    env = environment(redis_url)
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        git = ["git", "-C", str(ROOT)]
-        env["git_commit"] = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        env["git_dirty"] = bool(
-            subprocess.run(
-                [*git, "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-        )
+        env["git_commit"] = git("rev-parse", "HEAD", timeout_s=5)
+        env["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", timeout_s=5))
     return env
 
 
@@ -971,12 +869,12 @@ def _environment(redis_url: str) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument(
-        "--redis-url", default=None, help="Redis to use (default: a private redis-server)"
+    parser = base_parser(
+        __doc__,
+        DEFAULT_JSON,
+        redis_help="Redis to use (default: a private redis-server)",
+        quick_help="c=1 and 8, fewer requests",
     )
-    parser.add_argument("--quick", action="store_true", help="c=1 and 8, fewer requests")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     parser.add_argument(
         "--token-delay-ms", type=float, default=20.0, help="thinker delay per token (ms)"
     )
@@ -1045,11 +943,11 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.ExitStack() as stack:
-        url: str = args.redis_url or stack.enter_context(private_redis_server())
+        url = args.redis_url or stack.enter_context(private_redis_server())
+        if url is None:
+            raise SystemExit("redis-server not on PATH: pass --redis-url")
         result = run(args, url)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_results(args.json, result)
     return 0
 
 
