@@ -78,8 +78,8 @@ from common import (
     format_table,
     git,
     percentile,
-    private_redis_server,
     proc_cpu_s,
+    redis_or_private,
     redis_server_pid,
     stop_process,
     write_results,
@@ -876,6 +876,16 @@ SEGMENTS = (
 )
 
 
+def _add_spans(
+    at: dict[str, int | None], spans: tuple[tuple[str, str, str], ...], into: dict[str, list[int]]
+) -> None:
+    """Append `to - from` under each span's name where both of its stamps exist."""
+    for name, a, b in spans:
+        ta, tb = at[a], at[b]
+        if ta is not None and tb is not None:
+            into.setdefault(name, []).append(tb - ta)
+
+
 def collect_hops(
     stamps: HopStamps, worker_reads: dict[int, dict[str, int]], rids: list[str], out: HopSamples
 ) -> None:
@@ -899,10 +909,7 @@ def collect_hops(
                 out.missing += 1
                 continue
             by_stage.append(read - arrived)
-            for name, a, b in SEGMENTS:
-                ta, tb = at[a], at[b]
-                if ta is not None and tb is not None:
-                    out.segments_ns[sid].setdefault(name, []).append(tb - ta)
+            _add_spans(at, SEGMENTS, out.segments_ns[sid])
         out.hop_ns[sid].extend(by_stage)
         if by_stage:
             out.rep_p50_by_stage_ns[sid].append(percentile(by_stage, 50))
@@ -937,10 +944,7 @@ def collect_timeline(
         for sid in (0, 1, 2):
             at[f"read {sid}"] = worker_reads[sid].get(rid)
             at[f"out {sid}"] = stamps.arrived.get((sid, rid))
-        for name, a, b in TIMELINE:
-            ta, tb = at[a], at[b]
-            if ta is not None and tb is not None:
-                out.timeline_ns.setdefault(name, []).append(tb - ta)
+        _add_spans(at, TIMELINE, out.timeline_ns)
 
 
 def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
@@ -1254,13 +1258,13 @@ def _fmt_baseline(x: float, unit: str) -> str:
     return f"{_fmt(x, unit)} {'us' if unit == 'us' else '/s'}"
 
 
-def _environment(redis_url: str) -> dict[str, Any]:
-    env = environment(redis_url)
+def _git_state() -> dict[str, Any]:
+    """`git_head`: the commit, " (dirty)" if the tree has changes (untracked files count)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         head = git("rev-parse", "HEAD")
         dirty = git("status", "--porcelain")
-        env["git_head"] = head + (" (dirty)" if dirty else "")
-    return env
+        return {"git_head": head + (" (dirty)" if dirty else "")}
+    return {}
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -1304,7 +1308,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     return {
         "mode": "quick" if args.quick else "full",
         "sizes": asdict(sizes),
-        "environment": _environment(redis_url),
+        "environment": environment(redis_url) | _git_state(),
         "elapsed_s": elapsed,
         "rows": [asdict(r) for r in rows],
     }
@@ -1320,10 +1324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return raw_consumer_role(args)
     if args.role == "raw-producer":
         return raw_producer_role(args)
-    with contextlib.ExitStack() as stack:
-        url = args.redis_url or stack.enter_context(private_redis_server())
-        if url is None:
-            raise SystemExit("redis-server not on PATH: install it or pass --redis-url")
+    with redis_or_private(
+        args.redis_url, "redis-server not on PATH: install it or pass --redis-url"
+    ) as url:
         result = run(args, url)
     write_results(args.json, result)
     return 0

@@ -76,8 +76,8 @@ from common import (
     git,
     met_cell,
     percentile,
-    private_redis_server,
     proc_cpu_s,
+    redis_or_private,
     redis_server_pid,
     write_results,
 )
@@ -857,12 +857,13 @@ def targets_table(targets: list[Target]) -> str:
     )
 
 
-def _environment(redis_url: str) -> dict[str, Any]:
-    env = environment(redis_url)
+def _git_state() -> dict[str, Any]:
+    """`git_commit` and `git_dirty` (tracked files only), as far as git answers."""
+    state: dict[str, Any] = {}
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        env["git_commit"] = git("rev-parse", "HEAD", timeout_s=5)
-        env["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", timeout_s=5))
-    return env
+        state["git_commit"] = git("rev-parse", "HEAD", timeout_s=5)
+        state["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", timeout_s=5))
+    return state
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -890,7 +891,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
-    environment = _environment(url)  # before the run: the commit the processes import
+    env = environment(url) | _git_state()  # before the run: the commit the processes import
     prompt, tokens = make_prompt(args.tokens)
     with tempfile.TemporaryDirectory(prefix="bench-ttfp-") as tmp:
         path, frame_len = write_pipeline_copy(Path(tmp), args.token_delay_ms)
@@ -931,7 +932,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "expected_audio_samples": expected.audio_samples,
             "namespaces": pipe.namespaces,
         },
-        "environment": environment,
+        "environment": env,
         "elapsed_s": elapsed,
         "cells": [asdict(c) for c in pipe.cells],
         "idle_cpu": [{**asdict(r), "pct_of_core": r.pct_of_core} for r in pipe.idle],
@@ -942,10 +943,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        url = args.redis_url or stack.enter_context(private_redis_server())
-        if url is None:
-            raise SystemExit("redis-server not on PATH: pass --redis-url")
+    with redis_or_private(args.redis_url, "redis-server not on PATH: pass --redis-url") as url:
         result = run(args, url)
     write_results(args.json, result)
     return 0
