@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +225,34 @@ async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
     d.group.stop()
     still_active = [int(m.group(1)) for m in re.finditer(r"(\d+) still active", d.logs())]
     assert len(still_active) == 3 and sum(still_active) == 0, "no worker holds state for them"
+
+
+async def test_a_killed_replica_loses_nothing(deploy: Any) -> None:
+    """SIGKILL one of two replicas mid-work: the other takes over its unacknowledged inputs
+    once its heartbeat expired, and every request still ends once, correctly."""
+    d = deploy(final_stage_ids=[2], stages={1: {"replicas": 2, "options": {"delay_ms": 300}}})
+    prompts = {f"k{i}": f"w{i}" for i in range(16)}
+    async with OmniClient(d.settings) as client:
+        await client.wait_ready([0, 1, 2], timeout_s=60)
+        for rid, prompt in prompts.items():
+            await client.submit(prompt, request_id=rid)
+        victim = next(
+            p for name, p, _f in d.group.procs if name.startswith("stage1-") and name.endswith("-0")
+        )
+        raw = redis.Redis.from_url(d.settings.redis_url or "")
+        try:  # kill it while it holds inputs it has not acknowledged
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 30
+            victim_prefix = f"{socket.gethostname()}-{victim.pid}-".encode()
+            while not any(
+                c["name"].startswith(victim_prefix) and c["pending"] > 0
+                for c in raw.xinfo_consumers(d.settings.names.stage_in(1), "workers")
+            ):
+                assert loop.time() < end, "the victim never held an input"
+                await asyncio.sleep(0.01)
+        finally:
+            raw.close()
+        victim.kill()
+        results = {rid: [o async for o in client.stream(rid, timeout_s=60)] for rid in prompts}
+    for rid, outs in results.items():
+        assert triples(outs) == [(2, f"wav:W{rid[1:]}", True)], rid
