@@ -438,7 +438,7 @@ def test_many_requests_keep_order_and_contiguous_ids(
 def test_stop_returns_promptly_while_idle(conn: MemoryConnector) -> None:
     adapter = ChunkAdapter(conn, stage_id=1)
     adapter.load_async("idle")  # RECV thread polling, SAVE thread waiting
-    time.sleep(0.02)
+    wait_until(lambda: adapter.pending_receives() == 1)
     t0 = time.monotonic()
     adapter.stop()
     assert time.monotonic() - t0 < 1.0

@@ -137,13 +137,22 @@ def test_an_exception_ends_only_its_request_with_an_error() -> None:
 
 def test_abort_stops_a_request_waiting_for_input() -> None:
     stream = ChunkStream()
-    engine = engine_for(marks_final(lambda data: (x for x in data)))
+    ended = threading.Event()
+
+    @marks_final
+    def echo(data: ChunkStream) -> Iterator[Any]:
+        try:
+            yield from data
+        finally:
+            ended.set()  # the stage code has stopped: nothing more can come out
+
+    engine = engine_for(echo)
     engine.add_request("r", stream)
     stream.extend(["a"], closed=False)
     assert triples(wait_for_outputs(engine, 1)) == [("a", False, None)]
-    engine.abort("r")
+    engine.abort("r")  # the stage is blocked waiting for its next chunk
+    assert ended.wait(10), "the aborted stage kept running"
     stream.extend(["b"], closed=True)
-    time.sleep(0.05)
     assert engine.step() == []  # nothing of an aborted request comes out
     engine.close()
 
