@@ -17,9 +17,7 @@ Errors, by class (`omni_runtime.errors`):
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import struct
 import threading
 import time
 import uuid
@@ -33,6 +31,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
+from omni_runtime.connectors.redis_wakeups import WakeupListener, WakeupSender
 from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.types import MalformedChunk
 
@@ -40,31 +39,6 @@ log = logging.getLogger(__name__)
 
 _PACKER_BUFFER_CUTOFF = 6000
 """Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
-
-
-LISTEN_BLOCK_S = 1.0
-"""Longest BLPOP of the wake-up listener; bounds how long `close` may wait for it."""
-MAX_CACHED_ROUTES = 100_000
-LISTEN_BATCH = 10_000
-INLINE_MAX_BYTES = 16 * 1024
-"""Chunks up to this size also travel inside their wake-up: one round trip less per hop."""
-MAX_INLINE_HELD = 10_000
-_WAKEUP_HEADER = struct.Struct("<H")
-
-
-def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
-    """`<u16 key length><key><value or nothing>`; None for anything else (logged).
-
-    The empty element is `close()` unblocking the listener: no key, nothing to log.
-    """
-    if not element:
-        return None, b""
-    try:
-        (n,) = _WAKEUP_HEADER.unpack_from(element)
-        return element[2 : 2 + n].decode(), element[2 + n :]
-    except (struct.error, UnicodeDecodeError) as e:
-        log.warning("malformed wake-up ignored: %r", e)
-        return None, b""
 
 
 class RedisConnector:
@@ -98,15 +72,9 @@ class RedisConnector:
         self._owns_client = False
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._lock = threading.Lock()
-        self._routes: dict[str, str] = {}
-        self._callbacks: list[Callable[[str], None]] = []
-        self._listener: threading.Thread | None = None
-        self._closed = threading.Event()
-        self._inline: dict[str, bytes] = {}
-        """Small chunk values that arrived with their wake-up, by full key, until peeked."""
         self._unsent_deletes: list[str] = []
-        self._consumed_recently: dict[str, None] = {}
-        """Keys read and deleted lately (bounded): a wake-up arriving after them is stale."""
+        self._wakeup_sender = WakeupSender(prefix, ttl_s)
+        self._wakeup_listener = WakeupListener(client, self.notify_key, prefix)
 
     @classmethod
     def from_url(
@@ -194,55 +162,15 @@ class RedisConnector:
             if isinstance(obj, dict) and obj.get("finished") is True
         }
         if finished:
-            with self._lock:
-                for route_id in finished:
-                    self._routes.pop(route_id, None)
-
-    def _wakeups(self, encoded: list[tuple[str, bytes, str]], route_id: str) -> list[bytes]:
-        """One wake-up per chunk of the route: its key, and the value itself when small, so
-        the receiver has it without another round trip (the SET stays the source of truth)."""
-        out = []
-        for name, value, rid in encoded:
-            if rid != route_id:
-                continue
-            key = name[len(self.prefix) :].encode()
-            inline = value if len(value) <= INLINE_MAX_BYTES else b""
-            out.append(_WAKEUP_HEADER.pack(len(key)) + key + inline)
-        return out
+            self._wakeup_sender.forget(finished)
 
     def _set_and_notify(self, encoded: list[tuple[str, bytes, str]], transaction: bool) -> None:
-        route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))
-        with self._lock:
-            routes = {r: self._routes.get(r) for r in route_ids}
-        unknown = [r for r in route_ids if routes[r] is None]
         with self.client.pipeline(transaction=transaction) as pipe:
             for name, value, _route_id in encoded:
                 pipe.set(name, value, ex=self.ttl_s)
-            for route_id, route in routes.items():
-                if route is not None:
-                    pipe.rpush(route, *self._wakeups(encoded, route_id))
-                    pipe.expire(route, self.ttl_s)
-            for route_id in unknown:
-                pipe.get(keys.chunk_route_key(route_id, self.prefix))
+            unknown = self._wakeup_sender.queue(pipe, encoded)
             replies = pipe.execute()
-        found = {
-            route_id: reply.decode()
-            for route_id, reply in zip(unknown, replies[len(replies) - len(unknown) :], strict=True)
-            if reply is not None
-        }
-        if not found:
-            return
-        # Receivers that listen but were not known yet: wake them now, then remember them.
-        # The SETs came before the GETs, so a receiver that starts listening later polls first.
-        with self.client.pipeline(transaction=False) as pipe:
-            for route_id, route in found.items():
-                pipe.rpush(route, *self._wakeups(encoded, route_id))
-                pipe.expire(route, self.ttl_s)
-            pipe.execute()
-        with self._lock:
-            if len(self._routes) + len(found) > MAX_CACHED_ROUTES:
-                self._routes.clear()
-            self._routes.update(found)
+        self._wakeup_sender.wake_found(self.client, encoded, unknown, replies)
 
     def get(self, key: str) -> Any | None:
         """GETDEL `prefix + key` and decode it; `None` when absent."""
@@ -284,10 +212,10 @@ class RedisConnector:
         (keys consumed last round) are unlinked in the same round trip.
         """
         names = [self.prefix + key for key in keys]
+        deleted = [self.prefix + key for key in delete_first]
         with self._lock:
-            inline = {n: self._inline.pop(n) for n in names if n in self._inline}
-            self._unsent_deletes.extend(self.prefix + key for key in delete_first)
-            self._remember_consumed(self.prefix + key for key in delete_first)
+            inline = self._wakeup_listener.take_inline(names, deleted)
+            self._unsent_deletes.extend(deleted)
             missing = [n for n in names if n not in inline]
             deletes = self._unsent_deletes if missing else []
             if missing:
@@ -311,17 +239,7 @@ class RedisConnector:
 
     def listen(self, route_ids: Sequence[str]) -> None:
         """Ask senders of these `<req>_<stage>` routes to wake this connector after each put."""
-        if not route_ids:
-            return
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for route_id in route_ids:
-                    pipe.set(
-                        keys.chunk_route_key(route_id, self.prefix), self.notify_key, ex=self.ttl_s
-                    )
-                pipe.execute()
-        except RedisError as e:
-            raise TransportError(f"registering {len(route_ids)} route(s) failed: {e}") from e
+        self._wakeup_listener.listen(route_ids, self.ttl_s)
 
     def unlisten(self, route_ids: Sequence[str]) -> None:
         if route_ids:
@@ -329,57 +247,7 @@ class RedisConnector:
 
     def on_put(self, callback: Callable[[str], None]) -> None:
         """Call `callback(<req>_<stage>)` (on a listener thread) for each put we listen to."""
-        with self._lock:
-            self._callbacks.append(callback)
-            if self._listener is None:
-                self._listener = threading.Thread(
-                    target=self._listen_loop, name="chunk-wakeups", daemon=True
-                )
-                self._listener.start()
-
-    def _listen_loop(self) -> None:
-        delay_s = 0.05
-        while not self._closed.is_set():
-            try:
-                with self.client.pipeline(transaction=False) as pipe:
-                    pipe.blpop([self.notify_key], timeout=LISTEN_BLOCK_S)
-                    pipe.lpop(self.notify_key, LISTEN_BATCH)  # and whatever queued behind it
-                    popped, rest = pipe.execute()
-                delay_s = 0.05
-            except RedisError as e:
-                log.warning("chunk wake-up listener failed, retrying in %.2fs: %r", delay_s, e)
-                self._closed.wait(delay_s)
-                delay_s = min(2.0, delay_s * 2)
-                continue  # receivers sweep their parked requests meanwhile
-            if popped is None:
-                continue
-            route_ids: dict[str, None] = {}
-            for element in [popped[1], *(rest or [])]:
-                key, value = _parse_wakeup(element)
-                if key is None:
-                    continue
-                route_ids[key.rsplit("_", 1)[0]] = None
-                if value:
-                    with self._lock:
-                        if self.prefix + key in self._consumed_recently:
-                            continue  # already read from Redis and deleted: a stale copy
-                        self._inline[self.prefix + key] = value
-                        while len(self._inline) > MAX_INLINE_HELD:
-                            self._inline.pop(next(iter(self._inline)))
-            with self._lock:
-                callbacks = list(self._callbacks)
-            for route_id in route_ids:
-                for callback in callbacks:
-                    callback(route_id)
-            time.sleep(0)  # hand the GIL to the woken receiver before packing the next BLPOP
-
-    def _remember_consumed(self, names: Iterable[str]) -> None:
-        """Under `_lock`."""
-        for name in names:
-            self._inline.pop(name, None)
-            self._consumed_recently[name] = None
-        while len(self._consumed_recently) > MAX_INLINE_HELD:
-            self._consumed_recently.pop(next(iter(self._consumed_recently)))
+        self._wakeup_listener.on_put(callback)
 
     def deletes_pending(self) -> bool:
         """Whether `peek_many` holds deletes back (all it read came inline): flush with
@@ -392,7 +260,7 @@ class RedisConnector:
         with self._lock:
             names = [*self._unsent_deletes, *(self.prefix + key for key in keys)]
             self._unsent_deletes = []
-            self._remember_consumed(names)
+            self._wakeup_listener.mark_consumed(names)
         if not names:
             return
         try:
@@ -404,12 +272,7 @@ class RedisConnector:
 
     def close(self) -> None:
         """Stop the wake-up listener; close the client if `from_url` created it."""
-        self._closed.set()
-        if self._listener is not None:
-            with contextlib.suppress(RedisError):
-                self.client.rpush(self.notify_key, "")  # unblock its BLPOP now
-                self.client.delete(self.notify_key)
-            self._listener.join(LISTEN_BLOCK_S + 1)
+        self._wakeup_listener.close()
         if self._owns_client:
             self.client.close()
 
