@@ -4,7 +4,6 @@ default_deadline_s), in sequential and streaming mode: one test per rule."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.streaming import StreamingOrchestrator
 from tests.fakes import Behaviour, FakeStage, identity_forward
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,14 +41,6 @@ def orch_cls(request: pytest.FixtureRequest) -> type[Orchestrator]:
 def hand_driven(n: int = 3) -> list[AbortableStage]:
     """Stages that emit nothing on their own: the test emits every output."""
     return [AbortableStage() for _ in range(n)]
-
-
-async def wait_for(cond: Callable[[], bool], deadline_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        assert loop.time() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.001)
 
 
 async def wait_submitted(stage: AbortableStage, rid: str) -> None:

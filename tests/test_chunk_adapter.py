@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from omni_runtime import ChunkAdapter
 from omni_runtime.connectors import MemoryConnector
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 Chunk = dict[str, Any]
-
-
-def wait_until(cond: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        assert time.monotonic() < end, "condition not met before the deadline"
-        time.sleep(0.001)
 
 
 def drain(rcv: ChunkAdapter, rid: str, n: int) -> list[Chunk]:

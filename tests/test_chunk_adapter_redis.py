@@ -11,7 +11,7 @@ import redis
 
 from omni_runtime import ChunkAdapter
 from omni_runtime.connectors import RedisConnector
-from tests.test_chunk_adapter import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

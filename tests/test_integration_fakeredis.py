@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from omni_runtime.redis_clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.transport import entry_fields
 from tests.cluster import InProcessCluster
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,14 +53,6 @@ async def seed_cluster(
 ) -> AsyncIterator[InProcessCluster]:
     async with InProcessCluster(seed(), settings, fake_clients) as c:
         yield c
-
-
-async def wait_for(cond: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        assert loop.time() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.005)
 
 
 def triples(outs: list[Any]) -> list[tuple[int, Any, bool]]:

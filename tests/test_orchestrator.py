@@ -10,6 +10,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from tests.fakes import FakeStage, identity_forward, seed_stages
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,14 +65,6 @@ async def test_seed_ghost_and_late_outputs_dropped_and_counted() -> None:
         assert orch.request_states == {}
         with pytest.raises(TimeoutError):
             await orch.next_output(timeout=0.05)
-
-
-async def wait_for(cond: Any, deadline_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        assert loop.time() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.001)
 
 
 async def test_state_empty_and_nothing_dropped_from_construction() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +10,7 @@ from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.streaming import StreamingOrchestrator
 from omni_runtime.types import StageFailure
 from tests.fakes import Behaviour, FakeStage, identity_forward, seed_stages, split_words
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,14 +44,6 @@ class AbortableStage(FakeStage):
 def make_stages(n: int) -> tuple[list[AbortableStage], list[tuple[int, str]]]:
     log: list[tuple[int, str]] = []
     return [AbortableStage(sid, log) for sid in range(n)], log
-
-
-async def wait_for(cond: Callable[[], bool], deadline_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        assert loop.time() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.001)
 
 
 async def dispatched_barrier(orch: Orchestrator, stage: FakeStage) -> None:
