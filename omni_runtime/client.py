@@ -129,6 +129,9 @@ class OmniClient:
             request_id=request_id, client_id=self.client_id, prompt=prompt, deadline_s=deadline_s
         )
         fields = entry_fields(msg)
+        size = len(fields[keys.PAYLOAD_FIELD])
+        if size > self.settings.max_message_bytes:
+            raise CodecError(f"request of {size} bytes exceeds OMNI_MAX_MESSAGE_BYTES")
         self._queues[request_id] = asyncio.Queue()
         self._writer.xadd(self.names.requests, fields)  # concurrent submits share one pipeline
         if not await self._writer.written():

@@ -250,7 +250,7 @@ class StageWorker:
                 req = self.active.get(out.request_id)
                 if req is None:
                     continue  # aborted meanwhile
-                fields = self._encode_output(out, req.seq)
+                fields, out = self._encode_output(out, req.seq)
                 req.seq += 1
                 pipe.xadd(
                     self.out_stream,
@@ -280,7 +280,9 @@ class StageWorker:
         if finished:
             self.reader.slots_freed()
 
-    def _encode_output(self, out: EngineOutput, seq: int) -> dict[str, bytes]:
+    def _encode_output(self, out: EngineOutput, seq: int) -> tuple[dict[str, bytes], EngineOutput]:
+        """The entry for `out`; an output that cannot travel becomes the request's error
+        (and the engine stops working on it)."""
         msg = StageOutputMsg(
             request_id=out.request_id,
             data=out.data,
@@ -289,17 +291,20 @@ class StageWorker:
             seq=seq,
         )
         try:
-            return entry_fields(msg)
+            fields = entry_fields(msg)
+            size = len(fields[keys.PAYLOAD_FIELD])
+            if size > self.settings.max_message_bytes:  # the reader would refuse it
+                raise CodecError(f"{size} bytes > OMNI_MAX_MESSAGE_BYTES")
+            return fields, out
         except CodecError as e:
             log.error("stage %d output for %r cannot be sent: %s", self.stage_id, out.request_id, e)
+            if not out.finished and out.error is None:
+                self.engine.abort(out.request_id)
+            failed = EngineOutput(out.request_id, None, True, error=f"output cannot be sent: {e}")
             bad = StageOutputMsg(
-                request_id=out.request_id,
-                data=None,
-                finished=True,
-                seq=seq,
-                error=f"output not encodable: {e}",
+                request_id=out.request_id, data=None, finished=True, seq=seq, error=failed.error
             )
-            return entry_fields(bad)
+            return entry_fields(bad), failed
 
     def _execute(self, pipe: Any) -> None:
         delay_s = 0.01

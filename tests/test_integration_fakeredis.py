@@ -253,3 +253,33 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
         await wait_for(lambda: not c.workers[0].active)
         assert c.workers[0].aborted == 1
         await ghost.redis.aclose()
+
+
+async def test_an_output_that_cannot_travel_fails_its_request_not_the_worker(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    from omni_runtime.pipeline import PipelineConfig, StageConfig
+
+    pipeline = PipelineConfig(
+        name="odd",
+        final_stage_ids=[0],
+        stages=[StageConfig(id=0, name="odd", entry="tests.odd_stages:emits_a_set")],
+    )
+    async with InProcessCluster(pipeline, settings, fake_clients) as c:
+        outs = await c.run("x")
+        assert [(o.data, o.finished) for o in outs] == [("fine", False), (None, True)]
+        assert outs[-1].error is not None and "output cannot be sent" in outs[-1].error
+        assert "set" in outs[-1].error
+        await wait_for(lambda: not c.workers[0].active)
+
+
+async def test_a_prompt_over_the_size_limit_is_refused_before_sending(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    from omni_runtime.client import OmniClient
+    from omni_runtime.errors import CodecError
+
+    small = settings.model_copy(update={"max_message_bytes": 1024})
+    async with OmniClient(small, fake_clients) as client:
+        with pytest.raises(CodecError, match="OMNI_MAX_MESSAGE_BYTES"):
+            await client.submit("x" * 2000)
