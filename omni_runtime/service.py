@@ -128,14 +128,24 @@ class OrchestratorService:
     async def _read_requests(self, client: aioredis.Redis, writer: StreamWriter) -> None:
         s = self.settings
         stream = self.names.requests
+        start_id = "0"  # first, requests a previous run read but never acknowledged
         while not self._stopping:
             reply = await read_group(
-                client, stream, keys.ORCHESTRATOR_GROUP, "orchestrator", s.read_count, s.block_ms
+                client,
+                stream,
+                keys.ORCHESTRATOR_GROUP,
+                "orchestrator",
+                s.read_count,
+                s.block_ms,
+                start_id,
             )
-            for _s, entries in reply:
-                for entry_id, fields in entries:
+            entries = [entry for _s, batch in reply for entry in batch]
+            if start_id != ">":  # walk the backlog by id, then switch to new entries
+                start_id = entries[-1][0].decode() if entries else ">"
+            for entry_id, fields in entries:
+                if fields:  # (a pending entry trimmed since has none)
                     await self._handle_command(writer, stream, entry_id, fields)
-                    writer.xack(stream, keys.ORCHESTRATOR_GROUP, entry_id)
+                writer.xack(stream, keys.ORCHESTRATOR_GROUP, entry_id)
 
     async def _handle_command(
         self, writer: StreamWriter, stream: str, entry_id: bytes, fields: Any

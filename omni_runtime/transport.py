@@ -85,14 +85,24 @@ async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
 
 
 async def read_group(
-    client: aioredis.Redis, stream: str, group: str, consumer: str, count: int, block_ms: int
+    client: aioredis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    count: int,
+    block_ms: int,
+    start_id: str = ">",
 ) -> list[tuple[bytes, list[Entry]]]:
-    """XREADGROUP that survives a Redis outage: log, back off, try again (never dies)."""
+    """XREADGROUP that survives a Redis outage: log, back off, try again (never dies).
+
+    `start_id="0"` re-reads what this consumer was given but never acknowledged (a
+    previous run of the process that died), so nothing read before a crash is lost.
+    """
     delay_s = 0.05
     while True:
         try:
             reply = await client.xreadgroup(
-                group, consumer, {stream: ">"}, count=count, block=block_ms
+                group, consumer, {stream: start_id}, count=count, block=block_ms
             )
             return stream_reply(reply)
         except ResponseError as e:
@@ -143,6 +153,8 @@ class RedisStageClient:
         self._unacked: deque[bytes] = deque()
         self._stopping = False
         self._reading = False
+        self._start_id = "0"
+        """Entries a previous orchestrator read but never acknowledged come first."""
 
     async def submit(self, request_id: str, data: Any) -> None:
         msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
@@ -174,10 +186,14 @@ class RedisStageClient:
                     "orchestrator",
                     self.read_count,
                     self.block_ms,
+                    self._start_id,
                 )
             finally:
                 self._reading = False
-            outputs = [out for _s, entries in reply or [] for out in self._parse(entries)]
+            entries = [entry for _s, batch in reply for entry in batch]
+            if self._start_id != ">":  # walk a previous run's backlog by id, then new entries
+                self._start_id = entries[-1][0].decode() if entries else ">"
+            outputs = self._parse(entries)
             if outputs:
                 return outputs
 
@@ -200,6 +216,9 @@ class RedisStageClient:
     def _parse(self, entries: list[Entry]) -> list[StageOutput]:
         outputs: list[StageOutput] = []
         for entry_id, fields in entries:
+            if not fields:  # pending, but trimmed from the stream since: nothing to handle
+                self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id)
+                continue
             try:
                 msg = parse_entry(fields, StageOutputMsg, self.max_message_bytes)
             except CodecError as e:

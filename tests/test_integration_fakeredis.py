@@ -283,3 +283,30 @@ async def test_a_prompt_over_the_size_limit_is_refused_before_sending(
     async with OmniClient(small, fake_clients) as client:
         with pytest.raises(CodecError, match="OMNI_MAX_MESSAGE_BYTES"):
             await client.submit("x" * 2000)
+
+
+async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_one(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    """Read from the group but never acknowledged (the orchestrator died): not lost."""
+    from omni_runtime.client import OmniClient
+    from omni_runtime.messages import RequestMsg
+    from omni_runtime.transport import ensure_group
+
+    names = settings.names
+    raw = fake_clients.aio()
+    async with OmniClient(settings, fake_clients) as client:
+        await ensure_group(raw, names.requests, keys.ORCHESTRATOR_GROUP)
+        client._queues["orphan"] = asyncio.Queue()  # as `submit` registers it, without sending
+        msg = RequestMsg(request_id="orphan", client_id=client.client_id, prompt="still here")
+        await raw.xadd(names.requests, entry_fields(msg))
+        # the previous orchestrator's last act: it read the entry, then died
+        taken = await raw.xreadgroup(keys.ORCHESTRATOR_GROUP, "orchestrator", {names.requests: ">"})
+        assert taken and taken[0][1]
+        async with InProcessCluster(seed(), settings, fake_clients) as c:
+            outs = [o async for o in client.stream("orphan", timeout_s=30)]
+            assert [o.data for o in outs] == ["still", "here", "wav:STILL", "wav:HERE"]
+            await wait_for(lambda: c.service.orchestrator.request_states == {})
+        pending = await raw.xpending(names.requests, keys.ORCHESTRATOR_GROUP)
+        assert pending["pending"] == 0
+    await raw.aclose()
