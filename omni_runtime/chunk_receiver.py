@@ -14,10 +14,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from omni_runtime import keys
 from omni_runtime.chunk_sender import Chunk
+from omni_runtime.chunk_sweeper import ChunkSweeper, _KeysCall, _PeekMany
 from omni_runtime.types import Connector, MalformedChunk
 
 log = logging.getLogger(__name__)
@@ -28,23 +29,12 @@ NO_PROGRESS_SLEEP_S = 0.001
 """Pause between polling rounds that found nothing, for connectors with no wake-up signal."""
 SWEEP_INTERVAL_S = 0.5
 """With wake-ups: how often parked requests are polled anyway (a safety net, not the path)."""
-LATE_SWEEP_S = 1.0
-"""A discarded request's unread chunks are deleted at once and again this much later,
-for chunks its upstream put while the discard was under way."""
 READ_AHEAD = 8
 """Ids looked at per round for a request that just made progress (drains a backlog fast)."""
 MAX_GET_BACKOFF_S = 1.0
 
 _Round = list[tuple[str, object, int]]
 """(request, token, next id) of each request polled in one round."""
-_KeysCall = Callable[[Sequence[str]], None]
-"""An optional connector method taking a list of keys or route ids (`delete_many`, `listen`)."""
-
-
-class _PeekMany(Protocol):
-    """`peek_many(keys, delete_first=())`: read without consuming, delete `delete_first` before."""
-
-    def __call__(self, keys: Sequence[str], delete_first: Sequence[str] = ..., /) -> list[Any]: ...
 
 
 def _is_chunk(value: Any) -> bool:
@@ -100,8 +90,10 @@ class ChunkReceiver:
         self._last_sweep = time.monotonic()
         self._hot: set[str] = set()
         """Requests that made progress last round (RECV thread only): read ahead for them."""
-        self._sweeps: list[tuple[float, str, int]] = []
-        """(due, request, first unread id): unread chunks of discarded requests to delete."""
+        self._sweeper = ChunkSweeper(
+            self._recv_cv, src_stage_id, self._peek_many, self._delete_many
+        )
+        """Unread chunks of discarded requests to delete: guarded by _recv_cv, run on RECV."""
         self._consumed: list[str] = []
         """Keys committed but not yet deleted (RECV thread only): go with the next read."""
         # counters, for logs and metrics
@@ -145,13 +137,9 @@ class ChunkReceiver:
 
     def discard(self, request_id: str) -> None:
         """Stop receiving the request and delete its unread chunks (now and once more
-        `LATE_SWEEP_S` later). Returns at once; the RECV thread does the I/O."""
+        `chunk_sweeper.LATE_SWEEP_S` later). Returns at once; the RECV thread does the I/O."""
         with self._recv_cv:
-            from_id = self._recv_ids.get(request_id, 0)
-            now = time.monotonic()
-            self._sweeps.extend(
-                [(now, request_id, from_id), (now + LATE_SWEEP_S, request_id, from_id)]
-            )
+            self._sweeper.schedule(request_id, self._recv_ids.get(request_id, 0))
             self._recv_cv.notify()
         self.cleanup_receiver(request_id)
 
@@ -230,12 +218,13 @@ class ChunkReceiver:
                 log.warning(
                     "deleting %d consumed chunk(s) failed (they expire): %r", len(consumed), e
                 )
-        self._run_due_sweeps()
+        self._sweeper.run_due()
         with self._recv_cv:
             while not self._poll_q and not self._to_unlisten and not self._stop.is_set():
                 if self._parked and time.monotonic() - self._last_sweep >= SWEEP_INTERVAL_S:
                     break
-                if self._sweeps and min(d for d, _r, _i in self._sweeps) <= time.monotonic():
+                due = self._sweeper.next_due()
+                if due is not None and due <= time.monotonic():
                     break
                 self._recv_cv.wait(IDLE_WAIT_S)
             if self._stop.is_set():
@@ -257,31 +246,6 @@ class ChunkReceiver:
             to_listen, self._to_listen = self._to_listen, []
             to_unlisten, self._to_unlisten = self._to_unlisten, []
             return batch, to_listen, to_unlisten
-
-    def _run_due_sweeps(self) -> None:
-        """Delete the unread chunks of discarded requests, page by page while pages are full."""
-        if not self._sweeps or self._peek_many is None or self._delete_many is None:
-            return
-        now = time.monotonic()
-        with self._recv_cv:
-            due = [sw for sw in self._sweeps if sw[0] <= now]
-            self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
-        for _due, rid, first in due:
-            try:
-                while True:
-                    page = [keys.chunk_key(rid, self.src_stage_id, first + i) for i in range(64)]
-                    found = [
-                        k for k, v in zip(page, self._peek_many(page), strict=True) if v is not None
-                    ]
-                    if found:
-                        self._delete_many(found)
-                    if len(found) < len(page):
-                        break
-                    first += len(page)
-            except Exception as e:
-                log.warning(
-                    "deleting unread chunks of discarded %r failed (they expire): %r", rid, e
-                )
 
     def _update_routes(self, to_listen: list[str], to_unlisten: list[str]) -> None:
         """Tell the connector whose puts should wake us, before the first poll of a request."""

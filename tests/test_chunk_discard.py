@@ -279,3 +279,16 @@ def test_discard_of_an_unknown_request_is_harmless() -> None:
     finally:
         snd.stop()
         rcv.stop()
+
+
+def test_discard_on_a_connector_that_cannot_delete_leaves_the_receiver_idle() -> None:
+    """No peek/delete: nothing to sweep, and no sweep left due to spin the RECV thread."""
+    from tests.test_chunk_adapter import PlainConnector
+
+    rcv = ChunkAdapter(PlainConnector(), stage_id=1)
+    try:
+        rcv.load_async("r")
+        rcv.discard("r")
+        assert rcv._receiver._sweeper.next_due() is None
+    finally:
+        rcv.stop()
