@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,3 +66,18 @@ def seed_stages() -> list[FakeStage]:
 
 def identity_forward(_next: int, _prompt: Any, prev: list[Any]) -> Any:
     return prev
+
+
+class Gate:
+    """A build_payload that blocks on the payload `blocked_on` until released."""
+
+    def __init__(self, blocked_on: Any) -> None:
+        self.blocked_on = blocked_on
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, snap: Any) -> Any:
+        if snap == self.blocked_on:
+            self.entered.set()
+            assert self.release.wait(10)
+        return snap

@@ -11,6 +11,7 @@ import pytest
 
 from omni_runtime import ChunkAdapter
 from omni_runtime.connectors import MemoryConnector
+from tests.fakes import Gate
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -95,21 +96,6 @@ def test_seed_poll_ready_takes_what_is_new(pair: tuple[ChunkAdapter, ChunkAdapte
     snd.save_async("q", 3, True)
     wait_until(lambda: rcv.received_chunks == 3)
     assert rcv.poll_ready() == {"q": [{"data": 3, "finished": True}]}
-
-
-class Gate:
-    """A build_payload that blocks on the payload `blocked_on` until released."""
-
-    def __init__(self, blocked_on: Any) -> None:
-        self.blocked_on = blocked_on
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, snap: Any) -> Any:
-        if snap == self.blocked_on:
-            self.entered.set()
-            assert self.release.wait(10)
-        return snap
 
 
 def test_seed_cancel_while_building(conn: MemoryConnector) -> None:

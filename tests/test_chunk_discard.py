@@ -12,6 +12,7 @@ import pytest
 
 from omni_runtime import ChunkAdapter
 from omni_runtime.connectors import MemoryConnector
+from tests.fakes import Gate
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,21 +55,6 @@ class RecordingConnector(MemoryConnector):
 
     def put_values(self, prefix: str) -> list[Any]:
         return [v for k, v in self.values if k.startswith(prefix)]
-
-
-class Gate:
-    """A build_payload that blocks on the payload `blocked_on` until released."""
-
-    def __init__(self, blocked_on: Any) -> None:
-        self.blocked_on = blocked_on
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, snap: Any) -> Any:
-        if snap == self.blocked_on:
-            self.entered.set()
-            assert self.release.wait(10)
-        return snap
 
 
 def save_barrier(snd: ChunkAdapter, conn: RecordingConnector, name: str) -> None:

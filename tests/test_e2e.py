@@ -21,6 +21,7 @@ from omni_runtime.local import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
 from omni_runtime.types import OrchOutput
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
@@ -212,14 +213,11 @@ async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
     # no chunk key of any request left in Redis (unread chunks are swept within ~1 s)
     client_r = redis.Redis.from_url(redis_url)
     try:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 15
-        while True:
-            left = [k for k in client_r.scan_iter(f"{d.namespace}:chunk:*") if b":notify:" not in k]
-            if not left or loop.time() > end:
-                break
-            await asyncio.sleep(0.1)
-        assert left == []
+
+        def chunk_keys() -> list[bytes]:
+            return [k for k in client_r.scan_iter(f"{d.namespace}:chunk:*") if b":notify:" not in k]
+
+        await wait_for(lambda: not chunk_keys(), deadline_s=15)
     finally:
         client_r.close()
     d.group.stop()
@@ -241,15 +239,14 @@ async def test_a_killed_replica_loses_nothing(deploy: Any) -> None:
         )
         raw = redis.Redis.from_url(d.settings.redis_url or "")
         try:  # kill it while it holds inputs it has not acknowledged
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 30
             victim_prefix = f"{socket.gethostname()}-{victim.pid}-".encode()
-            while not any(
-                c["name"].startswith(victim_prefix) and c["pending"] > 0
-                for c in raw.xinfo_consumers(d.settings.names.stage_in(1), "workers")
-            ):
-                assert loop.time() < end, "the victim never held an input"
-                await asyncio.sleep(0.01)
+            await wait_for(
+                lambda: any(
+                    c["name"].startswith(victim_prefix) and c["pending"] > 0
+                    for c in raw.xinfo_consumers(d.settings.names.stage_in(1), "workers")
+                ),
+                deadline_s=30,
+            )
         finally:
             raw.close()
         victim.kill()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -17,17 +16,19 @@ from omni_runtime.stage_api import (
     marks_final,
     with_last,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def drain(engine: GeneratorEngine, rid: str, deadline_s: float = 10.0) -> list[EngineOutput]:
     outs: list[EngineOutput] = []
-    end = time.monotonic() + deadline_s
-    while not (outs and (outs[-1].finished or outs[-1].error)):
-        assert time.monotonic() < end, "no finished output before the deadline"
+
+    def done() -> bool:
         outs.extend(o for o in engine.step() if o.request_id == rid)
-        time.sleep(0.001)
+        return bool(outs) and (outs[-1].finished or outs[-1].error is not None)
+
+    wait_until(done, deadline_s)
     return outs
 
 
@@ -71,11 +72,7 @@ def gated(
 
 def wait_for_outputs(engine: GeneratorEngine, n: int) -> list[EngineOutput]:
     outs: list[EngineOutput] = []
-    end = time.monotonic() + 10
-    while len(outs) < n:
-        assert time.monotonic() < end
-        outs.extend(engine.step())
-        time.sleep(0.001)
+    wait_until(lambda: bool(outs.extend(engine.step())) or len(outs) >= n)
     return outs
 
 
