@@ -64,11 +64,11 @@ from common import (
     write_results,
 )
 
-from omni_runtime.chunk_adapter import ChunkAdapter
-from omni_runtime.connectors.memory import MemoryConnector
-from omni_runtime.connectors.redis import RedisConnector
-from omni_runtime.orchestrator import Orchestrator
-from omni_runtime.types import Connector, StageOutput
+from omni_runtime.chunks.adapter import ChunkAdapter
+from omni_runtime.chunks.memory import MemoryConnector
+from omni_runtime.chunks.redis import RedisConnector
+from omni_runtime.core.orchestrator import Orchestrator
+from omni_runtime.core.types import Connector, StageOutput
 
 PAYLOAD_BYTES = 4096
 ORCH_TARGET_RATIO = 4.0

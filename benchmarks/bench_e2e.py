@@ -18,7 +18,7 @@ request stage 0 emits 2 outputs, stage 1 one, stage 2 two; the client gets 4 out
     read by its worker", at light load (one request at a time, the next one ~5 ms after the
     previous finished). The orchestrator runs in this process (``OrchestratorService`` on an
     asyncio loop in a thread) with instrumented subclasses patched into
-    ``omni_runtime.service`` for the run (routing logic untouched): a ``RedisStageClient``
+    ``omni_runtime.orchestrator_proc`` for the run (routing logic untouched): a ``RedisStageClient``
     that stamps when a reply of the stage's output stream is in hand (before validation),
     when ``get_output`` returns and when ``submit`` is called; a ``StreamWriter`` that stamps
     the start and end of the pipeline carrying each stage input; and a ``read_group`` that
@@ -86,7 +86,7 @@ from common import (
 )
 
 from omni_runtime import keys
-from omni_runtime.local import ProcessGroup, child_env
+from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
 
@@ -411,8 +411,8 @@ def stamped_worker_role(args: argparse.Namespace) -> int:
     """A normal stage worker whose input reader logs `request_id monotonic_ns` per entry read."""
     from omni_runtime import codec
     from omni_runtime.cli import main as cli_main
-    from omni_runtime.transport import Entry
-    from omni_runtime.worker_io import InputReader
+    from omni_runtime.redis_io.stage_client import Entry
+    from omni_runtime.worker.io_threads import InputReader
 
     out = open(args.stamp_file, "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
     original = InputReader.inject
@@ -709,7 +709,7 @@ class HopStamps:
 
 def make_stamping_read_group(stamps: HopStamps) -> Any:
     """`read_group` of the service module (it reads only the requests stream), stamped."""
-    from omni_runtime.transport import read_group
+    from omni_runtime.redis_io.stage_client import read_group
 
     async def stamped_read_group(*args: Any, **kwargs: Any) -> Any:
         reply = await read_group(*args, **kwargs)
@@ -722,8 +722,8 @@ def make_stamping_read_group(stamps: HopStamps) -> Any:
 
 def make_instrumented_classes(stamps: HopStamps) -> tuple[type, type]:
     """Subclasses of StreamWriter and RedisStageClient that record `stamps`; logic untouched."""
-    from omni_runtime.transport import Entry, RedisStageClient, StreamWriter
-    from omni_runtime.types import StageOutput
+    from omni_runtime.redis_io.stage_client import Entry, RedisStageClient, StreamWriter
+    from omni_runtime.core.types import StageOutput
 
     class StampingWriter(StreamWriter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -818,7 +818,7 @@ class OrchestratorThread:
             self._ready.set()
 
     async def _main(self) -> None:
-        from omni_runtime.service import OrchestratorService
+        from omni_runtime.orchestrator_proc import OrchestratorService
 
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -948,7 +948,7 @@ def collect_timeline(
 
 
 def bench_hop(sizes: Sizes, url: str, log_dir: Path) -> list[Row]:
-    from omni_runtime import service as service_module
+    from omni_runtime import orchestrator_proc as service_module
 
     pipeline = load_pipeline(SEED_PIPELINE)
     namespace = _namespace("hop")

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from omni_runtime.local import free_port
+from omni_runtime.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root: pipelines under ``workers/`` and ``git`` are found from here."""
@@ -184,9 +184,9 @@ def private_redis_server() -> Iterator[str | None]:
     """A redis-server on a free loopback port, no persistence, for the run's duration.
 
     Yields its URL, or None if redis-server is not on PATH (the caller decides whether to
-    skip Redis or stop). Not `omni_runtime.local.local_redis`: that one falls back to an
+    skip Redis or stop). Not `omni_runtime.launcher.local_redis`: that one falls back to an
     embedded fakeredis, which would change what is measured. The start-up loop is not
-    `omni_runtime.local.wait_for_ping` either, as it also fails at once if the server exits.
+    `omni_runtime.launcher.wait_for_ping` either, as it also fails at once if the server exits.
     """
     binary = shutil.which("redis-server")
     if binary is None:

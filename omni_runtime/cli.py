@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from omni_runtime.errors import OmniError
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
-from omni_runtime.types import OrchOutput
+from omni_runtime.core.types import OrchOutput
 
 log = logging.getLogger("omni_runtime")
 
@@ -41,7 +41,7 @@ def _pipeline(args: argparse.Namespace) -> PipelineConfig:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from omni_runtime.service import OrchestratorService
+    from omni_runtime.orchestrator_proc import OrchestratorService
 
     service = OrchestratorService(_pipeline(args), _settings(args))
 
@@ -57,7 +57,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from omni_runtime.worker import StageWorker
+    from omni_runtime.worker.proc import StageWorker
 
     worker = StageWorker(_pipeline(args), args.stage, _settings(args), worker_id=args.worker_id)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,7 +139,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from omni_runtime.local import ProcessGroup, child_env, local_redis
+    from omni_runtime.launcher import ProcessGroup, child_env, local_redis
 
     pipeline = _pipeline(args)
     settings = _settings(args)

@@ -22,10 +22,10 @@ from redis.exceptions import RedisError
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError, StartupTimeoutError, TransportError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
-from omni_runtime.redis_clients import RedisClients
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
-from omni_runtime.transport import StreamWriter, entry_fields, parse_entry, stream_reply
-from omni_runtime.types import OrchOutput
+from omni_runtime.redis_io.stage_client import StreamWriter, entry_fields, parse_entry, stream_reply
+from omni_runtime.core.types import OrchOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from omni_runtime.types import StageOutput
+from omni_runtime.core.types import StageOutput
 
 Behaviour = Callable[[str, Any], Iterable[tuple[Any, bool]]]
 

@@ -22,9 +22,9 @@ import redis
 from redis.connection import PythonRespSerializer
 
 from omni_runtime import keys
-from omni_runtime.connectors import MemoryConnector, RedisConnector
+from omni_runtime.chunks import MemoryConnector, RedisConnector
 from omni_runtime.errors import CodecError, ConfigError, TransportError
-from omni_runtime.types import Connector, MalformedChunk
+from omni_runtime.core.types import Connector, MalformedChunk
 
 AnyConnector = MemoryConnector | RedisConnector
 
@@ -278,7 +278,7 @@ def test_put_retries_with_exponential_backoff_then_succeeds(
     calls = fail_commands(monkeypatch, conn, "SET", times=3)
     sleeps: list[float] = []
     fake_time = SimpleNamespace(sleep=sleeps.append)  # only the connector's view of `time`
-    monkeypatch.setattr("omni_runtime.connectors.redis.time", fake_time)
+    monkeypatch.setattr("omni_runtime.chunks.redis.time", fake_time)
     conn.put("r1_0_0", {"data": "ok", "finished": True})
     assert calls[0] == 4
     assert sleeps == pytest.approx([0.001, 0.002, 0.004])

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
-from omni_runtime.streaming import StreamingOrchestrator
-from omni_runtime.types import StageFailure
+from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.types import StageFailure
 from tests.fakes import Behaviour, FakeStage, identity_forward, seed_stages, split_words
 from tests.waiting import wait_for
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from omni_runtime import ChunkAdapter
-from omni_runtime.connectors import MemoryConnector
+from omni_runtime.chunks import MemoryConnector
 from tests.fakes import Gate
 from tests.waiting import wait_until
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from omni_runtime import ChunkAdapter
-from omni_runtime.connectors import RedisConnector
+from omni_runtime.chunks import RedisConnector
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_runtime.orchestrator import Orchestrator
-from omni_runtime.types import StageOutput
+from omni_runtime.core.orchestrator import Orchestrator
+from omni_runtime.core.types import StageOutput
 
 
 class StreamingOrchestrator(Orchestrator):

@@ -20,11 +20,11 @@ from redis.exceptions import RedisError
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, ClientCommand, OrchOutputMsg, RequestMsg
-from omni_runtime.orchestrator import Orchestrator, forward_previous_data
+from omni_runtime.core.orchestrator import Orchestrator, forward_previous_data
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
-from omni_runtime.redis_clients import RedisClients
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
-from omni_runtime.transport import (
+from omni_runtime.redis_io.stage_client import (
     RedisStageClient,
     StreamWriter,
     dead_letter_fields,
@@ -32,7 +32,7 @@ from omni_runtime.transport import (
     entry_fields,
     read_group,
 )
-from omni_runtime.types import OrchOutput
+from omni_runtime.core.types import OrchOutput
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def build_orchestrator(
         else forward_previous_data
     )
     if pipeline.mode == "streaming":
-        from omni_runtime.streaming import StreamingOrchestrator
+        from omni_runtime.core.streaming import StreamingOrchestrator
 
         return StreamingOrchestrator(stages, pipeline.final_stage_ids, forward, default_deadline_s)
     return Orchestrator(stages, pipeline.final_stage_ids, forward, default_deadline_s)

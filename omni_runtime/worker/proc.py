@@ -22,22 +22,22 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
-from omni_runtime.chunk_adapter import ChunkAdapter
-from omni_runtime.connectors.redis import RedisConnector
+from omni_runtime.chunks.adapter import ChunkAdapter
+from omni_runtime.chunks.redis import RedisConnector
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_clients import RedisClients
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
-from omni_runtime.transport import (
+from omni_runtime.redis_io.stage_client import (
     dead_letter_fields,
     ensure_group_sync,
     entry_fields,
     parse_entry,
     xadd_fields,
 )
-from omni_runtime.worker_io import ControlReader, Heartbeat, InputReader
+from omni_runtime.worker.io_threads import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)
 

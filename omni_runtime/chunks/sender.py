@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from omni_runtime import keys
-from omni_runtime.types import Connector
+from omni_runtime.core.types import Connector
 
 log = logging.getLogger(__name__)
 

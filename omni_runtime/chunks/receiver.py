@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from omni_runtime import keys
-from omni_runtime.chunk_sender import Chunk
-from omni_runtime.chunk_sweeper import ChunkSweeper, _KeysCall, _PeekMany
-from omni_runtime.types import Connector, MalformedChunk
+from omni_runtime.chunks.sender import Chunk
+from omni_runtime.chunks.sweeper import ChunkSweeper, _KeysCall, _PeekMany
+from omni_runtime.core.types import Connector, MalformedChunk
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from redis.exceptions import RedisError, ResponseError
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
-from omni_runtime.stream_writer import StreamWriter as StreamWriter
-from omni_runtime.stream_writer import xadd_fields as xadd_fields
-from omni_runtime.types import StageFailure, StageOutput
+from omni_runtime.redis_io.writer import StreamWriter as StreamWriter
+from omni_runtime.redis_io.writer import xadd_fields as xadd_fields
+from omni_runtime.core.types import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 

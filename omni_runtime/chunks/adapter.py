@@ -19,9 +19,9 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from omni_runtime.chunk_receiver import ChunkReceiver
-from omni_runtime.chunk_sender import Chunk, ChunkSender
-from omni_runtime.types import Connector
+from omni_runtime.chunks.receiver import ChunkReceiver
+from omni_runtime.chunks.sender import Chunk, ChunkSender
+from omni_runtime.core.types import Connector
 
 __all__ = ["Chunk", "ChunkAdapter"]
 

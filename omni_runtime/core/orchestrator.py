@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from omni_runtime.types import OrchOutput, ReqState, Stage, StageFailure, StageOutput
+from omni_runtime.core.types import OrchOutput, ReqState, Stage, StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from omni_runtime.wav import write_wav
 from workers.omni import CODEBOOK_SIZE, Code2Wav, talker, thinker, token_codes
 from workers.seed import prefix_wav, split_words, upper_all
 
-WORKERS = Path(__file__).resolve().parent.parent / "workers"
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
 
 
 def run_stage(result: Any) -> list[tuple[Any, bool]]:

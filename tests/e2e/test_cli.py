@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEED = "workers/seed.yaml"
 OMNI = "workers/omni.yaml"
 PROCESS_TIMEOUT_S = 90

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from omni_runtime import ChunkAdapter
-from omni_runtime.connectors import MemoryConnector
+from omni_runtime.chunks import MemoryConnector
 from tests.fakes import Gate
 from tests.waiting import wait_until
 
@@ -269,7 +269,7 @@ def test_discard_of_an_unknown_request_is_harmless() -> None:
 
 def test_discard_on_a_connector_that_cannot_delete_leaves_the_receiver_idle() -> None:
     """No peek/delete: nothing to sweep, and no sweep left due to spin the RECV thread."""
-    from tests.test_chunk_adapter import PlainConnector
+    from tests.unit.test_chunk_adapter import PlainConnector
 
     rcv = ChunkAdapter(PlainConnector(), stage_id=1)
     try:

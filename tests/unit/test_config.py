@@ -19,7 +19,7 @@ from omni_runtime.stage_api import GeneratorEngine, StageEngine, load_engine
 
 pytestmark = pytest.mark.timeout(30)
 
-WORKERS = Path(__file__).resolve().parent.parent / "workers"
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
 SEED = WORKERS / "seed.yaml"
 OMNI = WORKERS / "omni.yaml"
 

@@ -24,7 +24,7 @@ from omni_runtime.cli import build_parser
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
-from omni_runtime.streaming import StreamingOrchestrator
+from omni_runtime.core.streaming import StreamingOrchestrator
 from tests.fakes import Behaviour, FakeStage, identity_forward
 from tests.waiting import wait_for
 

@@ -1,0 +1,1 @@
+"""The Redis control-plane kit: clients, stream reads and writes, and the Redis stage client."""
