@@ -722,8 +722,8 @@ def make_stamping_read_group(stamps: HopStamps) -> Any:
 
 def make_instrumented_classes(stamps: HopStamps) -> tuple[type, type]:
     """Subclasses of StreamWriter and RedisStageClient that record `stamps`; logic untouched."""
-    from omni_runtime.redis_io.stage_client import Entry, RedisStageClient, StreamWriter
     from omni_runtime.core.types import StageOutput
+    from omni_runtime.redis_io.stage_client import Entry, RedisStageClient, StreamWriter
 
     class StampingWriter(StreamWriter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:

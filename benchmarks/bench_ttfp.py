@@ -84,8 +84,8 @@ from common import (
 
 from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
-from omni_runtime.client import OmniClient, RequestTimeoutError
 from omni_runtime.chunks.redis import RedisConnector
+from omni_runtime.client import OmniClient, RequestTimeoutError
 from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings

@@ -16,10 +16,10 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import OmniError
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.settings import Settings
-from omni_runtime.core.types import OrchOutput
 
 log = logging.getLogger("omni_runtime")
 

@@ -20,12 +20,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError, StartupTimeoutError, TransportError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.settings import Settings
 from omni_runtime.redis_io.stage_client import StreamWriter, entry_fields, parse_entry, stream_reply
-from omni_runtime.core.types import OrchOutput
+from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class OmniClient:
         self.redis: aioredis.Redis = self.clients.aio()
         self._writer = StreamWriter(self.redis, self.settings.stream_maxlen)
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
-        self._heartbeat_key = self.names.heartbeat(f"client:{self.client_id}")
+        self._heartbeat_key = self.names.client_heartbeat(self.client_id)
         await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
         return self
@@ -99,7 +99,7 @@ class OmniClient:
         missing: list[str] = []
         while True:
             missing = []
-            if not await self.redis.exists(self.names.heartbeat("orchestrator")):
+            if not await self.redis.exists(self.names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
             for sid in stage_ids:
                 found = False

@@ -17,6 +17,29 @@ def chunk_key(request_id: str, stage_id: int, chunk_id: int, prefix: str = "") -
     return f"{prefix}{request_id}_{stage_id}_{chunk_id}"
 
 
+def split_chunk_key(key: str) -> tuple[str, int, int]:
+    """`<req>_<stage>_<id>` → (req, stage, id); request ids may themselves contain `_`."""
+    rest, _, chunk_id = key.rpartition("_")
+    request_id, _, stage_id = rest.rpartition("_")
+    return request_id, int(stage_id), int(chunk_id)
+
+
+def route_id(request_id: str, stage_id: int) -> str:
+    """`<req>_<sender stage>`: the prefix shared by every chunk key of one request and stage."""
+    return f"{request_id}_{stage_id}"
+
+
+def route_of_chunk_key(key: str) -> str:
+    """The route id (`<req>_<stage>`) of a chunk key `<req>_<stage>_<id>`."""
+    return key.rpartition("_")[0]
+
+
+def split_route_id(route: str) -> tuple[str, int]:
+    """`<req>_<stage>` → (req, stage)."""
+    request_id, _, stage_id = route.rpartition("_")
+    return request_id, int(stage_id)
+
+
 def chunk_route_key(route_id: str, prefix: str = "") -> str:
     """`route_id` is `<req>_<sender stage>`; the value names the receiver's wake-up list."""
     return f"{prefix}route:{route_id}"
@@ -30,6 +53,8 @@ def receiver_notify_key(receiver_id: str, prefix: str = "") -> str:
 # --- control plane (Streams) ---------------------------------------------------
 
 ORCHESTRATOR_GROUP = "orchestrator"
+ORCHESTRATOR_CONSUMER = "orchestrator"
+"""The orchestrator's consumer name in its groups."""
 """Consumer group the orchestrator reads the requests and stage output streams with."""
 WORKERS_GROUP = "workers"
 """Consumer group the replicas of one stage share its input stream through."""
@@ -76,6 +101,15 @@ class Names:
     def heartbeat(self, role: str) -> str:
         """`role` is "orchestrator" or "stage:<id>:<worker id>"."""
         return f"{self.prefix}hb:{role}"
+
+    def orchestrator_heartbeat(self) -> str:
+        return self.heartbeat("orchestrator")
+
+    def stage_heartbeat(self, stage_id: int, worker_id: str) -> str:
+        return self.heartbeat(f"stage:{stage_id}:{worker_id}")
+
+    def client_heartbeat(self, client_id: str) -> str:
+        return self.heartbeat(f"client:{client_id}")
 
     def heartbeat_pattern(self, stage_id: int) -> str:
         return f"{self.prefix}hb:stage:{stage_id}:*"

@@ -18,12 +18,12 @@ from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
+from omni_runtime.core.orchestrator import Orchestrator, forward_previous_data
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, ClientCommand, OrchOutputMsg, RequestMsg
-from omni_runtime.core.orchestrator import Orchestrator, forward_previous_data
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.settings import Settings
 from omni_runtime.redis_io.stage_client import (
     RedisStageClient,
     StreamWriter,
@@ -32,7 +32,7 @@ from omni_runtime.redis_io.stage_client import (
     entry_fields,
     read_group,
 )
-from omni_runtime.core.types import OrchOutput
+from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class OrchestratorService:
                     await writer.flushed()
             writer_task.cancel()
             await asyncio.gather(writer_task, return_exceptions=True)
-            await client.delete(self.names.heartbeat("orchestrator"))
+            await client.delete(self.names.orchestrator_heartbeat())
         finally:
             await client.aclose()
 
@@ -134,7 +134,7 @@ class OrchestratorService:
                 client,
                 stream,
                 keys.ORCHESTRATOR_GROUP,
-                "orchestrator",
+                keys.ORCHESTRATOR_CONSUMER,
                 s.read_count,
                 s.block_ms,
                 start_id,
@@ -182,7 +182,7 @@ class OrchestratorService:
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for cid in client_ids:
-                        pipe.exists(self.names.heartbeat(f"client:{cid}"))
+                        pipe.exists(self.names.client_heartbeat(cid))
                     alive = await pipe.execute()
             except RedisError as e:
                 log.warning("checking client heartbeats failed: %r", e)
@@ -216,7 +216,7 @@ class OrchestratorService:
             writer.expire(stream, ttl_s)
 
     async def _heartbeat(self, client: aioredis.Redis) -> None:
-        key = self.names.heartbeat("orchestrator")
+        key = self.names.orchestrator_heartbeat()
         while not self._stopping:
             try:
                 await client.set(key, self.pipeline.name, ex=keys.HEARTBEAT_TTL_S)

@@ -6,6 +6,7 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -13,6 +14,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from omni_runtime import keys
+from omni_runtime.redis_io.backoff import Backoff
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -44,6 +46,13 @@ class Settings(BaseSettings):
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
     """Requests one worker runs at once; further inputs wait in the stream."""
     heartbeat_interval_s: PositiveFloat = 1.0
+    retry_initial_s: PositiveFloat = 0.01
+    """First delay after a failed Redis operation; doubles per failure up to `retry_max_s`."""
+    retry_max_s: PositiveFloat = 2.0
+    retry_attempts: Annotated[int, Field(gt=0, le=1000)] = 20
+    """Writes give up after this many failures (≈ 30 s with the defaults); reads never do."""
+    trace_file: Path | None = None
+    """Append event stamps (see `omni_runtime.tracing`) to this file; None: tracing off."""
 
     @field_validator("redis_url")
     @classmethod
@@ -63,6 +72,12 @@ class Settings(BaseSettings):
 
             raise ConfigError("no Redis URL: set OMNI_REDIS_URL or pass --redis-url")
         return self.redis_url
+
+    def backoff(self, bounded: bool = False) -> Backoff:
+        """The retry policy of one loop: bounded for writes, unbounded for reads."""
+        return Backoff(
+            self.retry_initial_s, self.retry_max_s, self.retry_attempts if bounded else None
+        )
 
     @property
     def names(self) -> keys.Names:

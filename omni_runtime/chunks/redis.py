@@ -32,8 +32,8 @@ from redis.retry import Retry
 
 from omni_runtime import codec, keys
 from omni_runtime.chunks.redis_wakeups import WakeupListener, WakeupSender
-from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.core.types import MalformedChunk
+from omni_runtime.errors import CodecError, ConfigError, TransportError
 
 log = logging.getLogger(__name__)
 

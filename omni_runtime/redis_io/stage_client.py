@@ -20,11 +20,11 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError, ResponseError
 
 from omni_runtime import codec, keys
+from omni_runtime.core.types import StageFailure, StageOutput
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
 from omni_runtime.redis_io.writer import StreamWriter as StreamWriter
 from omni_runtime.redis_io.writer import xadd_fields as xadd_fields
-from omni_runtime.core.types import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class RedisStageClient:
                     self.client,
                     self.out_stream,
                     keys.ORCHESTRATOR_GROUP,
-                    "orchestrator",
+                    keys.ORCHESTRATOR_CONSUMER,
                     self.read_count,
                     self.block_ms,
                     self._start_id,

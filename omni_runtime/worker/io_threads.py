@@ -169,7 +169,7 @@ class Heartbeat:
     def __init__(self, worker: StageWorker, client: redis.Redis) -> None:
         self.worker = worker
         self.client = client
-        self.key = worker.names.heartbeat(f"stage:{worker.stage_id}:{worker.worker_id}")
+        self.key = worker.names.stage_heartbeat(worker.stage_id, worker.worker_id)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -204,7 +204,7 @@ class Heartbeat:
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name == w.worker_id:
                 continue
-            if self.client.exists(w.names.heartbeat(f"stage:{w.stage_id}:{name}")):
+            if self.client.exists(w.names.stage_heartbeat(w.stage_id, name)):
                 continue
             rows = self.client.xpending_range(
                 w.in_stream, keys.WORKERS_GROUP, min="-", max="+", count=100, consumername=name

@@ -28,8 +28,6 @@ from omni_runtime.errors import CodecError
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.settings import Settings
-from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
 from omni_runtime.redis_io.stage_client import (
     dead_letter_fields,
     ensure_group_sync,
@@ -37,6 +35,8 @@ from omni_runtime.redis_io.stage_client import (
     parse_entry,
     xadd_fields,
 )
+from omni_runtime.settings import Settings
+from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
 from omni_runtime.worker.io_threads import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)

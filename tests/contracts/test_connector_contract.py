@@ -23,8 +23,8 @@ from redis.connection import PythonRespSerializer
 
 from omni_runtime import keys
 from omni_runtime.chunks import MemoryConnector, RedisConnector
-from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.core.types import Connector, MalformedChunk
+from omni_runtime.errors import CodecError, ConfigError, TransportError
 
 AnyConnector = MemoryConnector | RedisConnector
 

@@ -17,10 +17,10 @@ import redis
 import yaml
 
 from omni_runtime.client import OmniClient
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
-from omni_runtime.core.types import OrchOutput
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]

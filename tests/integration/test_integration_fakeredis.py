@@ -15,8 +15,8 @@ from omni_runtime import codec, keys
 from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.settings import Settings
 from omni_runtime.redis_io.stage_client import entry_fields
+from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for
 

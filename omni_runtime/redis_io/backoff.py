@@ -1,0 +1,36 @@
+"""One retry policy for every Redis loop: exponential delays from redis-py, bounded or not.
+
+Readers retry for as long as the process lives (a Redis outage must not kill a
+worker); writers give up after `max_attempts` and report the loss, so a request
+ends with an error instead of a scheduler retrying forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redis.backoff import ExponentialBackoff
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Delays `initial_s`, 2·`initial_s`, … capped at `max_s`; `None` once `max_attempts` failed."""
+
+    initial_s: float = 0.01
+    max_s: float = 2.0
+    max_attempts: int | None = None
+    failures: int = 0
+    _policy: ExponentialBackoff = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._policy = ExponentialBackoff(cap=self.max_s, base=self.initial_s)
+
+    def failed(self) -> float | None:
+        """Count one failure; the delay before the next attempt, or None to give up."""
+        self.failures += 1
+        if self.max_attempts is not None and self.failures >= self.max_attempts:
+            return None
+        return float(self._policy.compute(self.failures - 1))
+
+    def succeeded(self) -> None:
+        self.failures = 0
