@@ -26,6 +26,7 @@ from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.stage_client import StreamWriter, entry_fields, parse_entry, stream_reply
 from omni_runtime.settings import Settings
+from omni_runtime.tracing import tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class OmniClient:
         self.clients = clients or RedisClients.from_url(settings.require_redis_url())
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
+        self.tracer = tracer_for(settings.trace_file)
         self._queues: dict[str, asyncio.Queue[OrchOutput]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
@@ -125,6 +127,8 @@ class OmniClient:
     ) -> str:
         """Send a request; its outputs queue up until `stream` is iterated."""
         request_id = request_id or uuid.uuid4().hex
+        if self.tracer is not None:
+            self.tracer.stamp("client_submitted", request_id)
         msg = RequestMsg(
             request_id=request_id, client_id=self.client_id, prompt=prompt, deadline_s=deadline_s
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -33,6 +34,7 @@ from omni_runtime.redis_io.stage_client import (
     read_group,
 )
 from omni_runtime.settings import Settings
+from omni_runtime.tracing import Tracer, tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +71,16 @@ class OrchestratorService:
         self._stopping = False
         self._stop_requested = asyncio.Event()
         self.ready = asyncio.Event()
+        self.tracer: Tracer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then flush what was queued and close."""
         s = self.settings
         codec.warm_up()
         client = self.clients.aio()
-        writer = StreamWriter(client, s.stream_maxlen)
+        tracer = tracer_for(s.trace_file)
+        self.tracer = tracer
+        writer = StreamWriter(client, s.stream_maxlen, tracer)
         streaming = self.pipeline.mode == "streaming"
         stages = [
             RedisStageClient(
@@ -87,6 +92,7 @@ class OrchestratorService:
                 block_ms=s.block_ms,
                 max_message_bytes=s.max_message_bytes,
                 streaming=streaming and sid > 0,
+                tracer=tracer,
             )
             for sid in range(len(self.pipeline.stages))
         ]
@@ -139,16 +145,17 @@ class OrchestratorService:
                 s.block_ms,
                 start_id,
             )
+            t_ns = time.monotonic_ns()
             entries = [entry for _s, batch in reply for entry in batch]
             if start_id != ">":  # walk the backlog by id, then switch to new entries
                 start_id = entries[-1][0].decode() if entries else ">"
             for entry_id, fields in entries:
                 if fields:  # (a pending entry trimmed since has none)
-                    await self._handle_command(writer, stream, entry_id, fields)
+                    await self._handle_command(writer, stream, entry_id, fields, t_ns)
                 writer.xack(stream, keys.ORCHESTRATOR_GROUP, entry_id)
 
     async def _handle_command(
-        self, writer: StreamWriter, stream: str, entry_id: bytes, fields: Any
+        self, writer: StreamWriter, stream: str, entry_id: bytes, fields: Any, t_ns: int
     ) -> None:
         try:
             raw = fields.get(keys.PAYLOAD_FIELD.encode())
@@ -167,6 +174,8 @@ class OrchestratorService:
             )
             return
         if isinstance(cmd, RequestMsg):
+            if self.tracer is not None:
+                self.tracer.stamp("request_read", cmd.request_id, None, t_ns)
             self.client_of[cmd.request_id] = cmd.client_id
             await self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.deadline_s)
         elif isinstance(cmd, AbortMsg):

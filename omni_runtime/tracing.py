@@ -7,6 +7,7 @@ shared by every process on one host, so stamps correlate by request id.
 
 Events (where they are stamped):
 
+- `client_submitted` — a client sent the request;
 - `request_read` — the orchestrator read the request from the requests stream;
 - `input_submitted` — the orchestrator submitted the request's input to stage k;
 - `input_write_start` / `input_written` — the write carrying that input began / ended;
@@ -17,10 +18,11 @@ Events (where they are stamped):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Protocol
 
 
 class Tracer(Protocol):
@@ -47,22 +49,24 @@ class MemoryTracer:
 
 
 class FileTracer:
-    """Appends one line per stamp to a file several processes may share (O_APPEND lines)."""
+    """Appends one line per stamp to a file several processes may share.
+
+    One raw `O_APPEND` descriptor and one `write` per line: lines from several
+    threads and processes never interleave, and nothing is buffered at exit.
+    """
 
     def __init__(self, path: Path) -> None:
-        self._file: TextIO = path.open("a", buffering=1)
-        self._lock = threading.Lock()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def stamp(
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
     ) -> None:
         t = time.monotonic_ns() if t_ns is None else t_ns
         stage = "-" if stage_id is None else str(stage_id)
-        with self._lock:
-            self._file.write(f"{event} {request_id} {stage} {t}\n")
+        os.write(self._fd, f"{event} {request_id} {stage} {t}\n".encode())
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 def read_trace_file(path: Path) -> list[tuple[str, str, int | None, int]]:

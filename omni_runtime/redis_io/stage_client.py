@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, TypeVar, cast
@@ -25,6 +26,7 @@ from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
 from omni_runtime.redis_io.writer import StreamWriter as StreamWriter
 from omni_runtime.redis_io.writer import xadd_fields as xadd_fields
+from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,7 @@ class RedisStageClient:
         block_ms: int,
         max_message_bytes: int,
         streaming: bool = False,
+        tracer: Tracer | None = None,
     ) -> None:
         self.client = client
         self.writer = writer
@@ -147,6 +150,7 @@ class RedisStageClient:
         self.block_ms = block_ms
         self.max_message_bytes = max_message_bytes
         self.streaming = streaming
+        self.tracer = tracer
         self.malformed_entries = 0
         self.duplicate_outputs = 0
         self._next_seq: dict[str, int] = {}
@@ -157,8 +161,11 @@ class RedisStageClient:
         """Entries a previous orchestrator read but never acknowledged come first."""
 
     async def submit(self, request_id: str, data: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.stamp("input_submitted", request_id, self.stage_id)
         msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
-        self.writer.xadd(self.in_stream, entry_fields(msg), urgent=True)  # bad data raises here
+        fields = entry_fields(msg)  # bad data raises here
+        self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 
     async def abort(self, request_id: str) -> None:
         """Broadcast on the control stream: whichever worker holds the request drops it."""
@@ -195,6 +202,9 @@ class RedisStageClient:
                 self._start_id = entries[-1][0].decode() if entries else ">"
             outputs = self._parse(entries)
             if outputs:
+                if self.tracer is not None:
+                    for out in outputs:
+                        self.tracer.stamp("output_returned", out.request_id, self.stage_id)
                 return outputs
 
     def _in_sequence(self, msg: StageOutputMsg) -> bool:
@@ -214,6 +224,7 @@ class RedisStageClient:
         self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, self._unacked.popleft())
 
     def _parse(self, entries: list[Entry]) -> list[StageOutput]:
+        t_ns = time.monotonic_ns() if self.tracer is not None else 0
         outputs: list[StageOutput] = []
         for entry_id, fields in entries:
             if not fields:  # pending, but trimmed from the stream since: nothing to handle
@@ -242,5 +253,7 @@ class RedisStageClient:
                 else msg.data
             )
             outputs.append(StageOutput(msg.request_id, data, msg.finished or msg.error is not None))
+            if self.tracer is not None:
+                self.tracer.stamp("output_read", msg.request_id, self.stage_id, t_ns)
             self._unacked.append(entry_id)
         return outputs

@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
+from omni_runtime.tracing import Tracer
+
 log = logging.getLogger(__name__)
 
 
@@ -31,9 +33,12 @@ class StreamWriter:
 
     MAX_ATTEMPTS = 20
 
-    def __init__(self, client: aioredis.Redis, maxlen: int) -> None:
+    def __init__(self, client: aioredis.Redis, maxlen: int, tracer: Tracer | None = None) -> None:
         self.client = client
         self.maxlen = maxlen
+        self.tracer = tracer
+        self._traced: list[tuple[str, int]] = []
+        """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""
         self._ops: list[tuple[str, tuple[Any, ...]]] = []
         self._done: list[asyncio.Future[bool]] = []
         self._urgent_queued = False
@@ -49,9 +54,13 @@ class StreamWriter:
         fields: dict[str, Any],
         maxlen: int | None = None,
         urgent: bool = False,
+        trace: tuple[str, int] | None = None,
     ) -> None:
         """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
-        latency should not wait behind the outputs being delivered to clients."""
+        latency should not wait behind the outputs being delivered to clients. `trace`
+        (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
+        if trace is not None and self.tracer is not None:
+            self._traced.append(trace)
         self._queue("xadd", stream, fields, maxlen or self.maxlen, urgent)
 
     def xack(self, stream: str, group: str, entry_id: bytes) -> None:
@@ -96,12 +105,17 @@ class StreamWriter:
             ops, self._ops = self._ops, []
             self._urgent_queued = False
             done, self._done = self._done, []
+            traced, self._traced = self._traced, []
+            for rid, sid in traced:
+                self.tracer.stamp("input_write_start", rid, sid)  # type: ignore[union-attr]
             try:
                 ok = await self._write(ops) if ops else True
             except Exception:  # never die with callers waiting on `written`
                 log.exception("stream writer failed on a batch of %d writes", len(ops))
                 self.dropped_writes += len(ops)
                 ok = False
+            for rid, sid in traced:
+                self.tracer.stamp("input_written", rid, sid)  # type: ignore[union-attr]
             for fut in done:
                 if not fut.done():
                     fut.set_result(ok)

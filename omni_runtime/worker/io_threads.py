@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
 from redis.exceptions import RedisError, ResponseError
 from redis.typing import StreamIdT
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.stage_client import Entry, ensure_group_sync, parse_entry, stream_reply
@@ -93,9 +94,15 @@ class InputReader:
                 self._stop.wait(delay_s)
                 delay_s = min(2.0, delay_s * 2)
                 continue
+            t_ns = time.monotonic_ns()
             entries = [entry for _s, batch in stream_reply(reply) for entry in batch]
             if entries:
                 self.inject(entries)
+                if w.tracer is not None:
+                    for _eid, fields in entries:
+                        with contextlib.suppress(Exception):  # malformed: dead-lettered later
+                            rid = codec.decode(fields[keys.PAYLOAD_FIELD.encode()])["request_id"]
+                            w.tracer.stamp("input_read", str(rid), w.stage_id, t_ns)
 
 
 class ControlReader:

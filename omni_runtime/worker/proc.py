@@ -37,6 +37,7 @@ from omni_runtime.redis_io.stage_client import (
 )
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
+from omni_runtime.tracing import tracer_for
 from omni_runtime.worker.io_threads import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class StageWorker:
         self.recent_aborts: dict[str, float] = {}
         """Aborted request ids (bounded, ~1 min): an input that arrives after its abort is dropped."""
         self._next_housekeeping = 0.0
+        self.tracer = tracer_for(settings.trace_file)
 
     # --- lifecycle -------------------------------------------------------------
 
