@@ -9,32 +9,41 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource
 from redis.exceptions import RedisError
 
-from omni_runtime.core.types import OrchOutput
+from omni_runtime import __version__
+from omni_runtime.console import OutputPrinter, check_wav_path, read_prompt, write_wav
 from omni_runtime.errors import OmniError
-from omni_runtime.pipeline import PipelineConfig, load_pipeline
+from omni_runtime.logs import configure_logging
+from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
 
-log = logging.getLogger("omni_runtime")
+DESCRIPTION = """\
+Serve multi-stage model pipelines (thinker -> talker -> vocoder), every stage its own
+process, all over Redis. `run` does everything locally for one prompt; in production
+start `orchestrator` and `worker`s (any hosts), then `submit` or `bench`.
+Every OMNI_* setting is also a flag (--redis-url, --deadline-s, ...) and may come
+from a YAML file (--settings-file)."""
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {}
-    if args.redis_url:
-        overrides["redis_url"] = args.redis_url
-    if args.namespace:
-        overrides["namespace"] = args.namespace
-    return Settings(**overrides)
+    source: CliSettingsSource[Settings] = args.settings_source
+    return Settings.load(source(parsed_args=args), args.settings_file)
 
 
 def _pipeline(args: argparse.Namespace) -> PipelineConfig:
     return load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
+
+
+def _wav_rate(pipeline: PipelineConfig) -> int:
+    rate = next(
+        (s.options.get("sample_rate") for s in pipeline.stages if "sample_rate" in s.options), None
+    )
+    return int(rate) if rate is not None else 16000
 
 
 # --- long-running processes ---------------------------------------------------
@@ -59,7 +68,9 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from omni_runtime.worker.proc import StageWorker
 
-    worker = StageWorker(_pipeline(args), args.stage, _settings(args), worker_id=args.worker_id)
+    pipeline = _pipeline(args)
+    check_stage_options(pipeline, [args.stage])
+    worker = StageWorker(pipeline, args.stage, _settings(args), worker_id=args.worker_id)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run()
@@ -67,54 +78,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
     ]
     if stuck:  # stage code that ignores aborts must not keep a stopped worker alive
-        log.warning("exiting with stage code still running on %s", ", ".join(stuck))
+        logging.getLogger(__name__).warning(
+            "exiting with stage code still running on %s", ", ".join(stuck)
+        )
         logging.shutdown()
         os._exit(0)
     return 0
 
 
 # --- clients ------------------------------------------------------------------
-
-
-class OutputPrinter:
-    """Prints outputs as they stream; keeps audio chunks for `--wav`."""
-
-    def __init__(self, quiet: bool = False) -> None:
-        self.quiet = quiet
-        self.audio: list[Any] = []
-        self.failed = False
-        self.started = time.monotonic()
-
-    def __call__(self, out: OrchOutput) -> None:
-        elapsed_ms = (time.monotonic() - self.started) * 1000
-        if out.error is not None:
-            self.failed = True
-            print(
-                f"[{elapsed_ms:7.1f} ms] stage {out.stage_id} ERROR: {out.error}", file=sys.stderr
-            )
-            return
-        data = out.data
-        if hasattr(data, "dtype") and hasattr(data, "shape"):
-            self.audio.append(data)
-            desc = f"audio chunk {data.shape[0]} samples ({data.dtype})"
-        else:
-            desc = repr(data)
-        if not self.quiet:
-            end = "  (finished)" if out.finished else ""
-            print(f"[{elapsed_ms:7.1f} ms] stage {out.stage_id}: {desc}{end}", flush=True)
-
-
-def _write_wav(printer: OutputPrinter, path: str | None, pipeline: PipelineConfig) -> None:
-    if path is None:
-        return
-    from omni_runtime.wav import write_wav
-
-    rate = next(
-        (int(s.options["sample_rate"]) for s in pipeline.stages if "sample_rate" in s.options),
-        16000,
-    )
-    frames = write_wav(path, printer.audio, rate)
-    print(f"wrote {path}: {frames} frames, {frames / rate:.2f} s at {rate} Hz")
 
 
 async def _submit_and_print(
@@ -124,17 +96,19 @@ async def _submit_and_print(
 
     async with OmniClient(settings) as client:
         await client.wait_ready(stage_ids)
-        printer.started = time.monotonic()
+        printer.restart_clock()
         async for out in client.generate(prompt):
             printer(out)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     pipeline = _pipeline(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    check_wav_path(args.wav)
     printer = OutputPrinter()
     stage_ids = list(range(pipeline.last_stage + 1))
-    asyncio.run(_submit_and_print(_settings(args), args.prompt, printer, stage_ids))
-    _write_wav(printer, args.wav, pipeline)
+    asyncio.run(_submit_and_print(_settings(args), prompt, printer, stage_ids))
+    write_wav(printer, args.wav, _wav_rate(pipeline))
     return 1 if printer.failed else 0
 
 
@@ -143,6 +117,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     pipeline = _pipeline(args)
     settings = _settings(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    check_wav_path(args.wav)
+    check_stage_options(pipeline, range(pipeline.last_stage + 1))
     printer = OutputPrinter()
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
@@ -152,12 +129,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             run_settings = settings.model_copy(update={"redis_url": url})
             stage_ids = list(range(pipeline.last_stage + 1))
-            asyncio.run(
-                _watch(group, _submit_and_print(run_settings, args.prompt, printer, stage_ids))
-            )
+            asyncio.run(_watch(group, _submit_and_print(run_settings, prompt, printer, stage_ids)))
         finally:
             group.stop()
-    _write_wav(printer, args.wav, pipeline)
+    write_wav(printer, args.wav, _wav_rate(pipeline))
+    print(printer.summary())
     return 1 if printer.failed else 0
 
 
@@ -182,28 +158,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_load(_settings(args), _pipeline(args), args.requests, args.concurrency, args.prompt)
     )
     print(report)
-    return 0
+    return 1 if " 0 errors" not in report else 0
 
 
 # --- parser -------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omni-runtime", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _logging_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """Accepted before and after the subcommand (subcommands do not reset what was given)."""
+    d = (lambda value: value) if defaults else (lambda _value: argparse.SUPPRESS)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=d(False), help="debug logging"
+    )
+    parser.add_argument("--log-level", default=d("INFO"), help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=d("text"),
+        help="json: one object per line",
+    )
+    parser.add_argument(
+        "--settings-file",
+        default=d(os.environ.get("OMNI_SETTINGS_FILE")),
+        help="YAML file of settings (lowest priority after defaults)",
+    )
 
-    def add(name: str, help_text: str, *, prompt: bool = False) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-runtime", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"omni-runtime {__version__}")
+    _logging_flags(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, help_text: str, *, prompt: bool = False, mode: bool = True
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _logging_flags(p, defaults=False)
         p.add_argument("--pipeline", required=True, help="pipeline YAML file")
-        p.add_argument(
-            "--mode", choices=["sequential", "streaming"], help="override the file's mode"
-        )
-        p.add_argument("--redis-url", help="overrides OMNI_REDIS_URL (redis:// or rediss://)")
-        p.add_argument("--namespace", help="overrides OMNI_NAMESPACE")
+        if mode:
+            p.add_argument(
+                "--mode", choices=["sequential", "streaming"], help="override the file's mode"
+            )
         if prompt:
-            p.add_argument("prompt", help="the request's prompt")
+            p.add_argument("prompt", nargs="?", help="the request's prompt ('-': read stdin)")
+            p.add_argument("--prompt-file", help="read the prompt from this file ('-': stdin)")
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
+        source: CliSettingsSource[Settings] = CliSettingsSource(
+            Settings, root_parser=p, cli_kebab_case=True, cli_hide_none_type=True
+        )
+        p.set_defaults(settings_source=source)
         return p
 
     add("orchestrator", "run the orchestrator process").set_defaults(func=cmd_orchestrator)
@@ -211,39 +215,49 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--stage", type=int, required=True, help="stage id")
     w.add_argument("--worker-id", help="consumer name (default: host-pid-random)")
     w.set_defaults(func=cmd_worker)
+    # a running deployment's mode is its orchestrator's and workers': submit and bench follow it
     add(
-        "submit", "submit a prompt to a running pipeline and stream its outputs", prompt=True
+        "submit",
+        "submit a prompt to a running pipeline and stream its outputs",
+        prompt=True,
+        mode=False,
     ).set_defaults(func=cmd_submit)
     add(
         "run",
         "run the whole pipeline locally for one prompt (starts Redis if none is given)",
         prompt=True,
     ).set_defaults(func=cmd_run)
-    b = add("bench", "load a running pipeline: requests/s and latency")
-    b.add_argument("-n", "--requests", type=int, default=1000)
-    b.add_argument("-c", "--concurrency", type=int, default=64)
-    b.add_argument("--prompt", default="hi there")
+    b = add("bench", "load a running pipeline: requests/s and latency", mode=False)
+    b.add_argument("-n", "--requests", type=int, default=1000, help="requests to send in all")
+    b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")
+    b.add_argument("--prompt", default="hi there", help="the prompt of every request")
     b.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging("DEBUG" if args.verbose else args.log_level, args.log_format)
     try:
         return int(args.func(args))
-    except (OmniError, ValidationError) as e:
+    except OmniError as e:
         print(f"omni-runtime: error: {e}", file=sys.stderr)
+        return 2
+    except TimeoutError as e:  # the client's request timeout: a message, not a traceback
+        print(
+            f"omni-runtime: error: {e or 'timed out'} (raise OMNI_REQUEST_TIMEOUT_S)",
+            file=sys.stderr,
+        )
         return 2
     except RedisError as e:
         print(
             f"omni-runtime: error: Redis: {e} (check OMNI_REDIS_URL / --redis-url)", file=sys.stderr
         )
         return 2
+    except BrokenPipeError:  # `submit ... | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 

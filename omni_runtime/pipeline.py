@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -110,3 +112,29 @@ def resolve_entry(entry: str, source_dir: Path | None = None) -> Any:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot load entry {entry!r}: {e}") from e
     return obj
+
+
+def check_stage_options(pipeline: PipelineConfig, stage_ids: Iterable[int]) -> None:
+    """Fail at start-up, not on every request, when a stage's `options` do not fit its code.
+
+    A class entry is built as `cls(**options)`, a function called as `fn(data, **options)`.
+    """
+    for sid in stage_ids:
+        stage = pipeline.stage(sid)
+        entry = resolve_entry(stage.entry, pipeline.source_dir)
+        if not callable(entry):
+            raise ConfigError(f"stage {sid} ({stage.name}): entry {stage.entry!r} is not callable")
+        try:
+            signature = inspect.signature(entry)
+        except (TypeError, ValueError):
+            continue  # a builtin without a signature: nothing to check against
+        try:
+            if inspect.isclass(entry):
+                signature.bind(**stage.options)
+            else:
+                signature.bind(None, **stage.options)
+        except TypeError as e:
+            raise ConfigError(
+                f"stage {sid} ({stage.name}): options {sorted(stage.options)} do not fit "
+                f"{stage.entry}: {e}"
+            ) from None

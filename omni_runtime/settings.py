@@ -7,11 +7,17 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from omni_runtime import keys
 from omni_runtime.redis_io.backoff import Backoff
@@ -21,7 +27,9 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="OMNI_", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="OMNI_", extra="forbid", use_attribute_docstrings=True
+    )
 
     redis_url: str | None = None
     """`redis://` or `rediss://`, with `user:password@` for ACLs. None: `run` starts one."""
@@ -66,6 +74,43 @@ class Settings(BaseSettings):
             )
         return url
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags, then `OMNI_*` variables, then the settings file (`--settings-file`)."""
+        return (
+            init_settings,
+            env_settings,
+            YamlConfigSettingsSource(settings_cls),
+            file_secret_settings,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        cli_source: CliSettingsSource[Any] | None = None,
+        settings_file: str | Path | None = None,
+    ) -> Settings:
+        """Build the settings at the edge; a bad value is a `ConfigError` naming its variable."""
+        from omni_runtime.errors import ConfigError
+
+        settings_cls = cls
+        if settings_file is not None:
+            if not Path(settings_file).is_file():
+                raise ConfigError(f"settings file {settings_file} does not exist")
+            config = SettingsConfigDict(**{**cls.model_config, "yaml_file": settings_file})
+            settings_cls = type("FileSettings", (cls,), {"model_config": config})
+        try:
+            return settings_cls(_cli_settings_source=cli_source)  # type: ignore[call-arg]
+        except ValidationError as e:
+            raise ConfigError(describe_settings_error(e)) from None
+
     def require_redis_url(self) -> str:
         if self.redis_url is None:
             from omni_runtime.errors import ConfigError
@@ -82,3 +127,13 @@ class Settings(BaseSettings):
     @property
     def names(self) -> keys.Names:
         return keys.Names(self.namespace)
+
+
+def describe_settings_error(e: ValidationError) -> str:
+    """Name what the user sets (`OMNI_DEADLINE_S` / `--deadline-s`), not the Python field."""
+    parts = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        where = f"OMNI_{field.upper()} (--{field.replace('_', '-')})" if field else "settings"
+        parts.append(f"{where}: {err['msg']}, got {err.get('input')!r}")
+    return "invalid settings: " + "; ".join(parts)

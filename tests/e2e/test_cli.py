@@ -134,7 +134,7 @@ def test_missing_pipeline_file_exits_2(tmp_path: Path) -> None:
 def test_bad_redis_url_exits_2_naming_the_setting() -> None:
     proc = cli("run", "--pipeline", SEED, "--redis-url", "http://localhost:6379", "hi")
     assert proc.returncode == 2, describe(proc)
-    assert "redis_url" in proc.stderr
+    assert "OMNI_REDIS_URL (--redis-url)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -21,3 +21,12 @@ def test_readme_run_command_uses_a_bundled_pipeline() -> None:
     readme = (ROOT / "README.md").read_text()
     run = re.search(r"omni-runtime run --pipeline (\S+)", readme)
     assert run and (ROOT / run.group(1)).is_file()
+
+
+def test_readme_python_snippets_run_as_pasted() -> None:
+    """Every ```python block compiles as a script (no top-level `async with`)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert blocks
+    for block in blocks:
+        compile(block, "README.md", "exec")

@@ -1,0 +1,109 @@
+"""What the command line prints while a request streams: outputs, a summary, the audio file."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.errors import ConfigError
+
+
+def _is_audio(data: Any) -> bool:
+    return hasattr(data, "dtype") and hasattr(data, "shape")
+
+
+class OutputPrinter:
+    """Prints outputs as they stream; keeps audio chunks for `--wav`; times the request.
+
+    Time to first token is the first non-audio output, time to first audio the first
+    array; both are measured from the submit, as a user would feel them.
+    """
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.audio: list[Any] = []
+        self.failed = False
+        self.started = time.monotonic()
+        self.first_token_s: float | None = None
+        self.first_audio_s: float | None = None
+        self.end_s: float | None = None
+
+    def restart_clock(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, out: OrchOutput) -> None:
+        elapsed_s = time.monotonic() - self.started
+        self.end_s = elapsed_s
+        if out.error is not None:
+            self.failed = True
+            print(
+                f"[{elapsed_s * 1000:7.1f} ms] stage {out.stage_id} ERROR: {out.error}",
+                file=sys.stderr,
+            )
+            return
+        data = out.data
+        if _is_audio(data):
+            self.audio.append(data)
+            self.first_audio_s = self.first_audio_s if self.first_audio_s is not None else elapsed_s
+            desc = f"audio chunk {data.shape[0]} samples ({data.dtype})"
+        else:
+            self.first_token_s = self.first_token_s if self.first_token_s is not None else elapsed_s
+            desc = repr(data)
+        if not self.quiet:
+            end = "  (finished)" if out.finished else ""
+            print(f"[{elapsed_s * 1000:7.1f} ms] stage {out.stage_id}: {desc}{end}", flush=True)
+
+    def summary(self) -> str:
+        """One line: time to first token, to first audio, end to end."""
+
+        def fmt(value_s: float | None) -> str:
+            if value_s is None:
+                return "-"
+            return f"{value_s * 1000:.0f} ms" if value_s < 1 else f"{value_s:.2f} s"
+
+        return (
+            f"TTFT {fmt(self.first_token_s)} · TTFP {fmt(self.first_audio_s)} · "
+            f"E2E {fmt(self.end_s)}{' (failed)' if self.failed else ''}"
+        )
+
+
+def check_wav_path(path: str | None) -> None:
+    """Fail before the run, not after it: the directory must exist and be writable."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--wav {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--wav {path}: directory {parent} is not writable")
+
+
+def write_wav(printer: OutputPrinter, path: str | None, sample_rate: int) -> None:
+    if path is None:
+        return
+    from omni_runtime.wav import write_wav as write
+
+    frames = write(path, printer.audio, sample_rate)
+    print(f"wrote {path}: {frames} frames, {frames / sample_rate:.2f} s at {sample_rate} Hz")
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from the argument, `-` (stdin) or `--prompt-file` (any size)."""
+    if prompt is not None and prompt_file is not None:
+        raise ConfigError("give the prompt as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        if prompt_file == "-":
+            return sys.stdin.read()
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"--prompt-file {prompt_file}: {e.strerror}") from e
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is None:
+        raise ConfigError("no prompt: pass it as an argument, '-' for stdin, or --prompt-file")
+    return prompt
