@@ -1,0 +1,197 @@
+"""The fault suite's harness: real processes on a real redis-server, a load, a fault, a report.
+
+Every scenario reports the same columns: requests that ended exact (`ok`), with one
+error final (`failed`), with a success final but wrong outputs (`wrong` — the worst
+outcome), with no final at all (`lost`), outputs that arrived after their request's
+final (`dup`), the recovery time (from the fault to the last completion of a request
+that was in flight at the fault), leftover keys and Redis memory before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+
+from omni_runtime.client import OmniClient
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.pipeline import load_pipeline
+from omni_runtime.settings import Settings
+
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
+FULL = os.environ.get("OMNI_FAULTS_FULL") == "1"
+"""The full sizes (2,000 requests at concurrency 200) instead of CI's short ones."""
+
+COLUMNS = ("scenario", "ok", "failed", "wrong", "lost", "dup", "recovery_s", "leftover", "mem_kb")
+
+
+@dataclass
+class FaultReport:
+    scenario: str
+    requests: int
+    ok: int = 0
+    failed: int = 0
+    wrong: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    recovery_s: float | None = None
+    leftover_keys: int = 0
+    memory_before: int = 0
+    memory_after: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
+        mem = f"{self.memory_before // 1024}->{self.memory_after // 1024}"
+        return (
+            f"{self.scenario:<28} {self.ok:>6} {self.failed:>6} {self.wrong:>5} {self.lost:>5} "
+            f"{self.duplicated:>4} {rec:>10} {self.leftover_keys:>8} {mem:>14}"
+        )
+
+
+def header() -> str:
+    return (
+        f"{'scenario':<28} {'ok':>6} {'failed':>6} {'wrong':>5} {'lost':>5} {'dup':>4} "
+        f"{'recovery_s':>10} {'leftover':>8} {'mem_kb':>14}"
+    )
+
+
+class FaultDeployment:
+    """One pipeline variant as OS processes in its own namespace, with handles to hurt them."""
+
+    def __init__(self, redis_url: str, tmp_path: Path, base: str, **changes: Any) -> None:
+        raw = yaml.safe_load((WORKERS / base).read_text())
+        for key, value in changes.items():
+            if key == "stages":
+                for sid, stage_changes in value.items():
+                    raw["stages"][sid].update(stage_changes)
+            else:
+                raw[key] = value
+        self.redis_url = redis_url
+        self.namespace = f"f{uuid.uuid4().hex[:8]}"
+        self.path = tmp_path / f"{self.namespace}.yaml"
+        self.path.write_text(yaml.safe_dump(raw))
+        self.pipeline = load_pipeline(self.path)
+        self.settings = Settings(redis_url=redis_url, namespace=self.namespace, block_ms=50)
+        env = child_env(
+            redis_url, {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "32"}
+        )
+        self.group = ProcessGroup(self.path, self.pipeline, env)
+        self.redis = redis.Redis.from_url(redis_url)
+
+    def __enter__(self) -> FaultDeployment:
+        self.group.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.stop()
+        self.redis.close()
+
+    def pid(self, name_prefix: str) -> int:
+        """The pid of the first process whose name starts with `name_prefix` (e.g. `stage1`)."""
+        for name, proc, _f in self.group.procs:
+            if name.startswith(name_prefix) and proc.poll() is None:
+                return proc.pid
+        raise LookupError(f"no live process named {name_prefix}*")
+
+    def signal(self, name_prefix: str, sig: signal.Signals) -> None:
+        os.kill(self.pid(name_prefix), sig)
+
+    def used_memory(self) -> int:
+        return int(self.redis.info("memory")["used_memory"])
+
+    def leftover_keys(self) -> list[str]:
+        """Keys of this namespace other than live heartbeats and the (empty) streams' groups."""
+        left = []
+        for key in self.redis.scan_iter(f"{self.namespace}:*"):
+            name = key.decode()
+            if ":hb:" in name:
+                continue
+            if self.redis.type(key) == b"stream" and self.redis.xlen(key) == 0:
+                continue
+            left.append(name)
+        return left
+
+
+Expected = Callable[[str], list[tuple[int, Any, bool]]]
+Fault = Callable[[], Awaitable[None]]
+
+
+async def run_load(
+    d: FaultDeployment,
+    scenario: str,
+    prompts: dict[str, str],
+    expected: Expected,
+    concurrency: int,
+    fault_after: int | None = None,
+    fault: Fault | None = None,
+    timeout_s: float = 60.0,
+) -> FaultReport:
+    """Send `prompts` with at most `concurrency` in flight; inject `fault` once `fault_after`
+    requests were submitted; classify every request's outcome."""
+    report = FaultReport(scenario, len(prompts), memory_before=d.used_memory())
+    outcomes: dict[str, list[OrchOutput] | None] = {}
+    done_at: dict[str, float] = {}
+    in_flight_at_fault: set[str] = set()
+    fault_at: float | None = None
+    submitted = 0
+    async with OmniClient(d.settings) as client:
+        await client.wait_ready(list(range(d.pipeline.last_stage + 1)), timeout_s=60)
+        slots = asyncio.Semaphore(concurrency)
+        fault_task: asyncio.Task[None] | None = None
+
+        async def one(rid: str, prompt: str) -> None:
+            nonlocal submitted, fault_at, fault_task
+            async with slots:
+                await client.submit(prompt, request_id=rid)
+                submitted += 1
+                if fault is not None and submitted == fault_after and fault_task is None:
+                    fault_at = time.monotonic()
+                    in_flight_at_fault.update(r for r in prompts if r not in done_at)
+                    fault_task = asyncio.create_task(fault())
+                outs: list[OrchOutput] = []
+                try:
+                    async for out in client.stream(rid, timeout_s=timeout_s):
+                        outs.append(out)
+                    outcomes[rid] = outs
+                except TimeoutError:
+                    outcomes[rid] = None
+                done_at[rid] = time.monotonic()
+
+        await asyncio.gather(*(one(rid, p) for rid, p in prompts.items()))
+        if fault_task is not None:
+            await fault_task
+        report.duplicated = client.dropped_outputs
+    for rid, outs in outcomes.items():
+        if outs is None or not outs or not outs[-1].finished:
+            report.lost += 1
+        elif outs[-1].error is not None:
+            report.failed += 1
+            reason = outs[-1].error.split(":")[0]
+            report.errors[reason] = report.errors.get(reason, 0) + 1
+        elif [(o.stage_id, o.data, o.finished) for o in outs] == expected(prompts[rid]):
+            report.ok += 1
+        else:
+            report.wrong += 1
+    if fault_at is not None:
+        ends = [done_at[r] for r in in_flight_at_fault if r in done_at]
+        report.recovery_s = max(ends) - fault_at if ends else 0.0
+    report.leftover_keys = len(d.leftover_keys())
+    report.memory_after = d.used_memory()
+    return report
+
+
+def seed_final_2(prompt: str) -> list[tuple[int, Any, bool]]:
+    """Seed pipeline with finals {2}: one `wav:WORD` output per word, the last finished."""
+    words = prompt.split()
+    return [(2, f"wav:{w.upper()}", i == len(words) - 1) for i, w in enumerate(words)]
