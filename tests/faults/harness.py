@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +124,7 @@ class FaultDeployment:
 
 
 Expected = Callable[[str], list[tuple[int, Any, bool]]]
-Fault = Callable[[], Awaitable[None]]
+Fault = Callable[[], Coroutine[Any, Any, None]]
 
 
 async def run_load(
