@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -53,7 +53,11 @@ class Settings(BaseSettings):
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
     """Requests one worker runs at once; further inputs wait in the stream."""
-    heartbeat_interval_s: PositiveFloat = 1.0
+    heartbeat_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    heartbeat_ttl_s: PositiveFloat | None = None
+    """A process whose heartbeat is older than this is taken for dead. Default: derived,
+    `max(5, 3 * (heartbeat_interval_s + block_ms / 1000))`, since a reader refreshes its
+    heartbeat between blocking reads; set explicitly, it must be at least twice that sum."""
     retry_initial_s: PositiveFloat = 0.01
     """First delay after a failed Redis operation; doubles per failure up to `retry_max_s`."""
     retry_max_s: PositiveFloat = 2.0
@@ -73,6 +77,25 @@ class Settings(BaseSettings):
                 f"redis_url must start with redis://, rediss:// or unix://, got {url!r}"
             )
         return url
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_its_refresh(self) -> Settings:
+        refresh_s = self.heartbeat_interval_s + self.block_ms / 1000
+        if self.heartbeat_ttl_s is None:
+            self.heartbeat_ttl_s = max(float(keys.HEARTBEAT_TTL_S), 3 * refresh_s)
+        elif self.heartbeat_ttl_s < 2 * refresh_s:
+            raise ValueError(
+                f"OMNI_HEARTBEAT_TTL_S={self.heartbeat_ttl_s:g} is shorter than twice "
+                f"OMNI_HEARTBEAT_INTERVAL_S + OMNI_BLOCK_MS/1000 ({refresh_s:g} s): live "
+                "processes would be taken for dead"
+            )
+        return self
+
+    @property
+    def heartbeat_ttl_ms(self) -> int:
+        """The heartbeat keys' TTL, for `SET ... PX` (whole milliseconds)."""
+        assert self.heartbeat_ttl_s is not None  # set by the validator
+        return int(self.heartbeat_ttl_s * 1000)
 
     @classmethod
     def settings_customise_sources(
@@ -133,7 +156,10 @@ def describe_settings_error(e: ValidationError) -> str:
     """Name what the user sets (`OMNI_DEADLINE_S` / `--deadline-s`), not the Python field."""
     parts = []
     for err in e.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        where = f"OMNI_{field.upper()} (--{field.replace('_', '-')})" if field else "settings"
+        if not err["loc"]:  # a rule between settings: its message names them
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
+        field = str(err["loc"][0])
+        where = f"OMNI_{field.upper()} (--{field.replace('_', '-')})"
         parts.append(f"{where}: {err['msg']}, got {err.get('input')!r}")
     return "invalid settings: " + "; ".join(parts)

@@ -248,7 +248,9 @@ def test_all_processes_agree_on_pipeline_mode_and_namespace() -> None:
         }
         for name, svc in project_services(compose).items():
             assert svc["environment"]["OMNI_NAMESPACE"] == "omni", name
-            assert "namespace" not in vars(cli_args(compose)[name]), f"{name}: --namespace overrides"
+            assert "namespace" not in vars(cli_args(compose)[name]), (
+                f"{name}: --namespace overrides"
+            )
     custom = load_compose({"OMNI_NAMESPACE": "demo"})
     assert {s["environment"]["OMNI_NAMESPACE"] for s in project_services(custom).values()} == {
         "demo"

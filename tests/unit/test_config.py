@@ -320,3 +320,17 @@ def test_numeric_settings_read_from_env(monkeypatch: pytest.MonkeyPatch) -> None
     settings = Settings()
     assert settings.startup_timeout_s == 1.5
     assert settings.worker_max_concurrency == 4
+
+
+def test_heartbeat_ttl_is_derived_from_the_interval_and_the_read_block() -> None:
+    assert Settings().heartbeat_ttl_s == 5.0
+    assert Settings(heartbeat_interval_s=3, block_ms=100).heartbeat_ttl_s == pytest.approx(9.3)
+    assert Settings(block_ms=10_000).heartbeat_ttl_s == pytest.approx(33.0)
+
+
+def test_a_heartbeat_ttl_shorter_than_its_refresh_names_the_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMNI_HEARTBEAT_TTL_S", "1")
+    with pytest.raises(ConfigError, match=r"OMNI_HEARTBEAT_TTL_S.*OMNI_HEARTBEAT_INTERVAL_S"):
+        Settings.load()
