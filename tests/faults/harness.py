@@ -135,10 +135,12 @@ async def run_load(
     concurrency: int,
     fault_after: int | None = None,
     fault: Fault | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = 30.0,
+    deadline_s: float = 150.0,
 ) -> FaultReport:
     """Send `prompts` with at most `concurrency` in flight; inject `fault` once `fault_after`
-    requests were submitted; classify every request's outcome."""
+    requests were submitted; classify every request's outcome. A request with no final
+    `timeout_s` after its last output, or by `deadline_s` for the whole load, is lost."""
     report = FaultReport(scenario, len(prompts), memory_before=d.used_memory())
     outcomes: dict[str, list[OrchOutput] | None] = {}
     done_at: dict[str, float] = {}
@@ -168,7 +170,11 @@ async def run_load(
                     outcomes[rid] = None
                 done_at[rid] = time.monotonic()
 
-        await asyncio.gather(*(one(rid, p) for rid, p in prompts.items()))
+        tasks = [asyncio.create_task(one(rid, p)) for rid, p in prompts.items()]
+        _done, unfinished = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if fault_task is not None:
             await fault_task
         report.duplicated = client.dropped_outputs
