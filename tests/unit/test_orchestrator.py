@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
-from tests.fakes import FakeStage, identity_forward, seed_stages
+from omni_runtime.core.in_memory import InMemoryStage
+from tests.fakes import identity_forward, seed_stages
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -84,7 +85,7 @@ async def test_final_0_never_submits_stage_1() -> None:
 
 
 async def test_state_registered_before_first_await_so_outputs_inside_submit_are_kept() -> None:
-    """FakeStage emits every output inside submit(); none may be dropped."""
+    """InMemoryStage emits every output inside submit(); none may be dropped."""
     async with Orchestrator(seed_stages(), {0, 2}, identity_forward) as orch:
         for i in range(50):
             await orch.add_request(f"r{i}", "one two three")
@@ -107,7 +108,7 @@ async def test_late_output_does_not_resurrect_state() -> None:
 
 async def test_per_stage_order_kept_under_interleaved_requests() -> None:
     """Stage 0 is driven by hand, interleaving 100 requests' chunks at random."""
-    stage0 = FakeStage()
+    stage0 = InMemoryStage()
     stages: list[Any] = [stage0, *seed_stages()[1:]]
     n_req, n_chunks = 100, 20
     async with Orchestrator(stages, {0, 2}, identity_forward) as orch:
@@ -176,7 +177,7 @@ async def test_invalid_final_stage_ids_rejected() -> None:
 
 
 async def test_duplicate_request_id_rejected_without_touching_the_live_one() -> None:
-    stage0 = FakeStage()
+    stage0 = InMemoryStage()
     async with Orchestrator([stage0], {0}, identity_forward) as orch:
         await orch.add_request("r1", "a")
         await orch.add_request("r1", "b")
