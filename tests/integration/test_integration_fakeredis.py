@@ -15,7 +15,7 @@ from omni_runtime import codec, keys
 from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.stage_client import entry_fields
+from omni_runtime.redis_io.streams import entry_fields
 from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for
@@ -284,7 +284,7 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
     """Read from the group but never acknowledged (the orchestrator died): not lost."""
     from omni_runtime.client import OmniClient
     from omni_runtime.messages import RequestMsg
-    from omni_runtime.redis_io.stage_client import ensure_group
+    from omni_runtime.redis_io.streams import ensure_group
 
     names = settings.names
     raw = fake_clients.aio()
