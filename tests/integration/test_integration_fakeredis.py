@@ -134,8 +134,10 @@ async def test_malformed_entries_are_dead_lettered_and_acknowledged(
         ):
             pending = await raw.xpending(stream, group)
             assert pending["pending"] == 0, stream
-        assert c.service.malformed_requests == 2
-        assert c.service.orchestrator.stages[2].malformed_entries == 1  # type: ignore[attr-defined]
+        metrics = c.service.metrics
+        assert metrics.value("omni_malformed_entries_total", stream=names.requests) == 2
+        assert metrics.value("omni_malformed_entries_total", stream=names.stage_out(2)) == 1
+        assert metrics.value("omni_dead_letters_total", stream=names.stage_out(2)) == 1
         assert sum(w.malformed_inputs for w in c.workers) == 1
         await raw.aclose()
 

@@ -10,6 +10,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.metrics import Metrics
 from tests.fakes import identity_forward, seed_stages
 from tests.waiting import wait_for
 
@@ -186,3 +187,50 @@ async def test_duplicate_request_id_rejected_without_touching_the_live_one() -> 
         assert stage0.submitted == [("r1", "a")]
         stage0.emit(StageOutput("r1", "A", True))
         assert (await orch.next_output(timeout=5)) == OrchOutput("r1", 0, "A", True)
+
+
+class PlainStage:
+    """Only the SPEC §2 protocol: submit and get_output, nothing managed."""
+
+    def __init__(self) -> None:
+        self.inner = InMemoryStage(lambda _rid, data: [(data, True)])
+
+    async def submit(self, request_id: str, data: Any) -> None:
+        await self.inner.submit(request_id, data)
+
+    async def get_output(self) -> list[StageOutput]:
+        return await self.inner.get_output()
+
+
+async def test_a_plain_stage_needs_no_lifecycle_methods() -> None:
+    async with Orchestrator([PlainStage()], {0}, identity_forward) as orch:
+        await orch.add_request("r1", "a")
+        assert await orch.next_output(timeout=5) == OrchOutput("r1", 0, "a", True)
+        await orch.abort_request("r1")  # already ended: nothing to abort anywhere
+
+
+async def test_managed_stage_hears_every_handled_output_and_every_ended_request() -> None:
+    stages = seed_stages()
+    async with Orchestrator(stages, {2}, identity_forward) as orch:
+        await orch.add_request("r1", "a b")
+        await collect_until_done(orch, 1)
+        await wait_for(lambda: len(stages[2].handled) == 2)
+        assert [o.data for o in stages[0].handled] == ["a", "b"]
+        assert all(stage.ended == ["r1"] for stage in stages)
+        stages[1].emit(StageOutput("ghost", "?", True))
+        await wait_for(lambda: stages[1].ended == ["r1", "ghost"])  # dropped: forgotten too
+
+
+async def test_second_finished_of_a_stage_is_dropped_and_counted() -> None:
+    stage0 = InMemoryStage()
+    metrics = Metrics()
+    async with Orchestrator([stage0, InMemoryStage()], {0, 1}, metrics=metrics) as orch:
+        await orch.add_request("r1", "p")
+        await wait_for(lambda: stage0.submitted_ids() == ["r1"])
+        stage0.emit(StageOutput("r1", "a", True))
+        stage0.emit(StageOutput("r1", "a", True))  # a repeat must not be routed twice
+        assert await orch.next_output(timeout=5) == OrchOutput("r1", 0, "a", False)
+        await wait_for(lambda: orch.dropped_outputs == 1)
+        assert orch.stages[1].submitted == [("r1", ["a"])]  # type: ignore[attr-defined]
+        assert orch.request_states["r1"].stage_data[0] == ["a"]
+        assert metrics.value("omni_dropped_outputs_total", stage=0) == 1
