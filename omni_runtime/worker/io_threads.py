@@ -15,7 +15,7 @@ from redis.typing import StreamIdT
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg
-from omni_runtime.redis_io.stage_client import Entry, ensure_group_sync, parse_entry, stream_reply
+from omni_runtime.redis_io.streams import Entry, ensure_group_sync, parse_entry, stream_reply
 
 if TYPE_CHECKING:
     from omni_runtime.worker.proc import StageWorker

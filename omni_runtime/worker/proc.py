@@ -28,13 +28,13 @@ from omni_runtime.errors import CodecError
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.stage_client import (
+from omni_runtime.redis_io.streams import (
     dead_letter_fields,
     ensure_group_sync,
     entry_fields,
     parse_entry,
-    xadd_fields,
 )
+from omni_runtime.redis_io.writer import xadd_fields
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
 from omni_runtime.tracing import tracer_for

@@ -15,7 +15,8 @@ from omni_runtime import codec, keys
 from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.stage_client import entry_fields
+from omni_runtime.redis_io.streams import entry_fields, stream_reply
+from omni_runtime.redis_io.writer import xadd_fields
 from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for
@@ -86,10 +87,10 @@ async def test_seed_ghost_and_late_outputs_dropped_over_redis(
         raw = fake_clients.aio()
         names = settings.names
         ghost = StageOutputMsg(request_id="ghost", data="?", finished=True)
-        await raw.xadd(names.stage_out(1), entry_fields(ghost))
+        await raw.xadd(names.stage_out(1), xadd_fields(entry_fields(ghost)))
         outs = await c.run("hi there", request_id="r1")
         late = StageOutputMsg(request_id="r1", data="wav:LATE", finished=True, seq=5)
-        await raw.xadd(names.stage_out(2), entry_fields(late))
+        await raw.xadd(names.stage_out(2), xadd_fields(entry_fields(late)))
         orch = c.service.orchestrator
         await wait_for(lambda: orch.dropped_outputs == 2)
         assert [o.data for o in outs] == ["wav:HI", "wav:THERE"]
@@ -117,10 +118,10 @@ async def test_malformed_entries_are_dead_lettered_and_acknowledged(
         raw = fake_clients.aio()
         garbage = {keys.PAYLOAD_FIELD: b"\xc1not msgpack"}
         wrong_type = {keys.PAYLOAD_FIELD: codec.encode({"type": "stage_output", "v": 1})}
-        await raw.xadd(names.requests, garbage)
+        await raw.xadd(names.requests, xadd_fields(garbage))
         await raw.xadd(names.requests, {"other": b"field"})
-        await raw.xadd(names.stage_in(1), garbage)
-        await raw.xadd(names.stage_out(2), wrong_type)
+        await raw.xadd(names.stage_in(1), xadd_fields(garbage))
+        await raw.xadd(names.stage_out(2), xadd_fields(wrong_type))
         counter = fake_clients.sync()
         await wait_for(lambda: counter.xlen(names.dead_letters) >= 4)
         counter.close()
@@ -134,8 +135,10 @@ async def test_malformed_entries_are_dead_lettered_and_acknowledged(
         ):
             pending = await raw.xpending(stream, group)
             assert pending["pending"] == 0, stream
-        assert c.service.malformed_requests == 2
-        assert c.service.orchestrator.stages[2].malformed_entries == 1  # type: ignore[attr-defined]
+        metrics = c.service.metrics
+        assert metrics.value("omni_malformed_entries_total", stream=names.requests) == 2
+        assert metrics.value("omni_malformed_entries_total", stream=names.stage_out(2)) == 1
+        assert metrics.value("omni_dead_letters_total", stream=names.stage_out(2)) == 1
         assert sum(w.malformed_inputs for w in c.workers) == 1
         await raw.aclose()
 
@@ -237,10 +240,11 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
         rid = await ghost.submit(" ".join(["word"] * 100))  # ~10 s of thinking
         await wait_for(lambda: bool(c.workers[0].active))
         # the process "dies": its tasks stop, nothing is closed or aborted politely
-        for task in (ghost._reader, ghost._writer_task):
+        tasks = [ghost._reader, ghost._writer_task]
+        for task in tasks:
             assert task is not None
             task.cancel()
-        await asyncio.gather(ghost._reader, ghost._writer_task, return_exceptions=True)
+        await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
         orch = c.service.orchestrator
         await wait_for(lambda: rid not in orch.request_states, deadline_s=20)  # heartbeat TTL 5 s
         await wait_for(lambda: not c.workers[0].active)
@@ -284,7 +288,7 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
     """Read from the group but never acknowledged (the orchestrator died): not lost."""
     from omni_runtime.client import OmniClient
     from omni_runtime.messages import RequestMsg
-    from omni_runtime.redis_io.stage_client import ensure_group
+    from omni_runtime.redis_io.streams import ensure_group
 
     names = settings.names
     raw = fake_clients.aio()
@@ -292,10 +296,10 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
         await ensure_group(raw, names.requests, keys.ORCHESTRATOR_GROUP)
         client._queues["orphan"] = asyncio.Queue()  # as `submit` registers it, without sending
         msg = RequestMsg(request_id="orphan", client_id=client.client_id, prompt="still here")
-        await raw.xadd(names.requests, entry_fields(msg))
+        await raw.xadd(names.requests, xadd_fields(entry_fields(msg)))
         # the previous orchestrator's last act: it read the entry, then died
         taken = await raw.xreadgroup(keys.ORCHESTRATOR_GROUP, "orchestrator", {names.requests: ">"})
-        assert taken and taken[0][1]
+        assert stream_reply(taken)[0][1]
         async with InProcessCluster(seed(), settings, fake_clients) as c:
             outs = [o async for o in client.stream("orphan", timeout_s=30)]
             assert [o.data for o in outs] == ["still", "here", "wav:STILL", "wav:HERE"]
