@@ -163,7 +163,7 @@ class Run:
     async def events(self) -> AsyncIterator[Event]:
         out_cfg = self.gateway.outputs
         first_text = True
-        timeout_s = self.gateway.serve.request_timeout_s
+        timeout_s = self.gateway.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S
         try:
             async for out in self.client.stream(self.request_id, timeout_s=timeout_s):
                 self.ended = out.finished

@@ -25,8 +25,6 @@ class ServeSettings(BaseSettings):
     """Requests this server runs at once; more get 429 instead of queueing unboundedly."""
     max_body_bytes: Annotated[int, Field(gt=0, le=64 * 1024 * 1024)] = 1024 * 1024
     max_prompt_chars: Annotated[int, Field(gt=0, le=1_000_000)] = 32_768
-    request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
-    """Longest wait for a request's next output."""
     ready_cache_s: Annotated[float, Field(ge=0, le=60)] = 0.5
     """Readiness is re-checked in Redis at most this often (it scans heartbeat keys)."""
 
