@@ -70,6 +70,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def playground() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
+    @app.get("/playground/config", include_in_schema=False)
+    async def playground_config() -> dict[str, Any]:
+        """What the page cannot know: the model name, the audio rate, whether keys are needed."""
+        return {
+            "model": gateway.pipeline.name,
+            "sample_rate": gateway.outputs.sample_rate,
+            "audio": gateway.outputs.audio_stage is not None,
+            "auth_required": bool(gateway.serve.api_keys),
+        }
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         """The process is up (it may not be ready)."""
