@@ -208,3 +208,22 @@ async def test_client_disconnect_aborts_the_request(
             await wait_for(lambda: orch.request_states == {}, 2.5)
             assert gateway.inflight == 0
             assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
+
+
+async def test_streaming_mode_interleaves_audio_with_text(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    pipeline = omni(token_delay_ms=100).model_copy(update={"mode": "streaming"})
+    prompt = "one two three four five six seven eight nine ten"
+    async with (
+        InProcessCluster(pipeline, settings, fake_clients) as cluster,
+        http(create_app(gateway_for(cluster))) as api,
+    ):
+        resp = await api.post(CHAT, json=chat_body(prompt, stream=True, **AUDIO_ON))
+    deltas = [e["choices"][0]["delta"] for e in sse_events(resp.text) if e != "[DONE]"]
+    kinds = []
+    for d in deltas:
+        kinds += ["text"] * bool(d.get("content")) + ["audio"] * ("data" in d.get("audio", {}))
+    assert kinds.count("audio") == 10
+    # the talker and code2wav run while the thinker still thinks: audio arrives between words
+    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("text")
