@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import subprocess
+import sys
 import uuid
 import wave
 from collections.abc import Iterator
@@ -109,3 +112,26 @@ def test_openai_client_errors(server: ServeProcess) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="omni", messages=[])
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--pipeline", "workers/omni.yaml", "--host", "0.0.0.0"), "--allow-unauthenticated"),
+        (("--pipeline", "workers/seed.yaml"), "no `outputs` field"),
+    ],
+)
+def test_serve_refuses_to_start(args: tuple[str, ...], message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_runtime.http.serve", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -39,7 +39,9 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_no_open_server_without_keys(host: str, keys: str, allow: bool, ok: bool) -> None:
-    settings = ServeSettings(host=host, api_keys=keys, allow_unauthenticated=allow)
+    settings = ServeSettings.model_validate(
+        {"host": host, "api_keys": keys, "allow_unauthenticated": allow}
+    )
     if ok:
         settings.check_exposure()
     else:
