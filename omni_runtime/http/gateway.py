@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,7 +160,7 @@ class Run:
         """The request reached its finished output (or failed): nothing left to abort."""
         self._closed = False
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         out_cfg = self.gateway.outputs
         first_text = True
         timeout_s = self.gateway.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S

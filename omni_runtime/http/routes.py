@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 
 import numpy as np
 from fastapi import APIRouter
@@ -117,11 +118,12 @@ def media_router(gateway: Gateway) -> APIRouter:
                 yield wav_header(outputs.sample_rate)
             if first is not None:
                 yield pcm16(first.pcm)
-            async for ev in events:
-                if isinstance(ev, AudioEvent):
-                    yield pcm16(ev.pcm)
-                elif isinstance(ev, FailureEvent):  # headers are sent: the audio just ends
-                    return
+            async with aclosing(events):
+                async for ev in events:
+                    if isinstance(ev, AudioEvent):
+                        yield pcm16(ev.pcm)
+                    elif isinstance(ev, FailureEvent):  # headers are sent: the audio just ends
+                        return
 
         media = "audio/wav" if req.response_format == "wav" else "audio/pcm"
         headers = {"X-Sample-Rate": str(outputs.sample_rate), "Cache-Control": "no-cache"}
@@ -130,7 +132,8 @@ def media_router(gateway: Gateway) -> APIRouter:
     return router
 
 
-async def _next_audio(events: AsyncIterator[Event]) -> AudioEvent | FailureEvent | None:
+async def _next_audio(events: AsyncGenerator[Event, None]) -> AudioEvent | FailureEvent | None:
+    """Skips text: the speech endpoint only speaks."""
     async for ev in events:
         if isinstance(ev, AudioEvent | FailureEvent):
             return ev
@@ -156,16 +159,18 @@ async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[
 
     yield chunk(Delta(role="assistant", content=""))
     pieces = 0
-    async for ev in run.events():
-        if isinstance(ev, TextEvent):
-            pieces += 1
-            spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
-            yield chunk(Delta(content=ev.text, audio=spoken))
-        elif isinstance(ev, AudioEvent):
-            yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(ev.pcm)))))
-        else:
-            yield _sse(error_json(ApiError(ev.status, ev.message, code="pipeline_error")).decode())
-            return
+    async with aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                pieces += 1
+                spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
+                yield chunk(Delta(content=ev.text, audio=spoken))
+            elif isinstance(ev, AudioEvent):
+                yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(ev.pcm)))))
+            else:
+                err = ApiError(ev.status, ev.message, code="pipeline_error")
+                yield _sse(error_json(err).decode())
+                return
     expiry = AudioDelta(id=audio_id, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
     yield chunk(Delta(audio=expiry if run.audio else None), finish="stop")
     if include_usage:
@@ -178,13 +183,14 @@ async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[
 async def _chat_whole(run: Run, req: ChatCompletionRequest, rate: int) -> ChatCompletion:
     text: list[str] = []
     audio: list[np.ndarray] = []
-    async for ev in run.events():
-        if isinstance(ev, TextEvent):
-            text.append(ev.text)
-        elif isinstance(ev, AudioEvent):
-            audio.append(ev.pcm)
-        else:
-            raise ApiError(ev.status, ev.message, code="pipeline_error")
+    async with aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                text.append(ev.text)
+            elif isinstance(ev, AudioEvent):
+                audio.append(ev.pcm)
+            else:
+                raise ApiError(ev.status, ev.message, code="pipeline_error")
     content = "".join(text)
     message = AssistantMessage(content=content)
     if run.audio:
