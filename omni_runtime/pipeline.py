@@ -36,6 +36,33 @@ class StageConfig(BaseModel):
     """Keyword arguments for the stage factory (see `stage_api.load_stage`)."""
 
 
+class OutputsConfig(BaseModel):
+    """What the user-facing outputs are, for front ends (HTTP) that turn them into text and audio.
+
+    Stated in the file rather than guessed from stage options: only the pipeline's
+    author knows which final stage speaks and at which rate.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    text_stage: Annotated[int, Field(ge=0)] | None = None
+    """Final stage whose data are text pieces (str), in order."""
+    audio_stage: Annotated[int, Field(ge=0)] | None = None
+    """Final stage whose data are mono float32 PCM chunks in [-1, 1]."""
+    sample_rate: Annotated[int, Field(ge=1000, le=384_000)] = 16000
+    """Sample rate of the audio stage's chunks, in Hz."""
+    text_separator: Annotated[str, Field(max_length=8)] = ""
+    """Put between consecutive text pieces (" " for a stage emitting bare words)."""
+
+    @model_validator(mode="after")
+    def _names_something(self) -> OutputsConfig:
+        if self.text_stage is None and self.audio_stage is None:
+            raise ValueError("outputs needs a text_stage, an audio_stage or both")
+        if self.text_stage is not None and self.text_stage == self.audio_stage:
+            raise ValueError("text_stage and audio_stage must differ")
+        return self
+
+
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -45,6 +72,8 @@ class PipelineConfig(BaseModel):
     forward: EntryPoint | None = None
     """`forward_fn(next_stage_id, prompt, previous_stage_data)`; default: the data as is."""
     stages: Annotated[list[StageConfig], Field(min_length=1)]
+    outputs: OutputsConfig | None = None
+    """Which final stages carry text and audio (needed by `omni-runtime serve`)."""
     source_dir: Path | None = Field(default=None, exclude=True)
     """Directory of the file it came from: stage modules next to it are importable."""
 
@@ -62,6 +91,14 @@ class PipelineConfig(BaseModel):
         bad = [f for f in self.final_stage_ids if f not in ids]
         if bad:
             raise ValueError(f"final_stage_ids {bad} name no stage (ids {ids})")
+        if self.outputs is not None:
+            named = {"text_stage": self.outputs.text_stage, "audio_stage": self.outputs.audio_stage}
+            for field, sid in named.items():
+                if sid is not None and sid not in self.final_stage_ids:
+                    raise ValueError(
+                        f"outputs.{field} {sid} is not a final stage "
+                        f"(final_stage_ids {self.final_stage_ids})"
+                    )
         return self
 
     @property

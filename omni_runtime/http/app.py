@@ -1,0 +1,118 @@
+"""The FastAPI app: routes, API-key check, error handlers, body limit, lifespan."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from omni_runtime.http.errors import ApiError, BodyLimit, error_response, install_error_handlers
+from omni_runtime.http.gateway import Gateway
+from omni_runtime.http.routes import media_router
+from omni_runtime.http.schemas import ModelCard, ModelList
+
+
+def _playground_html() -> str:
+    return (
+        resources.files("omni_runtime.http").joinpath("static/playground.html").read_text("utf-8")
+    )
+
+
+def api_key_check(gateway: Gateway) -> Any:
+    """A dependency: `Authorization: Bearer <one of OMNI_API_KEYS>`, or no check without keys."""
+    keys = [k.get_secret_value().encode() for k in gateway.serve.api_keys]
+
+    async def check(authorization: Annotated[str | None, Header()] = None) -> None:
+        if not keys:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing bearer API key (Authorization: Bearer <key>)")
+        given = token.strip().encode()
+        matched = False
+        for key in keys:  # no early exit: timing tells nothing about which key is close
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
+
+    return check
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The app over one gateway; the gateway's OmniClient lives as long as the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(
+        title=f"omni-runtime: {gateway.pipeline.name}",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    started = int(time.time())
+    page = _playground_html()
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/playground/config", include_in_schema=False)
+    async def playground_config() -> dict[str, Any]:
+        """What the page cannot know: the model name, the audio rate, whether keys are needed."""
+        return {
+            "model": gateway.pipeline.name,
+            "sample_rate": gateway.outputs.sample_rate,
+            "audio": gateway.outputs.audio_stage is not None,
+            "auth_required": bool(gateway.serve.api_keys),
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """The process is up (it may not be ready)."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """The orchestrator and a worker of every stage up to the last final one beat."""
+        missing = await gateway.missing()
+        if missing:
+            return error_response(
+                ApiError(503, f"not ready: no {', '.join(missing)}", code="not_ready")
+            )
+        return JSONResponse({"status": "ready", "pipeline": gateway.pipeline.name})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(gateway))])
+
+    def card() -> ModelCard:
+        return ModelCard(id=gateway.pipeline.name, created=started)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @v1.get("/models/{model_id}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id != gateway.pipeline.name:
+            raise ApiError(
+                404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+        return card()
+
+    v1.include_router(media_router(gateway))
+    app.include_router(v1)
+    app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes)
+    return app

@@ -1,0 +1,148 @@
+"""OpenAI-style JSON errors for every failure, and the request-body size limit.
+
+Clients of an OpenAI-compatible server parse `{"error": {message, type, param, code}}`;
+FastAPI's defaults (`{"detail": …}`, 422, a bare 500) would break them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_runtime.http.schemas import ErrorBody, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class ApiError(Exception):
+    """Raised by routes; becomes an OpenAI error response with this status."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorBody(
+            message=message, type=_TYPES.get(status, "server_error"), param=param, code=code
+        )
+        self.headers: dict[str, str] = {}
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
+        if status in (429, 503):
+            self.headers["Retry-After"] = "1"
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(
+        ErrorResponse(error=err.body).model_dump(), status_code=err.status, headers=err.headers
+    )
+
+
+def error_json(err: ApiError) -> bytes:
+    return json.dumps(ErrorResponse(error=err.body).model_dump()).encode()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first: dict[str, Any] = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in errors[:5]
+        )
+        code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_value"
+        return error_response(
+            ApiError(400, message or "invalid request", param=".".join(loc) or None, code=code)
+        )
+
+    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error on %s %s: %r", request.method, request.url.path, exc)
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+class BodyLimit:
+    """Reads the request body up front, refusing (413) one larger than `max_bytes`.
+
+    Buffering is bounded by the limit itself; the app then gets the body in one
+    message, and later `receive` calls (disconnect notices) pass through.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected before the body was read
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        err = ApiError(
+            413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
+        )
+        body = error_json(err)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})

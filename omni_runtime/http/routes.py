@@ -1,0 +1,212 @@
+"""POST /v1/chat/completions and /v1/audio/speech: pipeline events → OpenAI responses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+
+import numpy as np
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from omni_runtime.http.audio import b64, pcm16, wav_bytes, wav_header
+from omni_runtime.http.errors import ApiError, error_json
+from omni_runtime.http.gateway import AudioEvent, Event, FailureEvent, Gateway, Run, TextEvent
+from omni_runtime.http.schemas import (
+    AssistantMessage,
+    AudioDelta,
+    AudioOut,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    SpeechRequest,
+    Usage,
+)
+
+AUDIO_EXPIRY_S = 3600
+"""`expires_at` is reported as OpenAI does; this server keeps no audio to refer back to."""
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GuardedStream(StreamingResponse):
+    """A streaming response that always runs `on_close`: normal end, error or disconnect.
+
+    Starlette cancels the body when the client disconnects; the generator's own
+    `finally` may then never run (it may be suspended at a `yield`), this does.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: str):
+        super().__init__(content, **kw)  # type: ignore[arg-type]
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def media_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+    outputs = gateway.outputs
+
+    def check_model(model: str) -> None:
+        if model != gateway.pipeline.name:
+            raise ApiError(
+                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+            )
+
+    def check_prompt(prompt: str, param: str) -> None:
+        if not prompt.strip():
+            raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
+        if len(prompt) > gateway.serve.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"the prompt exceeds {gateway.serve.max_prompt_chars} characters",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def check_audio() -> None:
+        if outputs.audio_stage is None:
+            raise ApiError(400, "this pipeline has no audio output", param="modalities")
+
+    @router.post("/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest) -> ChatCompletion | StreamingResponse:
+        check_model(req.model)
+        check_prompt(req.prompt, "messages")
+        if req.wants_audio:
+            check_audio()
+        run = await gateway.open(req.prompt, audio=req.wants_audio)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return GuardedStream(
+                _chat_sse(run, req.model, include_usage),
+                run.close,
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,  # type: ignore[arg-type]
+            )
+        try:
+            return await _chat_whole(run, req, outputs.sample_rate)
+        finally:
+            run.close()
+
+    @router.post("/audio/speech", response_model=None)
+    async def speech(req: SpeechRequest) -> StreamingResponse:
+        check_model(req.model)
+        check_prompt(req.input, "input")
+        check_audio()
+        run = await gateway.open(req.input, audio=True)
+        events = run.events()
+        try:  # wait for the first audio: a pipeline failure can still be a proper error
+            first = await _next_audio(events)
+        except BaseException:
+            run.close()
+            raise
+        if isinstance(first, FailureEvent):
+            run.close()
+            raise ApiError(first.status, first.message, code="pipeline_error")
+
+        async def body() -> AsyncIterator[bytes]:
+            if req.response_format == "wav":
+                yield wav_header(outputs.sample_rate)
+            if first is not None:
+                yield pcm16(first.pcm)
+            async with aclosing(events):
+                async for ev in events:
+                    if isinstance(ev, AudioEvent):
+                        yield pcm16(ev.pcm)
+                    elif isinstance(ev, FailureEvent):  # headers are sent: the audio just ends
+                        return
+
+        media = "audio/wav" if req.response_format == "wav" else "audio/pcm"
+        headers = {"X-Sample-Rate": str(outputs.sample_rate), "Cache-Control": "no-cache"}
+        return GuardedStream(body(), run.close, media_type=media, headers=headers)  # type: ignore[arg-type]
+
+    return router
+
+
+async def _next_audio(events: AsyncGenerator[Event, None]) -> AudioEvent | FailureEvent | None:
+    """Skips text: the speech endpoint only speaks."""
+    async for ev in events:
+        if isinstance(ev, AudioEvent | FailureEvent):
+            return ev
+    return None
+
+
+def _sse(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+    """chat.completion.chunk events as the pipeline produces them, then `[DONE]`."""
+    cid, audio_id, created = (
+        f"chatcmpl-{run.request_id}",
+        f"audio_{run.request_id}",
+        int(time.time()),
+    )
+
+    def chunk(delta: Delta, finish: str | None = None) -> bytes:
+        choice = ChunkChoice(delta=delta, finish_reason=finish)  # type: ignore[arg-type]
+        body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice])
+        return _sse(body.model_dump_json(exclude_none=True))
+
+    yield chunk(Delta(role="assistant", content=""))
+    pieces = 0
+    async with aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                pieces += 1
+                spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
+                yield chunk(Delta(content=ev.text, audio=spoken))
+            elif isinstance(ev, AudioEvent):
+                yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(ev.pcm)))))
+            else:
+                err = ApiError(ev.status, ev.message, code="pipeline_error")
+                yield _sse(error_json(err).decode())
+                return
+    expiry = AudioDelta(id=audio_id, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
+    yield chunk(Delta(audio=expiry if run.audio else None), finish="stop")
+    if include_usage:
+        usage = Usage(prompt_tokens=0, completion_tokens=pieces, total_tokens=pieces)
+        body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
+        yield _sse(body.model_dump_json(exclude_none=True))
+    yield _sse("[DONE]")
+
+
+async def _chat_whole(run: Run, req: ChatCompletionRequest, rate: int) -> ChatCompletion:
+    text: list[str] = []
+    audio: list[np.ndarray] = []
+    async with aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                text.append(ev.text)
+            elif isinstance(ev, AudioEvent):
+                audio.append(ev.pcm)
+            else:
+                raise ApiError(ev.status, ev.message, code="pipeline_error")
+    content = "".join(text)
+    message = AssistantMessage(content=content)
+    if run.audio:
+        pcm = pcm16(np.concatenate(audio)) if audio else b""
+        fmt = req.audio.format if req.audio else "wav"
+        message.audio = AudioOut(
+            id=f"audio_{run.request_id}",
+            data=b64(wav_bytes(pcm, rate) if fmt == "wav" else pcm),
+            expires_at=int(time.time()) + AUDIO_EXPIRY_S,
+            transcript=content,
+        )
+    usage = Usage(prompt_tokens=0, completion_tokens=len(text), total_tokens=len(text))
+    return ChatCompletion(
+        id=f"chatcmpl-{run.request_id}",
+        created=int(time.time()),
+        model=req.model,
+        choices=[Choice(message=message)],
+        usage=usage,
+    )

@@ -1,0 +1,184 @@
+"""The OpenAI-shaped request and response bodies, validated and bounded by pydantic.
+
+Requests ignore fields this server has no use for (temperature, max_tokens, …) so
+that stock OpenAI clients work; what it does use is checked and size-bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_MESSAGES = 1024
+MAX_TEXT_CHARS = 1_000_000
+Modality = Literal["text", "audio"]
+
+
+def _text_only() -> list[Modality]:
+    return ["text"]  # OpenAI's default
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class VoiceId(_Request):
+    id: ShortStr
+
+
+class AudioParams(_Request):
+    format: Literal["wav", "pcm16"] = "wav"
+    """Non-streamed: `message.audio.data` as a WAV file or raw pcm16. Streamed: always pcm16."""
+    voice: ShortStr | VoiceId = "default"
+    """Accepted for compatibility; the pipeline has one voice."""
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    model: ShortStr
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    modalities: Annotated[list[Modality], Field(min_length=1, max_length=2)] = Field(
+        default_factory=_text_only
+    )
+    audio: AudioParams | None = None
+
+    @model_validator(mode="after")
+    def _has_user_message(self) -> ChatCompletionRequest:
+        if not any(m.role == "user" for m in self.messages):
+            raise ValueError("messages must contain a user message (its text is the prompt)")
+        return self
+
+    @property
+    def prompt(self) -> str:
+        """The last user message's text: the pipeline takes one prompt, not a conversation."""
+        return next(m.text() for m in reversed(self.messages) if m.role == "user")
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+class SpeechRequest(_Request):
+    model: ShortStr
+    input: Annotated[str, Field(min_length=1, max_length=4096)]
+    voice: ShortStr | VoiceId = "default"
+    response_format: Literal["wav", "pcm"] = "wav"
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    instructions: Annotated[str, Field(max_length=4096)] | None = None
+    stream_format: Literal["audio"] = "audio"
+
+
+# --- responses -------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omni-runtime"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class AudioOut(BaseModel):
+    id: str
+    data: str
+    """Base64 of a WAV file (format wav) or of raw pcm16 (format pcm16)."""
+    expires_at: int
+    transcript: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: None = None
+    audio: AudioOut | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "error"] = "stop"
+    logprobs: None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class AudioDelta(BaseModel):
+    """Streamed audio, as OpenAI streams it: `id` on every delta, then `data` (base64 pcm16)
+    or `transcript` (the text that audio speaks), and `expires_at` on the last one."""
+
+    id: str
+    data: str | None = None
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: AudioDelta | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "error"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None

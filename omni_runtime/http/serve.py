@@ -1,0 +1,141 @@
+"""The `serve` process: the HTTP app on uvicorn, over a given Redis or an embedded deployment.
+
+With no Redis URL it starts what `run` starts (a private Redis, the orchestrator
+and every worker as subprocesses) and stops them when it exits; with one, it is
+just another client and any number of replicas may run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from omni_runtime.errors import OmniError
+from omni_runtime.http.app import create_app
+from omni_runtime.http.gateway import Gateway, outputs_of
+from omni_runtime.http.settings import ServeSettings
+from omni_runtime.launcher import ProcessGroup, child_env, local_redis
+from omni_runtime.pipeline import load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+"""Open streams get this long to finish on SIGTERM before they are cut (and aborted)."""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve-only flags; `--pipeline`, `--mode`, `--redis-url`, `--namespace` come from
+    the CLI's common ones. API keys come only from OMNI_API_KEYS (argv is visible in `ps`)."""
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1; env OMNI_HOST)")
+    parser.add_argument("--port", type=int, help="port (default 8000; env OMNI_PORT)")
+    parser.add_argument("--max-inflight", type=int, help="requests at once before 429 (default 64)")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback --host without OMNI_API_KEYS",
+    )
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    flags = ("host", "port", "max_inflight", "allow_unauthenticated")
+    given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    return ServeSettings(**given)
+
+
+def runtime_settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    if getattr(args, "redis_url", None):
+        overrides["redis_url"] = args.redis_url
+    if getattr(args, "namespace", None):
+        overrides["namespace"] = args.namespace
+    return Settings(**overrides)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
+    pipeline = load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
+    outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
+    settings = runtime_settings(args)
+    serve = serve_settings(args)
+    serve.check_exposure()
+    with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
+        group = None
+        if settings.redis_url is None:
+            env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
+            group = ProcessGroup(Path(args.pipeline), pipeline, env)
+            group.start()
+        try:
+            log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)
+            settings = settings.model_copy(update={"redis_url": url})
+            gateway = Gateway(pipeline, settings, RedisClients.from_url(url), serve)
+            # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's
+            # default action would kill this process before it stops its embedded children.
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            try:
+                return asyncio.run(_serve(create_app(gateway), serve, group))
+            except KeyboardInterrupt:
+                return 0
+        finally:
+            if group is not None:
+                group.stop()
+
+
+async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> int:
+    config = uvicorn.Config(
+        app,
+        host=serve.host,
+        port=serve.port,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        log_config=None,  # keep the process's logging setup
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while group is not None and not task.done() and not server.should_exit:
+        try:
+            group.check_alive()
+        except OmniError as e:  # a dead embedded worker: stop serving, say why
+            log.error("%s", e)
+            server.should_exit = True
+            await task
+            return 1
+        await asyncio.wait({task}, timeout=0.5)
+    await task
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m omni_runtime.http.serve`: the same as `omni-runtime serve`."""
+    parser = argparse.ArgumentParser(prog="omni-runtime serve", description=__doc__)
+    parser.add_argument("--pipeline", required=True, help="pipeline YAML file")
+    parser.add_argument("--mode", choices=["sequential", "streaming"])
+    parser.add_argument("--redis-url", help="overrides OMNI_REDIS_URL; none: embedded")
+    parser.add_argument("--namespace", help="overrides OMNI_NAMESPACE")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return run_serve(args)
+    except (OmniError, ValueError) as e:
+        print(f"omni-runtime serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

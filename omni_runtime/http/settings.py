@@ -1,0 +1,64 @@
+"""Settings of the HTTP server: env `OMNI_*` (like the runtime's) or command-line flags."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    # `ignore`: the runtime's own OMNI_* variables share the prefix.
+    model_config = SettingsConfigDict(env_prefix="OMNI_", extra="ignore")
+
+    host: Annotated[str, Field(min_length=1, max_length=255)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    api_keys: Annotated[list[SecretStr], NoDecode, Field(max_length=1024)] = Field(
+        default_factory=list
+    )
+    """`OMNI_API_KEYS=k1,k2`: any of them opens /v1/* as `Authorization: Bearer <key>`."""
+    allow_unauthenticated: bool = False
+    """Needed to bind a non-loopback address without API keys."""
+    max_inflight: Annotated[int, Field(gt=0, le=100_000)] = 64
+    """Requests this server runs at once; more get 429 instead of queueing unboundedly."""
+    max_body_bytes: Annotated[int, Field(gt=0, le=64 * 1024 * 1024)] = 1024 * 1024
+    max_prompt_chars: Annotated[int, Field(gt=0, le=1_000_000)] = 32_768
+    ready_cache_s: Annotated[float, Field(ge=0, le=60)] = 0.5
+    """Readiness is re-checked in Redis at most this often (it scans heartbeat keys)."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_trivial(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            if len(key.get_secret_value()) < 8:
+                raise ValueError("every API key needs at least 8 characters")
+        return keys
+
+    def check_exposure(self) -> None:
+        """Refuse to serve a non-loopback address without keys unless told so explicitly."""
+        if self.api_keys or self.allow_unauthenticated or is_loopback(self.host):
+            return
+        from omni_runtime.errors import ConfigError
+
+        raise ConfigError(
+            f"refusing to serve {self.host} without API keys: set OMNI_API_KEYS, "
+            "bind 127.0.0.1, or pass --allow-unauthenticated"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

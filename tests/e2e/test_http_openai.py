@@ -1,0 +1,137 @@
+"""The official `openai` package against `omni-runtime serve` in front of real processes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import uuid
+import wave
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.pipeline import load_pipeline
+from tests.e2e.serving import ROOT, ServeProcess
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]
+
+OMNI = ROOT / "workers" / "omni.yaml"
+KEY = "test-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server(
+    redis_server_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    """Workers and orchestrator from the launcher, and serve connecting to the same Redis
+    (a namespace of its own: the module shares one deployment)."""
+    redis_url = redis_server_url
+    tmp_path = tmp_path_factory.mktemp("serve")
+    namespace = f"h{uuid.uuid4().hex[:8]}"
+    env = child_env(redis_url, {"OMNI_NAMESPACE": namespace})
+    group = ProcessGroup(OMNI, load_pipeline(OMNI), env)
+    group.start()
+    args = ("--pipeline", str(OMNI), "--redis-url", redis_url, "--namespace", namespace)
+    try:
+        with ServeProcess(tmp_path / "serve.log", *args, env={"OMNI_API_KEYS": KEY}) as serve:
+            yield serve
+    finally:
+        group.stop()
+
+
+def read_wav(data: bytes) -> tuple[tuple[int, int, int], bytes]:
+    with wave.open(io.BytesIO(data)) as w:
+        return (w.getnchannels(), w.getsampwidth(), w.getframerate()), w.readframes(1 << 30)
+
+
+def audio_data(audio: Any) -> str | None:
+    if isinstance(audio, dict):
+        return audio.get("data")
+    return getattr(audio, "data", None)
+
+
+def test_openai_client_streams_text_and_audio_and_speech(server: ServeProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["omni"]
+
+    stream = client.chat.completions.create(
+        model="omni",
+        messages=[{"role": "user", "content": "Hello, world!"}],
+        modalities=["text", "audio"],
+        audio={"format": "wav", "voice": "x"},
+        stream=True,
+    )
+    text, pcm, kinds = [], [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text.append(delta.content)
+            kinds.append("text")
+        data = audio_data(getattr(delta, "audio", None))  # typed in openai>=2, extra before
+        if data:
+            pcm.append(base64.b64decode(data))
+            kinds.append("audio")
+    assert "".join(text) == "Hello , world !"
+    assert kinds.index("audio") > 0  # streamed as produced: text first in sequential mode
+    assert len(pcm) == 4 and all(len(p) > 0 and len(p) % 2 == 0 for p in pcm)
+    streamed = b"".join(pcm)
+
+    whole = client.chat.completions.create(
+        model="omni",
+        messages=[{"role": "user", "content": "Hello, world!"}],
+        modalities=["text", "audio"],
+        audio={"format": "wav", "voice": "x"},
+    )
+    assert whole.choices[0].message.content == "Hello , world !"
+    assert whole.choices[0].message.audio is not None
+    params, frames = read_wav(base64.b64decode(whole.choices[0].message.audio.data))
+    assert params == (1, 2, 16000)
+    assert frames == streamed
+
+    speech = client.audio.speech.create(
+        model="omni", input="Hello, world!", voice="alloy", response_format="wav"
+    )
+    params, frames = read_wav(speech.content)
+    assert params == (1, 2, 16000)
+    assert frames == streamed
+
+
+def test_openai_client_errors(server: ServeProcess) -> None:
+    anonymous = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key-000", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="omni", messages=[])
+    assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--pipeline", "workers/omni.yaml", "--host", "0.0.0.0"), "--allow-unauthenticated"),
+        (("--pipeline", "workers/seed.yaml"), "no `outputs` field"),
+    ],
+)
+def test_serve_refuses_to_start(args: tuple[str, ...], message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_runtime.http.serve", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,99 @@
+"""Helpers of the HTTP tests: the omni demo on an in-process cluster, an app client, parsers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import httpx
+import numpy as np
+from fastapi import FastAPI
+
+from omni_runtime.http.audio import pcm16
+from omni_runtime.http.gateway import Gateway
+from omni_runtime.http.settings import ServeSettings
+from omni_runtime.pipeline import PipelineConfig, load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.settings import Settings
+from tests.cluster import InProcessCluster
+
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
+PROMPT = "Hello, world!"
+PROMPT_TEXT = "Hello , world !"
+"""PROMPT as the omni demo's text stage says it: its tokens, joined by the file's separator."""
+CHAT = "/v1/chat/completions"
+AUDIO_ON: dict[str, Any] = {
+    "modalities": ["text", "audio"],
+    "audio": {"format": "wav", "voice": "x"},
+}
+
+
+def omni(token_delay_ms: float = 1) -> PipelineConfig:
+    pipeline = load_pipeline(WORKERS / "omni.yaml")
+    stages = [s.model_copy(deep=True) for s in pipeline.stages]
+    stages[0].options["token_delay_ms"] = token_delay_ms
+    return pipeline.model_copy(update={"stages": stages})
+
+
+def fake_redis_clients() -> RedisClients:
+    server = fakeredis.FakeServer()
+    return RedisClients(
+        sync=lambda: fakeredis.FakeRedis(server=server),
+        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+    )
+
+
+def fast_settings() -> Settings:
+    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+
+
+def gateway_for(cluster: InProcessCluster, **serve: Any) -> Gateway:
+    serve.setdefault("ready_cache_s", 0)
+    return Gateway(cluster.pipeline, cluster.settings, cluster.clients, ServeSettings(**serve))
+
+
+@asynccontextmanager
+async def http(app: FastAPI, raise_errors: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client on the app, inside the app's lifespan (httpx does not run it)."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_errors)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://omni") as client,
+    ):
+        yield client
+
+
+def chat_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
+    return {"model": "omni", "messages": [{"role": "user", "content": prompt}], **extra}
+
+
+def sse_events(text: str) -> list[Any]:
+    """The `data:` payloads of an event stream, JSON-decoded except the `[DONE]` marker."""
+    assert text.endswith("\n\n")
+    events = []
+    for block in text.strip("\n").split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block.removeprefix("data: ")
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def expected_pcm(cluster: InProcessCluster) -> bytes:
+    """What the pipeline itself says for PROMPT, as 16-bit PCM."""
+    outs = await cluster.run(PROMPT)
+    return b"".join(pcm16(np.asarray(o.data, np.float32)) for o in outs if o.stage_id == 2)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object with this status (and param); returns it."""
+    assert resp.status_code == status, resp.text
+    error: dict[str, Any] = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error

@@ -1,0 +1,158 @@
+"""The HTTP front end's failures: OpenAI error objects for bad input, auth, limits and the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from omni_runtime.http.app import create_app
+from omni_runtime.http.gateway import Gateway
+from omni_runtime.http.settings import ServeSettings
+from omni_runtime.pipeline import OutputsConfig, load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.settings import Settings
+from tests.cluster import InProcessCluster
+from tests.integration.http_support import (
+    CHAT,
+    WORKERS,
+    assert_error,
+    chat_body,
+    fake_redis_clients,
+    fast_settings,
+    gateway_for,
+    http,
+    omni,
+    sse_events,
+)
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fake_clients() -> RedisClients:
+    return fake_redis_clients()
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return fast_settings()
+
+
+@pytest.fixture
+async def cluster(
+    fake_clients: RedisClients, settings: Settings
+) -> AsyncIterator[InProcessCluster]:
+    async with InProcessCluster(omni(), settings, fake_clients) as c:
+        yield c
+
+
+@pytest.fixture
+async def api(cluster: InProcessCluster) -> AsyncIterator[httpx.AsyncClient]:
+    async with http(create_app(gateway_for(cluster))) as client:
+        yield client
+
+
+async def test_not_ready_without_workers(fake_clients: RedisClients, settings: Settings) -> None:
+    gateway = Gateway(omni(), settings, fake_clients, ServeSettings(ready_cache_s=0))
+    async with http(create_app(gateway)) as api:
+        assert (await api.get("/health")).status_code == 200
+        error = assert_error(await api.get("/ready"), 503)
+        assert "orchestrator" in error["message"]
+        assert_error(await api.post(CHAT, json=chat_body()), 503)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "omni"}, "messages"),
+        (chat_body(modalities=["video"]), "modalities.0"),
+        (chat_body(audio={"format": "mp3"}), "audio.format"),
+        ({"model": "omni", "messages": [{"role": "system", "content": "x"}]}, None),
+        (chat_body(prompt="   "), "messages"),
+        (chat_body(prompt="x" * 40_000), "messages"),
+    ],
+)
+async def test_bad_chat_bodies_are_400(
+    api: httpx.AsyncClient, body: dict[str, Any], param: str | None
+) -> None:
+    error = assert_error(await api.post(CHAT, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_other_client_errors(api: httpx.AsyncClient) -> None:
+    bad_json = await api.post(CHAT, content=b"{nope", headers={"content-type": "application/json"})
+    assert assert_error(bad_json, 400)["code"] == "invalid_json"
+    speech = {"model": "omni", "input": "hi", "response_format": "mp3"}
+    assert_error(await api.post("/v1/audio/speech", json=speech), 400, "response_format")
+    assert_error(await api.post(CHAT, json={**chat_body(), "model": "gpt-4o"}), 404, "model")
+    assert_error(await api.get("/v1/nothing"), 404)
+    assert_error(await api.get(CHAT), 405)
+    huge = chat_body(prompt="x" * (2 * 1024 * 1024))
+    assert assert_error(await api.post(CHAT, json=huge), 413)["code"] == "request_too_large"
+
+
+async def test_api_keys(cluster: InProcessCluster) -> None:
+    app = create_app(gateway_for(cluster, api_keys="first-key-123, second-key-456"))
+    async with http(app) as api:
+        assert_error(await api.get("/v1/models"), 401)
+        wrong = {"Authorization": "Bearer nope-nope-nope"}
+        assert assert_error(await api.get("/v1/models", headers=wrong), 401)["code"] == (
+            "invalid_api_key"
+        )
+        ok = {"Authorization": "Bearer second-key-456"}
+        assert (await api.get("/v1/models", headers=ok)).status_code == 200
+        assert (await api.post(CHAT, json=chat_body(), headers=ok)).status_code == 200
+        assert (await api.get("/health")).status_code == 200  # probes need no key
+
+
+async def test_max_inflight_is_429(fake_clients: RedisClients, settings: Settings) -> None:
+    async with InProcessCluster(omni(token_delay_ms=50), settings, fake_clients) as cluster:
+        gateway = gateway_for(cluster, max_inflight=1)
+        async with http(create_app(gateway)) as api:
+            first = asyncio.create_task(api.post(CHAT, json=chat_body()))
+            await wait_for(lambda: gateway.inflight == 1)
+            error = assert_error(await api.post(CHAT, json=chat_body()), 429)
+            assert error["type"] == "rate_limit_error"
+            assert (await first).status_code == 200
+            assert gateway.inflight == 0
+            assert (await api.post(CHAT, json=chat_body())).status_code == 200
+
+
+async def test_unexpected_failure_is_a_json_500(
+    api: httpx.AsyncClient, cluster: InProcessCluster
+) -> None:
+    app = create_app(gateway_for(cluster))
+    gateway: Gateway = app.state.gateway
+
+    async def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("secret internals")
+
+    gateway.open = broken  # type: ignore[method-assign]
+    async with http(app, raise_errors=False) as client:
+        resp = await client.post(CHAT, json=chat_body())
+    error = assert_error(resp, 500)
+    assert "secret" not in resp.text and "Traceback" not in resp.text
+    assert error["type"] == "server_error"
+
+
+async def test_stage_failure_is_an_openai_error(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    seed = load_pipeline(WORKERS / "seed.yaml")
+    stages = [s.model_copy(deep=True) for s in seed.stages]
+    stages[1].options["fail_word"] = "boom"
+    seed = seed.model_copy(update={"stages": stages, "outputs": OutputsConfig(text_stage=0)})
+    async with InProcessCluster(seed, settings, fake_clients) as cluster:
+        app = create_app(gateway_for(cluster))
+        async with http(app) as api:
+            body = {**chat_body("a boom b"), "model": "seed"}
+            error = assert_error(await api.post(CHAT, json=body), 502)
+            assert "boom" in error["message"]
+            events = sse_events((await api.post(CHAT, json={**body, "stream": True})).text)
+            assert "boom" in events[-1]["error"]["message"]
+            assert app.state.gateway.inflight == 0

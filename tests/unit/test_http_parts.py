@@ -1,0 +1,111 @@
+"""The HTTP front end's pure parts: settings, audio encoding, request schemas, `outputs`."""
+
+from __future__ import annotations
+
+import io
+import wave
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from omni_runtime.errors import ConfigError
+from omni_runtime.http.audio import AudioFormatError, as_pcm, pcm16, wav_bytes, wav_header
+from omni_runtime.http.schemas import ChatCompletionRequest
+from omni_runtime.http.settings import ServeSettings
+from omni_runtime.pipeline import PipelineConfig
+
+
+def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_API_KEYS", " first-key-1, second-key-2 ,")
+    keys = ServeSettings().api_keys
+    assert [k.get_secret_value() for k in keys] == ["first-key-1", "second-key-2"]
+    assert "first-key-1" not in repr(ServeSettings())
+    monkeypatch.setenv("OMNI_API_KEYS", "short")
+    with pytest.raises(ValidationError):
+        ServeSettings()
+
+
+@pytest.mark.parametrize(
+    ("host", "keys", "allow", "ok"),
+    [
+        ("127.0.0.1", "", False, True),
+        ("localhost", "", False, True),
+        ("::1", "", False, True),
+        ("0.0.0.0", "", False, False),
+        ("0.0.0.0", "a-long-key-1", False, True),
+        ("0.0.0.0", "", True, True),
+    ],
+)
+def test_no_open_server_without_keys(host: str, keys: str, allow: bool, ok: bool) -> None:
+    settings = ServeSettings.model_validate(
+        {"host": host, "api_keys": keys, "allow_unauthenticated": allow}
+    )
+    if ok:
+        settings.check_exposure()
+    else:
+        with pytest.raises(ConfigError, match="--allow-unauthenticated"):
+            settings.check_exposure()
+
+
+def test_pcm16_clips_and_is_little_endian() -> None:
+    data = pcm16(np.array([0.0, 1.0, -1.0, 2.0, np.nan], np.float32))
+    assert np.frombuffer(data, "<i2").tolist() == [0, 32767, -32767, 32767, 0]
+
+
+def test_whole_and_streaming_wav_headers_read_back() -> None:
+    pcm = pcm16(np.linspace(-0.5, 0.5, 800, dtype=np.float32))
+    for blob in (wav_bytes(pcm, 16000), wav_header(16000) + pcm):
+        with wave.open(io.BytesIO(blob)) as w:
+            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
+            assert w.readframes(1 << 20) == pcm
+
+
+@pytest.mark.parametrize("bad", ["text", None, [["a"]], np.zeros((2, 2, 2))])
+def test_audio_outputs_must_be_numeric_pcm(bad: Any) -> None:
+    with pytest.raises(AudioFormatError):
+        as_pcm(bad)
+
+
+def test_prompt_is_the_last_user_message() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "omni",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "ok"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "se"}, {"type": "text", "text": "cond"}],
+                },
+            ],
+            "temperature": 0.2,  # accepted and ignored, like other OpenAI knobs
+        }
+    )
+    assert req.prompt == "second"
+    assert not req.wants_audio
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "omni", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+        )
+
+
+def pipeline(**outputs: Any) -> dict[str, Any]:
+    return {
+        "name": "p",
+        "final_stage_ids": [0, 2],
+        "stages": [{"id": i, "name": f"s{i}", "entry": "m:f"} for i in range(3)],
+        "outputs": outputs,
+    }
+
+
+def test_outputs_name_final_stages() -> None:
+    config = PipelineConfig.model_validate(pipeline(text_stage=0, audio_stage=2, sample_rate=24000))
+    assert config.outputs is not None and config.outputs.sample_rate == 24000
+    for bad in ({"text_stage": 1}, {"audio_stage": 5}, {}, {"text_stage": 0, "audio_stage": 0}):
+        with pytest.raises(ValidationError):
+            PipelineConfig.model_validate(pipeline(**bad))
+    with pytest.raises(ValidationError):
+        PipelineConfig.model_validate(pipeline(text_stage=0, sample_rate=0))
