@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime import __version__
 from omni_runtime.console import OutputPrinter, check_wav_path, read_prompt, write_wav
-from omni_runtime.errors import OmniError
+from omni_runtime.errors import ConfigError, OmniError
 from omni_runtime.logs import configure_logging
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
@@ -40,10 +40,8 @@ def _pipeline(args: argparse.Namespace) -> PipelineConfig:
 
 
 def _wav_rate(pipeline: PipelineConfig) -> int:
-    rate = next(
-        (s.options.get("sample_rate") for s in pipeline.stages if "sample_rate" in s.options), None
-    )
-    return int(rate) if rate is not None else 16000
+    """The audio's sample rate as the pipeline file states it (`outputs.sample_rate`)."""
+    return pipeline.outputs.sample_rate if pipeline.outputs is not None else 16000
 
 
 # --- long-running processes ---------------------------------------------------
@@ -161,6 +159,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if " 0 errors" not in report else 0
 
 
+def serve_flags(parser: argparse.ArgumentParser) -> None:
+    try:
+        from omni_runtime.http.serve import add_serve_arguments
+    except ImportError:  # the `serve` extra is not installed: `serve` says so when run
+        return
+    add_serve_arguments(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from omni_runtime.http.serve import run_serve
+    except ImportError as e:
+        raise ConfigError(
+            f"serve needs the serve extra: pip install 'omni-runtime[serve]' ({e})"
+        ) from None
+    return run_serve(args, _settings(args))
+
+
 # --- parser -------------------------------------------------------------------
 
 
@@ -227,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run the whole pipeline locally for one prompt (starts Redis if none is given)",
         prompt=True,
     ).set_defaults(func=cmd_run)
+    serve = add(
+        "serve",
+        "serve the pipeline over HTTP, OpenAI-compatible, with a playground page at / "
+        "(starts Redis, the orchestrator and workers if no Redis URL is given)",
+    )
+    serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     b = add("bench", "load a running pipeline: requests/s and latency", mode=False)
     b.add_argument("-n", "--requests", type=int, default=1000, help="requests to send in all")
     b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")

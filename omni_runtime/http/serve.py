@@ -52,20 +52,10 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**given)
 
 
-def runtime_settings(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {}
-    if getattr(args, "redis_url", None):
-        overrides["redis_url"] = args.redis_url
-    if getattr(args, "namespace", None):
-        overrides["namespace"] = args.namespace
-    return Settings(**overrides)
-
-
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
     pipeline = load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
     outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
-    settings = runtime_settings(args)
     serve = serve_settings(args)
     serve.check_exposure()
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
@@ -115,26 +105,10 @@ async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m omni_runtime.http.serve`: the same as `omni-runtime serve`."""
-    parser = argparse.ArgumentParser(prog="omni-runtime serve", description=__doc__)
-    parser.add_argument("--pipeline", required=True, help="pipeline YAML file")
-    parser.add_argument("--mode", choices=["sequential", "streaming"])
-    parser.add_argument("--redis-url", help="overrides OMNI_REDIS_URL; none: embedded")
-    parser.add_argument("--namespace", help="overrides OMNI_NAMESPACE")
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return run_serve(args)
-    except (OmniError, ValueError) as e:
-        print(f"omni-runtime serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """`python -m omni_runtime.http.serve ARGS` is `omni-runtime serve ARGS`."""
+    from omni_runtime.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
