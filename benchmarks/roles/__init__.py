@@ -1,0 +1,1 @@
+"""Child processes of the scenarios, each run as `python -m benchmarks.roles.<role>`."""
