@@ -18,13 +18,11 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Any
 
 from benchmarks.harness import scenario
 from benchmarks.harness.cpu import MACHINE, OTHER, SHARED_MACHINE_FRACTION, CpuSampler
-from benchmarks.harness.procs import STARTUP_TIMEOUT_S, Deployment, RoleProc
+from benchmarks.harness.procs import Deployment, RoleProc, load, start_clients
 from benchmarks.harness.redis import server_pid
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.stats import p50_p99_ms, spread
@@ -48,49 +46,16 @@ FULL = Sizes(reps=5, requests=2000, warmup=300, loads=((1, 64), (1, 256), (2, 25
 QUICK = Sizes(reps=2, requests=400, warmup=100, loads=((1, 64), (1, 256), (2, 256)))
 
 
-def start_clients(ctx: scenario.Context, d: Deployment, count: int) -> list[RoleProc]:
-    stages = ",".join(map(str, d.stage_ids))
-    args = ["--namespace", d.namespace, "--stages", stages]
-    clients = [RoleProc(f"client{i}", "client", args, d.env, ctx.log_dir) for i in range(count)]
-    for c in clients:
-        c.recv(STARTUP_TIMEOUT_S + 10)
-    return clients
-
-
-def load(
-    clients: list[RoleProc], d: Deployment, n: int, concurrency: int, tag: str, gap_ms: float = 0.0
-) -> list[dict[str, Any]]:
-    """Split `n` requests and the concurrency over the clients, start them together."""
-    start_at = time.monotonic_ns() + 100_000_000
-    k = len(clients)
-    for i, c in enumerate(clients):
-        c.send({"n": n // k + (i < n % k), "concurrency": max(1, concurrency // k),
-                "gap_ms": gap_ms, "tag": f"{tag}c{i}", "start_at_ns": start_at,
-                "prompt": PROMPT, "expect": EXPECT})  # fmt: skip
-    deadline = time.monotonic() + 60 + n * (gap_ms / 1e3 + 0.05) / max(1, concurrency)
-    results = []
-    for c in clients:
-        while True:  # in slices: a pipeline process that died fails the run at once
-            try:
-                results.append(c.recv(min(0.5, max(0.0, deadline - time.monotonic()))))
-                break
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
-                d.check_alive()
-    return results
-
-
 def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     d = Deployment(ctx.redis_url, SEED, "throughput").start()
     clients: list[RoleProc] = []
     rows: list[Row] = []
     try:
-        clients = start_clients(ctx, d, max(k for k, _ in sizes.loads))
+        clients = start_clients(d, ctx.log_dir, max(k for k, _ in sizes.loads))
         pids = {name.split("-")[0]: pid for name, pid in d.pids().items()}
         if (pid := server_pid(ctx.redis_url)) is not None:
             pids["redis-server"] = pid
-        load(clients[:1], d, sizes.warmup, 64, "warm")
+        load(clients[:1], d, sizes.warmup, 64, "warm", PROMPT, EXPECT)
         for n_clients, conc in sizes.loads:
             active = clients[:n_clients]
             sampler = CpuSampler(pids | {f"client{i}": c.pid for i, c in enumerate(active)})
@@ -101,7 +66,9 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
             for rep in range(sizes.reps):
                 gc.collect()
                 sampler.start()
-                results = load(active, d, sizes.requests, conc, f"r{n_clients}x{conc}n{rep}")
+                results = load(
+                    active, d, sizes.requests, conc, f"r{n_clients}x{conc}n{rep}", PROMPT, EXPECT
+                )
                 cpu_s = sampler.stop()
                 t0 = min(res["t_start_ns"] for res in results)
                 wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9

@@ -114,6 +114,41 @@ class RoleProc:
         self._log.close()
 
 
+def start_clients(d: Deployment, log_dir: Path, count: int) -> list[RoleProc]:
+    """`count` load clients (`benchmarks.roles.client`), each seeing the pipeline ready."""
+    stages = ",".join(map(str, d.stage_ids))
+    args = ["--namespace", d.namespace, "--stages", stages]
+    clients = [RoleProc(f"client{i}", "client", args, d.env, log_dir) for i in range(count)]
+    for c in clients:
+        c.recv(STARTUP_TIMEOUT_S + 10)
+    return clients
+
+
+def load(
+    clients: list[RoleProc], d: Deployment, n: int, concurrency: int, tag: str, prompt: Any,
+    expect: list[Any] | None = None, gap_ms: float = 0.0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Split `n` requests and the concurrency over the clients, start them together."""
+    start_at = time.monotonic_ns() + 100_000_000
+    k = len(clients)
+    for i, c in enumerate(clients):
+        c.send({"n": n // k + (i < n % k), "concurrency": max(1, concurrency // k),
+                "gap_ms": gap_ms, "tag": f"{tag}c{i}", "start_at_ns": start_at,
+                "prompt": prompt, "expect": expect})  # fmt: skip
+    deadline = time.monotonic() + 60 + n * (gap_ms / 1e3 + 0.05) / max(1, concurrency)
+    results = []
+    for c in clients:
+        while True:  # in slices: a pipeline process that died fails the run at once
+            try:
+                results.append(c.recv(min(0.5, max(0.0, deadline - time.monotonic()))))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                d.check_alive()
+    return results
+
+
 class Deployment:
     """One pipeline (orchestrator + a worker per stage replica) as processes, own namespace."""
 
