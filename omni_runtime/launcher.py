@@ -112,6 +112,8 @@ class RedisServer:
                 out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
             try:
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            except OSError as e:
+                raise FatalError(f"cannot start {self.binary}: {e}") from e
             finally:
                 if not isinstance(out, int):
                     out.close()
