@@ -37,7 +37,7 @@ class Sizes:
 
 
 FULL = Sizes(chunks=1000, warmup=50)
-QUICK = Sizes(chunks=300, warmup=30)
+QUICK = Sizes(chunks=200, warmup=20)
 
 
 def once(ctx: scenario.Context, kind: str, sizes: Sizes) -> tuple[list[float], int]:

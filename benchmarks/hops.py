@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import scenario
-from benchmarks.harness.procs import Deployment, RoleProc, load, role_env, start_clients
-from benchmarks.harness.report import ROOT, Row, ratio
+from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, role_env, start_clients
+from benchmarks.harness.procs import SEED_EXPECT as EXPECT
+from benchmarks.harness.procs import SEED_PROMPT as PROMPT
+from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import p50_p99_ms, percentile, spread
-from benchmarks.throughput import EXPECT, PROMPT
 from omni_runtime.tracing import read_trace_file
 
-SEED = ROOT / "workers" / "seed.yaml"
 TARGET_RATIO = 2.0
 Stamps = dict[tuple[str, int | None], list[int]]
 
@@ -59,7 +59,7 @@ class Sizes:
 
 
 FULL = Sizes(reps=5, requests=300, gap_ms=5.0, raw_messages=400)
-QUICK = Sizes(reps=2, requests=60, gap_ms=5.0, raw_messages=100)
+QUICK = Sizes(reps=2, requests=50, gap_ms=5.0, raw_messages=80)
 
 
 def at(stamps: Stamps, event: str, stage: int | None) -> int | None:

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 from benchmarks.harness import scenario
 from benchmarks.harness.cpu import MACHINE, OTHER, SHARED_MACHINE_FRACTION, CpuSampler
-from benchmarks.harness.procs import Deployment, RoleProc, load, start_clients
+from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, start_clients
+from benchmarks.harness.procs import SEED_EXPECT as EXPECT
+from benchmarks.harness.procs import SEED_PROMPT as PROMPT
 from benchmarks.harness.redis import server_pid
-from benchmarks.harness.report import ROOT, Row, ratio
+from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import p50_p99_ms, spread
 
-SEED = ROOT / "workers" / "seed.yaml"
-PROMPT = "hi there"
-EXPECT = [(0, "hi", False), (0, "there", False), (2, "wav:HI", False), (2, "wav:THERE", True)]
 TARGET_RPS = 1000.0
 
 

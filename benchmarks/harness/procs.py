@@ -29,6 +29,10 @@ from omni_runtime.settings import Settings
 
 T = TypeVar("T")
 STARTUP_TIMEOUT_S = 60.0
+SEED = ROOT / "workers" / "seed.yaml"
+SEED_PROMPT = "hi there"
+SEED_EXPECT = [(0, "hi", False), (0, "there", False), (2, "wav:HI", False), (2, "wav:THERE", True)]
+"""What the seed pipeline (finals {0, 2}) returns for `SEED_PROMPT`: checked per request."""
 
 
 def role_env(redis_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -36,12 +40,6 @@ def role_env(redis_url: str, extra: dict[str, str] | None = None) -> dict[str, s
     env = child_env(redis_url, extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
-
-
-def emit(obj: dict[str, Any]) -> None:
-    """A role's answer to the coordinator: one JSON line on stdout."""
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 class RoleProc:

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.harness.procs import STARTUP_TIMEOUT_S, emit
+from benchmarks.harness.procs import STARTUP_TIMEOUT_S
+from benchmarks.roles import emit
 from omni_runtime.client import OmniClient
 from omni_runtime.settings import Settings
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.harness.procs import emit
+from benchmarks.roles import emit
 from omni_runtime import ChunkAdapter, codec
 from omni_runtime.chunks import RedisConnector
 

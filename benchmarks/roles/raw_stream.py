@@ -21,7 +21,7 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from benchmarks.harness.procs import emit
+from benchmarks.roles import emit
 
 PAD = os.urandom(160)  # + seq + stamp + framing ~ 200 B
 
