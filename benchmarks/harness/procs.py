@@ -117,8 +117,13 @@ def start_clients(d: Deployment, log_dir: Path, count: int) -> list[RoleProc]:
     stages = ",".join(map(str, d.stage_ids))
     args = ["--namespace", d.namespace, "--stages", stages]
     clients = [RoleProc(f"client{i}", "client", args, d.env, log_dir) for i in range(count)]
-    for c in clients:
-        c.recv(STARTUP_TIMEOUT_S + 10)
+    try:
+        for c in clients:
+            c.recv(STARTUP_TIMEOUT_S + 10)
+    except BaseException:
+        for c in clients:
+            c.stop(1)
+        raise
     return clients
 
 
