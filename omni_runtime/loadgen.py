@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 
 from omni_runtime.client import OmniClient
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.settings import Settings
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+from omni_runtime.stats import percentile
 
 
 async def run_load(
@@ -43,6 +38,6 @@ async def run_load(
     return (
         f"{n_requests} requests, concurrency {concurrency}, {errors} errors, {wall_s:.2f} s\n"
         f"throughput  {n_requests / wall_s:,.0f} requests/s\n"
-        f"latency     p50 {statistics.median(latencies_ms):.2f} ms  p99 {percentile(latencies_ms, 0.99):.2f} ms\n"
-        f"first out   p50 {statistics.median(first_ms):.2f} ms  p99 {percentile(first_ms, 0.99):.2f} ms"
+        f"latency     p50 {percentile(latencies_ms, 50):.2f} ms  p99 {percentile(latencies_ms, 99):.2f} ms\n"
+        f"first out   p50 {percentile(first_ms, 50):.2f} ms  p99 {percentile(first_ms, 99):.2f} ms"
     )

@@ -1,0 +1,118 @@
+"""Chunk hand-off between two processes: `send KIND` / `recv KIND` (see `handoff.py`).
+
+Kinds: `adapter` (ChunkAdapter over RedisConnector, as in a worker: `save_async` ->
+the receiver's `on_ready` wakes a scheduler thread that calls `poll_ready`),
+`raw_blpop` (RPUSH of the payload -> BLPOP) and `raw_set_blpop_get` (SET + RPUSH of
+the key -> BLPOP -> GET: the adapter's own round trips, with no threads between).
+Chunks carry a CLOCK_MONOTONIC stamp; the receiver prints `{"lat_ns", "missing"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+import redis
+
+from benchmarks.roles import emit
+from omni_runtime import ChunkAdapter, codec
+from omni_runtime.chunks import RedisConnector
+
+GAP_MS = (2.0, 4.0)
+CODES = [17, 404, 1000, 3, 512, 77, 901]
+"""A talker-sized chunk: a token's worth of codec codes."""
+
+
+def send(kind: str, url: str, prefix: str, rid: str, total: int) -> None:
+    """`total` stamped chunks, U(2, 4) ms apart; then wait for EOF on stdin before stopping."""
+    rng = random.Random(rid)
+    conn = RedisConnector.from_url(url, prefix=prefix) if kind == "adapter" else None
+    adapter = ChunkAdapter(conn, stage_id=0) if conn is not None else None
+    client = redis.Redis.from_url(url)
+    client.ping()
+    for seq in range(total):
+        payload = {"t": time.monotonic_ns(), "seq": seq, "codes": CODES}
+        if adapter is not None:
+            adapter.save_async(rid, payload, seq == total - 1)
+        elif kind == "raw_blpop":
+            client.rpush(f"{prefix}list:{rid}", codec.encode(payload))
+        else:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.set(f"{prefix}chunk:{rid}:{seq}", codec.encode(payload), ex=300)
+                pipe.rpush(f"{prefix}list:{rid}", f"{prefix}chunk:{rid}:{seq}")
+                pipe.execute()
+        time.sleep(rng.uniform(*GAP_MS) / 1e3)
+    emit({"sent": total})
+    sys.stdin.read()  # the coordinator closes it once the receiver has everything
+    if adapter is not None and conn is not None:
+        adapter.stop()
+        conn.close()
+    client.close()
+
+
+def recv(kind: str, url: str, prefix: str, rid: str, total: int, warmup: int) -> None:
+    deadline = time.monotonic() + total * GAP_MS[1] / 1e3 * 3 + 20
+    lat: list[int] = []
+    seen = 0
+
+    def record(payload: dict[str, Any], now: int) -> None:
+        nonlocal seen
+        seen += 1
+        if payload["seq"] >= warmup:
+            lat.append(now - payload["t"])
+
+    if kind == "adapter":
+        conn = RedisConnector.from_url(url, prefix=prefix)
+        ready = threading.Event()
+        adapter = ChunkAdapter(conn, stage_id=1, on_ready=ready.set)
+        adapter.load_async(rid)
+        time.sleep(0.2)  # listening before the first chunk is put
+        emit({"ready": True, "pid": os.getpid()})
+        while seen < total and time.monotonic() < deadline:  # the stage's scheduler thread
+            ready.wait(0.1)
+            ready.clear()
+            got = adapter.poll_ready().get(rid, [])
+            now = time.monotonic_ns()
+            for chunk in got:
+                record(chunk["data"], now)
+        adapter.stop()
+        conn.close()
+    else:
+        client = redis.Redis.from_url(url)
+        client.ping()
+        emit({"ready": True, "pid": os.getpid()})
+        while seen < total and time.monotonic() < deadline:
+            popped: Any = client.blpop([f"{prefix}list:{rid}"], timeout=1)
+            if popped is None:
+                continue
+            raw: Any = popped[1] if kind == "raw_blpop" else client.get(popped[1])
+            if raw is not None:
+                record(codec.decode(raw), time.monotonic_ns())
+        client.close()
+    emit({"lat_ns": lat, "missing": total - seen})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("side", choices=["send", "recv"])
+    parser.add_argument("kind", choices=["adapter", "raw_blpop", "raw_set_blpop_get"])
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--rid", required=True)
+    parser.add_argument("-n", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=0)
+    args = parser.parse_args()
+    url = os.environ["OMNI_REDIS_URL"]
+    if args.side == "send":
+        send(args.kind, url, args.prefix, args.rid, args.n)
+    else:
+        recv(args.kind, url, args.prefix, args.rid, args.n, args.warmup)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

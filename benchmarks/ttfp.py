@@ -1,0 +1,239 @@
+"""Time to first audio packet: the omni demo in sequential vs streaming mode, same run.
+
+`workers/omni.yaml` (thinker -> talker -> code2wav, finals {0, 2}), thinker at 20 ms
+per token, both modes deployed at once as processes, each in its own namespace;
+load from one `OmniClient` here. Prompt: 50 distinct words. Closed loop: C tasks,
+each submitting its next request when the previous one finished. Per request, from
+just before `submit`: TTFT (first text token out of `OmniClient.stream`), TTFP
+(first stage-2 output with audio samples), E2E (the finished output). Every request
+is checked (the tokens in order, the number of audio samples). Cells of the two
+modes are interleaved per concurrency.
+
+Baseline: sequential mode at the same concurrency. Ratios on p50: TTFP seq/stream
+(higher is better), TTFT and E2E stream/seq (lower is better).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.harness import scenario
+from benchmarks.harness.procs import Deployment, watched
+from benchmarks.harness.report import ROOT, Row, ratio
+from benchmarks.harness.stats import percentile
+from omni_runtime.client import OmniClient
+
+OMNI = ROOT / "workers" / "omni.yaml"
+MODES = ("sequential", "streaming")
+TEXT_STAGE, AUDIO_STAGE = 0, 2
+TOKENS = 50
+TOKEN_DELAY_S = 0.020
+FRAME_SAMPLES = 16000 * 20 // 1000  # code2wav: sample_rate x frame_ms, per letter of a token
+TARGET_TTFP = {1: 10.0, 32: 5.0}
+"""Sequential / streaming TTFP p50 at least this, by concurrency."""
+TARGET_TTFT = 1.1
+TARGET_E2E = 1.0
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dogs",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hum",
+    "bright",
+    "songs",
+    "about",
+    "distant",
+    "rivers",
+    "mountains",
+    "forests",
+    "oceans",
+    "cities",
+    "bridges",
+    "lanterns",
+    "gardens",
+    "meadows",
+    "thunder",
+    "whispers",
+    "shadows",
+    "crystal",
+    "engines",
+    "harbors",
+    "valleys",
+    "silver",
+    "copper",
+    "golden",
+    "marble",
+    "velvet",
+    "amber",
+    "cedar",
+    "willow",
+    "falcon",
+    "heron",
+    "otter",
+    "badger",
+    "lynx",
+    "raven",
+    "sparrow",
+    "maple",
+    "birch",
+]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    concurrencies: tuple[int, ...]
+    rounds: int
+    """Requests per client task (closed loop)."""
+    min_requests: int
+    warmup: int
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, concurrency * self.rounds)
+
+
+FULL = Sizes(concurrencies=(1, 8, 32), rounds=3, min_requests=20, warmup=4)
+QUICK = Sizes(concurrencies=(1, 8), rounds=1, min_requests=3, warmup=2)
+
+
+@dataclass
+class Cell:
+    """One mode at one concurrency: per-metric sample lists (ms) and failures."""
+
+    mode: str
+    concurrency: int
+    ms: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "ttfp": [], "e2e": []})
+    errors: list[str] = field(default_factory=list)
+
+    def p(self, metric: str, q: float) -> float | None:
+        values = self.ms[metric]
+        return percentile(values, q) if values else None
+
+
+async def one_request(client: OmniClient, prompt: str, tokens: list[str], cell: Cell) -> None:
+    t0 = time.perf_counter()
+    ttft = ttfp = None
+    texts: list[Any] = []
+    samples = 0
+    try:
+        rid = await client.submit(prompt)
+        async for out in client.stream(rid, timeout_s=30):
+            now = time.perf_counter()
+            if out.error is not None:
+                cell.errors.append(f"stage {out.stage_id}: {out.error}")
+                return
+            if out.stage_id == TEXT_STAGE:
+                texts.append(out.data)
+                ttft = ttft or now
+            elif out.stage_id == AUDIO_STAGE and len(out.data) > 0:
+                samples += len(out.data)
+                ttfp = ttfp or now
+    except TimeoutError as e:
+        cell.errors.append(str(e))
+        return
+    end = time.perf_counter()
+    expected_samples = sum(len(t) for t in tokens) * FRAME_SAMPLES
+    if texts != tokens or samples != expected_samples or ttft is None or ttfp is None:
+        cell.errors.append(f"{len(texts)} tokens, {samples} samples (want {expected_samples})")
+        return
+    for metric, t in (("ttft", ttft), ("ttfp", ttfp), ("e2e", end)):
+        cell.ms[metric].append((t - t0) * 1e3)
+
+
+async def closed_loop(d: Deployment, prompt: str, tokens: list[str], conc: int, n: int) -> Cell:
+    cell = Cell(d.mode, conc)
+    remaining = [n]
+    async with OmniClient(d.settings) as client:
+
+        async def user() -> None:
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                await one_request(client, prompt, tokens, cell)
+
+        await asyncio.gather(*(user() for _ in range(conc)))
+    return cell
+
+
+async def measure(ctx: scenario.Context, sizes: Sizes) -> list[Cell]:
+    tokens = [WORDS[i % len(WORDS)] + str(i // len(WORDS) or "") for i in range(TOKENS)]
+    prompt = " ".join(tokens)
+    deployments = {m: Deployment(ctx.redis_url, OMNI, f"ttfp-{m[:3]}", mode=m) for m in MODES}
+    one_s = TOKENS * TOKEN_DELAY_S + 1.0
+    try:
+        for d in deployments.values():
+            d.start()
+        for d in deployments.values():
+            await d.wait_ready()
+        all_d = list(deployments.values())
+        for d in all_d:  # warm-up: imports, connections, thread pools
+            await watched(all_d, closed_loop(d, prompt, tokens, 2, sizes.warmup), 4 * one_s + 60)
+        cells = []
+        for conc in sizes.concurrencies:
+            n = sizes.requests(conc)
+            for mode in MODES:
+                timeout_s = one_s * 4 * -(-n // conc) + 60
+                cell = await watched(
+                    all_d, closed_loop(deployments[mode], prompt, tokens, conc, n), timeout_s
+                )
+                print(f"  {mode:<10} c={conc:<3} {n} requests, {len(cell.errors)} errors")
+                cells.append(cell)
+        return cells
+    finally:
+        for d in deployments.values():
+            d.stop()
+
+
+def cell_table(cells: list[Cell]) -> str:
+    """The docs' latency table: p50 (p99) in ms per mode and concurrency."""
+    lines = [
+        "| concurrency | mode | TTFT | TTFP | end to end | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        cols = [f"{c.p(m, 50) or 0:.1f} ({c.p(m, 99) or 0:.1f})" for m in ("ttft", "ttfp", "e2e")]
+        lines.append(f"| {c.concurrency} | {c.mode} | {' | '.join(cols)} | {len(c.errors)} |")
+    return "\n".join(lines)
+
+
+def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
+    cells = asyncio.run(measure(ctx, sizes))
+    print("\nLatency, ms: p50 (p99)\n" + cell_table(cells) + "\n")
+    rows = []
+    for conc in sizes.concurrencies:
+        seq, st = (next(c for c in cells if c.mode == m and c.concurrency == conc) for m in MODES)
+        ok = not seq.errors and not st.errors
+        errors = [
+            f"{c.mode}: {len(c.errors)} failed, e.g. {c.errors[0]}" for c in (seq, st) if c.errors
+        ]
+        for metric, higher_better in (("ttfp", True), ("ttft", False), ("e2e", False)):
+            value, base = st.p(metric, 50), seq.p(metric, 50)
+            r = ratio(base, value) if higher_better else ratio(value, base)
+            if metric == "ttfp":
+                need = TARGET_TTFP.get(conc)
+                target = f"seq/stream >= {need:g}x" if need else ""
+                met = None if need is None else ok and r is not None and r >= need
+            else:
+                limit = TARGET_TTFT if metric == "ttft" else TARGET_E2E
+                target, met = f"stream/seq <= {limit:g}x", ok and r is not None and r <= limit
+            rows.append(Row(
+                "ttfp", f"c={conc}, streaming", f"{metric.upper()} p50", "ms", value or float("nan"),
+                None, None, value, st.p(metric, 99), baseline="sequential", baseline_value=base,
+                ratio=r, ratio_of="seq/stream" if higher_better else "stream/seq", target=target,
+                met=met, notes=errors if metric == "ttfp" else [],
+                details={"sequential_p99_ms": seq.p(metric, 99), "requests": len(st.ms[metric])},
+            ))  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(scenario.main("ttfp", __doc__, run, FULL, QUICK))
