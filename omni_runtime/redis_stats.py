@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -20,10 +19,9 @@ from typing import Any
 
 import msgpack
 import redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from omni_runtime import keys
-from omni_runtime.metrics import HISTOGRAMS, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -220,24 +218,6 @@ def server_now(client: redis.Redis) -> tuple[float, int]:
     return sec + usec / 1e6, sec * 1000 + usec // 1000
 
 
-def stats_document(metrics: Metrics) -> dict[str, Any]:
-    """A process's metrics, summarised small enough to publish every few seconds."""
-    latency: dict[str, dict[str, float | None]] = {}
-    for name in HISTOGRAMS:
-        h = metrics.histogram(name)
-        if h.count:
-            latency[name] = {
-                "count": h.count,
-                **{f"p{int(q * 100)}": h.quantile(q) for q in (0.5, 0.9, 0.99)},
-            }
-    counters = {name: sum(series.values()) for name, series in metrics.snapshot().items()}
-    return {"t": time.time(), "counters": counters, "latency": latency}
-
-
-def publish_stats(client: redis.Redis, names: keys.Names, role: str, metrics: Metrics) -> None:
-    client.set(names.stats(role), json.dumps(stats_document(metrics)), ex=keys.STATS_TTL_S)
-
-
 def read_stats(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
     """Every published stats document, by role."""
     prefix = names.stats("")
@@ -251,71 +231,6 @@ def read_stats(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
             except ValueError:
                 continue
     return out
-
-
-def fill_stream_gauges(metrics: Metrics, streams: Iterable[StreamInfo]) -> None:
-    """Set the stream gauges to what was read, forgetting streams that went away."""
-    seen_len, seen_group = [], []
-    for s in streams:
-        key = (("stream", s.name),)
-        seen_len.append(key)
-        metrics.set_gauge("omni_stream_length", s.length, stream=s.name)
-        for g in s.groups:
-            seen_group.append((("group", g.name), *key))
-            metrics.set_gauge("omni_stream_pending_entries", g.pending, stream=s.name, group=g.name)
-            age = g.oldest_pending_age_s or 0.0
-            metrics.set_gauge(
-                "omni_stream_oldest_pending_seconds", age, stream=s.name, group=g.name
-            )
-    metrics.remove_gauges("omni_stream_length", seen_len)
-    metrics.remove_gauges("omni_stream_pending_entries", seen_group)
-    metrics.remove_gauges("omni_stream_oldest_pending_seconds", seen_group)
-
-
-class StreamStatsPoller:
-    """A daemon thread: every `interval_s`, stream gauges into `metrics` and a stats key.
-
-    Run one in the orchestrator (`role="orchestrator"`); workers may run one with
-    `streams=False` to publish their own stats only.
-    """
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        names: keys.Names,
-        metrics: Metrics,
-        role: str,
-        interval_s: float = 5.0,
-        streams: bool = True,
-    ) -> None:
-        self.client, self.names, self.metrics, self.role = client, names, metrics, role
-        self.interval_s, self.streams = interval_s, streams
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stream-stats", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def poll_once(self) -> None:
-        if self.streams:
-            _, now_ms = server_now(self.client)
-            found = (
-                read_stream(self.client, s, now_ms) for s in stream_names(self.client, self.names)
-            )
-            fill_stream_gauges(self.metrics, [s for s in found if s is not None])
-        publish_stats(self.client, self.names, self.role, self.metrics)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except RedisError as e:
-                log.warning("reading stream stats failed: %r", e)
-            self._stop.wait(self.interval_s)
 
 
 def as_jsonable(items: Iterable[Any]) -> list[dict[str, Any]]:

@@ -23,7 +23,8 @@ from omni_runtime.dead_letters import (
 )
 from omni_runtime.errors import ConfigError
 from omni_runtime.metrics import Metrics
-from omni_runtime.redis_stats import StreamStatsPoller, heartbeat_value, parse_heartbeat
+from omni_runtime.metrics_poller import StreamStatsPoller
+from omni_runtime.redis_stats import heartbeat_value, parse_heartbeat
 from omni_runtime.settings import Settings
 from omni_runtime.status import add_status_arguments, run_status
 
@@ -131,6 +132,8 @@ def test_poller_fills_stream_gauges_and_publishes_stats(client: redis.Redis) -> 
     assert metrics.gauge("omni_stream_length", stream=N.requests) == 5
     pending = metrics.gauge("omni_stream_pending_entries", stream=N.stage_in(0), group="workers")
     assert pending == 2
+    alive = {sid: metrics.gauge("omni_workers_alive", stage=sid) for sid in (0, 1, 2)}
+    assert alive == {0: 1, 1: 1, 2: 0}
     console, buf = _console()
     run_status(_args("--json"), SETTINGS, client=client, console=console)
     stats = json.loads(buf.getvalue())["stats"]["orchestrator"]
