@@ -157,7 +157,7 @@ def render(snap: dict[str, Any]) -> Group:
         (f"namespace {snap['namespace']}", "bold"),
         f"  orchestrators {snap['orchestrators']}",
         "  workers " + (", ".join(f"stage {k}: {n}" for k, n in per_stage.items()) or "none"),
-        f"  requests/s {snap['request_rate_per_s']:.1f}",
+        f"  requests/s {snap['request_rate_per_s']:.2f}",
         ("  dead letters " + str(snap["dead_letters"]), "red" if snap["dead_letters"] else ""),
     )
     parts: list[Any] = [head]

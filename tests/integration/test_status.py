@@ -141,8 +141,9 @@ def test_poller_fills_stream_gauges_and_publishes_stats(client: redis.Redis) -> 
 
 
 def _dead_letter(r: redis.Redis, stream: str, raw: bytes, error: str = "bad entry") -> str:
-    fields = {"stream": stream, "id": b"1-1", "error": error, "raw": raw}
-    return str(r.xadd(N.dead_letters, fields).decode())  # type: ignore[union-attr]
+    fields: dict[Any, Any] = {"stream": stream, "id": b"1-1", "error": error, "raw": raw}
+    new_id: Any = r.xadd(N.dead_letters, fields)
+    return str(new_id.decode())
 
 
 def test_dead_letters_listed_newest_first(client: redis.Redis) -> None:

@@ -69,7 +69,8 @@ def test_live_tracer_emits_each_request_once_quiet_and_joins_processes() -> None
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert [e.name for e in spans["stage 1"].events] == ["input_read", "output_read"]
     assert spans["orchestrator"].context.trace_id == spans["stage 1"].context.trace_id
-    assert abs(spans["stage 1"].start_time - time.time_ns()) < 60 * 10**9  # wall clock
+    start = spans["stage 1"].start_time
+    assert start is not None and abs(start - time.time_ns()) < 60 * 10**9  # wall clock
 
 
 def test_live_tracer_bounds_open_requests() -> None:
