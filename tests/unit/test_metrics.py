@@ -155,3 +155,28 @@ def test_wsgi_app_and_collector_without_http() -> None:
 def test_port_zero_setting_serves_nothing() -> None:
     stop = maybe_start_metrics_server(Metrics(), 0)
     stop()  # a no-op
+
+
+async def test_asgi_app_answers_the_exposition_format() -> None:
+    from omni_runtime.prometheus_export import metrics_asgi_app
+
+    app = metrics_asgi_app(_filled())
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/metrics",
+        "query_string": b"",
+        "headers": [],
+    }
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:])  # type: ignore[misc]
+    assert "omni_dead_letters" in _families(body.decode())
