@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import redis
+from redis.exceptions import RedisError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -197,10 +198,16 @@ def run_status(
             console.print(render(snap))
         healthy = snap["orchestrators"] > 0 and all(snap["workers_per_stage"].values())
         return 0 if healthy else 1
-    with Live(render(collect_status(client, names)), console=console, auto_refresh=False) as live:
+    good: Any = Text("reading Redis ...")
+    with Live(good, console=console, auto_refresh=False) as live:
         try:
             while True:
+                try:  # while Redis is unreachable, say so over the last good frame
+                    good = render(collect_status(client, names))
+                    live.update(good, refresh=True)
+                except RedisError as e:
+                    live.update(Group(Text(f"Redis: {e} (retrying)", style="bold red"), good))
+                    live.refresh()
                 time.sleep(max(0.1, args.interval))
-                live.update(render(collect_status(client, names)), refresh=True)
         except KeyboardInterrupt:
             return 0

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import fakeredis
@@ -182,3 +183,28 @@ def test_replay_refuses_foreign_streams_and_cut_payloads(client: redis.Redis) ->
         replay(client, N, cut)
     replay(client, N, cut, force=True)
     assert client.xlen(N.requests) == 1
+
+
+def test_live_view_refreshes_and_survives_a_redis_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import omni_runtime.status as status
+
+    r = fakeredis.FakeRedis()
+    _deployment(r)
+    frames = {"n": 0}
+    real_collect = status.collect_status
+
+    def flaky(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
+        frames["n"] += 1
+        if frames["n"] == 2:
+            raise redis.ConnectionError("connection refused")
+        return real_collect(client, names)
+
+    def sleep(_s: float) -> None:
+        if frames["n"] >= 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status, "collect_status", flaky)
+    monkeypatch.setattr(status, "time", SimpleNamespace(sleep=sleep))  # not the global one
+    console, buf = _console()
+    assert run_status(_args("--interval", "0.1"), SETTINGS, client=r, console=console) == 0
+    assert frames["n"] == 3 and "gpu-a" in buf.getvalue()
