@@ -97,8 +97,13 @@ class StreamStatsPoller:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop polling and delete the stats key, as a clean exit deletes its heartbeat."""
         self._stop.set()
         self._thread.join(5)
+        try:
+            self.client.delete(self.names.stats(self.role))
+        except RedisError as e:
+            log.warning("deleting the stats key failed: %r", e)
 
     def poll_once(self) -> None:
         if self.streams:

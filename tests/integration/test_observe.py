@@ -65,6 +65,7 @@ def test_tracing_stats_and_metrics_when_asked(tmp_path: Path) -> None:
         obs.close()  # flushes the trace
     assert [s[0] for s in read_redis_trace(reader, settings.names, "r1")] == ["request_read"]
     assert "request_read r1" in (tmp_path / "t.log").read_text()
+    assert reader.get(settings.names.stats("orchestrator")) is None  # a clean exit leaves none
 
 
 def test_role_label_on_every_series() -> None:
