@@ -65,6 +65,10 @@ CLIENT_STREAM_TTL_S = 600
 HEARTBEAT_TTL_S = 5
 """A process whose heartbeat key is older than this is taken for dead."""
 DEAD_LETTER_MAXLEN = 10_000
+TRACE_MAX_EVENTS = 10_000
+"""A request's trace list is trimmed to this many stamps: a runaway stream stays bounded."""
+STATS_TTL_S = 30
+"""A stats key outlives its writer by this long."""
 PAYLOAD_FIELD = "m"
 """The one field of every stream entry: the msgpack-encoded wire message."""
 
@@ -113,6 +117,14 @@ class Names:
 
     def heartbeat_pattern(self, stage_id: int) -> str:
         return f"{self.prefix}hb:stage:{stage_id}:*"
+
+    def trace(self, request_id: str) -> str:
+        """A request's event stamps (a list of `event stage t_wall_ns`), with a TTL."""
+        return f"{self.prefix}trace:{request_id}"
+
+    def stats(self, role: str) -> str:
+        """A process's latest metrics summary (JSON), for `omni-runtime status`; with a TTL."""
+        return f"{self.prefix}stats:{role}"
 
     @property
     def chunk_prefix(self) -> str:

@@ -1,15 +1,22 @@
-"""One registry of counters per process: every component counts here, tests read it here.
+"""One registry of counters, histograms and gauges per process: every component counts here.
 
 Components take a `Metrics` (the process shell creates one and passes it down;
-an in-process component without one gets a private registry). Counters are
-named in the `omni_` namespace and may carry labels (`stage`, `stream`,
-`reason`). Exporters read `snapshot()`; nothing here does I/O.
+an in-process component without one gets a private registry). Names follow
+vLLM's conventions in the `omni_` namespace: counters end in `_total`, durations
+are histograms in seconds, instantaneous levels are gauges; series may carry
+labels (`stage`, `stream`, `group`, `reason`). Exporters read `snapshot()`,
+`histograms()` and `gauges()`; nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -30,20 +37,124 @@ COUNTERS: Mapping[str, str] = {
     "omni_requests_completed_total": "Requests a worker finished.",
     "omni_requests_failed_total": "Requests that ended with an error, by stage.",
     "omni_takeovers_total": "Inputs claimed from a replica whose heartbeat expired.",
+    "omni_stage_outputs_total": "Outputs a stage published, by stage.",
+    "omni_stage_errors_total": "Stage code failures, by stage.",
+    "omni_deadline_exceeded_total": "Requests ended because they outlived their deadline.",
+    "omni_requests_received_total": "Requests the orchestrator accepted.",
 }
 """Every counter name the runtime uses, with its help text."""
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),
+)
+"""Request-level durations: from a millisecond to past the default deadline."""
+HOP_BUCKETS_S: tuple[float, ...] = (
+    *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
+    *(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+"""Hand-offs between processes: a Redis round trip is ~0.1-1 ms."""
+
+
+@dataclass(frozen=True)
+class HistogramSpec:
+    help: str
+    buckets: tuple[float, ...]
+
+
+HISTOGRAMS: Mapping[str, HistogramSpec] = {
+    "omni_time_to_first_token_seconds": HistogramSpec(
+        "Time from submit to a request's first non-audio output.", LATENCY_BUCKETS_S
+    ),
+    "omni_time_to_first_audio_seconds": HistogramSpec(
+        "Time from submit to a request's first audio output.", LATENCY_BUCKETS_S
+    ),
+    "omni_e2e_request_latency_seconds": HistogramSpec(
+        "Time from submit to a request's final output.", LATENCY_BUCKETS_S
+    ),
+    "omni_stage_queue_time_seconds": HistogramSpec(
+        "Time an input waited in a stage's stream before a worker read it, by stage.",
+        LATENCY_BUCKETS_S,
+    ),
+    "omni_stage_run_time_seconds": HistogramSpec(
+        "Time a stage spent on one request, first read to last output, by stage.",
+        LATENCY_BUCKETS_S,
+    ),
+    "omni_chunk_handoff_latency_seconds": HistogramSpec(
+        "Time from a chunk's put to its read by the next stage, by stage.", HOP_BUCKETS_S
+    ),
+    "omni_audio_gap_seconds": HistogramSpec(
+        "Time between consecutive audio outputs of one request (playback stalls).", HOP_BUCKETS_S
+    ),
+}
+"""Every histogram name, with its help text and bucket upper bounds (seconds)."""
+
+GAUGES: Mapping[str, str] = {
+    "omni_stage_inputs_in_flight": "Inputs a worker has read and not finished, by stage.",
+    "omni_requests_running": "Requests the orchestrator is routing.",
+    "omni_stream_length": "Entries in a stream (XLEN), by stream.",
+    "omni_stream_pending_entries": "Entries read and not acknowledged, by stream and group.",
+    "omni_stream_oldest_pending_seconds": "Age of the oldest pending entry, by stream and group.",
+    "omni_workers_alive": "Workers whose heartbeat key is live, by stage.",
+}
+"""Every gauge name, with its help text."""
+
+
+@dataclass(frozen=True)
+class HistogramValue:
+    """One histogram series: per-bucket (not cumulative) counts, the last one being +Inf."""
+
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """`(upper bound, observations <= it)`, ending with `(inf, count)`."""
+        out: list[tuple[float, int]] = []
+        total = 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Estimated like Prometheus' `histogram_quantile`: linear within the bucket."""
+        if self.count == 0:
+            return None
+        rank = q * self.count
+        lower, seen = 0.0, 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            if seen + n >= rank and n > 0:
+                if bound == float("inf"):
+                    return lower
+                return lower + (bound - lower) * (rank - seen) / n
+            seen += n
+            lower = bound
+        return lower
 
 
 def _label_key(labels: Mapping[str, object]) -> LabelKey:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
+class _Hist:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, n_buckets: int) -> None:
+        self.counts = [0] * (n_buckets + 1)
+        self.sum = 0.0
+
+
 class Metrics:
-    """Thread-safe counters: `inc(name, n, **labels)`, `value(name, **labels)`."""
+    """Thread-safe series: `inc`, `observe`, `set_gauge` / `gauge_callback`; reads copy."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, dict[LabelKey, float]] = {}
+        self._hists: dict[str, dict[LabelKey, _Hist]] = {}
+        self._gauges: dict[str, dict[LabelKey, float]] = {}
+        self._callbacks: dict[tuple[str, LabelKey], Callable[[], float | None]] = {}
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         if name not in COUNTERS:
@@ -61,6 +172,105 @@ class Metrics:
         return sum(v for key, v in series.items() if want <= set(key))
 
     def snapshot(self) -> dict[str, dict[LabelKey, float]]:
-        """A copy of every series: `{name: {labels: value}}`."""
+        """A copy of every counter series: `{name: {labels: value}}`."""
         with self._lock:
             return {name: dict(series) for name, series in self._counts.items()}
+
+    def observe(self, name: str, value: float, **labels: object) -> None:
+        """Count one observation (seconds, for the durations) in histogram `name`."""
+        spec = HISTOGRAMS.get(name)
+        if spec is None:
+            raise KeyError(f"unknown histogram {name!r}: declare it in metrics.HISTOGRAMS")
+        key = _label_key(labels)
+        slot = bisect.bisect_left(spec.buckets, value)  # le-buckets: value == bound goes in
+        with self._lock:
+            series = self._hists.setdefault(name, {})
+            hist = series.get(key)
+            if hist is None:
+                hist = series[key] = _Hist(len(spec.buckets))
+            hist.counts[slot] += 1
+            hist.sum += value
+
+    def histograms(self) -> dict[str, dict[LabelKey, HistogramValue]]:
+        """A copy of every histogram series."""
+        with self._lock:
+            return {
+                name: {
+                    key: HistogramValue(
+                        HISTOGRAMS[name].buckets, tuple(h.counts), h.sum, sum(h.counts)
+                    )
+                    for key, h in series.items()
+                }
+                for name, series in self._hists.items()
+            }
+
+    def histogram(self, name: str, **labels: object) -> HistogramValue:
+        """Every series of `name` whose labels include `labels`, merged into one."""
+        want = set(_label_key(labels))
+        buckets = HISTOGRAMS[name].buckets
+        counts = [0] * (len(buckets) + 1)
+        total = 0.0
+        for key, h in self.histograms().get(name, {}).items():
+            if want <= set(key):
+                counts = [a + b for a, b in zip(counts, h.counts, strict=True)]
+                total += h.sum
+        return HistogramValue(buckets, tuple(counts), total, sum(counts))
+
+    def set_gauge(self, name: str, value: float, **labels: object) -> None:
+        self._check_gauge(name)
+        key = _label_key(labels)
+        with self._lock:
+            self._gauges.setdefault(name, {})[key] = value
+
+    def add_gauge(self, name: str, amount: float, **labels: object) -> None:
+        """Move a gauge up or down (in-flight counts)."""
+        self._check_gauge(name)
+        key = _label_key(labels)
+        with self._lock:
+            series = self._gauges.setdefault(name, {})
+            series[key] = series.get(key, 0) + amount
+
+    def gauge_callback(
+        self, name: str, fn: Callable[[], float | None], **labels: object
+    ) -> Callable[[], None]:
+        """Read `fn()` at every `gauges()` (None: no sample); returns its unregister."""
+        self._check_gauge(name)
+        slot = (name, _label_key(labels))
+        with self._lock:
+            self._callbacks[slot] = fn
+
+        def unregister() -> None:
+            with self._lock:
+                self._callbacks.pop(slot, None)
+
+        return unregister
+
+    def remove_gauges(self, name: str, keep: Sequence[LabelKey] = ()) -> None:
+        """Forget the series of `name` not in `keep` (a stream or worker that went away)."""
+        with self._lock:
+            series = self._gauges.get(name, {})
+            for key in [k for k in series if k not in keep]:
+                del series[key]
+
+    def gauges(self) -> dict[str, dict[LabelKey, float]]:
+        """Set values and callbacks' current values (callbacks run outside the lock)."""
+        with self._lock:
+            out = {name: dict(series) for name, series in self._gauges.items()}
+            callbacks = list(self._callbacks.items())
+        for (name, key), fn in callbacks:
+            try:
+                value = fn()
+            except Exception as e:  # a broken callback must not break the scrape
+                log.warning("gauge %s%s callback failed: %r", name, dict(key), e)
+                continue
+            if value is not None:
+                out.setdefault(name, {})[key] = float(value)
+        return out
+
+    def gauge(self, name: str, **labels: object) -> float | None:
+        return self.gauges().get(name, {}).get(_label_key(labels))
+
+    @staticmethod
+    def _check_gauge(name: str) -> None:
+        if name not in GAUGES:
+            raise KeyError(f"unknown gauge {name!r}: declare it in metrics.GAUGES")

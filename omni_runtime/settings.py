@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     """Writes give up after this many failures (≈ 30 s with the defaults); reads never do."""
     trace_file: Path | None = None
     """Append event stamps (see `omni_runtime.tracing`) to this file; None: tracing off."""
+    trace: bool = False
+    """Record every request's event stamps in Redis (`<ns>:trace:<id>`) for `omni-runtime trace`."""
+    trace_ttl_s: PositiveInt = 3600
+    """How long a request's trace stays in Redis after its last stamp."""
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """Serve Prometheus metrics on this port at /metrics; 0: off."""
 
     @field_validator("redis_url")
     @classmethod

@@ -14,15 +14,30 @@ Events (where they are stamped):
 - `input_read` — a worker of stage k read the input (its XREADGROUP returned);
 - `output_read` — the orchestrator read a finished output of stage k (before validation);
 - `output_returned` — that output left the stage client for the router.
+
+Clocks: callers stamp with CLOCK_MONOTONIC (`time.monotonic_ns`), which only
+compares within one host, so the file trace keeps it. `RedisTracer` (OMNI_TRACE=1)
+gathers one request's stamps from processes on many hosts, so it converts each
+stamp to wall-clock ns (`time.time_ns` scale) at once, in the stamping process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from omni_runtime import keys
+
+log = logging.getLogger(__name__)
+
+Stamp = tuple[str, str, int | None, int]
+"""`(event, request id, stage id or None, t_ns)`."""
 
 
 class Tracer(Protocol):
@@ -81,6 +96,147 @@ def read_trace_file(path: Path) -> list[tuple[str, str, int | None, int]]:
     return events
 
 
-def tracer_for(trace_file: Path | None) -> Tracer | None:
-    """The tracer a process shell builds from `Settings.trace_file` (None: tracing off)."""
-    return None if trace_file is None else FileTracer(trace_file)
+def wall_ns(t_ns: int | None) -> int:
+    """A monotonic stamp of this process (None: now) on the wall clock, in ns."""
+    if t_ns is None:
+        return time.time_ns()
+    return t_ns + time.time_ns() - time.monotonic_ns()
+
+
+class RedisTracer:
+    """Records stamps in `<ns>:trace:<request id>` (a list of `event stage t_wall_ns`).
+
+    `stamp` only appends to a bounded queue; a daemon thread writes batches with
+    one pipeline (RPUSH, LTRIM to `keys.TRACE_MAX_EVENTS`, EXPIRE), so no caller
+    ever waits on Redis. When Redis is down or the queue is full, stamps are
+    dropped and counted in `dropped`: a trace is best-effort, the request is not.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        names: keys.Names,
+        ttl_s: int = 3600,
+        max_queue: int = 100_000,
+        batch: int = 2000,
+        flush_interval_s: float = 0.05,
+    ) -> None:
+        self.client, self.names, self.ttl_s = client, names, ttl_s
+        self.batch, self.flush_interval_s = batch, flush_interval_s
+        self.dropped = 0
+        self._queue: deque[Stamp] = deque()
+        self._max_queue = max_queue
+        self._wake = threading.Event()
+        self._closing = False
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-tracer", daemon=True)
+        self._thread.start()
+
+    def stamp(
+        self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
+    ) -> None:
+        if len(self._queue) >= self._max_queue:
+            self.dropped += 1
+            return
+        self._idle.clear()
+        self._queue.append((event, request_id, stage_id, wall_ns(t_ns)))  # deque: thread-safe
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every stamp given so far is written (or dropped); False at the timeout."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self._wake.set()
+            if self._idle.wait(min(0.1, max(0.0, end - time.monotonic()))) and not self._queue:
+                return True
+        return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            while self._queue:
+                stamps = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
+                self._write(stamps)
+            self._idle.set()
+            if self._closing:
+                return
+
+    def _write(self, stamps: list[Stamp]) -> None:
+        by_request: dict[str, list[str]] = {}
+        for event, rid, stage, t in stamps:
+            by_request.setdefault(rid, []).append(f"{event} {'-' if stage is None else stage} {t}")
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for rid, lines in by_request.items():
+                    key = self.names.trace(rid)
+                    pipe.rpush(key, *lines)
+                    pipe.ltrim(key, -keys.TRACE_MAX_EVENTS, -1)
+                    pipe.expire(key, self.ttl_s)
+                pipe.execute()
+        except Exception as e:  # RedisError, or a closed client at shutdown
+            self.dropped += len(stamps)
+            log.warning("dropping %d trace stamps: %r", len(stamps), e)
+
+
+def read_redis_trace(client: Any, names: keys.Names, request_id: str) -> list[Stamp]:
+    """A request's stamps from Redis, in wall-clock ns, sorted by time."""
+    out: list[Stamp] = []
+    for raw in client.lrange(names.trace(request_id), 0, keys.TRACE_MAX_EVENTS - 1):
+        parts = (raw.decode() if isinstance(raw, bytes) else str(raw)).split(" ")
+        if len(parts) == 3:
+            event, stage, t = parts
+            out.append((event, request_id, None if stage == "-" else int(stage), int(t)))
+    return sorted(out, key=lambda s: s[3])
+
+
+class FanOutTracer:
+    """Gives every stamp to several tracers (file, Redis, OpenTelemetry)."""
+
+    def __init__(self, tracers: Iterable[Tracer]) -> None:
+        self.tracers = list(tracers)
+
+    def stamp(
+        self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
+    ) -> None:
+        t = time.monotonic_ns() if t_ns is None else t_ns  # one instant for every tracer
+        for tracer in self.tracers:
+            tracer.stamp(event, request_id, stage_id, t)
+
+
+def tracer_for(
+    trace_file: Path | None,
+    trace: bool = False,
+    redis_client: Callable[[], Any] | None = None,
+    names: keys.Names | None = None,
+    ttl_s: int = 3600,
+    role: str = "omni",
+) -> Tracer | None:
+    """The tracer a process shell builds from its settings (None: tracing off).
+
+    `trace_file`: a `FileTracer`; `trace` (with a client factory and names): a
+    `RedisTracer`; and, when opentelemetry-sdk is installed and
+    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `otel_export.OtelTracer` whose spans
+    are named after `role` ("orchestrator", "stage 1", "client").
+    """
+    tracers: list[Tracer] = []
+    if trace_file is not None:
+        tracers.append(FileTracer(trace_file))
+    if trace and redis_client is not None and names is not None:
+        tracers.append(RedisTracer(redis_client(), names, ttl_s))
+    if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        try:
+            from omni_runtime.otel_export import otel_tracer_from_env
+        except ImportError:
+            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry is not installed")
+        else:
+            otel = otel_tracer_from_env(role)
+            if otel is not None:
+                tracers.append(otel)
+    if not tracers:
+        return None
+    return tracers[0] if len(tracers) == 1 else FanOutTracer(tracers)

@@ -1,0 +1,131 @@
+"""Metrics that come from Redis, and a process's metrics published to Redis.
+
+`StreamStatsPoller` runs in the orchestrator: every few seconds it sets the
+stream gauges (length, pending entries, oldest pending age) and the live
+workers per stage from what Redis holds, and publishes a small summary of the
+process's own metrics to `<ns>:stats:<role>` for `omni-runtime status`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+
+from omni_runtime import keys
+from omni_runtime.metrics import HISTOGRAMS, Metrics
+from omni_runtime.redis_stats import (
+    StreamInfo,
+    read_heartbeats,
+    read_stream,
+    server_now,
+    stream_names,
+)
+
+log = logging.getLogger(__name__)
+
+_STAGE_STREAM = re.compile(r":stage:(\d+):(in|out)$")
+
+
+def stats_document(metrics: Metrics) -> dict[str, Any]:
+    """A process's metrics, summarised small enough to publish every few seconds."""
+    latency: dict[str, dict[str, float | None]] = {}
+    for name in HISTOGRAMS:
+        h = metrics.histogram(name)
+        if h.count:
+            latency[name] = {
+                "count": h.count,
+                **{f"p{int(q * 100)}": h.quantile(q) for q in (0.5, 0.9, 0.99)},
+            }
+    counters = {name: sum(series.values()) for name, series in metrics.snapshot().items()}
+    return {"t": time.time(), "counters": counters, "latency": latency}
+
+
+def publish_stats(client: redis.Redis, names: keys.Names, role: str, metrics: Metrics) -> None:
+    client.set(names.stats(role), json.dumps(stats_document(metrics)), ex=keys.STATS_TTL_S)
+
+
+def fill_stream_gauges(metrics: Metrics, streams: Iterable[StreamInfo]) -> None:
+    """Set the stream gauges to what was read, forgetting streams that went away."""
+    seen_len, seen_group = [], []
+    for s in streams:
+        key = (("stream", s.name),)
+        seen_len.append(key)
+        metrics.set_gauge("omni_stream_length", s.length, stream=s.name)
+        for g in s.groups:
+            seen_group.append((("group", g.name), *key))
+            metrics.set_gauge("omni_stream_pending_entries", g.pending, stream=s.name, group=g.name)
+            age = g.oldest_pending_age_s or 0.0
+            metrics.set_gauge(
+                "omni_stream_oldest_pending_seconds", age, stream=s.name, group=g.name
+            )
+    metrics.remove_gauges("omni_stream_length", seen_len)
+    metrics.remove_gauges("omni_stream_pending_entries", seen_group)
+    metrics.remove_gauges("omni_stream_oldest_pending_seconds", seen_group)
+
+
+class StreamStatsPoller:
+    """A daemon thread: every `interval_s`, stream gauges into `metrics` and a stats key.
+
+    Run one in the orchestrator (`role="orchestrator"`); workers may run one with
+    `streams=False` to publish their own stats only.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: keys.Names,
+        metrics: Metrics,
+        role: str,
+        interval_s: float = 5.0,
+        streams: bool = True,
+    ) -> None:
+        self.client, self.names, self.metrics, self.role = client, names, metrics, role
+        self.interval_s, self.streams = interval_s, streams
+        self._stages: set[int] = set()  # a stage whose last worker died still shows 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stream-stats", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling and delete the stats key, as a clean exit deletes its heartbeat."""
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            self.client.delete(self.names.stats(self.role))
+        except RedisError as e:
+            log.warning("deleting the stats key failed: %r", e)
+
+    def poll_once(self) -> None:
+        if self.streams:
+            _, now_ms = server_now(self.client)
+            found = [
+                read_stream(self.client, s, now_ms) for s in stream_names(self.client, self.names)
+            ]
+            streams = [s for s in found if s is not None]
+            fill_stream_gauges(self.metrics, streams)
+            procs = read_heartbeats(self.client, self.names, time.time())
+            stages = self._stages | {p.stage for p in procs if p.stage is not None}
+            stages |= {int(m.group(1)) for s in streams if (m := _STAGE_STREAM.search(s.name))}
+            for sid in stages:
+                alive = sum(1 for p in procs if p.kind == "worker" and p.stage == sid)
+                self.metrics.set_gauge("omni_workers_alive", alive, stage=sid)
+            self._stages = stages
+        publish_stats(self.client, self.names, self.role, self.metrics)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except RedisError as e:
+                log.warning("reading stream stats failed: %r", e)
+            self._stop.wait(self.interval_s)

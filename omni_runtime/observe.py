@@ -1,0 +1,91 @@
+"""What a process shell starts for observability, in one call, and stops in one call.
+
+From its settings: the `/metrics` endpoint (`OMNI_METRICS_PORT`), the tracer
+(`OMNI_TRACE_FILE`, `OMNI_TRACE`, OpenTelemetry from `OTEL_EXPORTER_OTLP_ENDPOINT`)
+and the stats poller (stream gauges in the orchestrator; every process's
+latency summary in `<ns>:stats:<role>` for `omni-runtime status`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.metrics import Metrics
+from omni_runtime.metrics_poller import StreamStatsPoller
+from omni_runtime.prometheus_export import maybe_start_metrics_server
+from omni_runtime.settings import Settings
+from omni_runtime.tracing import FanOutTracer, Tracer, tracer_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Observability:
+    """The running pieces; `close()` flushes traces and stops every thread and server."""
+
+    metrics: Metrics
+    tracer: Tracer | None
+    _stops: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for stop in reversed(self._stops):
+            try:
+                stop()
+            except Exception as e:  # shutting down: report, and stop the rest
+                log.warning("stopping %r failed: %r", stop, e)
+        self._stops.clear()
+
+
+def _closers(tracer: Tracer | None) -> list[Callable[[], None]]:
+    tracers = tracer.tracers if isinstance(tracer, FanOutTracer) else [tracer]
+    out: list[Callable[[], None]] = []
+    for t in tracers:
+        close = getattr(t, "close", None)
+        if close is not None:
+            out.append(close)
+    return out
+
+
+def start_observability(
+    settings: Settings,
+    metrics: Metrics,
+    role: str,
+    redis_client: Callable[[], Any] | None = None,
+    poll_streams: bool = False,
+    poll_interval_s: float = 5.0,
+    const_labels: dict[str, str] | None = None,
+) -> Observability:
+    """Start what `settings` asks for; `role` is "orchestrator", "stage:<k>:<worker>" or "client".
+
+    `redis_client` is a factory of sync clients (`RedisClients.sync`); each
+    background thread gets its own. Without it, only the file tracer and the
+    metrics endpoint run.
+    """
+    labels = {"role": role.split(":", 1)[0], **(const_labels or {})}
+    obs = Observability(metrics, None)
+    obs._stops.append(maybe_start_metrics_server(metrics, settings.metrics_port, labels))
+    try:
+        obs.tracer = tracer_for(
+            settings.trace_file,
+            settings.trace,
+            redis_client,
+            settings.names,
+            settings.trace_ttl_s,
+            role,
+        )
+        obs._stops.extend(_closers(obs.tracer))
+        if redis_client is not None:
+            poller = StreamStatsPoller(
+                redis_client(), settings.names, metrics, role, poll_interval_s, poll_streams
+            )
+            poller.start()
+            obs._stops.append(poller.stop)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            obs.close()
+        raise
+    return obs

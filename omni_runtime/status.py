@@ -1,0 +1,213 @@
+"""`omni-runtime status`: what a running deployment is doing, read from Redis alone.
+
+Live (refreshed every `--interval` seconds) with rich; `--once` prints one
+snapshot, `--json` one machine-readable snapshot. Nothing here needs the
+pipeline file: stages are found from their streams and heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from omni_runtime import keys, redis_stats
+from omni_runtime.settings import Settings
+
+
+def connect(settings: Settings) -> redis.Redis:
+    """A sync client with bounded timeouts: a status tool never hangs on a dead Redis."""
+    return redis.Redis.from_url(
+        settings.require_redis_url(), socket_connect_timeout=5, socket_timeout=10
+    )
+
+
+def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
+    """One snapshot, as plain JSON-able data (what `--json` prints)."""
+    now_s, now_ms = redis_stats.server_now(client)
+    procs = redis_stats.read_heartbeats(client, names, now_s)
+    streams = [
+        redis_stats.read_stream(client, s, now_ms) for s in redis_stats.stream_names(client, names)
+    ]
+    found = [s for s in streams if s is not None]
+    stages = sorted(
+        {int(m.group(1)) for s in found if (m := re.search(r":stage:(\d+):(in|out)$", s.name))}
+        | {p.stage for p in procs if p.stage is not None}
+    )
+    workers = {
+        sid: sum(1 for p in procs if p.kind == "worker" and p.stage == sid) for sid in stages
+    }
+    dead = next((s.length for s in found if s.name == names.dead_letters), 0)
+    return {
+        "namespace": names.namespace,
+        "time": now_s,
+        "orchestrators": sum(1 for p in procs if p.kind == "orchestrator"),
+        "workers_per_stage": {str(k): v for k, v in workers.items()},
+        "processes": redis_stats.as_jsonable(procs),
+        "streams": redis_stats.as_jsonable(found),
+        "dead_letters": dead,
+        "request_rate_per_s": redis_stats.request_rate(client, names, now_ms),
+        "stats": redis_stats.read_stats(client, names),
+    }
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _opt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _processes_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="processes", title_justify="left", expand=False)
+    for col in ("kind", "stage", "name", "host", "pid", "up", "last beat", "in flight", "done"):
+        t.add_column(col, justify="right" if col in ("pid", "in flight", "done") else "left")
+    for p in snap["processes"]:
+        if p["kind"] == "client":
+            continue
+        t.add_row(
+            p["kind"],
+            _opt(p["stage"]),
+            p["name"] or p["value"] or "",
+            _opt(p["host"]),
+            _opt(p["pid"]),
+            _age(p["uptime_s"]),
+            _age(p["last_beat_s"]),
+            _opt(p["in_flight"]),
+            _opt(p["completed"]),
+        )
+    return t
+
+
+def _streams_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="streams", title_justify="left")
+    for col in (
+        "stream",
+        "length",
+        "last entry",
+        "group",
+        "consumers",
+        "pending",
+        "oldest pending",
+        "lag",
+    ):
+        t.add_column(col, justify="left" if col in ("stream", "group") else "right")
+    for s in snap["streams"]:
+        name = s["name"].removeprefix(snap["namespace"] + ":")
+        groups = s["groups"] or [None]
+        for i, g in enumerate(groups):
+            head = (name, str(s["length"]), _age(s["last_entry_age_s"])) if i == 0 else ("", "", "")
+            if g is None:
+                t.add_row(*head, "", "", "", "", "")
+                continue
+            style = "red" if g["pending"] and (g["oldest_pending_age_s"] or 0) > 30 else None
+            t.add_row(
+                *head,
+                g["name"],
+                str(g["consumers"]),
+                Text(str(g["pending"]), style=style or ""),
+                _age(g["oldest_pending_age_s"]),
+                _opt(g["lag"]),
+            )
+    return t
+
+
+def _latency_table(snap: dict[str, Any]) -> Table | None:
+    rows = [
+        (role, name, lat)
+        for role, doc in sorted(snap["stats"].items())
+        for name, lat in sorted(doc.get("latency", {}).items())
+    ]
+    if not rows:
+        return None
+    t = Table(title="latency (since each process started)", title_justify="left")
+    for col in ("process", "histogram", "count", "p50", "p90", "p99"):
+        t.add_column(col, justify="left" if col in ("process", "histogram") else "right")
+    for role, name, lat in rows:
+        short = name.removeprefix("omni_").removesuffix("_seconds")
+        t.add_row(
+            role, short, str(lat.get("count")), *(_age(lat.get(q)) for q in ("p50", "p90", "p99"))
+        )
+    return t
+
+
+def render(snap: dict[str, Any]) -> Group:
+    """The rich renderable of one snapshot."""
+    per_stage = snap["workers_per_stage"]
+    missing = [k for k, n in per_stage.items() if n == 0]
+    head = Text.assemble(
+        (f"namespace {snap['namespace']}", "bold"),
+        f"  orchestrators {snap['orchestrators']}",
+        "  workers " + (", ".join(f"stage {k}: {n}" for k, n in per_stage.items()) or "none"),
+        f"  requests/s {snap['request_rate_per_s']:.2f}",
+        ("  dead letters " + str(snap["dead_letters"]), "red" if snap["dead_letters"] else ""),
+    )
+    parts: list[Any] = [head]
+    if snap["orchestrators"] == 0:
+        parts.append(Text("no orchestrator heartbeat", style="bold red"))
+    if missing:
+        parts.append(Text(f"no live worker for stage {', '.join(missing)}", style="bold red"))
+    parts += [_processes_table(snap), _streams_table(snap)]
+    latency = _latency_table(snap)
+    if latency is not None:
+        parts.append(latency)
+    return Group(*parts)
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+
+
+def run_status(
+    args: argparse.Namespace,
+    settings: Settings,
+    client: redis.Redis | None = None,
+    console: Console | None = None,
+) -> int:
+    """The `status` subcommand; 0 when an orchestrator and a worker of every stage are alive."""
+    client = client if client is not None else connect(settings)
+    if console is None:  # piped: wide enough that no column is cut
+        console = Console(width=None if sys.stdout.isatty() else 160)
+    names = settings.names
+    if args.json or args.once:
+        snap = collect_status(client, names)
+        if args.json:
+            console.file.write(json.dumps(snap, indent=1) + "\n")
+        else:
+            console.print(render(snap))
+        healthy = snap["orchestrators"] > 0 and all(snap["workers_per_stage"].values())
+        return 0 if healthy else 1
+    good: Any = Text("reading Redis ...")
+    with Live(good, console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                try:  # while Redis is unreachable, say so over the last good frame
+                    good = render(collect_status(client, names))
+                    live.update(good, refresh=True)
+                except RedisError as e:
+                    live.update(Group(Text(f"Redis: {e} (retrying)", style="bold red"), good))
+                    live.refresh()
+                time.sleep(max(0.1, args.interval))
+        except KeyboardInterrupt:
+            return 0

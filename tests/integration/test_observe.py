@@ -1,0 +1,81 @@
+"""One call starts a process's observability from its settings; one call stops it."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import fakeredis
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_runtime.metrics import Metrics
+from omni_runtime.observe import start_observability
+from omni_runtime.prometheus_export import start_metrics_server
+from omni_runtime.settings import Settings
+from omni_runtime.tracing import FanOutTracer, read_redis_trace
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_settings_fields_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_TRACE", "1")
+    monkeypatch.setenv("OMNI_METRICS_PORT", "9400")
+    monkeypatch.setenv("OMNI_TRACE_TTL_S", "60")
+    s = Settings()
+    assert (s.trace, s.metrics_port, s.trace_ttl_s) == (True, 9400, 60)
+    assert (
+        Settings.model_fields["trace"].default,
+        Settings.model_fields["metrics_port"].default,
+    ) == (
+        False,
+        0,
+    )
+
+
+def test_everything_off_by_default() -> None:
+    obs = start_observability(Settings(redis_url="redis://unused"), Metrics(), "orchestrator")
+    assert obs.tracer is None
+    obs.close()
+
+
+def test_tracing_stats_and_metrics_when_asked(tmp_path: Path) -> None:
+    server = fakeredis.FakeServer()
+    settings = Settings(redis_url="redis://unused", trace=True, trace_file=tmp_path / "t.log")
+    metrics = Metrics()
+    metrics.observe("omni_e2e_request_latency_seconds", 0.5)
+    obs = start_observability(
+        settings,
+        metrics,
+        "orchestrator",
+        lambda: fakeredis.FakeRedis(server=server),
+        poll_streams=True,
+        poll_interval_s=0.05,
+    )
+    reader = fakeredis.FakeRedis(server=server)
+    try:
+        assert isinstance(obs.tracer, FanOutTracer)
+        obs.tracer.stamp("request_read", "r1")
+        wait_until(lambda: reader.get(settings.names.stats("orchestrator")) is not None)
+        doc = json.loads(reader.get(settings.names.stats("orchestrator")) or b"{}")
+        assert doc["latency"]["omni_e2e_request_latency_seconds"]["count"] == 1
+    finally:
+        obs.close()  # flushes the trace
+    assert [s[0] for s in read_redis_trace(reader, settings.names, "r1")] == ["request_read"]
+    assert "request_read r1" in (tmp_path / "t.log").read_text()
+    assert reader.get(settings.names.stats("orchestrator")) is None  # a clean exit leaves none
+
+
+def test_role_label_on_every_series() -> None:
+    metrics = Metrics()
+    metrics.inc("omni_takeovers_total", stage=1)
+    stop = start_metrics_server(metrics, 0, "127.0.0.1", {"role": "stage"})
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stop.port}/metrics", timeout=10) as r:
+            fams = list(text_string_to_metric_families(r.read().decode()))
+    finally:
+        stop()
+    (sample,) = [s for f in fams for s in f.samples if s.name == "omni_takeovers_total"]
+    assert sample.labels == {"role": "stage", "stage": "1"}
