@@ -19,6 +19,7 @@ import uvicorn
 
 from omni_runtime.errors import OmniError
 from omni_runtime.http.app import create_app
+from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
 from omni_runtime.http.gateway import Gateway, outputs_of
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.launcher import ProcessGroup, child_env, local_redis
@@ -30,20 +31,6 @@ log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
 """Open streams get this long to finish on SIGTERM before they are cut (and aborted)."""
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The serve-only flags; `--pipeline`, `--mode`, `--redis-url`, `--namespace` come from
-    the CLI's common ones. API keys come only from OMNI_API_KEYS (argv is visible in `ps`)."""
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1; env OMNI_HOST)")
-    parser.add_argument("--port", type=int, help="port (default 8000; env OMNI_PORT)")
-    parser.add_argument("--max-inflight", type=int, help="requests at once before 429 (default 64)")
-    parser.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        default=None,
-        help="allow a non-loopback --host without OMNI_API_KEYS",
-    )
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:

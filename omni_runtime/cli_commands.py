@@ -1,0 +1,176 @@
+"""What each `omni-runtime` subcommand does, given its parsed arguments: calls into the library."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic_settings import CliSettingsSource
+
+from omni_runtime.console import OutputPrinter, check_wav_path, read_prompt, write_wav
+from omni_runtime.errors import ConfigError, OmniError
+from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
+from omni_runtime.settings import Settings
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    source: CliSettingsSource[Settings] = args.settings_source
+    return Settings.load(source(parsed_args=args), args.settings_file)
+
+
+def _pipeline(args: argparse.Namespace) -> PipelineConfig:
+    return load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
+
+
+def _wav_rate(pipeline: PipelineConfig) -> int:
+    """The audio's sample rate as the pipeline file states it (`outputs.sample_rate`)."""
+    return pipeline.outputs.sample_rate if pipeline.outputs is not None else 16000
+
+
+# --- long-running processes ---------------------------------------------------
+
+
+def cmd_orchestrator(args: argparse.Namespace) -> int:
+    from omni_runtime.orchestrator_proc import OrchestratorService
+
+    service = OrchestratorService(_pipeline(args), settings_of(args))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await service.run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from omni_runtime.worker.proc import StageWorker
+
+    pipeline = _pipeline(args)
+    check_stage_options(pipeline, [args.stage])
+    worker = StageWorker(pipeline, args.stage, settings_of(args), worker_id=args.worker_id)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    worker.run()
+    stuck = [
+        t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
+    ]
+    if stuck:  # stage code that ignores aborts must not keep a stopped worker alive
+        logging.getLogger(__name__).warning(
+            "exiting with stage code still running on %s", ", ".join(stuck)
+        )
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+# --- clients ------------------------------------------------------------------
+
+
+async def _submit_and_print(
+    settings: Settings, prompt: str, printer: OutputPrinter, stage_ids: list[int]
+) -> None:
+    from omni_runtime.client import OmniClient
+
+    async with OmniClient(settings) as client:
+        await client.wait_ready(stage_ids)
+        printer.restart_clock()
+        async for out in client.generate(prompt):
+            printer(out)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    pipeline = _pipeline(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    check_wav_path(args.wav)
+    printer = OutputPrinter()
+    stage_ids = list(range(pipeline.last_stage + 1))
+    asyncio.run(_submit_and_print(settings_of(args), prompt, printer, stage_ids))
+    write_wav(printer, args.wav, _wav_rate(pipeline))
+    return 1 if printer.failed else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omni_runtime.launcher import ProcessGroup, child_env, local_redis
+
+    pipeline = _pipeline(args)
+    settings = settings_of(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    check_wav_path(args.wav)
+    check_stage_options(pipeline, range(pipeline.last_stage + 1))
+    printer = OutputPrinter()
+    with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
+        print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
+        env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
+        group = ProcessGroup(Path(args.pipeline), pipeline, env)
+        group.start()
+        try:
+            run_settings = settings.model_copy(update={"redis_url": url})
+            stage_ids = list(range(pipeline.last_stage + 1))
+            asyncio.run(_watch(group, _submit_and_print(run_settings, prompt, printer, stage_ids)))
+        finally:
+            group.stop()
+    write_wav(printer, args.wav, _wav_rate(pipeline))
+    print(printer.summary())
+    return 1 if printer.failed else 0
+
+
+async def _watch(group: Any, work: Any) -> None:
+    """Run `work`, failing fast if one of the processes dies meanwhile."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        try:
+            group.check_alive()
+        except OmniError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        await asyncio.wait({task}, timeout=0.2)
+    task.result()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omni_runtime.loadgen import run_load
+
+    report = asyncio.run(
+        run_load(settings_of(args), _pipeline(args), args.requests, args.concurrency, args.prompt)
+    )
+    print(report)
+    return 1 if " 0 errors" not in report else 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from omni_runtime.http.serve import run_serve
+    except ImportError as e:
+        raise ConfigError(
+            f"serve needs the serve extra: pip install 'omni-runtime[serve]' ({e})"
+        ) from None
+    return run_serve(args, settings_of(args))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from omni_runtime.status import run_status
+
+    return run_status(args, settings_of(args))
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    from omni_runtime.dead_letters import run_dead_letters
+
+    return run_dead_letters(args, settings_of(args))
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from omni_runtime.trace_view import run_trace
+
+    return run_trace(args, settings_of(args))
