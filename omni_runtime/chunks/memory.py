@@ -64,6 +64,11 @@ class MemoryConnector:
             if transport in self._transports:
                 self._transports.remove(transport)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether a value is stored under `key` (without consuming it)."""
+        with self._lock:
+            return key in self._store
+
     def __len__(self) -> int:
         """Number of values stored and not yet consumed."""
         with self._lock:

@@ -160,17 +160,18 @@ class ChunkReceiver:
     def _round(self) -> None:
         """Subscriptions, due sweeps, then one fetch + commit of every queued request."""
         with self._cv:
-            subs, unsubs = self._book.take_subscriptions()
+            routes = self._book.take_routes()
             sweeps = self._book.due_sweeps(time.monotonic())
             batch = self._book.take_round()
+        src = self.src_stage_id
         try:
-            src = self.src_stage_id
-            self.transport.subscribe([keys.route_id(r, src) for r in subs])
-            self.transport.unsubscribe([keys.route_id(r, src) for r in unsubs])
+            self.transport.unsubscribe(
+                [keys.route_id(r, src) for r, on in routes.items() if not on]
+            )
+            self.transport.subscribe([keys.route_id(r, src) for r, on in routes.items() if on])
         except Exception:
             with self._cv:
-                self._book.to_subscribe += subs
-                self._book.to_unsubscribe += unsubs
+                self._book.retry_routes(routes)
                 self._book.requeue(batch)
             raise
         for rid, first in sweeps:

@@ -209,8 +209,8 @@ class RecvBook:
         self._queue: deque[str] = deque()
         self._parked: set[str] = set()
         self._hot: set[str] = set()
-        self.to_subscribe: list[str] = []
-        self.to_unsubscribe: list[str] = []
+        self.routes: dict[str, bool] = {}
+        """Requests whose subscription must change: True subscribe, False unsubscribe."""
         self.sweeps: list[tuple[float, str, int]] = []
         """(due, request, first unread id): unread chunks of discarded requests to delete."""
 
@@ -221,7 +221,7 @@ class RecvBook:
         self._tokens[request_id] = object()
         self._next_ids[request_id] = 0
         self._queue.append(request_id)
-        self.to_subscribe.append(request_id)
+        self.routes[request_id] = True
         return True
 
     def take_ready(self) -> dict[str, list[Chunk]]:
@@ -231,7 +231,7 @@ class RecvBook:
     def cleanup(self, request_id: str) -> None:
         """The commit barrier: a round read before this no longer matches any token."""
         if self._tokens.pop(request_id, None) is not None:
-            self.to_unsubscribe.append(request_id)
+            self.routes[request_id] = False
         self._next_ids.pop(request_id, None)
         self._ready.pop(request_id, None)
         self._parked.discard(request_id)
@@ -250,9 +250,7 @@ class RecvBook:
 
     def busy(self, now: float) -> bool:
         """Something to do without waiting for a put."""
-        return bool(
-            self._queue or self.to_subscribe or self.to_unsubscribe or self.due_sweeps(now, False)
-        )
+        return bool(self._queue or self.routes or self.due_sweeps(now, False))
 
     def due_sweeps(self, now: float, take: bool = True) -> list[tuple[str, int]]:
         due = [(rid, first) for at, rid, first in self.sweeps if at <= now]
@@ -323,7 +321,7 @@ class RecvBook:
                     break
             if finished:
                 del self._tokens[rid], self._next_ids[rid]
-                self.to_unsubscribe.append(rid)
+                self.routes[rid] = False
                 continue
             if took:
                 hot.add(rid)
@@ -335,7 +333,11 @@ class RecvBook:
         self._hot = hot
         return out
 
-    def take_subscriptions(self) -> tuple[list[str], list[str]]:
-        subs, self.to_subscribe = self.to_subscribe, []
-        unsubs, self.to_unsubscribe = self.to_unsubscribe, []
-        return subs, unsubs
+    def take_routes(self) -> dict[str, bool]:
+        """The subscription changes to make (the last one per request wins)."""
+        routes, self.routes = self.routes, {}
+        return routes
+
+    def retry_routes(self, routes: dict[str, bool]) -> None:
+        """They failed: make them again, unless changed meanwhile."""
+        self.routes = {**routes, **self.routes}
