@@ -53,7 +53,7 @@ class ChunkAdapter:
             self.src_stage_id,
             self.metrics,
             on_ready,
-            thread_name=f"chunk-recv-{stage_id}",
+            stage_id=stage_id,
         )
 
     # --- scheduler-thread API: in-memory only, returns at once ---------------

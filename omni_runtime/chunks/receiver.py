@@ -49,10 +49,12 @@ class ChunkReceiver:
         metrics: Metrics,
         on_ready: Callable[[], None] | None = None,
         *,
-        thread_name: str,
+        stage_id: int,
     ) -> None:
         self.transport = transport
         self.src_stage_id = src_stage_id
+        self.stage_id = stage_id
+        """The receiving stage: counters carry it as their `stage` label."""
         self.metrics = metrics
         self.on_ready = on_ready
         """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
@@ -60,7 +62,9 @@ class ChunkReceiver:
         self._cv = threading.Condition()
         self._book = RecvBook(READ_AHEAD, parks=transport.signals_puts)
         self._last_sweep = time.monotonic()
-        self.thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self.thread = threading.Thread(
+            target=self._loop, name=f"chunk-recv-{stage_id}", daemon=True
+        )
         self.thread.start()
 
     # --- caller's side: in-memory only ------------------------------------------
@@ -139,7 +143,7 @@ class ChunkReceiver:
             step()
             backoff.succeeded()
         except Exception as e:
-            self.metrics.inc("omni_chunk_get_failures_total", stage=self.src_stage_id)
+            self.metrics.inc("omni_chunk_get_failures_total", stage=self.stage_id)
             delay_s = backoff.failed() or 1.0
             log.warning("chunk read failed (retrying in %.2fs): %r", delay_s, e)
             self._stop.wait(delay_s)
@@ -193,10 +197,10 @@ class ChunkReceiver:
         with self._cv:
             done = self._book.commit(batch, values)  # a MalformedChunk is not a chunk: skipped
         for rid, chunk_id in done.malformed:
-            self.metrics.inc("omni_malformed_chunks_total", stage=src)
+            self.metrics.inc("omni_malformed_chunks_total", stage=self.stage_id)
             log.error("malformed chunk %s skipped", keys.chunk_key(rid, src, chunk_id))
         if done.received:
-            self.metrics.inc("omni_chunks_received_total", done.received, stage=src)
+            self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
             if self.on_ready is not None:
                 self.on_ready()
                 time.sleep(0)  # let the woken scheduler take the GIL before the next round
