@@ -1,4 +1,5 @@
-"""One contract, three connectors: in memory, Redis on fakeredis, Redis on a real redis-server.
+"""The SPEC connector contract, over three connectors: in memory, Redis on fakeredis, Redis
+on a real redis-server (the transport surface has its own suite).
 
 SPEC §2: `put(key, obj)`, `get(key) -> obj | None`; `get` consumes, `None` means
 not there yet. SPEC §5: the Redis connector SETs with a TTL, consumes with
@@ -12,7 +13,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import fakeredis
@@ -23,8 +23,9 @@ from redis.connection import PythonRespSerializer
 
 from omni_runtime import keys
 from omni_runtime.chunks import MemoryConnector, RedisConnector
-from omni_runtime.core.types import Connector, MalformedChunk
+from omni_runtime.chunks.transport import Connector
 from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.redis_io.backoff import Backoff
 
 AnyConnector = MemoryConnector | RedisConnector
 
@@ -133,6 +134,7 @@ def fail_commands(
 
 def test_every_connector_satisfies_the_connector_protocol(connector: AnyConnector) -> None:
     assert isinstance(connector, Connector)
+    assert not isinstance(object(), Connector)
 
 
 def test_put_then_get_returns_an_equal_object(connector: AnyConnector) -> None:
@@ -155,25 +157,6 @@ def test_put_replaces_an_unread_value(connector: AnyConnector) -> None:
     connector.put("r1_0_0", {"data": "old", "finished": False})
     connector.put("r1_0_0", {"data": "new", "finished": False})
     assert connector.get("r1_0_0") == {"data": "new", "finished": False}
-
-
-def test_get_many_is_aligned_with_its_keys_and_consumes(connector: AnyConnector) -> None:
-    connector.put("r_1_0", {"data": "a", "finished": False})
-    connector.put("r_1_2", {"data": "c", "finished": True})
-    got = connector.get_many(["r_1_0", "r_1_1", "r_1_2"])
-    assert got == [{"data": "a", "finished": False}, None, {"data": "c", "finished": True}]
-    assert connector.get_many(["r_1_0", "r_1_1", "r_1_2"]) == [None, None, None]
-    assert connector.get_many([]) == []
-
-
-def test_delete_many_drops_the_keys_and_ignores_missing_ones(connector: AnyConnector) -> None:
-    connector.put("d_0_0", {"data": 0, "finished": False})
-    connector.put("d_0_1", {"data": 1, "finished": False})
-    connector.put("keep_0_0", {"data": 2, "finished": True})
-    connector.delete_many(["d_0_0", "d_0_1", "absent_0_0"])
-    connector.delete_many([])
-    assert connector.get_many(["d_0_0", "d_0_1"]) == [None, None]
-    assert connector.get("keep_0_0") == {"data": 2, "finished": True}
 
 
 def test_bytes_and_nested_values_round_trip(connector: AnyConnector) -> None:
@@ -260,8 +243,8 @@ def test_prefix_is_applied_inside_and_every_key_has_a_ttl(redis_variant: RedisVa
     assert raw.exists("r1_0_0") == 0
     assert 0 < raw.ttl("omni:test:r1_0_0") <= 60
     assert conn.get("r1_0_0") == {"data": "x", "finished": False}
-    assert conn.get_many(["r1_0_1"]) == [{"data": "y", "finished": False}]
-    conn.delete_many(["r1_0_2"])
+    assert conn.fetch(["r1_0_1"]) == [{"data": "y", "finished": False}]
+    assert conn.discard(["r1_0_2", "r1_0_9"]) == 1
     assert raw.exists("omni:test:r1_0_0", "omni:test:r1_0_1", "omni:test:r1_0_2") == 0
 
 
@@ -274,11 +257,10 @@ def test_default_ttl_is_the_chunk_ttl(redis_variant: RedisVariant) -> None:
 def test_put_retries_with_exponential_backoff_then_succeeds(
     redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = redis_variant.make(put_retries=3, retry_backoff_s=0.001)
+    conn = redis_variant.make(retry=Backoff(initial_s=0.001, max_s=1.0, max_attempts=4))
     calls = fail_commands(monkeypatch, conn, "SET", times=3)
     sleeps: list[float] = []
-    fake_time = SimpleNamespace(sleep=sleeps.append)  # only the connector's view of `time`
-    monkeypatch.setattr("omni_runtime.chunks.redis.time", fake_time)
+    monkeypatch.setattr("omni_runtime.chunks.redis.time.sleep", sleeps.append)
     conn.put("r1_0_0", {"data": "ok", "finished": True})
     assert calls[0] == 4
     assert sleeps == pytest.approx([0.001, 0.002, 0.004])
@@ -288,7 +270,7 @@ def test_put_retries_with_exponential_backoff_then_succeeds(
 def test_put_raises_transport_error_after_exhausting_retries(
     redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = redis_variant.make(put_retries=2, retry_backoff_s=0.0)
+    conn = redis_variant.make(retry=Backoff(initial_s=0.0, max_attempts=3))
     calls = fail_commands(monkeypatch, conn, "SET", times=3)
     with pytest.raises(TransportError, match="3 attempt") as info:
         conn.put("r1_0_0", {"data": "lost", "finished": False})
@@ -297,10 +279,10 @@ def test_put_raises_transport_error_after_exhausting_retries(
     assert redis_variant.raw.exists("r1_0_0") == 0
 
 
-def test_put_retries_zero_means_one_attempt(
+def test_one_attempt_means_no_retry(
     redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = redis_variant.make(put_retries=0)
+    conn = redis_variant.make(retry=Backoff(max_attempts=1))
     calls = fail_commands(monkeypatch, conn, "SET", times=1)
     with pytest.raises(TransportError):
         conn.put("r1_0_0", {"data": "lost", "finished": False})
@@ -326,26 +308,12 @@ def test_get_of_a_malformed_value_raises_codec_error_and_counts_it(
     redis_variant.raw.set("p:bad_0_0", NOT_PICKLE_NOT_MSGPACK)
     with pytest.raises(CodecError):
         conn.get("bad_0_0")
-    assert conn.malformed == 1
     assert conn.get("bad_0_0") is None  # consumed: a malformed value is not served twice
-
-
-def test_get_many_with_a_malformed_value_keeps_the_good_ones(redis_variant: RedisVariant) -> None:
-    conn = redis_variant.make()
-    conn.put("m_0_0", {"data": "good", "finished": False})
-    redis_variant.raw.set("m_0_1", NOT_PICKLE_NOT_MSGPACK)
-    results = conn.get_many(["m_0_0", "m_0_1", "m_0_2"])
-    assert results[0] == {"data": "good", "finished": False}
-    assert isinstance(results[1], MalformedChunk) and results[1].key.endswith("m_0_1")
-    assert results[2] is None
-    assert conn.malformed == 1
 
 
 def test_invalid_settings_are_config_errors(redis_variant: RedisVariant) -> None:
     with pytest.raises(ConfigError, match="ttl_s"):
         redis_variant.make(ttl_s=0)
-    with pytest.raises(ConfigError, match="put_retries"):
-        redis_variant.make(put_retries=-1)
 
 
 def test_a_decoding_client_is_rejected(fake_server: fakeredis.FakeServer) -> None:
@@ -374,70 +342,10 @@ def test_from_url_packs_commands_with_the_python_packer(redis_url: str) -> None:
 def test_unreachable_server_is_a_transport_error() -> None:
     with refused_loopback_port() as port:
         url = f"redis://127.0.0.1:{port}/0"
-        with RedisConnector.from_url(url, put_retries=1, retry_backoff_s=0.0) as conn:
+        with RedisConnector.from_url(url, retry=Backoff(0.0, max_attempts=2)) as conn:
             with pytest.raises(TransportError, match="2 attempt"):
                 conn.put("r1_0_0", {"data": 1, "finished": False})
             with pytest.raises(TransportError):
                 conn.get("r1_0_0")
             with pytest.raises(TransportError):
-                conn.get_many(["r1_0_0"])
-
-
-# --- look-ahead and wake-ups (the ChunkAdapter's optional connector features) ------
-
-
-def test_peek_many_reads_without_consuming(connector: AnyConnector) -> None:
-    connector.put("p_0_0", {"data": 1, "finished": False})
-    assert connector.peek_many(["p_0_0", "p_0_1"]) == [{"data": 1, "finished": False}, None]
-    assert connector.get("p_0_0") == {"data": 1, "finished": False}
-    assert connector.peek_many([]) == []
-
-
-def test_a_put_on_a_listened_route_wakes_the_receiver(redis_variant: RedisVariant) -> None:
-    receiver = redis_variant.make(prefix="ns:")
-    sender = redis_variant.make(prefix="ns:")
-    woken = threading.Event()
-    receiver.on_put(lambda route_id: woken.set())
-    receiver.listen(["req_0"])
-    sender.put("req_0_0", {"data": "x", "finished": False})
-    assert woken.wait(10), "receiver was not woken"
-    assert receiver.peek_many(["req_0_0"]) == [{"data": "x", "finished": False}]
-    receiver.delete_many(["req_0_0"])
-    assert redis_variant.raw.get("ns:req_0_0") is None
-    woken.clear()
-    sender.put("req_0_1", {"data": "y", "finished": True})  # route now cached by the sender
-    assert woken.wait(10)
-    receiver.unlisten(["req_0"])
-    assert redis_variant.raw.get(keys.chunk_route_key("req_0", "ns:")) is None
-    receiver.close()
-    sender.close()
-
-
-def test_a_small_chunk_rides_in_its_wakeup_and_is_read_without_redis(
-    redis_variant: RedisVariant,
-) -> None:
-    receiver = redis_variant.make(prefix="ns:")
-    sender = redis_variant.make(prefix="ns:")
-    woken = threading.Event()
-    receiver.on_put(lambda route_id: woken.set())
-    receiver.listen(["inl_0"])
-    sender.put("inl_0_0", {"data": b"small", "finished": True})
-    assert woken.wait(10)
-    redis_variant.raw.delete("ns:inl_0_0")  # proves the value came with the wake-up
-    assert receiver.peek_many(["inl_0_0"]) == [{"data": b"small", "finished": True}]
-    receiver.close()
-    sender.close()
-
-
-def test_puts_on_an_unlistened_route_leave_no_wakeup_state(redis_variant: RedisVariant) -> None:
-    sender = redis_variant.make(prefix="ns:")
-    sender.put("solo_0_0", {"data": "x", "finished": True})
-    assert sorted(k.decode() for k in redis_variant.raw.keys("*")) == ["ns:solo_0_0"]
-
-
-def test_memory_connector_calls_wakeup_callbacks_on_put() -> None:
-    conn = MemoryConnector()
-    calls: list[int] = []
-    conn.on_put(lambda route_id: calls.append(route_id))
-    conn.put("a_0_0", 1)
-    assert calls == ["a_0"]
+                conn.fetch(["r1_0_0"])
