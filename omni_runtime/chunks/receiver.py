@@ -62,6 +62,8 @@ class ChunkReceiver:
         self._cv = threading.Condition()
         self._book = RecvBook(READ_AHEAD, parks=transport.signals_puts)
         self._last_sweep = time.monotonic()
+        self._sweeps: list[tuple[float, str, int]] = []
+        """(due, request, first unread id): unread chunks of discarded requests to delete."""
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-recv-{stage_id}", daemon=True
         )
@@ -85,8 +87,11 @@ class ChunkReceiver:
             self._book.cleanup(request_id)
 
     def discard(self, request_id: str) -> None:
+        now = time.monotonic()
         with self._cv:
-            self._book.discard(request_id, time.monotonic(), LATE_SWEEP_S)
+            first = self._book.next_id(request_id)
+            self._sweeps += [(now, request_id, first), (now + LATE_SWEEP_S, request_id, first)]
+            self._book.cleanup(request_id)
             self._cv.notify()
         self.transport.wake()
 
@@ -125,17 +130,18 @@ class ChunkReceiver:
         """0: work to do now; else how long to wait for puts; None: nothing registered."""
         now = time.monotonic()
         with self._cv:
-            if self._book.busy(now):
+            next_sweep = min((at for at, _r, _f in self._sweeps), default=None)
+            if self._book.busy() or (next_sweep is not None and next_sweep <= now):
                 return 0.0
-            if not self._book.registered() and not self._book.sweeps:
+            if not self._book.registered() and next_sweep is None:
                 return None
             if self._book.has_parked() and now - self._last_sweep >= SWEEP_INTERVAL_S:
                 self._last_sweep = now
                 self._book.unpark_all()
                 return 0.0
             due = [self._last_sweep + SWEEP_INTERVAL_S, now + IDLE_WAIT_S]
-            if (at := self._book.next_sweep()) is not None:
-                due.append(at)
+            if next_sweep is not None:
+                due.append(next_sweep)
             return max(0.001, min(due) - now)
 
     def _step(self, step: Callable[[], None], backoff: Backoff) -> None:
@@ -165,7 +171,9 @@ class ChunkReceiver:
         """Subscriptions, due sweeps, then one fetch + commit of every queued request."""
         with self._cv:
             routes = self._book.take_routes()
-            sweeps = self._book.due_sweeps(time.monotonic())
+            now = time.monotonic()
+            sweeps = [(rid, first) for at, rid, first in self._sweeps if at <= now]
+            self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
             batch = self._book.take_round()
         src = self.src_stage_id
         try:

@@ -1,11 +1,8 @@
 """The ChunkAdapter's bookkeeping (SPEC §4) as plain code: no I/O, no threads, no locks.
 
-`SendBook` is the SAVE half (the FIFO, per-request next id, cancel marks, finals
-in flight, purges), `RecvBook` the RECV half (registration tokens, next ids,
-ready chunks, the polling queue, parked and hot requests, sweeps). The thread
-loops in `omni_runtime.chunks` call them under their own lock and do the I/O
-in between; every rule of SPEC §4 that is not I/O lives here and is tested
-without threads. Times are passed in (`now`), so ages are testable too.
+`SendBook` is the SAVE half, `RecvBook` the RECV half. The thread loops in
+`omni_runtime.chunks` call them under their own lock and do the I/O in between,
+so every rule that is not I/O is tested here without threads (times passed in).
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from typing import Any
 Chunk = dict[str, Any]
 """Exactly `{"data": payload, "finished": is_final}`."""
 
+_KEYS = {"data", "finished"}
 CANCEL_MARK_TTL_S = 600.0
 """A cancel mark of a request that never sends its final is forgotten after this long."""
 
@@ -73,46 +71,36 @@ class SendBook:
 
     def discard(self, request_id: str, now: float) -> None:
         """Mid-stream: cancel and queue a None final unless one is queued; then purge its keys."""
-        st = self._states.get(request_id)
-        if st is not None and (st.queued or st.next_id):
+        st = self._states.setdefault(request_id, _SendState())
+        if st.queued or st.next_id:
             self.cancel(request_id, now)
             if not st.finals_queued:
                 self.save(request_id, None, True)
         else:
             self._marks.pop(request_id, None)
-        st = self._states.setdefault(request_id, _SendState())
         st.purge_upto = st.purge_upto or 0
         st.queued += 1
         self.queue.append(SendItem(request_id, None, True, purge=True))
 
     def expire(self, now: float) -> None:
         """Forget cancel marks older than the age limit (a request that never sends a final)."""
-        while self._marks:
-            rid, at = next(iter(self._marks.items()))
-            if now - at < self.cancel_mark_ttl_s:
-                return
-            del self._marks[rid]
+        while self._marks and now - next(iter(self._marks.values())) >= self.cancel_mark_ttl_s:
+            self._marks.popitem(last=False)
 
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self._marks
 
     def take(self) -> tuple[SendItem, bool] | None:
         """The next FIFO item and whether its request is cancelled (checked at its turn)."""
-        if not self.queue:
-            return None
-        item = self.queue.popleft()
-        return item, item.request_id in self._marks
+        item = self.queue.popleft() if self.queue else None
+        return None if item is None else (item, item.request_id in self._marks)
 
     def done(self, item: SendItem) -> None:
-        """An item left without a put (dropped, skipped, or a purge that ran)."""
+        """A non-final item left without a put (dropped, skipped), or a purge that ran."""
         st = self._states.get(item.request_id)
-        if st is None:
-            return
-        st.queued -= 1
-        if item.is_final and not item.purge:
-            st.finals_queued -= 1
-            self._final_done(item.request_id, st, st.next_id)
-        self._forget_if_idle(item.request_id, st)
+        if st is not None:
+            st.queued -= 1
+            self._forget_if_idle(item.request_id, st)
 
     def number(self, batch: list[Staged]) -> None:
         """Give each staged chunk the next id of its request, in batch order (ids restart
@@ -128,34 +116,26 @@ class SendBook:
         """After the put of `batch`: only a successful put advances ids; a final ends the
         request's id counter and cancel mark either way."""
         for staged in batch:
-            st = self._states.get(staged.request_id)
-            if st is None:
-                continue
+            st = self._states[staged.request_id]  # queued by `save`, so it has state
             st.queued -= 1
             if ok:
                 st.next_id = staged.chunk_id + 1
             if staged.chunk["finished"]:
                 st.finals_queued -= 1
-                self._final_done(staged.request_id, st, staged.chunk_id + ok)
+                if st.purge_upto is not None:
+                    st.purge_upto = max(st.purge_upto, staged.chunk_id + ok)
+                st.next_id = 0
+                self._marks.pop(staged.request_id, None)
             self._forget_if_idle(staged.request_id, st)
 
     def purge(self, item: SendItem) -> int:
         """A purge's turn came: how many ids (0 .. n-1) of the request to delete."""
-        st = self._states.get(item.request_id)
-        upto = 0
-        if st is not None:
-            upto = st.purge_upto or st.next_id
-            st.purge_upto = None
-            st.next_id = 0
+        st = self._states[item.request_id]  # queued by `discard`, so it has state
+        upto = st.purge_upto or st.next_id
+        st.purge_upto, st.next_id = None, 0
         self._marks.pop(item.request_id, None)
         self.done(item)
         return upto
-
-    def _final_done(self, rid: str, st: _SendState, upto: int) -> None:
-        if st.purge_upto is not None:
-            st.purge_upto = max(st.purge_upto, upto)
-        st.next_id = 0
-        self._marks.pop(rid, None)
 
     def _forget_if_idle(self, rid: str, st: _SendState) -> None:
         if not st.queued and not st.next_id and st.purge_upto is None:
@@ -164,9 +144,6 @@ class SendBook:
     def tracked(self) -> int:
         """Requests with state (for tests: memory stays bounded)."""
         return len(self._states) + len(self._marks)
-
-
-# --- RECV ------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -189,11 +166,7 @@ class Committed:
 
 
 def is_chunk(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and value.keys() == {"data", "finished"}
-        and isinstance(value["finished"], bool)
-    )
+    return isinstance(value, dict) and value.keys() == _KEYS and type(value["finished"]) is bool
 
 
 class RecvBook:
@@ -211,8 +184,6 @@ class RecvBook:
         self._hot: set[str] = set()
         self.routes: dict[str, bool] = {}
         """Requests whose subscription must change: True subscribe, False unsubscribe."""
-        self.sweeps: list[tuple[float, str, int]] = []
-        """(due, request, first unread id): unread chunks of discarded requests to delete."""
 
     def register(self, request_id: str) -> bool:
         """`load_async`: a fresh token, next id 0, queued; False if already registered."""
@@ -236,11 +207,9 @@ class RecvBook:
         self._ready.pop(request_id, None)
         self._parked.discard(request_id)
 
-    def discard(self, request_id: str, now: float, late_s: float) -> None:
-        """Sweep its unread chunks now and once more `late_s` later; then clean up."""
-        first = self._next_ids.get(request_id, 0)
-        self.sweeps += [(now, request_id, first), (now + late_s, request_id, first)]
-        self.cleanup(request_id)
+    def next_id(self, request_id: str) -> int:
+        """The first id not read yet (0 when not registered)."""
+        return self._next_ids.get(request_id, 0)
 
     def registered(self) -> int:
         return len(self._tokens)
@@ -248,18 +217,9 @@ class RecvBook:
     def has_parked(self) -> bool:
         return bool(self._parked)
 
-    def busy(self, now: float) -> bool:
+    def busy(self) -> bool:
         """Something to do without waiting for a put."""
-        return bool(self._queue or self.routes or self.due_sweeps(now, False))
-
-    def due_sweeps(self, now: float, take: bool = True) -> list[tuple[str, int]]:
-        due = [(rid, first) for at, rid, first in self.sweeps if at <= now]
-        if take and due:
-            self.sweeps = [sw for sw in self.sweeps if sw[0] > now]
-        return due
-
-    def next_sweep(self) -> float | None:
-        return min((at for at, _r, _f in self.sweeps), default=None)
+        return bool(self._queue or self.routes)
 
     def woken(self, request_ids: set[str]) -> None:
         """A put for these requests was reported: poll the parked ones again."""
@@ -291,12 +251,8 @@ class RecvBook:
         self._queue.extend(p.request_id for p in batch)
 
     def commit(self, batch: list[Poll], values: list[Any]) -> Committed:
-        """Commit, in id order, what belongs to a live registration (token `is` the one read).
-
-        `values` holds `depth` values per slot; `None` ends a slot's row, a value
-        that is not a chunk is skipped (its id counts as read), a finished chunk
-        unregisters the request.
-        """
+        """Commit, in id order, what belongs to a live registration (token `is` the one read):
+        `depth` values per slot; `None` ends a row, a non-chunk is skipped, a final unregisters."""
         out = Committed()
         hot: set[str] = set()
         i = 0

@@ -143,12 +143,3 @@ def test_recv_a_finished_chunk_unregisters_and_a_malformed_one_is_skipped() -> N
     done = book.commit(book.take_round(), [{"data": 1, "finished": True}])
     assert done.received == 1 and book.registered() == 0
     assert book.take_routes() == {"r": False}
-
-
-def test_recv_discard_schedules_a_sweep_now_and_a_late_one() -> None:
-    book = RecvBook(read_ahead=1, parks=True)
-    book.register("r")
-    book.discard("r", now=10.0, late_s=1.0)
-    assert book.due_sweeps(10.0) == [("r", 0)]
-    assert book.next_sweep() == 11.0
-    assert book.due_sweeps(11.0) == [("r", 0)] and book.next_sweep() is None
