@@ -1,5 +1,5 @@
-"""The chunk plane's implementations as test worlds: memory (wake-ups), polling (a bare SPEC
-connector), Redis on fakeredis and Redis on a real redis-server.
+"""The chunk plane's implementations as test worlds: memory (wake-ups), polling (a SPEC
+connector lifted by PollingTransport), Redis on fakeredis and Redis on a real redis-server.
 
 A `World` makes one transport per adapter (as in one process per stage), all on
 one store, each wrapped in a `Recording` that records puts and can hold or fail
@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from omni_runtime import ChunkAdapter, codec
-from omni_runtime.chunks import MemoryConnector, MemoryTransport, PollingTransport, RedisConnector
+from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import ChunkTransport, Fetched, PutItem
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
@@ -109,7 +109,7 @@ class World:
     def transport(self) -> Recording:
         inner: ChunkTransport
         if self.kind == "memory":
-            inner = MemoryTransport(self.store)
+            inner = MemoryConnector(share=self.store)
         elif self.kind == "polling":
             inner = PollingTransport(self.store)
         else:

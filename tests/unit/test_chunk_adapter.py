@@ -11,7 +11,7 @@ import fakeredis
 import pytest
 
 from omni_runtime import ChunkAdapter
-from omni_runtime.chunks import MemoryTransport, PollingTransport, RedisConnector
+from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import PutItem
 from omni_runtime.metrics import Metrics
 from tests.fakes import Gate
@@ -53,7 +53,7 @@ class FlakyConnector(PlainConnector):
         super().put(key, obj)
 
 
-class FlakyBatchTransport(MemoryTransport):
+class FlakyBatchTransport(MemoryConnector):
     """`put_batch` (all or nothing) fails on its first call."""
 
     def __init__(self) -> None:
@@ -118,7 +118,7 @@ def test_a_failed_batch_advances_no_id(adapters: list[ChunkAdapter]) -> None:
     wait_until(lambda: snd.metrics.value("omni_chunk_put_failures_total") == 4)
     assert transport.batches == [["x_0_0", "r_0_0", "r_0_1", "r_0_2"]]
     snd.save_async("r", "again", True)
-    wait_until(lambda: transport.store.puts == ["r_0_0"])  # id 0 again: nothing advanced
+    wait_until(lambda: transport.puts == ["r_0_0"])  # id 0 again: nothing advanced
 
 
 def test_a_chunk_that_cannot_be_put_fails_alone(
@@ -175,9 +175,9 @@ def test_the_size_limit_passed_down_is_the_one_reads_use(
 
 def test_counters_go_to_the_registry_given(adapters: list[ChunkAdapter]) -> None:
     metrics = Metrics()
-    transport = MemoryTransport()
+    transport = MemoryConnector()
     snd = ChunkAdapter(transport, 0, metrics=metrics)
-    rcv = ChunkAdapter(MemoryTransport(transport.store), 1, metrics=metrics)
+    rcv = ChunkAdapter(MemoryConnector(share=transport), 1, metrics=metrics)
     adapters += [snd, rcv]
     rcv.load_async("r")
     snd.save_async("r", "a", True)
