@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,7 +28,13 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
-from omni_runtime.chunks.redis_wakeups import WAKEUP_BATCH, Encoded, WakeupInbox, WakeupSender
+from omni_runtime.chunks.redis_wakeups import (
+    WAKEUP_BATCH,
+    Encoded,
+    NotifyWaiter,
+    WakeupInbox,
+    WakeupSender,
+)
 from omni_runtime.chunks.transport import ChunkRejected, Fetched, PutItem
 from omni_runtime.core.types import MalformedChunk
 from omni_runtime.errors import CodecError, ConfigError, TransportError
@@ -39,8 +44,6 @@ log = logging.getLogger(__name__)
 
 _PACKER_BUFFER_CUTOFF = 6000
 """Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
-WAIT_SLICE_S = 0.02
-"""Longest BLPOP of one `wait_for_puts` slice: bounds how late a `wake` is seen."""
 PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
 """Default put policy: 3 retries, 10, 20, 40 ms apart."""
 
@@ -77,7 +80,7 @@ class RedisConnector:
         self._sender = WakeupSender(prefix, ttl_s)
         self._inbox = WakeupInbox(prefix)
         self._subscribed: set[str] = set()
-        self._kick = threading.Event()
+        self._waiter = NotifyWaiter(client, self.notify_key)
         self._fresh = False
         """The last `fetch` read the notify list: a zero-timeout wait needs no round trip."""
 
@@ -199,37 +202,33 @@ class RedisConnector:
             raise TransportError(f"unsubscribing {len(route_ids)} route(s) failed: {e}") from e
 
     def wait_for_puts(self, timeout_s: float) -> set[str]:
-        """Wake-ups already read (by `fetch`) come back without I/O; else BLPOP in short
-        slices, with owed deletes riding along, until one comes, `wake`, or time is up."""
-        end = time.monotonic() + timeout_s
+        """Wake-ups already read (by `fetch`) come back without I/O; else the notify list is
+        read, waiting up to `timeout_s` (deletes owed are sent first)."""
         fresh, self._fresh = self._fresh, False
-        skip = self._inbox.woken or self._kick.is_set() or (fresh and timeout_s <= 0)
-        while not skip:
-            left = end - time.monotonic()
-            owed = list(self._inbox.unlink)
-            try:
-                with self.client.pipeline(transaction=False) as pipe:
-                    if owed:
-                        pipe.unlink(*owed)
-                    if left > 0:
-                        pipe.blpop([self.notify_key], timeout=min(left, WAIT_SLICE_S))
-                    pipe.lpop(self.notify_key, WAKEUP_BATCH)
-                    replies = pipe.execute()
-            except RedisError as e:
-                raise TransportError(f"waiting for chunk wake-ups failed: {e}") from e
-            for name in owed:
-                self._inbox.unlink.pop(name, None)
-            popped = replies[-2] if left > 0 else None
-            self._inbox.take([*([popped[1]] if popped else []), *(replies[-1] or [])])
-            skip = bool(self._inbox.woken) or self._kick.is_set() or end <= time.monotonic()
-        self._kick.clear()
+        if self._inbox.woken or (fresh and timeout_s <= 0):
+            return self._inbox.take_woken()
+        owed = list(self._inbox.unlink)
+        try:
+            if owed:
+                self.client.unlink(*owed)
+            end = time.monotonic() + timeout_s
+            while True:
+                elements, kicked = self._waiter.wait(max(0.0, end - time.monotonic()))
+                self._inbox.take(elements)
+                if self._inbox.woken or kicked or time.monotonic() >= end:
+                    break
+        except RedisError as e:
+            raise TransportError(f"waiting for chunk wake-ups failed: {e}") from e
+        for name in owed:
+            self._inbox.unlink.pop(name, None)
         return self._inbox.take_woken()
 
     def wake(self) -> None:
-        self._kick.set()
+        self._waiter.kick()
 
     def close(self) -> None:
-        """Close the client if `from_url` created it."""
+        """Drop the waiting connection; close the client if `from_url` created it."""
+        self._waiter.close()
         if self._owns_client:
             self.client.close()
 

@@ -10,7 +10,10 @@ which keys they make stale. No thread: the RECV thread reads the list itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
+import socket
 import struct
 import threading
 from collections.abc import Iterable, Sequence
@@ -18,6 +21,7 @@ from typing import Any
 
 import redis
 from redis.client import Pipeline
+from redis.connection import Connection
 
 from omni_runtime import keys
 
@@ -30,6 +34,10 @@ INLINE_MAX_BYTES = 16 * 1024
 """Chunks up to this size also travel inside their wake-up: one round trip less per hop."""
 MAX_HELD = 10_000
 """Bound on inline values held, and on keys remembered as read (the stale filter)."""
+BLOCK_S = 1
+"""Server-side timeout of the BLPOP left waiting on the dedicated connection."""
+SLICE_S = 0.02
+"""Without a real socket to select on (fakeredis): longest BLPOP between `kick` checks."""
 _HEADER = struct.Struct("<H")
 
 Encoded = tuple[str, bytes, str]
@@ -158,3 +166,99 @@ class WakeupInbox:
     def take_woken(self) -> set[str]:
         woken, self.woken = self.woken, set()
         return woken
+
+
+class NotifyWaiter:
+    """Blocks on one notify list until a wake-up comes or `kick` is called from any thread.
+
+    A BLPOP (+ LPOP of what queued behind it) stays in flight on a connection of
+    its own; the wait is a `select` on that socket and a local socketpair that
+    `kick` writes one byte to, so a kick costs no Redis round trip and is seen
+    at once. A client without real sockets (fakeredis) gets short BLPOP slices.
+    """
+
+    def __init__(self, client: redis.Redis, notify_key: str) -> None:
+        self.client = client
+        self.notify_key = notify_key
+        self._kicked = threading.Event()
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        """Made on the first blocking wait: a connector that only puts holds no sockets."""
+        self._conn: Connection | None = None
+        self._sock: socket.socket | None = None
+        self._in_flight = False
+
+    def kick(self) -> None:
+        self._kicked.set()  # before looking at the pair: `wait` checks it after making one
+        pair = self._pair
+        if pair is not None:
+            with contextlib.suppress(OSError):  # full or closed: a kick is pending anyway
+                pair[1].send(b"\0")
+
+    def wait(self, timeout_s: float) -> tuple[list[bytes], bool]:
+        """(wake-up elements, kicked); raises `RedisError` (the connection is dropped)."""
+        try:
+            conn = self._connection()
+            if conn is None:
+                return self._slice(0.0 if self._kicked.is_set() else timeout_s), self._drain()
+            if not self._in_flight:
+                blpop = ("BLPOP", self.notify_key, BLOCK_S)
+                lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
+                packed = conn.pack_commands([blpop, lpop])  # type: ignore[no-untyped-call]
+                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                self._in_flight = True
+            if self._pair is None:
+                self._pair = socket.socketpair()
+                for end in self._pair:
+                    end.setblocking(False)
+            sock = self._sock
+            if sock is not None and not self._kicked.is_set() and not conn.can_read(timeout=0):
+                select.select([sock, self._pair[0]], [], [], timeout_s)
+            if not conn.can_read(timeout=0):
+                return [], self._drain()
+            popped, rest = conn.read_response(), conn.read_response()
+            self._in_flight = False
+        except redis.RedisError:
+            self._drop()
+            raise
+        return [*([popped[1]] if popped else []), *(rest or [])], self._drain()
+
+    def close(self) -> None:
+        self._drop()
+        if self._pair is not None:
+            for end in self._pair:
+                end.close()
+            self._pair = None
+
+    def _connection(self) -> Connection | None:
+        if self._conn is None:
+            conn = self.client.connection_pool.get_connection()
+            sock = conn._sock
+            if not isinstance(sock, socket.socket):
+                self.client.connection_pool.release(conn)
+                return None
+            self._conn, self._sock = conn, sock
+        return self._conn
+
+    def _slice(self, timeout_s: float) -> list[bytes]:
+        with self.client.pipeline(transaction=False) as pipe:
+            if timeout_s > 0:
+                pipe.blpop([self.notify_key], timeout=min(timeout_s, SLICE_S))
+            pipe.lpop(self.notify_key, WAKEUP_BATCH)
+            replies = pipe.execute()
+        popped = replies[0] if timeout_s > 0 else None
+        return [*([popped[1]] if popped else []), *(replies[-1] or [])]
+
+    def _drain(self) -> bool:
+        kicked = self._kicked.is_set()
+        self._kicked.clear()
+        if self._pair is not None:
+            with contextlib.suppress(OSError):
+                kicked |= bool(self._pair[0].recv(4096))
+        return kicked
+
+    def _drop(self) -> None:
+        """A connection with a BLPOP in flight must not go back to the pool as is."""
+        if self._conn is not None:
+            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            self.client.connection_pool.release(self._conn)
+            self._conn, self._in_flight = None, False
