@@ -185,8 +185,8 @@ class RedisConnector:
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 for route_id in route_ids:
-                    pipe.set(keys.chunk_route_key(route_id, self.prefix), self.notify_key)
-                    pipe.expire(keys.chunk_route_key(route_id, self.prefix), self.ttl_s)
+                    route_key = keys.chunk_route_key(route_id, self.prefix)
+                    pipe.set(route_key, self.notify_key, ex=self.ttl_s)
                 pipe.execute()
         except RedisError as e:
             raise TransportError(f"subscribing {len(route_ids)} route(s) failed: {e}") from e
@@ -205,9 +205,9 @@ class RedisConnector:
         """Wake-ups already read (by `fetch`) come back without I/O; else the notify list is
         read, waiting up to `timeout_s` (deletes owed are sent first)."""
         fresh, self._fresh = self._fresh, False
-        if self._inbox.woken or (fresh and timeout_s <= 0):
-            return self._inbox.take_woken()
         owed = list(self._inbox.unlink)
+        if self._inbox.woken or (fresh and timeout_s <= 0 and not owed):
+            return self._inbox.take_woken()
         try:
             if owed:
                 self.client.unlink(*owed)
