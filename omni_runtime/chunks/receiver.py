@@ -32,6 +32,8 @@ SWEEP_INTERVAL_S = 0.5
 """With wake-ups: how often parked requests are polled anyway (a safety net, not the path)."""
 READ_AHEAD = 8
 """Ids read per round for a request that just made progress (drains a backlog fast)."""
+FLUSH_WAIT_S = 0.001
+"""The one short wait when the last request went: lets a transport send what it held back."""
 LATE_SWEEP_S = 1.0
 """A discarded request's unread chunks are deleted at once and again this much later,
 for chunks its upstream put while the discard was under way."""
@@ -115,7 +117,7 @@ class ChunkReceiver:
             if wait_s is None:  # nothing registered, nothing to sweep: puts cannot matter
                 if not idle_before:
                     idle_before = True
-                    self._step(functools.partial(self._wait, 0.0), backoff)
+                    self._step(functools.partial(self._wait, FLUSH_WAIT_S), backoff)
                 with self._cv:
                     if self._idle_wait_s() is None and not self._stop.is_set():
                         self._cv.wait(IDLE_WAIT_S)

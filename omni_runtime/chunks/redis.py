@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _PACKER_BUFFER_CUTOFF = 6000
 """Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
+OWED_MAX = 256
+"""Deletes of inline-served keys held back at most, before a zero wait sends them anyway."""
 PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
 """Default put policy: 3 retries, 10, 20, 40 ms apart."""
 
@@ -202,12 +204,17 @@ class RedisConnector:
             raise TransportError(f"unsubscribing {len(route_ids)} route(s) failed: {e}") from e
 
     def wait_for_puts(self, timeout_s: float) -> set[str]:
-        """Wake-ups already read (by `fetch`) come back without I/O; else the notify list is
-        read, waiting up to `timeout_s` (deletes owed are sent first)."""
+        """Read the notify list, waiting up to `timeout_s`. A zero wait costs no round trip
+        when `fetch` just read the list or the BLPOP in flight can be polled; deletes owed
+        are sent when there is time to wait, or once `OWED_MAX` piled up."""
         fresh, self._fresh = self._fresh, False
-        owed = list(self._inbox.unlink)
-        if self._inbox.woken or (fresh and timeout_s <= 0 and not owed):
+        if self._inbox.woken:
             return self._inbox.take_woken()
+        owed = list(self._inbox.unlink)
+        if timeout_s <= 0 and len(owed) < OWED_MAX:
+            if fresh:
+                return set()
+            owed = []
         try:
             if owed:
                 self.client.unlink(*owed)
