@@ -170,13 +170,15 @@ class ChunkReceiver:
                 self._book.woken(rids)
 
     def _round(self) -> None:
-        """Subscriptions, due sweeps, then one fetch + commit of every queued request."""
+        """Due sweeps, subscriptions, then one fetch + commit of every queued request."""
         with self._cv:
             routes = self._book.take_routes()
             now = time.monotonic()
             sweeps = [(rid, first) for at, rid, first in self._sweeps if at <= now]
             self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
             batch = self._book.take_round()
+        for rid, first in sweeps:  # first: each sweep handles its own failure
+            self._sweep(rid, first)
         src = self.src_stage_id
         try:
             self.transport.unsubscribe(
@@ -188,8 +190,6 @@ class ChunkReceiver:
                 self._book.retry_routes(routes)
                 self._book.requeue(batch)
             raise
-        for rid, first in sweeps:
-            self._sweep(rid, first)
         if batch:
             self._fetch(batch)
 
