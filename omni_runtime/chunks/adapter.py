@@ -2,15 +2,10 @@
 
 The stage's scheduler thread only ever touches in-memory structures under a
 lock: `save_async`, `cancel_sender`, `load_async`, `poll_ready` and
-`cleanup_receiver` return at once. One SAVE thread does all building and
-putting (one FIFO keeps each request's chunks ordered and ids contiguous);
-one RECV thread does all getting. A per-registration token, compared under
-the same lock as the commit, makes `cleanup_receiver` a barrier against a get
-that was in flight when it ran.
-
-The two halves live in `chunk_sender.ChunkSender` (SAVE) and
-`chunk_receiver.ChunkReceiver` (RECV); this class is the one stage-facing
-object that owns both.
+`cleanup_receiver` return at once. One SAVE thread (`sender.ChunkSender`) does
+all building and putting, one RECV thread (`receiver.ChunkReceiver`) all
+reading; their bookkeeping is `core.chunk_book`. Whether the adapter was given
+a SPEC connector or a full `ChunkTransport` is decided once, here.
 """
 
 from __future__ import annotations
@@ -20,33 +15,46 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_runtime.chunks.receiver import ChunkReceiver
-from omni_runtime.chunks.sender import Chunk, ChunkSender
-from omni_runtime.core.types import Connector
+from omni_runtime.chunks.sender import ChunkSender
+from omni_runtime.chunks.transport import ChunkTransport, Connector, PollingTransport
+from omni_runtime.core.chunk_book import Chunk
+from omni_runtime.metrics import Metrics
 
 __all__ = ["Chunk", "ChunkAdapter"]
 
 
 class ChunkAdapter:
-    """Sender (to `stage_id`'s keys) and receiver (from `src_stage_id`'s keys) of one stage."""
+    """Sender (to `stage_id`'s keys) and receiver (from `src_stage_id`'s keys) of one stage.
+
+    `connector` is a `ChunkTransport` (used as is) or any SPEC connector (lifted
+    with `PollingTransport`). Counters go to `metrics` (a private registry if None).
+    """
 
     def __init__(
         self,
-        connector: Connector,
+        connector: Connector | ChunkTransport,
         stage_id: int,
         src_stage_id: int | None = None,
         build_payload: Callable[[Any], Any] | None = None,
         snapshot: Callable[[Any], Any] = copy.deepcopy,
         on_ready: Callable[[], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.connector = connector
+        self.transport: ChunkTransport = (
+            connector if isinstance(connector, ChunkTransport) else PollingTransport(connector)
+        )
         self.stage_id = stage_id
         self.src_stage_id = stage_id - 1 if src_stage_id is None else src_stage_id
-        self._sender = ChunkSender(connector, stage_id, build_payload, snapshot)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._sender = ChunkSender(self.transport, stage_id, self.metrics, build_payload, snapshot)
         self._receiver = ChunkReceiver(
-            connector, self.src_stage_id, on_ready, thread_name=f"chunk-recv-{stage_id}"
+            self.transport,
+            self.src_stage_id,
+            self.metrics,
+            on_ready,
+            stage_id=stage_id,
         )
-        self._save_thread = self._sender.thread
-        self._recv_thread = self._receiver.thread
 
     # --- scheduler-thread API: in-memory only, returns at once ---------------
 
@@ -55,7 +63,7 @@ class ChunkAdapter:
         self._sender.save_async(request_id, obj, is_final)
 
     def cancel_sender(self, request_id: str) -> None:
-        """Drop the request's queued non-final chunks; its final still goes out with data None."""
+        """Mark the request (saved yet or not): later non-finals drop, the final carries None."""
         self._sender.cancel_sender(request_id)
 
     def load_async(self, request_id: str) -> None:
@@ -81,64 +89,13 @@ class ChunkAdapter:
         """Wake both threads and join them; returns promptly even while they idle."""
         self._sender.request_stop()
         self._receiver.request_stop()
-        self._save_thread.join(timeout_s)
-        self._recv_thread.join(timeout_s)
+        self._sender.thread.join(timeout_s)
+        self._receiver.thread.join(timeout_s)
 
     def pending_receives(self) -> int:
         """How many requests are registered and still waiting for chunks."""
         return self._receiver.pending_receives()
 
-    # --- the halves' callables, readable and settable here as before ---------------
-
-    @property
-    def build_payload(self) -> Callable[[Any], Any]:
-        """`build_payload(snapshot) -> payload | None`, called on the SAVE thread."""
-        return self._sender.build_payload
-
-    @build_payload.setter
-    def build_payload(self, fn: Callable[[Any], Any]) -> None:
-        self._sender.build_payload = fn
-
-    @property
-    def snapshot(self) -> Callable[[Any], Any]:
-        """Copies `obj` in `save_async`, on the caller's thread."""
-        return self._sender.snapshot
-
-    @snapshot.setter
-    def snapshot(self, fn: Callable[[Any], Any]) -> None:
-        self._sender.snapshot = fn
-
-    @property
-    def on_ready(self) -> Callable[[], None] | None:
-        """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
-        return self._receiver.on_ready
-
-    @on_ready.setter
-    def on_ready(self, fn: Callable[[], None] | None) -> None:
-        self._receiver.on_ready = fn
-
-    # --- counters, for logs and metrics (read-only) -----------------------------
-
-    @property
-    def sent_chunks(self) -> int:
-        return self._sender.sent_chunks
-
-    @property
-    def dropped_chunks(self) -> int:
-        return self._sender.dropped_chunks
-
-    @property
-    def failed_puts(self) -> int:
-        return self._sender.failed_puts
-
-    @property
-    def received_chunks(self) -> int:
-        return self._receiver.received_chunks
-
-    @property
-    def failed_gets(self) -> int:
-        return self._receiver.failed_gets
-
-    @property
-    def malformed_chunks(self) -> int:
-        return self._receiver.malformed_chunks
+    def is_alive(self) -> bool:
+        """Whether either thread still runs (after `stop`: neither)."""
+        return self._sender.thread.is_alive() or self._receiver.thread.is_alive()

@@ -1,4 +1,5 @@
-"""In-process connector: the ChunkAdapter's data plane as a locked dict (tests, one-process runs).
+"""The chunk plane in one process: a locked dict that is both a SPEC connector and a
+`ChunkTransport` with wake-ups.
 
 Values are stored as-is, not serialised. That is safe because the ChunkAdapter
 puts only values it built itself from a snapshot of the stage's object (SPEC §4):
@@ -9,78 +10,124 @@ nothing else holds a reference that could mutate a value between `put` and
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from omni_runtime import keys
+from omni_runtime.chunks.transport import Fetched, PutItem
+
+
+class _Store:
+    """The values, shared by every `MemoryConnector` made on it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, Any] = {}
+        self.puts: list[str] = []
+        self.views: list[MemoryConnector] = []
 
 
 class MemoryConnector:
-    """Thread-safe `put` / consume-once `get` over a dict guarded by one lock.
+    """Thread-safe `put` / consume-once `get` (SPEC §2) and the `ChunkTransport` surface.
 
-    `puts` records every key put, in order (the SPEC's seed examples check it).
+    `MemoryConnector(share=other)` is a second view on `other`'s values, as a
+    second process would have: each view has its own subscriptions and wake-ups
+    (one receiving adapter per view). `puts` records every key put, in order.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._store: dict[str, Any] = {}
-        self.puts: list[str] = []
-        self._callbacks: list[Callable[[str], None]] = []
+    max_batch = 64
+    signals_puts = True
+
+    def __init__(self, share: MemoryConnector | None = None) -> None:
+        self._store: _Store = share._store if share is not None else _Store()
+        self._cv = threading.Condition()
+        self._subscribed: set[str] = set()
+        self._woken: set[str] = set()
+        self._kicked = False
+        with self._store.lock:
+            self._store.views.append(self)
+
+    @property
+    def puts(self) -> list[str]:
+        return self._store.puts
+
+    # --- SPEC connector ---------------------------------------------------------
 
     def put(self, key: str, obj: Any) -> None:
         """Store `obj` under `key` (replacing any unread value)."""
-        with self._lock:
-            self._store[key] = obj
-            self.puts.append(key)
-            callbacks = list(self._callbacks)
-        route_id = key.rsplit("_", 1)[0]
-        for callback in callbacks:
-            callback(route_id)
-
-    def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
-        """`put` each item, all under one lock acquisition (all or nothing)."""
-        with self._lock:
-            for key, obj in items:
-                self._store[key] = obj
-                self.puts.append(key)
-            callbacks = list(self._callbacks)
-        for route_id in dict.fromkeys(key.rsplit("_", 1)[0] for key, _obj in items):
-            for callback in callbacks:
-                callback(route_id)
+        self._put_all([(key, obj)])
 
     def get(self, key: str) -> Any | None:
         """Remove and return the value under `key`; `None` when it is not there (yet)."""
-        with self._lock:
-            return self._store.pop(key, None)
+        with self._store.lock:
+            return self._store.values.pop(key, None)
 
-    def get_many(self, keys: Sequence[str]) -> list[Any | None]:
-        """`get` for each key under one lock acquisition; the result is aligned with `keys`."""
-        with self._lock:
-            return [self._store.pop(key, None) for key in keys]
+    # --- ChunkTransport -----------------------------------------------------------
 
-    def peek_many(self, keys: Sequence[str], delete_first: Sequence[str] = ()) -> list[Any | None]:
-        """The values under `keys` (or `None`), left in place; `delete_first` are dropped before."""
-        with self._lock:
-            for key in delete_first:
-                self._store.pop(key, None)
-            return [self._store.get(key) for key in keys]
+    def put_batch(self, items: Sequence[PutItem]) -> None:
+        """Every item under one lock acquisition (all or nothing), then the wake-ups."""
+        self._put_all([(key, value) for key, value, _last in items])
 
-    def on_put(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(<req>_<stage>)` after every put: receivers block instead of polling."""
-        with self._lock:
-            self._callbacks.append(callback)
+    def fetch(self, keys: Sequence[str]) -> list[Fetched]:
+        with self._store.lock:
+            return [self._store.values.pop(key, None) for key in keys]
 
-    def listen(self, route_ids: Sequence[str]) -> None:
-        """Nothing to register: every put already calls every callback."""
+    def discard(self, keys: Sequence[str]) -> int:
+        return sum(v is not None for v in self.fetch(keys))
 
-    def unlisten(self, route_ids: Sequence[str]) -> None:
-        """See `listen`."""
+    def subscribe(self, route_ids: Sequence[str]) -> None:
+        with self._cv:
+            self._subscribed.update(route_ids)
 
-    def delete_many(self, keys: Iterable[str]) -> None:
-        """Drop every listed key that exists; missing keys are ignored."""
-        with self._lock:
-            for key in keys:
-                self._store.pop(key, None)
+    def unsubscribe(self, route_ids: Sequence[str]) -> None:
+        with self._cv:
+            self._subscribed.difference_update(route_ids)
+            self._woken.difference_update(route_ids)
+
+    def wait_for_puts(self, timeout_s: float) -> set[str]:
+        with self._cv:
+            if not self._woken and not self._kicked and timeout_s > 0:
+                self._cv.wait(timeout_s)
+            woken, self._woken, self._kicked = self._woken, set(), False
+        return woken
+
+    def wake(self) -> None:
+        with self._cv:
+            self._kicked = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop taking wake-ups; the values stay for the other views."""
+        with self._store.lock:
+            if self in self._store.views:
+                self._store.views.remove(self)
+
+    # --- inspection ---------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        """Whether a value is stored under `key` (without consuming it)."""
+        with self._store.lock:
+            return key in self._store.values
 
     def __len__(self) -> int:
         """Number of values stored and not yet consumed."""
-        with self._lock:
-            return len(self._store)
+        with self._store.lock:
+            return len(self._store.values)
+
+    def _put_all(self, items: list[tuple[str, Any]]) -> None:
+        with self._store.lock:
+            for key, obj in items:
+                self._store.values[key] = obj
+                self._store.puts.append(key)
+            views = list(self._store.views)
+        routes = {keys.route_of_chunk_key(key) for key, _obj in items}
+        for view in views:
+            view._seen(routes)
+
+    def _seen(self, route_ids: Iterable[str]) -> None:
+        """A put on the store (any view, any thread): wake our wait if we listen."""
+        with self._cv:
+            hit = self._subscribed.intersection(route_ids)
+            if hit:
+                self._woken |= hit
+                self._cv.notify_all()

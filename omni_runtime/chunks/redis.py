@@ -1,27 +1,24 @@
-"""Redis connector: the ChunkAdapter's data plane over plain keys (SPEC §5).
+"""The chunk plane over Redis (SPEC §5): a SPEC connector and a `ChunkTransport` in one.
 
-`put` is `SET <prefix><key> <msgpack> EX <ttl_s>` and `get` is `GETDEL`, so a
-chunk is read at most once and a chunk nobody reads expires. Keys handed in are
-the bare `<req>_<stage>_<id>` strings; the namespace prefix is applied here.
+A put is `SET <prefix><key> <msgpack> EX <ttl_s>`, a read consumes (`GETDEL`, or
+MGET + UNLINK in one MULTI), so a chunk is read at most once and a chunk nobody
+reads expires. Keys handed in are the bare `<req>_<stage>_<id>` strings; the
+namespace prefix is applied here. The tricks stay inside: read-ahead in one
+MGET, wake-ups on a notify list with small values inline (`redis_wakeups`), a
+route cache, deletes of inline-served keys riding the next round trip.
 
-Errors, by class (`omni_runtime.errors`):
-* `TransportError` — Redis failed. `put` retries first (`put_retries` more
-  attempts, exponential backoff from `retry_backoff_s`); `get`, `get_many` and
-  `delete_many` do not (the receiver polls again anyway, and retrying a GETDEL
-  whose reply was lost cannot bring the value back).
-* `CodecError` — a stored value is not a valid message. It is logged and counted
-  in `malformed`, and raised: the value is already consumed, and the caller
-  decides whether that fails the request or is skipped. `None` keeps meaning
-  only "not there yet".
+Errors: Redis failures raise `TransportError` (puts retry first, with the
+`Backoff` given); a value that fails to decode or exceeds `max_bytes` is a
+`MalformedChunk` in `fetch` and a `CodecError` in `get`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -31,18 +28,36 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
-from omni_runtime.chunks.redis_wakeups import WakeupListener, WakeupSender
+from omni_runtime.chunks.redis_wakeups import (
+    WAKEUP_BATCH,
+    Encoded,
+    NotifyWaiter,
+    WakeupInbox,
+    WakeupSender,
+)
+from omni_runtime.chunks.transport import ChunkRejected, Fetched, PutItem
 from omni_runtime.core.types import MalformedChunk
 from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.redis_io.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
 _PACKER_BUFFER_CUTOFF = 6000
 """Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
+OWED_MAX = 256
+"""Deletes of inline-served keys held back at most, before a zero wait sends them anyway."""
+PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
+"""Default put policy: 3 retries, 10, 20, 40 ms apart."""
 
 
 class RedisConnector:
-    """`put` / consume-once `get` on one sync `redis.Redis`; thread-safe like the client."""
+    """`put` / consume-once `get`, and the `ChunkTransport` surface, on one sync client.
+
+    One receiving adapter per instance (it owns one notify list); any number of senders.
+    """
+
+    max_batch = 64
+    signals_puts = True
 
     def __init__(
         self,
@@ -50,229 +65,177 @@ class RedisConnector:
         *,
         ttl_s: int = keys.CHUNK_TTL_S,
         prefix: str = "",
-        put_retries: int = 3,
-        retry_backoff_s: float = 0.01,
+        max_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
+        retry: Backoff = PUT_RETRY,
     ) -> None:
         if ttl_s <= 0:
             raise ConfigError(f"RedisConnector ttl_s must be > 0 (chunks must expire), got {ttl_s}")
-        if put_retries < 0 or retry_backoff_s < 0:
-            raise ConfigError(
-                "RedisConnector put_retries and retry_backoff_s must be >= 0, "
-                f"got {put_retries} and {retry_backoff_s}"
-            )
         if client.get_connection_kwargs().get("decode_responses"):
             raise ConfigError("RedisConnector needs a client with decode_responses=False")
         self.client = client
         self.ttl_s = ttl_s
         self.prefix = prefix
-        self.put_retries = put_retries
-        self.retry_backoff_s = retry_backoff_s
-        self.malformed = 0
-        self._malformed_lock = threading.Lock()
+        self.max_bytes = max_bytes
+        self.retry = retry
         self._owns_client = False
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
-        self._lock = threading.Lock()
-        self._unsent_deletes: list[str] = []
-        self._wakeup_sender = WakeupSender(prefix, ttl_s)
-        self._wakeup_listener = WakeupListener(client, self.notify_key, prefix)
+        self._sender = WakeupSender(prefix, ttl_s)
+        self._inbox = WakeupInbox(prefix)
+        self._subscribed: set[str] = set()
+        self._waiter = NotifyWaiter(client, self.notify_key)
+        self._fresh = False
+        """The last `fetch` read the notify list: a zero-timeout wait needs no round trip."""
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        ttl_s: int = keys.CHUNK_TTL_S,
-        prefix: str = "",
-        put_retries: int = 3,
-        retry_backoff_s: float = 0.01,
-        **redis_kwargs: Any,
-    ) -> RedisConnector:
+    def from_url(cls, url: str, **kwargs: Any) -> RedisConnector:
         """Connect to `url` (`redis://`, `rediss://`, `unix://`; ACL user/password in the URL).
 
-        The client's pool packs commands with redis-py's Python packer instead of
-        hiredis's: `hiredis.pack_command` copies every argument into a fresh
-        mmap'd buffer and is ~5x slower for MiB-size values (research §0.2).
-        The connection itself does not retry (`retry` defaults to none here), so
-        `put_retries` is the one retry policy. `redis_kwargs` go to the pool;
-        the connector owns the client and `close()` closes it.
+        The pool packs commands with redis-py's Python packer: hiredis's copies
+        every argument into a fresh buffer and is ~5x slower for MiB-size values.
+        The connection does not retry itself: `retry` is the one put policy.
+        The connector owns the client and `close()` closes it.
         """
-        redis_kwargs.setdefault("retry", Retry(NoBackoff(), 0))
-        pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
-        # The packer must encode str arguments like the connections would (URL `encoding=`),
-        # so it is built from the pool's own encoder. The pool hands the one packer object to
-        # every connection it makes (`command_packer` kwarg); it keeps no state, so that is safe.
-        packer = PythonRespSerializer(_PACKER_BUFFER_CUTOFF, pool.get_encoder().encode)
-        pool.connection_kwargs["command_packer"] = packer
+        own = {k: kwargs.pop(k) for k in ("ttl_s", "prefix", "max_bytes", "retry") if k in kwargs}
+        kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        pool = redis.ConnectionPool.from_url(url, **kwargs)
+        # One stateless packer, built from the pool's encoder, for every connection.
+        pool.connection_kwargs["command_packer"] = PythonRespSerializer(
+            _PACKER_BUFFER_CUTOFF, pool.get_encoder().encode
+        )
         client = redis.Redis.from_pool(pool)
         try:
-            connector = cls(
-                client,
-                ttl_s=ttl_s,
-                prefix=prefix,
-                put_retries=put_retries,
-                retry_backoff_s=retry_backoff_s,
-            )
+            connector = cls(client, **own)
         except BaseException:
             client.close()
             raise
         connector._owns_client = True
         return connector
 
-    # --- the Connector protocol -------------------------------------------------
+    # --- SPEC connector -----------------------------------------------------------
 
     def put(self, key: str, obj: Any) -> None:
-        """Store `obj` under `prefix + key` with the TTL, and wake the receiver if it listens.
-
-        Raises `TransportError` after `put_retries` retries. The wake-up rides in
-        the same round trip as the SET once the receiver's route is known.
-        """
-        self.put_many([(key, obj)], transaction=False)
-
-    def put_many(self, items: Sequence[tuple[str, Any]], transaction: bool = True) -> None:
-        """Put every item in one round trip, all or nothing (MULTI/EXEC): a sender may
-        advance its chunk ids for all of them, or for none."""
-        encoded = [
-            (self.prefix + key, codec.encode(obj), key.rsplit("_", 1)[0]) for key, obj in items
-        ]
-        attempt = 0
-        while True:
-            try:
-                self._set_and_notify(encoded, transaction)
-                break
-            except RedisError as e:
-                if attempt >= self.put_retries:
-                    raise TransportError(
-                        f"SET of {len(encoded)} chunk(s) ({encoded[0][0]!r} ...) failed "
-                        f"after {attempt + 1} attempt(s): {e}"
-                    ) from e
-                delay_s = self.retry_backoff_s * 2**attempt
-                attempt += 1
-                log.warning(
-                    "SET %r failed (%s); retry %d/%d in %.3f s",
-                    encoded[0][0],
-                    e,
-                    attempt,
-                    self.put_retries,
-                    delay_s,
-                )
-                time.sleep(delay_s)
-        finished = {
-            key.rsplit("_", 1)[0]
-            for key, obj in items
-            if isinstance(obj, dict) and obj.get("finished") is True
-        }
-        if finished:
-            self._wakeup_sender.forget(finished)
-
-    def _set_and_notify(self, encoded: list[tuple[str, bytes, str]], transaction: bool) -> None:
-        with self.client.pipeline(transaction=transaction) as pipe:
-            for name, value, _route_id in encoded:
-                pipe.set(name, value, ex=self.ttl_s)
-            unknown = self._wakeup_sender.queue(pipe, encoded)
-            replies = pipe.execute()
-        self._wakeup_sender.wake_found(self.client, encoded, unknown, replies)
+        """SET with the TTL (and a wake-up if someone listens); `CodecError` if unencodable."""
+        name = self.prefix + key
+        self._store([(name, self._encode(name, obj), keys.route_of_chunk_key(key))], False)
 
     def get(self, key: str) -> Any | None:
-        """GETDEL `prefix + key` and decode it; `None` when absent."""
+        """GETDEL and decode; `None` when absent."""
         name = self.prefix + key
         try:
             raw = self.client.getdel(name)
         except RedisError as e:
             raise TransportError(f"GETDEL {name!r} failed: {e}") from e
-        if raw is None:
-            return None
-        return self._decode(name, raw)
+        return None if raw is None else self._decode(name, raw)  # type: ignore[arg-type]
 
-    # --- batch operations ---------------------------------------------------------
+    # --- ChunkTransport -----------------------------------------------------------
 
-    def get_many(self, keys: Sequence[str]) -> list[Any | None]:
-        """GETDEL every key in one round trip (non-transactional pipeline).
-
-        The result is aligned with `keys`. If any value is malformed, every
-        value is still consumed and stands as a `MalformedChunk` in its slot, so
-        the good values of the same round trip are not lost.
-        """
-        if not keys:
-            return []
-        names = [self.prefix + key for key in keys]
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.getdel(name)
-                raws: list[bytes | None] = pipe.execute()
-        except RedisError as e:
-            raise TransportError(f"pipelined GETDEL of {len(names)} key(s) failed: {e}") from e
-        return self._decode_all(names, raws)
-
-    def peek_many(self, keys: Sequence[str], delete_first: Sequence[str] = ()) -> list[Any | None]:
-        """MGET: read without consuming, so a reader can look ahead and delete what it keeps.
-
-        One command for any number of keys: a round over 1,000 idle requests
-        costs one reply array, not 1,000 pipelined replies. `delete_first`
-        (keys consumed last round) are unlinked in the same round trip.
-        """
-        names = [self.prefix + key for key in keys]
-        deleted = [self.prefix + key for key in delete_first]
-        with self._lock:
-            inline = self._wakeup_listener.take_inline(names, deleted)
-            self._unsent_deletes.extend(deleted)
-            missing = [n for n in names if n not in inline]
-            deletes = self._unsent_deletes if missing else []
-            if missing:
-                self._unsent_deletes = []
-        raws: list[bytes | str | None] = [inline.get(n) for n in names]
-        if missing:  # what the wake-ups did not carry comes from Redis, deletes ride along
+    def put_batch(self, items: Sequence[PutItem]) -> None:
+        """All or nothing (MULTI/EXEC); items that cannot be encoded stop it before any I/O."""
+        encoded: list[Encoded] = []
+        rejected: dict[str, str] = {}
+        for key, value, _last in items:
+            name = self.prefix + key
             try:
-                with self.client.pipeline(transaction=False) as pipe:
-                    if deletes:
-                        pipe.unlink(*deletes)
+                encoded.append((name, self._encode(name, value), keys.route_of_chunk_key(key)))
+            except CodecError as e:
+                rejected[key] = str(e)
+        if rejected:
+            raise ChunkRejected(rejected)
+        self._store(encoded, len(encoded) > 1)
+        self._sender.forget(keys.route_of_chunk_key(key) for key, _v, last in items if last)
+
+    def fetch(self, keys: Sequence[str]) -> list[Fetched]:
+        """Inline values first; the rest in one MULTI: owed UNLINKs, MGET, UNLINK of what
+        was read (exactly GETDEL), and the wake-ups queued meanwhile."""
+        names = [self.prefix + key for key in keys]
+        raws: dict[str, bytes | None] = dict(self._inbox.serve(names))
+        missing = [n for n in names if n not in raws]
+        if missing:
+            owed = list(self._inbox.unlink)
+            try:
+                with self.client.pipeline(transaction=True) as pipe:
+                    if owed:
+                        pipe.unlink(*owed)
                     pipe.mget(missing)
-                    fetched = dict(zip(missing, pipe.execute()[-1], strict=True))
+                    pipe.unlink(*missing)
+                    pipe.lpop(self.notify_key, WAKEUP_BATCH)
+                    replies = pipe.execute()
             except RedisError as e:
-                with self._lock:
-                    self._unsent_deletes.extend(deletes)
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
-            raws = [inline[n] if n in inline else fetched[n] for n in names]
-        return self._decode_all(names, raws)
+            for name in owed:
+                self._inbox.unlink.pop(name, None)
+            fetched = replies[-3]
+            raws.update(zip(missing, fetched, strict=True))
+            self._inbox.read(n for n, raw in zip(missing, fetched, strict=True) if raw is not None)
+            self._inbox.take(replies[-1] or [])
+            self._fresh = True
+        return [self._fetched(n, raws[n]) for n in names]
 
-    # --- wake-ups: a receiver blocks instead of polling ------------------------------
+    def discard(self, keys: Sequence[str]) -> int:
+        """UNLINK whichever exist, in one command (any thread: the inbox is not touched)."""
+        if not keys:
+            return 0
+        try:
+            return int(self.client.unlink(*(self.prefix + key for key in keys)))
+        except RedisError as e:
+            raise TransportError(f"UNLINK of {len(keys)} key(s) failed: {e}") from e
 
-    def listen(self, route_ids: Sequence[str]) -> None:
-        """Ask senders of these `<req>_<stage>` routes to wake this connector after each put."""
-        self._wakeup_listener.listen(route_ids, self.ttl_s)
-
-    def unlisten(self, route_ids: Sequence[str]) -> None:
-        if route_ids:
-            self.delete_many([f"route:{route_id}" for route_id in route_ids])
-
-    def on_put(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(<req>_<stage>)` (on a listener thread) for each put we listen to."""
-        self._wakeup_listener.on_put(callback)
-
-    def deletes_pending(self) -> bool:
-        """Whether `peek_many` holds deletes back (all it read came inline): flush with
-        `delete_many([])`."""
-        with self._lock:
-            return bool(self._unsent_deletes)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        """UNLINK every listed key (and deletes `peek_many` could not send yet) in one command."""
-        with self._lock:
-            names = [*self._unsent_deletes, *(self.prefix + key for key in keys)]
-            self._unsent_deletes = []
-            self._wakeup_listener.mark_consumed(names)
-        if not names:
+    def subscribe(self, route_ids: Sequence[str]) -> None:
+        """Point these routes' keys at our notify list, for the chunk TTL."""
+        if not route_ids:
             return
         try:
-            self.client.unlink(*names)
+            with self.client.pipeline(transaction=False) as pipe:
+                for route_id in route_ids:
+                    route_key = keys.chunk_route_key(route_id, self.prefix)
+                    pipe.set(route_key, self.notify_key, ex=self.ttl_s)
+                pipe.execute()
         except RedisError as e:
-            raise TransportError(f"UNLINK of {len(names)} key(s) failed: {e}") from e
+            raise TransportError(f"subscribing {len(route_ids)} route(s) failed: {e}") from e
+        self._subscribed.update(route_ids)
 
-    # --- lifecycle ------------------------------------------------------------------
+    def unsubscribe(self, route_ids: Sequence[str]) -> None:
+        if not route_ids:
+            return
+        self._subscribed.difference_update(route_ids)
+        try:
+            self.client.unlink(*(keys.chunk_route_key(r, self.prefix) for r in route_ids))
+        except RedisError as e:
+            raise TransportError(f"unsubscribing {len(route_ids)} route(s) failed: {e}") from e
+
+    def wait_for_puts(self, timeout_s: float) -> set[str]:
+        """Read the notify list, waiting up to `timeout_s`. A zero wait costs no round trip
+        when `fetch` just read the list or the BLPOP in flight can be polled; deletes owed
+        are sent when there is time to wait, or once `OWED_MAX` piled up."""
+        fresh, self._fresh = self._fresh, False
+        if self._inbox.woken:
+            return self._inbox.take_woken()
+        owed = list(self._inbox.unlink)
+        if timeout_s <= 0 and len(owed) < OWED_MAX:
+            if fresh:
+                return set()
+            owed = []
+        try:
+            if owed:
+                self.client.unlink(*owed)
+            end = time.monotonic() + timeout_s
+            while True:
+                elements, kicked = self._waiter.wait(max(0.0, end - time.monotonic()))
+                self._inbox.take(elements)
+                if self._inbox.woken or kicked or time.monotonic() >= end:
+                    break
+        except RedisError as e:
+            raise TransportError(f"waiting for chunk wake-ups failed: {e}") from e
+        for name in owed:
+            self._inbox.unlink.pop(name, None)
+        return self._inbox.take_woken()
+
+    def wake(self) -> None:
+        self._waiter.kick()
 
     def close(self) -> None:
-        """Stop the wake-up listener; close the client if `from_url` created it."""
-        self._wakeup_listener.close()
+        """Drop the waiting connection; close the client if `from_url` created it."""
+        self._waiter.close()
         if self._owns_client:
             self.client.close()
 
@@ -282,27 +245,46 @@ class RedisConnector:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _decode_all(self, names: list[str], raws: Sequence[bytes | str | None]) -> list[Any | None]:
-        """Decoded values aligned with `names`; a bad one becomes a `MalformedChunk` in its slot
-        (it was consumed with the others, which must not be lost with it)."""
-        results: list[Any | None] = []
-        for name, raw in zip(names, raws, strict=True):
-            if raw is None:
-                results.append(None)
-                continue
-            try:
-                results.append(self._decode(name, raw))
-            except CodecError as e:
-                results.append(MalformedChunk(name, str(e)))
-        return results
+    # --- internals -------------------------------------------------------------------
 
-    def _decode(self, name: str, raw: bytes | str) -> Any:
+    def _store(self, encoded: list[Encoded], transaction: bool) -> None:
+        backoff = dataclasses.replace(self.retry, failures=0)
+        while True:
+            try:
+                with self.client.pipeline(transaction=transaction) as pipe:
+                    for name, value, _route in encoded:
+                        pipe.set(name, value, ex=self.ttl_s)
+                    unknown = self._sender.queue(pipe, encoded)
+                    replies = pipe.execute()
+                self._sender.wake_found(self.client, encoded, unknown, replies)
+                return
+            except RedisError as e:
+                delay_s = backoff.failed()
+                if delay_s is None:
+                    raise TransportError(
+                        f"SET of {len(encoded)} chunk(s) ({encoded[0][0]!r} ...) failed "
+                        f"after {backoff.failures} attempt(s): {e}"
+                    ) from e
+                log.warning("SET %r failed (%s); retry in %.3f s", encoded[0][0], e, delay_s)
+                time.sleep(delay_s)
+
+    def _encode(self, name: str, obj: Any) -> bytes:
+        data = codec.encode(obj)
+        if len(data) > self.max_bytes:
+            raise CodecError(f"{name}: {len(data)} bytes exceed the limit of {self.max_bytes}")
+        return data
+
+    def _fetched(self, name: str, raw: bytes | None) -> Fetched:
+        if raw is None:
+            return None
         try:
-            if not isinstance(raw, bytes):  # only a decode_responses client returns str
-                raise CodecError(f"expected bytes from Redis, got {type(raw).__name__}")
-            return codec.decode(raw)
+            return self._decode(name, raw)
         except CodecError as e:
-            with self._malformed_lock:
-                self.malformed += 1
+            return MalformedChunk(name, str(e))
+
+    def _decode(self, name: str, raw: bytes) -> Any:
+        try:
+            return codec.decode(raw, max_bytes=self.max_bytes)
+        except CodecError as e:
             log.error("malformed value under %r (%d bytes) dropped: %s", name, len(raw), e)
             raise

@@ -1,52 +1,53 @@
-"""Chunk wake-ups of the Redis connector: a receiver blocks instead of polling (SPEC §5).
+"""Chunk wake-ups over Redis: the receiver blocks instead of polling (SPEC §5).
 
-A receiver `listen`s to a `<req>_<stage>` route by pointing its route key at the
-receiver's own notify list; a sender that knows the route RPUSHes one wake-up per
-chunk there, in the round trip of the SETs. `WakeupSender` is the sender's side
-(which routes lead where, and the wake-up elements), `WakeupListener` the
-receiver's (the route keys, the thread blocked on the list, the `on_put`
-callbacks it calls, and the small values that arrived inline). `RedisConnector`
-composes both.
+A receiver subscribes to a `<req>_<stage>` route by pointing its route key at
+its own notify list; a sender that knows the route RPUSHes one wake-up per chunk
+there, in the round trip of the SETs, carrying the value too when it is small.
+`WakeupSender` is the sender's side (which routes lead where). `WakeupInbox` is
+the receiver's: what the wake-ups said, the small values that came inline, and
+which keys they make stale. No thread: the RECV thread reads the list itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
+import socket
 import struct
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
 from redis.client import Pipeline
-from redis.exceptions import RedisError
+from redis.connection import Connection
 
 from omni_runtime import keys
-from omni_runtime.errors import TransportError
 
 log = logging.getLogger(__name__)
 
-LISTEN_BLOCK_S = 1.0
-"""Longest BLPOP of the wake-up listener; bounds how long `close` may wait for it."""
 MAX_CACHED_ROUTES = 100_000
-LISTEN_BATCH = 10_000
+WAKEUP_BATCH = 10_000
+"""Most wake-ups taken off the notify list per read."""
 INLINE_MAX_BYTES = 16 * 1024
 """Chunks up to this size also travel inside their wake-up: one round trip less per hop."""
-MAX_INLINE_HELD = 10_000
-_WAKEUP_HEADER = struct.Struct("<H")
+MAX_HELD = 10_000
+"""Bound on inline values held, and on keys remembered as read (the stale filter)."""
+BLOCK_S = 1
+"""Server-side timeout of the BLPOP left waiting on the dedicated connection."""
+SLICE_S = 0.02
+"""Without a real socket to select on (fakeredis): longest BLPOP between `kick` checks."""
+_HEADER = struct.Struct("<H")
+
+Encoded = tuple[str, bytes, str]
+"""(full key, msgpack value, route id)."""
 
 
 def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
-    """`<u16 key length><key><value or nothing>`; None for anything else (logged).
-
-    The empty element is `close()` unblocking the listener: no key, nothing to log.
-    """
-    if not element:
-        return None, b""
+    """`<u16 key length><key><value or nothing>`; None for anything else (logged)."""
     try:
-        (n,) = _WAKEUP_HEADER.unpack_from(element)
+        (n,) = _HEADER.unpack_from(element)
         return element[2 : 2 + n].decode(), element[2 + n :]
     except (struct.error, UnicodeDecodeError) as e:
         log.warning("malformed wake-up ignored: %r", e)
@@ -54,8 +55,7 @@ def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
 
 
 class WakeupSender:
-    """The sender's side: each route's notify list once looked up (a bounded cache), and
-    the wake-ups for it. `encoded` items are `(full key, msgpack value, route id)`."""
+    """Each route's notify list once looked up (a bounded cache), and its wake-ups."""
 
     def __init__(self, prefix: str, ttl_s: int) -> None:
         self.prefix = prefix
@@ -63,7 +63,7 @@ class WakeupSender:
         self._lock = threading.Lock()
         self._routes: dict[str, str] = {}
 
-    def queue(self, pipe: Pipeline, encoded: list[tuple[str, bytes, str]]) -> list[str]:
+    def queue(self, pipe: Pipeline, encoded: list[Encoded]) -> list[str]:
         """Queue on `pipe` (after its SETs) the wake-ups of the routes known, and a GET of
         the route key of the others; return those others, whose GETs end the replies."""
         route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))
@@ -79,13 +79,12 @@ class WakeupSender:
         return unknown
 
     def wake_found(
-        self,
-        client: redis.Redis,
-        encoded: list[tuple[str, bytes, str]],
-        unknown: list[str],
-        replies: Sequence[Any],
+        self, client: redis.Redis, encoded: list[Encoded], unknown: list[str], replies: list[Any]
     ) -> None:
-        """Wake the `unknown` routes whose GET (the last of `replies`) found a receiver."""
+        """Wake the `unknown` routes whose GET (the last of `replies`) found a receiver.
+
+        The SETs came before the GETs, so a receiver that subscribes later polls first.
+        """
         found = {
             route_id: reply.decode()
             for route_id, reply in zip(unknown, replies[len(replies) - len(unknown) :], strict=True)
@@ -93,8 +92,6 @@ class WakeupSender:
         }
         if not found:
             return
-        # Receivers that listen but were not known yet: wake them now, then remember them.
-        # The SETs came before the GETs, so a receiver that starts listening later polls first.
         with client.pipeline(transaction=False) as pipe:
             for route_id, route in found.items():
                 pipe.rpush(route, *self._wakeups(encoded, route_id))
@@ -106,125 +103,162 @@ class WakeupSender:
             self._routes.update(found)
 
     def forget(self, route_ids: Iterable[str]) -> None:
-        """Drop finished routes: no chunk follows, so their receivers need no more wake-ups."""
+        """Routes whose last chunk went out: their receivers need no more wake-ups."""
         with self._lock:
             for route_id in route_ids:
                 self._routes.pop(route_id, None)
 
-    def _wakeups(self, encoded: list[tuple[str, bytes, str]], route_id: str) -> list[bytes]:
-        """One wake-up per chunk of the route: its key, and the value itself when small, so
-        the receiver has it without another round trip (the SET stays the source of truth)."""
+    def _wakeups(self, encoded: list[Encoded], route_id: str) -> list[bytes]:
         out = []
         for name, value, rid in encoded:
-            if rid != route_id:
-                continue
-            key = name[len(self.prefix) :].encode()
-            inline = value if len(value) <= INLINE_MAX_BYTES else b""
-            out.append(_WAKEUP_HEADER.pack(len(key)) + key + inline)
+            if rid == route_id:
+                key = name[len(self.prefix) :].encode()
+                inline = value if len(value) <= INLINE_MAX_BYTES else b""
+                out.append(_HEADER.pack(len(key)) + key + inline)
         return out
 
 
-class WakeupListener:
-    """The receiver's side: a thread blocked on `notify_key` (started by the first
-    `on_put`) that calls the callbacks, and the small values that came inline."""
+class WakeupInbox:
+    """The receiver's side (RECV thread only, no lock): routes woken, inline values, and
+    the keys whose deletion is owed because their value was served inline."""
 
-    def __init__(self, client: redis.Redis, notify_key: str, prefix: str) -> None:
-        self.client = client
-        self.notify_key = notify_key
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[str], None]] = []
-        self._thread: threading.Thread | None = None
-        self._closed = threading.Event()
+        self.woken: set[str] = set()
         self._inline: dict[str, bytes] = {}
-        """Small chunk values that arrived with their wake-up, by full key, until peeked."""
-        self._consumed_recently: dict[str, None] = {}
-        """Keys read and deleted lately (bounded): a wake-up arriving after them is stale."""
+        self._read: dict[str, None] = {}
+        """Keys read from Redis lately (bounded): a wake-up arriving after them is stale."""
+        self.unlink: dict[str, None] = {}
+        """Keys served inline: deleted with the next round trip."""
 
-    def listen(self, route_ids: Sequence[str], ttl_s: int) -> None:
-        """Point the route keys of these `<req>_<stage>` routes at `notify_key`, for `ttl_s`."""
-        if not route_ids:
-            return
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for route_id in route_ids:
-                    pipe.set(keys.chunk_route_key(route_id, self.prefix), self.notify_key, ex=ttl_s)
-                pipe.execute()
-        except RedisError as e:
-            raise TransportError(f"registering {len(route_ids)} route(s) failed: {e}") from e
-
-    def on_put(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(<req>_<stage>)` (on a listener thread) for each put we listen to."""
-        with self._lock:
-            self._callbacks.append(callback)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._listen_loop, name="chunk-wakeups", daemon=True
-                )
-                self._thread.start()
-
-    def take_inline(self, names: Sequence[str], consumed: Iterable[str]) -> dict[str, bytes]:
-        """Pop the values of `names` (full keys) that came inline, then mark `consumed`."""
-        with self._lock:
-            inline = {n: self._inline.pop(n) for n in names if n in self._inline}
-            self._remember_consumed(consumed)
-        return inline
-
-    def mark_consumed(self, names: Iterable[str]) -> None:
-        """`names` (full keys) were read and deleted: drop their inline values, and ignore
-        a wake-up of theirs that arrives late."""
-        with self._lock:
-            self._remember_consumed(names)
-
-    def close(self) -> None:
-        """Stop the listener thread, if one runs; the client stays open."""
-        self._closed.set()
-        if self._thread is not None:
-            with contextlib.suppress(RedisError):
-                self.client.rpush(self.notify_key, "")  # unblock its BLPOP now
-                self.client.delete(self.notify_key)
-            self._thread.join(LISTEN_BLOCK_S + 1)
-
-    def _listen_loop(self) -> None:
-        delay_s = 0.05
-        while not self._closed.is_set():
-            try:
-                with self.client.pipeline(transaction=False) as pipe:
-                    pipe.blpop([self.notify_key], timeout=LISTEN_BLOCK_S)
-                    pipe.lpop(self.notify_key, LISTEN_BATCH)  # and whatever queued behind it
-                    popped, rest = pipe.execute()
-                delay_s = 0.05
-            except RedisError as e:
-                log.warning("chunk wake-up listener failed, retrying in %.2fs: %r", delay_s, e)
-                self._closed.wait(delay_s)
-                delay_s = min(2.0, delay_s * 2)
-                continue  # receivers sweep their parked requests meanwhile
-            if popped is None:
+    def take(self, elements: Sequence[bytes]) -> None:
+        """Record the wake-ups read off the notify list."""
+        for element in elements:
+            key, value = _parse_wakeup(element)
+            if key is None:
                 continue
-            route_ids: dict[str, None] = {}
-            for element in [popped[1], *(rest or [])]:
-                key, value = _parse_wakeup(element)
-                if key is None:
-                    continue
-                route_ids[key.rsplit("_", 1)[0]] = None
-                if value:
-                    with self._lock:
-                        if self.prefix + key in self._consumed_recently:
-                            continue  # already read from Redis and deleted: a stale copy
-                        self._inline[self.prefix + key] = value
-                        while len(self._inline) > MAX_INLINE_HELD:
-                            self._inline.pop(next(iter(self._inline)))
-            with self._lock:
-                callbacks = list(self._callbacks)
-            for route_id in route_ids:
-                for callback in callbacks:
-                    callback(route_id)
-            time.sleep(0)  # hand the GIL to the woken receiver before packing the next BLPOP
+            self.woken.add(keys.route_of_chunk_key(key))
+            name = self.prefix + key
+            if name in self.unlink:  # put again since we served it: keep the new value
+                del self.unlink[name]
+            elif name in self._read:  # the wake-up of a value already read: stale
+                del self._read[name]
+                continue
+            if value:
+                self._inline[name] = value
+                if len(self._inline) > MAX_HELD:
+                    self._inline.pop(next(iter(self._inline)))
 
-    def _remember_consumed(self, names: Iterable[str]) -> None:
-        """Under `_lock`."""
+    def serve(self, names: Sequence[str]) -> dict[str, bytes]:
+        """The values of `names` that came inline; their keys are owed a delete."""
+        served = {n: self._inline.pop(n) for n in names if n in self._inline}
+        self.unlink.update(dict.fromkeys(served))
+        return served
+
+    def read(self, names: Iterable[str]) -> None:
+        """These keys were read (and deleted) in Redis."""
         for name in names:
             self._inline.pop(name, None)
-            self._consumed_recently[name] = None
-        while len(self._consumed_recently) > MAX_INLINE_HELD:
-            self._consumed_recently.pop(next(iter(self._consumed_recently)))
+            self._read[name] = None
+        while len(self._read) > MAX_HELD:
+            self._read.pop(next(iter(self._read)))
+
+    def take_woken(self) -> set[str]:
+        woken, self.woken = self.woken, set()
+        return woken
+
+
+class NotifyWaiter:
+    """Blocks on one notify list until a wake-up comes or `kick` is called from any thread.
+
+    A BLPOP (+ LPOP of what queued behind it) stays in flight on a connection of
+    its own; the wait is a `select` on that socket and a local socketpair that
+    `kick` writes one byte to, so a kick costs no Redis round trip and is seen
+    at once. A client without real sockets (fakeredis) gets short BLPOP slices.
+    """
+
+    def __init__(self, client: redis.Redis, notify_key: str) -> None:
+        self.client = client
+        self.notify_key = notify_key
+        self._kicked = threading.Event()
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        """Made on the first blocking wait: a connector that only puts holds no sockets."""
+        self._conn: Connection | None = None
+        self._sock: socket.socket | None = None
+        self._in_flight = False
+
+    def kick(self) -> None:
+        self._kicked.set()  # before looking at the pair: `wait` checks it after making one
+        pair = self._pair
+        if pair is not None:
+            with contextlib.suppress(OSError):  # full or closed: a kick is pending anyway
+                pair[1].send(b"\0")
+
+    def wait(self, timeout_s: float) -> tuple[list[bytes], bool]:
+        """(wake-up elements, kicked); raises `RedisError` (the connection is dropped)."""
+        try:
+            conn = self._connection()
+            if conn is None:
+                return self._slice(0.0 if self._kicked.is_set() else timeout_s), self._drain()
+            if not self._in_flight:
+                blpop = ("BLPOP", self.notify_key, BLOCK_S)
+                lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
+                packed = conn.pack_commands([blpop, lpop])  # type: ignore[no-untyped-call]
+                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                self._in_flight = True
+            if self._pair is None:
+                self._pair = socket.socketpair()
+                for end in self._pair:
+                    end.setblocking(False)
+            sock = self._sock
+            if sock is not None and not self._kicked.is_set() and not conn.can_read(timeout=0):
+                select.select([sock, self._pair[0]], [], [], timeout_s)
+            if not conn.can_read(timeout=0):
+                return [], self._drain()
+            popped, rest = conn.read_response(), conn.read_response()
+            self._in_flight = False
+        except redis.RedisError:
+            self._drop()
+            raise
+        return [*([popped[1]] if popped else []), *(rest or [])], self._drain()
+
+    def close(self) -> None:
+        self._drop()
+        if self._pair is not None:
+            for end in self._pair:
+                end.close()
+            self._pair = None
+
+    def _connection(self) -> Connection | None:
+        if self._conn is None:
+            conn = self.client.connection_pool.get_connection()
+            sock = conn._sock
+            if not isinstance(sock, socket.socket):
+                self.client.connection_pool.release(conn)
+                return None
+            self._conn, self._sock = conn, sock
+        return self._conn
+
+    def _slice(self, timeout_s: float) -> list[bytes]:
+        with self.client.pipeline(transaction=False) as pipe:
+            if timeout_s > 0:
+                pipe.blpop([self.notify_key], timeout=min(timeout_s, SLICE_S))
+            pipe.lpop(self.notify_key, WAKEUP_BATCH)
+            replies = pipe.execute()
+        popped = replies[0] if timeout_s > 0 else None
+        return [*([popped[1]] if popped else []), *(replies[-1] or [])]
+
+    def _drain(self) -> bool:
+        kicked = self._kicked.is_set()
+        self._kicked.clear()
+        if self._pair is not None:
+            with contextlib.suppress(OSError):
+                kicked |= bool(self._pair[0].recv(4096))
+        return kicked
+
+    def _drop(self) -> None:
+        """A connection with a BLPOP in flight must not go back to the pool as is."""
+        if self._conn is not None:
+            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            self.client.connection_pool.release(self._conn)
+            self._conn, self._in_flight = None, False

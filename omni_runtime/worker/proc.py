@@ -103,7 +103,10 @@ class StageWorker:
         self.adapter: ChunkAdapter | None = None
         if self.streaming:
             self.connector = RedisConnector(
-                self.client, ttl_s=s.chunk_ttl_s, prefix=self.names.chunk_prefix
+                self.client,
+                ttl_s=s.chunk_ttl_s,
+                prefix=self.names.chunk_prefix,
+                max_bytes=s.max_message_bytes,
             )
             self.adapter = ChunkAdapter(self.connector, self.stage_id, on_ready=self.wake.set)
         self.reader = InputReader(self, self.client)

@@ -1,4 +1,5 @@
-"""One contract, three connectors: in memory, Redis on fakeredis, Redis on a real redis-server.
+"""The SPEC connector contract, over three connectors: in memory, Redis on fakeredis, Redis
+on a real redis-server (the transport surface has its own suite).
 
 SPEC §2: `put(key, obj)`, `get(key) -> obj | None`; `get` consumes, `None` means
 not there yet. SPEC §5: the Redis connector SETs with a TTL, consumes with
@@ -7,29 +8,21 @@ GETDEL, msgpack on the wire, optional namespace prefix.
 
 from __future__ import annotations
 
-import socket
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
 import fakeredis
 import numpy as np
 import pytest
-import redis
-from redis.connection import PythonRespSerializer
 
 from omni_runtime import keys
 from omni_runtime.chunks import MemoryConnector, RedisConnector
-from omni_runtime.core.types import Connector, MalformedChunk
-from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.chunks.transport import Connector
 
 AnyConnector = MemoryConnector | RedisConnector
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
-NOT_PICKLE_NOT_MSGPACK = b"\xc1\xc1 this is not msgpack \xc1"
 
 
 @pytest.fixture(params=["memory", "fakeredis", REAL])
@@ -46,93 +39,12 @@ def connector(request: pytest.FixtureRequest) -> Iterator[AnyConnector]:
             yield conn
 
 
-@dataclass
-class RedisVariant:
-    """A raw client to inspect Redis, and a factory for connectors on the same server."""
-
-    raw: redis.Redis
-    make: Callable[..., RedisConnector]
-
-
-@pytest.fixture(params=["fakeredis", REAL])
-def redis_variant(request: pytest.FixtureRequest) -> Iterator[RedisVariant]:
-    made: list[RedisConnector] = []
-    if request.param == "fakeredis":
-        server = fakeredis.FakeServer()
-        raw: redis.Redis = fakeredis.FakeRedis(server=server)
-        clients: list[redis.Redis] = [raw]
-
-        def make(**kw: Any) -> RedisConnector:
-            client = fakeredis.FakeRedis(server=server)
-            clients.append(client)
-            return RedisConnector(client, **kw)
-
-    else:
-        url = request.getfixturevalue("redis_url")
-        raw = redis.Redis.from_url(url)
-        clients = [raw]
-
-        def make(**kw: Any) -> RedisConnector:
-            conn = RedisConnector.from_url(url, **kw)
-            made.append(conn)
-            return conn
-
-    yield RedisVariant(raw, make)
-    for conn in made:
-        conn.close()
-    for client in clients:
-        client.close()
-
-
-@contextmanager
-def refused_loopback_port() -> Iterator[int]:
-    """A loopback port that is bound but not listening, so connecting to it is refused."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
-
-
-def fail_commands(
-    monkeypatch: pytest.MonkeyPatch, conn: RedisConnector, command: str, times: int
-) -> list[int]:
-    """Make the next `times` `command`s on the connector's client raise redis ConnectionError."""
-    calls = [0]
-    real: Callable[..., Any] = conn.client.execute_command
-
-    def flaky(*args: Any, **options: Any) -> Any:
-        if str(args[0]).upper() == command:
-            calls[0] += 1
-            if calls[0] <= times:
-                raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
-        return real(*args, **options)
-
-    real_pipeline: Callable[..., Any] = conn.client.pipeline
-
-    def pipeline(*args: Any, **kwargs: Any) -> Any:
-        pipe = real_pipeline(*args, **kwargs)
-        real_execute = pipe.execute
-
-        def execute(*e_args: Any, **e_kwargs: Any) -> Any:
-            if any(str(c[0][0]).upper() == command for c in pipe.command_stack):
-                calls[0] += 1
-                if calls[0] <= times:
-                    pipe.reset()
-                    raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
-            return real_execute(*e_args, **e_kwargs)
-
-        pipe.execute = execute
-        return pipe
-
-    monkeypatch.setattr(conn.client, "execute_command", flaky)
-    monkeypatch.setattr(conn.client, "pipeline", pipeline)
-    return calls
-
-
 # --- the protocol, for every implementation ----------------------------------------
 
 
 def test_every_connector_satisfies_the_connector_protocol(connector: AnyConnector) -> None:
     assert isinstance(connector, Connector)
+    assert not isinstance(object(), Connector)
 
 
 def test_put_then_get_returns_an_equal_object(connector: AnyConnector) -> None:
@@ -155,25 +67,6 @@ def test_put_replaces_an_unread_value(connector: AnyConnector) -> None:
     connector.put("r1_0_0", {"data": "old", "finished": False})
     connector.put("r1_0_0", {"data": "new", "finished": False})
     assert connector.get("r1_0_0") == {"data": "new", "finished": False}
-
-
-def test_get_many_is_aligned_with_its_keys_and_consumes(connector: AnyConnector) -> None:
-    connector.put("r_1_0", {"data": "a", "finished": False})
-    connector.put("r_1_2", {"data": "c", "finished": True})
-    got = connector.get_many(["r_1_0", "r_1_1", "r_1_2"])
-    assert got == [{"data": "a", "finished": False}, None, {"data": "c", "finished": True}]
-    assert connector.get_many(["r_1_0", "r_1_1", "r_1_2"]) == [None, None, None]
-    assert connector.get_many([]) == []
-
-
-def test_delete_many_drops_the_keys_and_ignores_missing_ones(connector: AnyConnector) -> None:
-    connector.put("d_0_0", {"data": 0, "finished": False})
-    connector.put("d_0_1", {"data": 1, "finished": False})
-    connector.put("keep_0_0", {"data": 2, "finished": True})
-    connector.delete_many(["d_0_0", "d_0_1", "absent_0_0"])
-    connector.delete_many([])
-    assert connector.get_many(["d_0_0", "d_0_1"]) == [None, None]
-    assert connector.get("keep_0_0") == {"data": 2, "finished": True}
 
 
 def test_bytes_and_nested_values_round_trip(connector: AnyConnector) -> None:
@@ -245,199 +138,3 @@ def test_memory_connector_records_every_put_key_in_order() -> None:
     conn.get("v_0_0")
     assert conn.puts == ["v_0_0", "v_0_1"]
     assert len(conn) == 1
-
-
-# --- Redis specifics (fakeredis and real redis-server) ---------------------------------
-
-
-def test_prefix_is_applied_inside_and_every_key_has_a_ttl(redis_variant: RedisVariant) -> None:
-    conn = redis_variant.make(prefix="omni:test:", ttl_s=60)
-    raw = redis_variant.raw
-    conn.put("r1_0_0", {"data": "x", "finished": False})
-    conn.put("r1_0_1", {"data": "y", "finished": False})
-    conn.put("r1_0_2", {"data": "z", "finished": True})
-    assert raw.exists("omni:test:r1_0_0") == 1
-    assert raw.exists("r1_0_0") == 0
-    assert 0 < raw.ttl("omni:test:r1_0_0") <= 60
-    assert conn.get("r1_0_0") == {"data": "x", "finished": False}
-    assert conn.get_many(["r1_0_1"]) == [{"data": "y", "finished": False}]
-    conn.delete_many(["r1_0_2"])
-    assert raw.exists("omni:test:r1_0_0", "omni:test:r1_0_1", "omni:test:r1_0_2") == 0
-
-
-def test_default_ttl_is_the_chunk_ttl(redis_variant: RedisVariant) -> None:
-    conn = redis_variant.make()
-    conn.put("r1_0_0", {"data": "x", "finished": False})
-    assert keys.CHUNK_TTL_S - 5 <= redis_variant.raw.ttl("r1_0_0") <= keys.CHUNK_TTL_S
-
-
-def test_put_retries_with_exponential_backoff_then_succeeds(
-    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = redis_variant.make(put_retries=3, retry_backoff_s=0.001)
-    calls = fail_commands(monkeypatch, conn, "SET", times=3)
-    sleeps: list[float] = []
-    fake_time = SimpleNamespace(sleep=sleeps.append)  # only the connector's view of `time`
-    monkeypatch.setattr("omni_runtime.chunks.redis.time", fake_time)
-    conn.put("r1_0_0", {"data": "ok", "finished": True})
-    assert calls[0] == 4
-    assert sleeps == pytest.approx([0.001, 0.002, 0.004])
-    assert conn.get("r1_0_0") == {"data": "ok", "finished": True}
-
-
-def test_put_raises_transport_error_after_exhausting_retries(
-    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = redis_variant.make(put_retries=2, retry_backoff_s=0.0)
-    calls = fail_commands(monkeypatch, conn, "SET", times=3)
-    with pytest.raises(TransportError, match="3 attempt") as info:
-        conn.put("r1_0_0", {"data": "lost", "finished": False})
-    assert isinstance(info.value.__cause__, redis.exceptions.ConnectionError)
-    assert calls[0] == 3
-    assert redis_variant.raw.exists("r1_0_0") == 0
-
-
-def test_put_retries_zero_means_one_attempt(
-    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = redis_variant.make(put_retries=0)
-    calls = fail_commands(monkeypatch, conn, "SET", times=1)
-    with pytest.raises(TransportError):
-        conn.put("r1_0_0", {"data": "lost", "finished": False})
-    assert calls[0] == 1
-
-
-def test_get_failure_raises_transport_error(
-    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = redis_variant.make()
-    conn.put("r1_0_0", {"data": "kept", "finished": False})
-    fail_commands(monkeypatch, conn, "GETDEL", times=1)
-    with pytest.raises(TransportError) as info:
-        conn.get("r1_0_0")
-    assert isinstance(info.value.__cause__, redis.exceptions.RedisError)
-    assert conn.get("r1_0_0") == {"data": "kept", "finished": False}
-
-
-def test_get_of_a_malformed_value_raises_codec_error_and_counts_it(
-    redis_variant: RedisVariant,
-) -> None:
-    conn = redis_variant.make(prefix="p:")
-    redis_variant.raw.set("p:bad_0_0", NOT_PICKLE_NOT_MSGPACK)
-    with pytest.raises(CodecError):
-        conn.get("bad_0_0")
-    assert conn.malformed == 1
-    assert conn.get("bad_0_0") is None  # consumed: a malformed value is not served twice
-
-
-def test_get_many_with_a_malformed_value_keeps_the_good_ones(redis_variant: RedisVariant) -> None:
-    conn = redis_variant.make()
-    conn.put("m_0_0", {"data": "good", "finished": False})
-    redis_variant.raw.set("m_0_1", NOT_PICKLE_NOT_MSGPACK)
-    results = conn.get_many(["m_0_0", "m_0_1", "m_0_2"])
-    assert results[0] == {"data": "good", "finished": False}
-    assert isinstance(results[1], MalformedChunk) and results[1].key.endswith("m_0_1")
-    assert results[2] is None
-    assert conn.malformed == 1
-
-
-def test_invalid_settings_are_config_errors(redis_variant: RedisVariant) -> None:
-    with pytest.raises(ConfigError, match="ttl_s"):
-        redis_variant.make(ttl_s=0)
-    with pytest.raises(ConfigError, match="put_retries"):
-        redis_variant.make(put_retries=-1)
-
-
-def test_a_decoding_client_is_rejected(fake_server: fakeredis.FakeServer) -> None:
-    client = fakeredis.FakeRedis(server=fake_server, decode_responses=True)
-    try:
-        with pytest.raises(ConfigError, match="decode_responses"):
-            RedisConnector(client)
-    finally:
-        client.close()
-
-
-@pytest.mark.redis_server
-def test_from_url_packs_commands_with_the_python_packer(redis_url: str) -> None:
-    with RedisConnector.from_url(redis_url) as conn:
-        pool = conn.client.connection_pool
-        assert isinstance(pool.connection_kwargs["command_packer"], PythonRespSerializer)
-        connection = pool.get_connection()
-        try:
-            assert isinstance(connection._command_packer, PythonRespSerializer)
-        finally:
-            pool.release(connection)
-        conn.put("packed_0_0", {"data": memoryview(b"\x00" * 10_000), "finished": False})
-        assert conn.get("packed_0_0") == {"data": b"\x00" * 10_000, "finished": False}
-
-
-def test_unreachable_server_is_a_transport_error() -> None:
-    with refused_loopback_port() as port:
-        url = f"redis://127.0.0.1:{port}/0"
-        with RedisConnector.from_url(url, put_retries=1, retry_backoff_s=0.0) as conn:
-            with pytest.raises(TransportError, match="2 attempt"):
-                conn.put("r1_0_0", {"data": 1, "finished": False})
-            with pytest.raises(TransportError):
-                conn.get("r1_0_0")
-            with pytest.raises(TransportError):
-                conn.get_many(["r1_0_0"])
-
-
-# --- look-ahead and wake-ups (the ChunkAdapter's optional connector features) ------
-
-
-def test_peek_many_reads_without_consuming(connector: AnyConnector) -> None:
-    connector.put("p_0_0", {"data": 1, "finished": False})
-    assert connector.peek_many(["p_0_0", "p_0_1"]) == [{"data": 1, "finished": False}, None]
-    assert connector.get("p_0_0") == {"data": 1, "finished": False}
-    assert connector.peek_many([]) == []
-
-
-def test_a_put_on_a_listened_route_wakes_the_receiver(redis_variant: RedisVariant) -> None:
-    receiver = redis_variant.make(prefix="ns:")
-    sender = redis_variant.make(prefix="ns:")
-    woken = threading.Event()
-    receiver.on_put(lambda route_id: woken.set())
-    receiver.listen(["req_0"])
-    sender.put("req_0_0", {"data": "x", "finished": False})
-    assert woken.wait(10), "receiver was not woken"
-    assert receiver.peek_many(["req_0_0"]) == [{"data": "x", "finished": False}]
-    receiver.delete_many(["req_0_0"])
-    assert redis_variant.raw.get("ns:req_0_0") is None
-    woken.clear()
-    sender.put("req_0_1", {"data": "y", "finished": True})  # route now cached by the sender
-    assert woken.wait(10)
-    receiver.unlisten(["req_0"])
-    assert redis_variant.raw.get(keys.chunk_route_key("req_0", "ns:")) is None
-    receiver.close()
-    sender.close()
-
-
-def test_a_small_chunk_rides_in_its_wakeup_and_is_read_without_redis(
-    redis_variant: RedisVariant,
-) -> None:
-    receiver = redis_variant.make(prefix="ns:")
-    sender = redis_variant.make(prefix="ns:")
-    woken = threading.Event()
-    receiver.on_put(lambda route_id: woken.set())
-    receiver.listen(["inl_0"])
-    sender.put("inl_0_0", {"data": b"small", "finished": True})
-    assert woken.wait(10)
-    redis_variant.raw.delete("ns:inl_0_0")  # proves the value came with the wake-up
-    assert receiver.peek_many(["inl_0_0"]) == [{"data": b"small", "finished": True}]
-    receiver.close()
-    sender.close()
-
-
-def test_puts_on_an_unlistened_route_leave_no_wakeup_state(redis_variant: RedisVariant) -> None:
-    sender = redis_variant.make(prefix="ns:")
-    sender.put("solo_0_0", {"data": "x", "finished": True})
-    assert sorted(k.decode() for k in redis_variant.raw.keys("*")) == ["ns:solo_0_0"]
-
-
-def test_memory_connector_calls_wakeup_callbacks_on_put() -> None:
-    conn = MemoryConnector()
-    calls: list[int] = []
-    conn.on_put(lambda route_id: calls.append(route_id))
-    conn.put("a_0_0", 1)
-    assert calls == ["a_0"]

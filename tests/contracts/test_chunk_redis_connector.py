@@ -1,0 +1,226 @@
+"""What the Redis connector promises beyond the SPEC contract (SPEC §5), on fakeredis and on
+a real redis-server: namespace prefix, TTL, retries with the Backoff given, errors by class."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from redis.connection import PythonRespSerializer
+
+from omni_runtime import keys
+from omni_runtime.chunks import RedisConnector
+from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.redis_io.backoff import Backoff
+
+REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
+NOT_PICKLE_NOT_MSGPACK = b"\xc1\xc1 this is not msgpack \xc1"
+
+
+@dataclass
+class RedisVariant:
+    """A raw client to inspect Redis, and a factory for connectors on the same server."""
+
+    raw: redis.Redis
+    make: Callable[..., RedisConnector]
+
+
+@pytest.fixture(params=["fakeredis", REAL])
+def redis_variant(request: pytest.FixtureRequest) -> Iterator[RedisVariant]:
+    made: list[RedisConnector] = []
+    if request.param == "fakeredis":
+        server = fakeredis.FakeServer()
+        raw: redis.Redis = fakeredis.FakeRedis(server=server)
+        clients: list[redis.Redis] = [raw]
+
+        def make(**kw: Any) -> RedisConnector:
+            client = fakeredis.FakeRedis(server=server)
+            clients.append(client)
+            return RedisConnector(client, **kw)
+
+    else:
+        url = request.getfixturevalue("redis_url")
+        raw = redis.Redis.from_url(url)
+        clients = [raw]
+
+        def make(**kw: Any) -> RedisConnector:
+            conn = RedisConnector.from_url(url, **kw)
+            made.append(conn)
+            return conn
+
+    yield RedisVariant(raw, make)
+    for conn in made:
+        conn.close()
+    for client in clients:
+        client.close()
+
+
+@contextmanager
+def refused_loopback_port() -> Iterator[int]:
+    """A loopback port that is bound but not listening, so connecting to it is refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def fail_commands(
+    monkeypatch: pytest.MonkeyPatch, conn: RedisConnector, command: str, times: int
+) -> list[int]:
+    """Make the next `times` `command`s on the connector's client raise redis ConnectionError."""
+    calls = [0]
+    real: Callable[..., Any] = conn.client.execute_command
+
+    def flaky(*args: Any, **options: Any) -> Any:
+        if str(args[0]).upper() == command:
+            calls[0] += 1
+            if calls[0] <= times:
+                raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
+        return real(*args, **options)
+
+    real_pipeline: Callable[..., Any] = conn.client.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        def execute(*e_args: Any, **e_kwargs: Any) -> Any:
+            if any(str(c[0][0]).upper() == command for c in pipe.command_stack):
+                calls[0] += 1
+                if calls[0] <= times:
+                    pipe.reset()
+                    raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
+            return real_execute(*e_args, **e_kwargs)
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(conn.client, "execute_command", flaky)
+    monkeypatch.setattr(conn.client, "pipeline", pipeline)
+    return calls
+
+
+# --- Redis specifics (fakeredis and real redis-server) ---------------------------------
+
+
+def test_prefix_is_applied_inside_and_every_key_has_a_ttl(redis_variant: RedisVariant) -> None:
+    conn = redis_variant.make(prefix="omni:test:", ttl_s=60)
+    raw = redis_variant.raw
+    conn.put("r1_0_0", {"data": "x", "finished": False})
+    conn.put("r1_0_1", {"data": "y", "finished": False})
+    conn.put("r1_0_2", {"data": "z", "finished": True})
+    assert raw.exists("omni:test:r1_0_0") == 1
+    assert raw.exists("r1_0_0") == 0
+    assert 0 < raw.ttl("omni:test:r1_0_0") <= 60
+    assert conn.get("r1_0_0") == {"data": "x", "finished": False}
+    assert conn.fetch(["r1_0_1"]) == [{"data": "y", "finished": False}]
+    assert conn.discard(["r1_0_2", "r1_0_9"]) == 1
+    assert raw.exists("omni:test:r1_0_0", "omni:test:r1_0_1", "omni:test:r1_0_2") == 0
+
+
+def test_default_ttl_is_the_chunk_ttl(redis_variant: RedisVariant) -> None:
+    conn = redis_variant.make()
+    conn.put("r1_0_0", {"data": "x", "finished": False})
+    assert keys.CHUNK_TTL_S - 5 <= redis_variant.raw.ttl("r1_0_0") <= keys.CHUNK_TTL_S
+
+
+def test_put_retries_with_exponential_backoff_then_succeeds(
+    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = redis_variant.make(retry=Backoff(initial_s=0.001, max_s=1.0, max_attempts=4))
+    calls = fail_commands(monkeypatch, conn, "SET", times=3)
+    sleeps: list[float] = []
+    monkeypatch.setattr("omni_runtime.chunks.redis.time.sleep", sleeps.append)
+    conn.put("r1_0_0", {"data": "ok", "finished": True})
+    assert calls[0] == 4
+    assert sleeps == pytest.approx([0.001, 0.002, 0.004])
+    assert conn.get("r1_0_0") == {"data": "ok", "finished": True}
+
+
+def test_put_raises_transport_error_after_exhausting_retries(
+    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = redis_variant.make(retry=Backoff(initial_s=0.0, max_attempts=3))
+    calls = fail_commands(monkeypatch, conn, "SET", times=3)
+    with pytest.raises(TransportError, match="3 attempt") as info:
+        conn.put("r1_0_0", {"data": "lost", "finished": False})
+    assert isinstance(info.value.__cause__, redis.exceptions.ConnectionError)
+    assert calls[0] == 3
+    assert redis_variant.raw.exists("r1_0_0") == 0
+
+
+def test_one_attempt_means_no_retry(
+    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = redis_variant.make(retry=Backoff(max_attempts=1))
+    calls = fail_commands(monkeypatch, conn, "SET", times=1)
+    with pytest.raises(TransportError):
+        conn.put("r1_0_0", {"data": "lost", "finished": False})
+    assert calls[0] == 1
+
+
+def test_get_failure_raises_transport_error(
+    redis_variant: RedisVariant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = redis_variant.make()
+    conn.put("r1_0_0", {"data": "kept", "finished": False})
+    fail_commands(monkeypatch, conn, "GETDEL", times=1)
+    with pytest.raises(TransportError) as info:
+        conn.get("r1_0_0")
+    assert isinstance(info.value.__cause__, redis.exceptions.RedisError)
+    assert conn.get("r1_0_0") == {"data": "kept", "finished": False}
+
+
+def test_get_of_a_malformed_value_raises_codec_error_and_counts_it(
+    redis_variant: RedisVariant,
+) -> None:
+    conn = redis_variant.make(prefix="p:")
+    redis_variant.raw.set("p:bad_0_0", NOT_PICKLE_NOT_MSGPACK)
+    with pytest.raises(CodecError):
+        conn.get("bad_0_0")
+    assert conn.get("bad_0_0") is None  # consumed: a malformed value is not served twice
+
+
+def test_invalid_settings_are_config_errors(redis_variant: RedisVariant) -> None:
+    with pytest.raises(ConfigError, match="ttl_s"):
+        redis_variant.make(ttl_s=0)
+
+
+def test_a_decoding_client_is_rejected(fake_server: fakeredis.FakeServer) -> None:
+    client = fakeredis.FakeRedis(server=fake_server, decode_responses=True)
+    try:
+        with pytest.raises(ConfigError, match="decode_responses"):
+            RedisConnector(client)
+    finally:
+        client.close()
+
+
+@pytest.mark.redis_server
+def test_from_url_packs_commands_with_the_python_packer(redis_url: str) -> None:
+    with RedisConnector.from_url(redis_url) as conn:
+        pool = conn.client.connection_pool
+        assert isinstance(pool.connection_kwargs["command_packer"], PythonRespSerializer)
+        connection = pool.get_connection()
+        try:
+            assert isinstance(connection._command_packer, PythonRespSerializer)
+        finally:
+            pool.release(connection)
+        conn.put("packed_0_0", {"data": memoryview(b"\x00" * 10_000), "finished": False})
+        assert conn.get("packed_0_0") == {"data": b"\x00" * 10_000, "finished": False}
+
+
+def test_unreachable_server_is_a_transport_error() -> None:
+    with refused_loopback_port() as port:
+        url = f"redis://127.0.0.1:{port}/0"
+        with RedisConnector.from_url(url, retry=Backoff(0.0, max_attempts=2)) as conn:
+            with pytest.raises(TransportError, match="2 attempt"):
+                conn.put("r1_0_0", {"data": 1, "finished": False})
+            with pytest.raises(TransportError):
+                conn.get("r1_0_0")
+            with pytest.raises(TransportError):
+                conn.fetch(["r1_0_0"])
