@@ -36,8 +36,9 @@ from omni_runtime.redis_io.stage_client import (
     xadd_fields,
 )
 from omni_runtime.settings import Settings
-from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
+from omni_runtime.stage_api import ChunkStream, EngineOutput
 from omni_runtime.tracing import tracer_for
+from omni_runtime.worker.engines import load_engine
 from omni_runtime.worker.io_threads import ControlReader, Heartbeat, InputReader
 
 log = logging.getLogger(__name__)

@@ -8,14 +8,8 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.stage_api import (
-    ChunkStream,
-    EngineOutput,
-    Final,
-    GeneratorEngine,
-    marks_final,
-    with_last,
-)
+from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, marks_final, with_last
+from omni_runtime.worker.engines import GeneratorEngine
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -171,3 +165,12 @@ def test_chunk_stream_take_never_blocks_and_returns_only_what_is_new() -> None:
     stream.extend([3], closed=True)
     assert stream.take() == [3] and stream.closed
     assert stream.take() == []
+
+
+def test_close_after_requests_ended_leaves_no_pool_thread_behind() -> None:
+    """A clean shutdown joins the pool: idle threads must not pass for stuck stage code."""
+    engine = engine_for(lambda data: data)
+    engine.add_request("r", "x")
+    assert triples(drain(engine, "r")) == [("x", True, None)]
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("stage")]
