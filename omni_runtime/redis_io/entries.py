@@ -1,0 +1,107 @@
+"""The format of a control-plane stream entry, and the pure half of reading a stream.
+
+Every entry is exactly one field, `keys.PAYLOAD_FIELD`, holding a msgpack wire
+message that names its `type`. Nothing here does I/O: `streams` wraps it in
+readers and the dead-letter path (import from there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from omni_runtime import codec, keys
+from omni_runtime.errors import CodecError
+
+M = TypeVar("M")
+Entry = tuple[bytes, Mapping[bytes, bytes]]
+"""(entry id, fields) as redis-py returns them; no fields for a pending entry trimmed since."""
+DEAD_LETTER_RAW_BYTES = 4096
+"""How much of a malformed entry's payload the dead-letter stream keeps."""
+_PAYLOAD = keys.PAYLOAD_FIELD.encode()
+
+
+def entry_fields(msg: BaseModel) -> dict[str, bytes]:
+    """The fields of the entry carrying `msg`: its encoding under the one payload field."""
+    return {keys.PAYLOAD_FIELD: codec.encode_model(msg)}
+
+
+def stream_reply(reply: object) -> list[tuple[bytes, list[Entry]]]:
+    """An XREAD / XREADGROUP reply, `[]` if none: `[[stream, [(id, fields), ...]], ...]`.
+
+    Only states the type: our clients keep redis-py's defaults (bytes, RESP2 shapes),
+    which its stubs over-approximate.
+    """
+    return cast("list[tuple[bytes, list[Entry]]]", reply or [])
+
+
+def adapter_of(model: type[M] | TypeAdapter[M]) -> TypeAdapter[M]:
+    """A model class or a `TypeAdapter` (for a discriminated union) as one validator."""
+    return model if isinstance(model, TypeAdapter) else TypeAdapter(model)
+
+
+def parse_entry(
+    fields: Mapping[bytes, bytes], model: type[M] | TypeAdapter[M], max_bytes: int
+) -> M:
+    """Validate one entry into `model`; anything else raises `CodecError` saying why."""
+    raw = fields.get(_PAYLOAD)
+    if raw is None or len(fields) != 1:
+        raise CodecError(f"entry must have exactly the field {keys.PAYLOAD_FIELD!r}")
+    obj = codec.decode(raw, max_bytes=max_bytes)
+    if not isinstance(obj, dict) or "type" not in obj:
+        raise CodecError("message must be a map with a 'type' field")
+    try:
+        return adapter_of(model).validate_python(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        first = errors[0]["msg"] if errors else str(e)
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        kind = str(obj["type"])[:64]
+        raise CodecError(f"invalid {kind} message: {loc or '<root>'}: {first}{more}") from e
+
+
+def dead_letter_fields(
+    stream: str, entry_id: bytes, error: str, fields: Mapping[bytes, bytes] | None
+) -> dict[str, Any]:
+    """What the dead-letter stream keeps of a bad entry: where, why, and its first bytes."""
+    raw = b"".join(fields.values())[:DEAD_LETTER_RAW_BYTES] if fields else b""
+    return {"stream": stream, "id": entry_id, "error": error[:1000], "raw": raw}
+
+
+class BacklogCursor:
+    """The id to read from: this consumer's pending backlog from "0", then ">" (new entries).
+
+    Walking the backlog re-delivers what a previous run read but never acknowledged,
+    so nothing is lost in a crash; the walk ends at the first empty reply.
+    """
+
+    def __init__(self, backlog_first: bool = True) -> None:
+        self.next_id = "0" if backlog_first else ">"
+
+    @property
+    def in_backlog(self) -> bool:
+        return self.next_id != ">"
+
+    def advance(self, entries: Sequence[Entry]) -> None:
+        if self.next_id != ">":
+            self.next_id = entries[-1][0].decode() if entries else ">"
+
+
+class SortedEntries(Generic[M]):
+    """One batch split into the valid, the malformed (with why) and the trimmed ones."""
+
+    def __init__(self, entries: Sequence[Entry], adapter: TypeAdapter[M], max_bytes: int) -> None:
+        self.good: list[tuple[bytes, M]] = []
+        self.bad: list[tuple[bytes, Mapping[bytes, bytes], str]] = []
+        self.trimmed: list[bytes] = []
+        for entry_id, fields in entries:
+            if not fields:
+                self.trimmed.append(entry_id)
+                continue
+            try:
+                self.good.append((entry_id, parse_entry(fields, adapter, max_bytes)))
+            except CodecError as e:
+                self.bad.append((entry_id, fields, str(e)))

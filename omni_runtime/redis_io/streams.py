@@ -1,0 +1,271 @@
+"""Reading the control plane: one consumer-group reader, strict entries, one dead-letter path.
+
+A malformed entry is logged, counted, moved to the dead-letter stream and
+acknowledged, never handed to the caller and never fatal (SPEC §5). The async
+flavour serves the orchestrator and clients, the sync one the worker's threads;
+both share the pure half in `entries` and the write half in `dead_letters`.
+
+API (stable):
+
+* `GroupReader(client, stream, group, consumer, model, *, max_bytes, dead_letters,
+  metrics=None, backoff=None, backlog_first=True)` over a `redis.asyncio` client;
+  `SyncGroupReader(...)`, the same over a `redis.Redis`, also takes `stop=` (a
+  `threading.Event` that cuts a back-off wait short). `model` is a pydantic model
+  class or a `TypeAdapter` (a discriminated union); `dead_letters` is the dead-letter
+  stream's name (`Names.dead_letters`); `backoff` is the policy template
+  (`Settings.backoff(bounded=True)`): reads retry forever with its delays, writes give
+  up after its `max_attempts`.
+  - `[await] read(count, block_ms) -> list[(entry_id: bytes, msg)]`: this consumer's
+    own pending backlog from id 0 first (what a previous run read but never
+    acknowledged), then new entries with `>`. `[]` on timeout, or after a failed
+    XREADGROUP once its back-off delay passed, so callers loop and check their stop
+    flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
+  - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
+    obtained otherwise (XCLAIM): malformed ones dead-lettered, trimmed ones acked.
+  - `[await] ack(*entry_ids) -> bool`: XACK, bounded retries; False once given up.
+* `DeadLetters(client, dead_stream, *, metrics=None, backoff=None)` / `SyncDeadLetters`:
+  `[await] send(stream, group, entry_id, error, fields) -> bool` XADDs to `dead_stream`
+  (MAXLEN ~ `keys.DEAD_LETTER_MAXLEN`) and XACKs the entry, in one pipeline.
+* `ensure_group(client, stream, group)` / `ensure_group_sync(...)`: create the group
+  from id 0 (entries written before it existed are read); BUSYGROUP is fine.
+* Re-exported from `entries`: `Entry`, `entry_fields`, `stream_reply`, `parse_entry`,
+  `dead_letter_fields`, `BacklogCursor`.
+
+Counters (`omni_runtime.metrics`, labelled by `stream`): `omni_malformed_entries_total`,
+`omni_dead_letters_total`, `omni_retries_total`, `omni_dropped_writes_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Generic, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import TypeAdapter
+from redis.exceptions import RedisError, ResponseError
+
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.dead_letters import DEFAULT_BACKOFF, DeadLetters, SyncDeadLetters
+from omni_runtime.redis_io.entries import (
+    BacklogCursor,
+    Entry,
+    SortedEntries,
+    adapter_of,
+    dead_letter_fields,
+    entry_fields,
+    parse_entry,
+    stream_reply,
+)
+
+__all__ = [
+    "BacklogCursor",
+    "DeadLetters",
+    "Entry",
+    "GroupReader",
+    "SyncDeadLetters",
+    "SyncGroupReader",
+    "dead_letter_fields",
+    "ensure_group",
+    "ensure_group_sync",
+    "entry_fields",
+    "parse_entry",
+    "stream_reply",
+]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+
+def ensure_group_sync(client: redis.Redis, stream: str, group: str) -> None:
+    """Create the group from id 0 so entries written before it existed are still read."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """`ensure_group_sync` for the event loop."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class _ReaderBase(Generic[M]):
+    """State both flavours share: names, validator, cursor, read back-off, counters."""
+
+    def __init__(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        model: type[M] | TypeAdapter[M],
+        max_bytes: int,
+        metrics: Metrics | None,
+        backoff: Backoff | None,
+        backlog_first: bool,
+    ) -> None:
+        self.stream, self.group, self.consumer = stream, group, consumer
+        self.max_bytes = max_bytes
+        self.metrics = metrics or Metrics()
+        self.cursor = BacklogCursor(backlog_first)
+        self.read_ns = 0
+        self._adapter = adapter_of(model)
+        self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
+
+    def _read_failed(self, e: RedisError) -> float:
+        delay = self._read_policy.failed() or 0.0
+        log.warning("reading %s failed, retrying in %.2fs: %r", self.stream, delay, e)
+        self.metrics.inc("omni_retries_total", stream=self.stream)
+        return delay
+
+    def _entries(self, reply: object) -> list[Entry]:
+        self._read_policy.succeeded()
+        self.read_ns = time.monotonic_ns()
+        entries = [entry for _s, batch in stream_reply(reply) for entry in batch]
+        self.cursor.advance(entries)
+        return entries
+
+    def _sort(self, entries: Sequence[Entry]) -> SortedEntries[M]:
+        batch = SortedEntries(entries, self._adapter, self.max_bytes)
+        if batch.bad:
+            self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
+        return batch
+
+
+def _no_group(e: ResponseError) -> bool:
+    return "NOGROUP" in str(e)
+
+
+class SyncGroupReader(_ReaderBase[M]):
+    """A consumer in a group, for a thread: strict entries, backlog first, bad ones dead."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        model: type[M] | TypeAdapter[M],
+        *,
+        max_bytes: int,
+        dead_letters: str,
+        metrics: Metrics | None = None,
+        backoff: Backoff | None = None,
+        backlog_first: bool = True,
+        stop: threading.Event | None = None,
+    ) -> None:
+        super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
+        self.client = client
+        self._stop = stop or threading.Event()
+        self._dead = SyncDeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
+
+    def read(self, count: int, block_ms: int) -> list[tuple[bytes, M]]:
+        walking = self.cursor.in_backlog
+        entries = self._fetch(count, block_ms)
+        if walking and entries == [] and not self.cursor.in_backlog:
+            entries = self._fetch(count, block_ms)  # backlog done: the new entries now
+        return self.accept(entries) if entries else []
+
+    def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
+        try:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
+            )
+        except ResponseError as e:
+            if not _no_group(e):
+                raise
+            log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
+            ensure_group_sync(self.client, self.stream, self.group)
+            return None
+        except RedisError as e:
+            self._stop.wait(self._read_failed(e))
+            return None
+        return self._entries(reply)
+
+    def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
+        batch = self._sort(entries)
+        for entry_id, fields, error in batch.bad:
+            self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.trimmed:
+            self.ack(*batch.trimmed)
+        return batch.good
+
+    def ack(self, *entry_ids: bytes) -> bool:
+        if not entry_ids:
+            return True
+        op = lambda: self.client.xack(self.stream, self.group, *entry_ids)  # noqa: E731
+        return self._dead.retry_sync(op, "acknowledging", self.stream)
+
+
+class GroupReader(_ReaderBase[M]):
+    """`SyncGroupReader` for the event loop."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        model: type[M] | TypeAdapter[M],
+        *,
+        max_bytes: int,
+        dead_letters: str,
+        metrics: Metrics | None = None,
+        backoff: Backoff | None = None,
+        backlog_first: bool = True,
+    ) -> None:
+        super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
+        self.client = client
+        self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
+
+    async def read(self, count: int, block_ms: int) -> list[tuple[bytes, M]]:
+        walking = self.cursor.in_backlog
+        entries = await self._fetch(count, block_ms)
+        if walking and entries == [] and not self.cursor.in_backlog:
+            entries = await self._fetch(count, block_ms)  # backlog done: the new entries now
+        return await self.accept(entries) if entries else []
+
+    async def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
+        try:
+            reply = await self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
+            )
+        except ResponseError as e:
+            if not _no_group(e):
+                raise
+            log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
+            await ensure_group(self.client, self.stream, self.group)
+            return None
+        except RedisError as e:
+            await asyncio.sleep(self._read_failed(e))
+            return None
+        return self._entries(reply)
+
+    async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
+        batch = self._sort(entries)
+        for entry_id, fields, error in batch.bad:
+            await self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.trimmed:
+            await self.ack(*batch.trimmed)
+        return batch.good
+
+    async def ack(self, *entry_ids: bytes) -> bool:
+        if not entry_ids:
+            return True
+
+        async def op() -> object:
+            return await self.client.xack(self.stream, self.group, *entry_ids)
+
+        return await self._dead.retry(op, "acknowledging", self.stream)
