@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
     """Requests one worker runs at once; further inputs wait in the stream."""
     heartbeat_interval_s: PositiveFloat = 1.0
+    max_deliveries: Annotated[int, Field(gt=0, le=1000)] = 3
+    """An input delivered more often than this (replicas died on it) is dead-lettered and
+    its request ends with an error, instead of taking down replica after replica."""
     retry_initial_s: PositiveFloat = 0.01
     """First delay after a failed Redis operation; doubles per failure up to `retry_max_s`."""
     retry_max_s: PositiveFloat = 2.0

@@ -33,10 +33,12 @@ ABORT_MEMORY_MAX = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Input:
-    """A validated stage input and the stream entry that carried it."""
+    """A validated stage input and the stream entry that carried it; `refused`: the
+    reason it must not run (its request ends with that error instead)."""
 
     entry_id: bytes
     msg: StageInputMsg
+    refused: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,11 @@ class WorkerCore:
     def on_input(self, inp: Input, now: float) -> None:
         """Start a request; a redelivery of one running here, or of an aborted one, is acked."""
         rid = inp.msg.request_id
+        if inp.refused is not None and rid not in self._active:
+            self.metrics.inc("omni_requests_failed_total", stage=self._stage)
+            self._publish_error(rid, inp.refused, 0, inp.entry_id)
+            self._actions.freed_slots += 1
+            return
         if rid in self._active or rid in self._recent_aborts:
             self._actions.acks.append(inp.entry_id)
             self._actions.freed_slots += 1
