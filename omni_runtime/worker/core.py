@@ -107,8 +107,6 @@ class WorkerCore:
         self._recent_aborts: OrderedDict[str, float] = OrderedDict()
         self._actions = Actions()
 
-    # --- state, read by the shell and tests --------------------------------------
-
     @property
     def in_flight(self) -> int:
         return len(self._active)
@@ -123,8 +121,6 @@ class WorkerCore:
     def take_actions(self) -> Actions:
         actions, self._actions = self._actions, Actions()
         return actions
-
-    # --- inputs ----------------------------------------------------------------------
 
     def on_input(self, inp: Input, now: float) -> None:
         """Start a request; a redelivery of one running here, or of an aborted one, is acked."""
@@ -194,8 +190,6 @@ class WorkerCore:
             ack = next((o.ack for o in outs if o.ack is not None), None)
             self._publish_error(rid, error, max(o.seq for o in outs) + 1, ack)
 
-    # --- driving the engine -------------------------------------------------------------
-
     def step(self) -> bool:
         """Step the engine if it has work; True if that produced outputs or failures."""
         method = "has_work"
@@ -236,8 +230,6 @@ class WorkerCore:
         horizon = now - self._abort_memory_s
         while self._recent_aborts and next(iter(self._recent_aborts.values())) < horizon:
             self._recent_aborts.popitem(last=False)
-
-    # --- internals ----------------------------------------------------------------------
 
     def _emit(self, out: EngineOutput) -> None:
         """One engine output: encode it (or turn it into the request's error), publish it."""

@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import redis
 from redis.exceptions import RedisError
@@ -21,8 +21,8 @@ from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, StageInputMsg
 from omni_runtime.metrics import Metrics
-from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
+from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
 from omni_runtime.worker.core import Input
 
@@ -32,6 +32,28 @@ IDLE_READ_BLOCK_MS = 1000
 """A blocking read returns the moment an entry arrives; its timeout only sets how often an
 idle worker wakes (CPU) and how long a stopping thread may take to notice."""
 SLOT_WAIT_S = 0.1
+
+
+T = TypeVar("T")
+
+
+class Handoff(Generic[T]):
+    """Items an I/O thread delivers to the loop; each delivery wakes the loop."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._items: list[T] = []
+        self._wake = wake
+
+    def put(self, items: list[T]) -> None:
+        with self._lock:
+            self._items.extend(items)
+        self._wake.set()
+
+    def take(self) -> list[T]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
 
 
 class Slots:
@@ -104,9 +126,8 @@ class InputThread(_Loop):
         reader: SyncGroupReader[StageInputMsg],
         slots: Slots,
         deliver: Callable[[list[Input]], None],
+        settings: Settings,
         *,
-        read_count: int,
-        block_ms: int,
         stage_id: int,
         tracer: Tracer | None,
         stop: threading.Event | None = None,
@@ -115,8 +136,8 @@ class InputThread(_Loop):
         self.reader = reader
         self.slots = slots
         self.deliver = deliver
-        self.read_count = read_count
-        self.block_ms = max(block_ms, IDLE_READ_BLOCK_MS)
+        self.read_count = settings.read_count
+        self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.stage_id = stage_id
         self.tracer = tracer
 
@@ -152,21 +173,17 @@ class ControlThread(_Loop):
         client: redis.Redis,
         stream: str,
         deliver: Callable[[list[str]], None],
-        *,
-        read_count: int,
-        block_ms: int,
-        max_bytes: int,
-        backoff: Backoff,
+        settings: Settings,
         metrics: Metrics,
     ) -> None:
         super().__init__("control-reader")
         self.client = client
         self.stream = stream
         self.deliver = deliver
-        self.read_count = read_count
-        self.block_ms = max(block_ms, IDLE_READ_BLOCK_MS)
-        self.max_bytes = max_bytes
-        self.backoff = backoff
+        self.read_count = settings.read_count
+        self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
+        self.max_bytes = settings.max_message_bytes
+        self.backoff = settings.backoff()
         self.metrics = metrics
         self._last_id = b"0-0"
 

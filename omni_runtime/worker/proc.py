@@ -10,13 +10,14 @@ actions (queue writes, chunk saves, discards), sleep until woken.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
@@ -25,13 +26,19 @@ from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.streams import SyncDeadLetters, SyncGroupReader, ensure_group_sync
+from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ClosableEngine
 from omni_runtime.tracing import tracer_for
 from omni_runtime.worker.core import Actions, Input, Outgoing, WorkerCore
 from omni_runtime.worker.engines import load_engine
-from omni_runtime.worker.io_threads import ControlThread, HeartbeatThread, InputThread, Slots
+from omni_runtime.worker.io_threads import (
+    ControlThread,
+    Handoff,
+    HeartbeatThread,
+    InputThread,
+    Slots,
+)
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.takeover import Takeover
 
@@ -44,27 +51,6 @@ IDLE_LOOP_WAIT_S = 1.0
 DRAIN_S = 5.0
 """After `stop()`, requests in flight get this long to finish before the process exits."""
 JOIN_TIMEOUT_S = 5.0
-
-T = TypeVar("T")
-
-
-class _Handoff(Generic[T]):
-    """Items an I/O thread delivers to the loop; each delivery wakes the loop."""
-
-    def __init__(self, wake: threading.Event) -> None:
-        self._lock = threading.Lock()
-        self._items: list[T] = []
-        self._wake = wake
-
-    def put(self, items: list[T]) -> None:
-        with self._lock:
-            self._items.extend(items)
-        self._wake.set()
-
-    def take(self) -> list[T]:
-        with self._lock:
-            items, self._items = self._items, []
-        return items
 
 
 class StageWorker:
@@ -95,9 +81,9 @@ class StageWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._input_stop = threading.Event()
-        self._inputs: _Handoff[Input] = _Handoff(self._wake)
-        self._aborts: _Handoff[str] = _Handoff(self._wake)
-        self._lost: _Handoff[tuple[list[Outgoing], str]] = _Handoff(self._wake)
+        self._inputs: Handoff[Input] = Handoff(self._wake)
+        self._aborts: Handoff[str] = Handoff(self._wake)
+        self._lost: Handoff[tuple[list[Outgoing], str]] = Handoff(self._wake)
         self._slots = Slots(s.worker_max_concurrency)
         self._in_flight = 0
         """The core's count, published by the loop for other threads (one int store)."""
@@ -119,40 +105,37 @@ class StageWorker:
         self._connector: RedisConnector | None = None
         self.adapter: ChunkAdapter | None = None
         """Streaming mode only; built in `run` (its threads start with it)."""
+        reader = functools.partial(
+            SyncGroupReader[StageInputMsg],
+            self._client,
+            self.in_stream,
+            keys.WORKERS_GROUP,
+            self.worker_id,
+            StageInputMsg,
+            max_bytes=s.max_message_bytes,
+            dead_letters=self.names.dead_letters,
+            metrics=self.metrics,
+            backoff=s.backoff(bounded=True),
+        )
         self._input = InputThread(
-            self._reader(self._input_stop),
+            reader(stop=self._input_stop),
             self._slots,
             self._inputs.put,
-            read_count=s.read_count,
-            block_ms=s.block_ms,
+            s,
             stage_id=stage_id,
             tracer=self.tracer,
             stop=self._input_stop,
         )
         self._control = ControlThread(
-            self._client,
-            self.names.control,
-            self._aborts.put,
-            read_count=s.read_count,
-            block_ms=s.block_ms,
-            max_bytes=s.max_message_bytes,
-            backoff=s.backoff(),
-            metrics=self.metrics,
+            self._client, self.names.control, self._aborts.put, s, self.metrics
         )
         takeover = Takeover(
             self._client,
-            self._reader(None),
-            SyncDeadLetters(
-                self._client,
-                self.names.dead_letters,
-                metrics=self.metrics,
-                backoff=s.backoff(bounded=True),
-            ),
-            lambda name: bool(self._client.exists(self.names.stage_heartbeat(stage_id, name))),
+            reader(),
             self._take_over,
+            s,
             worker_id=self.worker_id,
             stage_id=stage_id,
-            max_deliveries=s.max_deliveries,
             metrics=self.metrics,
         )
         self._heartbeat = HeartbeatThread(
@@ -171,8 +154,6 @@ class StageWorker:
             on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
             metrics=self.metrics,
         )
-
-    # --- lifecycle -------------------------------------------------------------
 
     def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
@@ -216,7 +197,6 @@ class StageWorker:
             "takeovers": int(self.metrics.value("omni_takeovers_total")),
         }
 
-    # counters, read from any thread
     @property
     def active(self) -> int:
         """Requests in flight on this worker."""
@@ -233,8 +213,6 @@ class StageWorker:
     @property
     def malformed_inputs(self) -> int:
         return int(self.metrics.value("omni_malformed_entries_total", stream=self.in_stream))
-
-    # --- the scheduler loop ----------------------------------------------------
 
     def _loop(self) -> None:
         drain_deadline: float | None = None
@@ -289,21 +267,6 @@ class StageWorker:
     def _take_over(self, inputs: list[Input]) -> None:
         self._slots.force_take(len(inputs))
         self._inputs.put(inputs)
-
-    def _reader(self, stop: threading.Event | None) -> SyncGroupReader[StageInputMsg]:
-        s = self.settings
-        return SyncGroupReader(
-            self._client,
-            self.in_stream,
-            keys.WORKERS_GROUP,
-            self.worker_id,
-            StageInputMsg,
-            max_bytes=s.max_message_bytes,
-            dead_letters=self.names.dead_letters,
-            metrics=self.metrics,
-            backoff=s.backoff(bounded=True),
-            stop=stop,
-        )
 
     def _shut_down(self) -> None:
         """Signal every thread, then join them all: one wait, not one per thread."""

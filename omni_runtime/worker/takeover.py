@@ -19,6 +19,7 @@ from omni_runtime import keys
 from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
+from omni_runtime.settings import Settings
 from omni_runtime.worker.core import Input
 
 log = logging.getLogger(__name__)
@@ -34,33 +35,36 @@ class Takeover:
         self,
         client: redis.Redis,
         reader: SyncGroupReader[StageInputMsg],
-        dead_letters: SyncDeadLetters,
-        is_alive: Callable[[str], bool],
         deliver: Callable[[list[Input]], None],
+        settings: Settings,
         *,
         worker_id: str,
         stage_id: int,
-        max_deliveries: int,
         metrics: Metrics,
     ) -> None:
         self.client = client
         self.reader = reader
-        self.dead_letters = dead_letters
-        self.is_alive = is_alive
         self.deliver = deliver
+        self.names = settings.names
         self.worker_id = worker_id
         self.stage_id = stage_id
-        self.max_deliveries = max_deliveries
+        self.max_deliveries = settings.max_deliveries
         self.metrics = metrics
         self.stream = reader.stream
+        self.dead_letters = SyncDeadLetters(
+            client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
+        )
 
     def __call__(self) -> None:
         summary: Any = self.client.xpending(self.stream, keys.WORKERS_GROUP)
         for consumer in summary.get("consumers") or []:
             name = consumer["name"]
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != self.worker_id and not self.is_alive(name):
+            if name != self.worker_id and not self._alive(name):
                 self._take_over(name)
+
+    def _alive(self, name: str) -> bool:
+        return bool(self.client.exists(self.names.stage_heartbeat(self.stage_id, name)))
 
     def _take_over(self, name: str) -> None:
         rows = self.client.xpending_range(
