@@ -1,23 +1,16 @@
-"""WorkerCore: a request's life on a worker, with an in-memory engine and no Redis;
-and the shell's output thread and slots, with a fake client."""
+"""WorkerCore: a request's life on a worker, with an in-memory engine and no Redis."""
 
 from __future__ import annotations
 
-import threading
-from typing import Any, cast
+from typing import Any
 
 import pytest
-import redis
 
-from omni_runtime import codec, keys
+from omni_runtime import codec
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
-from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineOutput, StepFailed
-from omni_runtime.worker.core import Actions, Input, Outgoing, WorkerCore
-from omni_runtime.worker.io_threads import Slots
-from omni_runtime.worker.output import OutputThread
-from tests.waiting import wait_until
+from omni_runtime.worker.core import Actions, Input, WorkerCore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -254,113 +247,3 @@ def test_lost_outputs_end_their_requests_with_an_error_output() -> None:
     assert engine.aborted == ["running"] and core.in_flight == 0
     core.on_publish_failed(actions.outputs, "still down")  # the error outputs lost as well
     assert core.take_actions().outputs == []
-
-
-class FlakyRedis:
-    """Enough of a redis client for the output thread: pipelines that fail `failures` times."""
-
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
-        self.written: list[tuple[str, Any]] = []
-        self.lock = threading.Lock()
-
-    def pipeline(self, transaction: bool = False) -> FlakyPipe:
-        return FlakyPipe(self)
-
-
-class FlakyPipe:
-    def __init__(self, owner: FlakyRedis) -> None:
-        self.owner = owner
-        self.ops: list[tuple[str, Any]] = []
-
-    def __enter__(self) -> FlakyPipe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def xadd(self, stream: str, fields: dict[str, bytes], **_kw: Any) -> None:
-        msg = codec.decode_model(fields[keys.PAYLOAD_FIELD], StageOutputMsg)
-        self.ops.append(("xadd", (msg.request_id, msg.seq, msg.error)))
-
-    def xack(self, stream: str, group: str, *ids: bytes) -> None:
-        self.ops.extend(("xack", i) for i in ids)
-
-    def execute(self) -> None:
-        with self.owner.lock:
-            if self.owner.failures > 0:
-                self.owner.failures -= 1
-                raise redis.exceptions.ConnectionError("down")
-            self.owner.written.extend(self.ops)
-
-
-def out(rid: str, seq: int, ends: bool = False, error: str | None = None) -> Outgoing:
-    msg = StageOutputMsg(request_id=rid, data=None, finished=ends, error=error, seq=seq)
-    ack = f"{rid}-in".encode() if ends or error else None
-    return Outgoing(rid, seq, codec.encode_model(msg), ends or error is not None, bool(error), ack)
-
-
-Lost = list[tuple[list[Outgoing], str]]
-
-
-def output_thread(client: FlakyRedis, lost: Lost, attempts: int) -> OutputThread:
-    settings = Settings(retry_initial_s=0.001, retry_max_s=0.002, retry_attempts=attempts)
-    thread = OutputThread(
-        cast("redis.Redis", client),
-        "out",
-        "in",
-        maxlen=100,
-        backoff=lambda: settings.backoff(bounded=True),
-        on_lost=lambda outs, reason: lost.append((outs, reason)),
-        metrics=Metrics(),
-    )
-    thread.start()
-    return thread
-
-
-def test_the_output_thread_retries_a_failed_write_within_its_bound() -> None:
-    client, lost = FlakyRedis(failures=2), Lost()
-    thread = output_thread(client, lost, attempts=5)
-    thread.publish([out("a", 0), out("a", 1, ends=True)], [b"x-in"])
-    wait_until(lambda: len(client.written) == 4)
-    assert client.written == [
-        ("xadd", ("a", 0, None)),
-        ("xadd", ("a", 1, None)),
-        ("xack", b"a-in"),
-        ("xack", b"x-in"),
-    ]
-    assert lost == [] and thread.metrics.value("omni_retries_total") == 2
-    thread.request_stop()
-    thread.join(5)
-
-
-def test_an_outage_beyond_the_retries_reports_the_lost_outputs_and_skips_their_rest() -> None:
-    client, lost = FlakyRedis(failures=3), Lost()
-    thread = output_thread(client, lost, attempts=3)
-    thread.publish([out("a", 0), out("b", 0)], [])
-    wait_until(lambda: bool(lost))
-    ((outs, reason),) = lost
-    assert [(o.request_id, o.seq) for o in outs] == [("a", 0), ("b", 0)]
-    assert reason == "Redis unreachable after 3 attempts (ConnectionError)"
-    assert thread.metrics.value("omni_dropped_writes_total") == 1
-    # Redis is back: a's final is skipped (its error output follows), its input still acked
-    thread.publish([out("a", 1, ends=True), out("c", 0, ends=True)], [])
-    thread.publish([out("a", 2, error="lost"), out("b", 1, error="lost"), out("a", 3)], [])
-    thread.request_stop()
-    thread.join(5)
-    assert [op for op in client.written if op[0] == "xadd"] == [
-        ("xadd", ("c", 0, None)),
-        ("xadd", ("a", 2, "lost")),
-        ("xadd", ("b", 1, "lost")),
-        ("xadd", ("a", 3, None)),  # after its error output: the core never sends that
-    ]
-    assert ("xack", b"a-in") in client.written
-
-
-def test_slots_bound_what_the_input_thread_may_take() -> None:
-    slots = Slots(3)
-    assert slots.take_up_to(5, 0.01) == 3
-    assert slots.take_up_to(1, 0.01) == 0  # none free: waited, got nothing
-    slots.force_take(2)  # a takeover runs beyond the concurrency
-    slots.give_back(4)
-    assert slots.free == 2 and slots.take_up_to(8, 0.01) == 2
