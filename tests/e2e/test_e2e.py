@@ -139,6 +139,8 @@ async def test_two_replicas_share_a_stage(deploy: Any) -> None:
     await wait_for(lambda: sum(completed()) == 24, deadline_s=15)  # beats every second
     assert len(completed()) == 2
     assert min(completed()) > 0, f"one replica did all the work: {completed()}"
+    d.group.stop()
+    assert "stage code still running" not in d.logs(), "a clean shutdown leaves no stage thread"
 
 
 async def test_a_step_engine_failing_some_inputs_fails_only_those_requests(
