@@ -21,18 +21,23 @@ from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.errors import CodecError, StartupTimeoutError, TransportError
+from omni_runtime.errors import (
+    CodecError,
+    RequestTimeoutError,
+    StartupTimeoutError,
+    TransportError,
+)
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
+from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.stage_client import StreamWriter, entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import tracer_for
 
+__all__ = ["OmniClient", "RequestTimeoutError"]
+
 log = logging.getLogger(__name__)
-
-
-class RequestTimeoutError(TimeoutError):
-    """No output of a request arrived within the request timeout."""
 
 
 class OmniClient:
@@ -41,6 +46,7 @@ class OmniClient:
         settings: Settings,
         clients: RedisClients | None = None,
         client_id: str | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.names = settings.names
@@ -51,12 +57,22 @@ class OmniClient:
         self._queues: dict[str, asyncio.Queue[OrchOutput]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
-        self.dropped_outputs = 0
+        self.metrics = metrics or Metrics()
+
+    @property
+    def dropped_outputs(self) -> int:
+        """Outputs dropped: malformed, or for a request this client no longer waits for."""
+        return int(self.metrics.value("omni_dropped_outputs_total", source="client"))
 
     async def __aenter__(self) -> OmniClient:
         codec.warm_up()
         self.redis: aioredis.Redis = self.clients.aio()
-        self._writer = StreamWriter(self.redis, self.settings.stream_maxlen)
+        self._writer = StreamWriter(
+            self.redis,
+            self.settings.stream_maxlen,
+            metrics=self.metrics,
+            backoff=self.settings.backoff(bounded=True),
+        )
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
         await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
@@ -186,7 +202,7 @@ class OmniClient:
 
     async def _read_outputs(self) -> None:
         last_id = b"0-0"
-        delay_s = 0.05
+        backoff = self.settings.backoff()
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
@@ -199,11 +215,12 @@ class OmniClient:
                     count=self.settings.read_count,
                     block=self.settings.block_ms,
                 )
-                delay_s = 0.05
+                backoff.succeeded()
             except RedisError as e:
+                delay_s = backoff.failed() or 0.0
                 log.warning("reading outputs failed, retrying in %.2fs: %r", delay_s, e)
+                self.metrics.inc("omni_retries_total", stream=self.out_stream)
                 await asyncio.sleep(delay_s)
-                delay_s = min(2.0, delay_s * 2)
                 continue
             ids: list[bytes] = []
             for _stream, entries in stream_reply(reply):
@@ -219,12 +236,13 @@ class OmniClient:
         try:
             msg = parse_entry(fields, OrchOutputMsg, self.settings.max_message_bytes)
         except CodecError as e:
-            self.dropped_outputs += 1
+            self.metrics.inc("omni_malformed_entries_total", stream=self.out_stream)
+            self.metrics.inc("omni_dropped_outputs_total", source="client")
             log.error("malformed output entry dropped: %s", e)
             return
         queue = self._queues.get(msg.request_id)
         if queue is None:
-            self.dropped_outputs += 1
+            self.metrics.inc("omni_dropped_outputs_total", source="client")
             return
         queue.put_nowait(
             OrchOutput(msg.request_id, msg.stage_id, msg.data, msg.finished, msg.error)

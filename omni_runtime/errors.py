@@ -31,11 +31,5 @@ class StartupTimeoutError(FatalError, TimeoutError):
     """A process did not become ready in time; the message names the setting to raise."""
 
 
-class RequestFailedError(OmniError):
-    """A request ended with an error output (stage failure, abort, deadline)."""
-
-    def __init__(self, request_id: str, stage_id: int, error: str) -> None:
-        super().__init__(f"request {request_id!r} failed at stage {stage_id}: {error}")
-        self.request_id = request_id
-        self.stage_id = stage_id
-        self.error = error
+class RequestTimeoutError(OmniError, TimeoutError):
+    """No output of a request arrived within the request timeout (OMNI_REQUEST_TIMEOUT_S)."""

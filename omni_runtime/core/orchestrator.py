@@ -1,33 +1,35 @@
 """The central router of a pipeline (SPEC §3): sequential mode.
 
-Three queues and three kinds of task. Only the dispatcher changes request
-state, and it updates all of it before its first await, so an output handled
-while a `submit` is in flight always sees a consistent `ReqState`. The same
-class runs in-process (fake stages) and in the orchestrator service (Redis
-stage clients).
+Three queues and three kinds of task (plus one for deadlines). Request state
+changes in the handler (add, abort), the deadline task (abort) and the
+dispatcher (outputs), each time completely before its next await, so an output
+handled while a `submit` is in flight always sees a consistent `ReqState`. The
+same class runs in-process (`InMemoryStage`) and in the orchestrator process
+(Redis stage clients).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from omni_runtime.core.types import OrchOutput, ReqState, Stage, StageFailure, StageOutput
+from omni_runtime.core.deadlines import Deadlines
+from omni_runtime.core.types import (
+    CounterSink,
+    ForwardFn,
+    ManagedStage,
+    OrchOutput,
+    ReqState,
+    Stage,
+    StageFailure,
+    StageOutput,
+    forward_previous_data,
+)
 
 log = logging.getLogger(__name__)
-
-ForwardFn = Callable[[int, Any, list[Any]], Any]
-"""`forward_fn(next_stage_id, prompt, all data of the previous stage) -> next input`."""
-
-
-def forward_previous_data(next_stage_id: int, prompt: Any, previous: list[Any]) -> Any:
-    """The default forward function: the next stage gets all of the previous stage's data."""
-    return previous
 
 
 class Orchestrator:
@@ -39,8 +41,13 @@ class Orchestrator:
         final_stage_ids: Iterable[int],
         forward_fn: ForwardFn = forward_previous_data,
         default_deadline_s: float | None = None,
+        metrics: CounterSink | None = None,
     ) -> None:
         self.stages: list[Stage] = list(stages)
+        self._managed: list[ManagedStage | None] = [
+            s if isinstance(s, ManagedStage) else None for s in self.stages
+        ]  # the stages that take acks, aborts and request ends
+        self.metrics = metrics
         self.final_stage_ids: frozenset[int] = frozenset(final_stage_ids)
         if not self.final_stage_ids:
             raise ValueError("final_stage_ids must name at least one stage")
@@ -58,11 +65,8 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._deadline_s: dict[str, float] = {}
         """Per-request deadline overrides, read once by the handler."""
-        self._deadlines: list[tuple[float, int, str]] = []
-        """Heap of (when, seq, request id); an entry is live while `_deadline_of[rid] == seq`."""
-        self._deadline_of: dict[str, int] = {}
+        self._deadlines = Deadlines()
         self._deadline_added = asyncio.Event()
-        self._deadline_seq = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -89,12 +93,7 @@ class Orchestrator:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *_exc: object) -> None:
         await self.shutdown()
 
     # --- public API ------------------------------------------------------------
@@ -140,15 +139,14 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         while True:
             self._deadline_added.clear()
-            timeout = self._deadlines[0][0] - loop.time() if self._deadlines else None
-            if timeout is None or timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await self._deadline_added.wait()
-                continue
-            _at, seq, request_id = heapq.heappop(self._deadlines)
-            if self._deadline_of.get(request_id) == seq:
+            request_id = self._deadlines.pop_due(loop.time())
+            if request_id is not None:
                 await self._handle_abort(request_id, "deadline exceeded")
+                continue
+            at = self._deadlines.next_at()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if at is None else at - loop.time()):
+                    await self._deadline_added.wait()
 
     async def _reader_loop(self, stage_id: int) -> None:
         """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
@@ -159,13 +157,12 @@ class Orchestrator:
                 self._ready_q.put_nowait((stage_id, out))
 
     async def _dispatcher_loop(self) -> None:
-        handled = [getattr(stage, "output_handled", None) for stage in self.stages]
         while True:
             stage_id, out = await self._ready_q.get()
             await self._handle_output(stage_id, out)
-            ack = handled[stage_id]
-            if ack is not None:  # a durable stage acknowledges only what was handled
-                ack(out)
+            managed = self._managed[stage_id]
+            if managed is not None:  # a durable stage acknowledges only what was handled
+                managed.output_handled(out)
 
     # --- routing ---------------------------------------------------------------
 
@@ -193,10 +190,7 @@ class Orchestrator:
         state = ReqState(prompt=prompt)
         self.request_states[request_id] = state
         if deadline_s is not None:
-            at = asyncio.get_running_loop().time() + deadline_s
-            self._deadline_seq += 1
-            self._deadline_of[request_id] = self._deadline_seq
-            heapq.heappush(self._deadlines, (at, self._deadline_seq, request_id))
+            self._deadlines.add(request_id, asyncio.get_running_loop().time() + deadline_s)
             self._deadline_added.set()
         return state
 
@@ -212,22 +206,29 @@ class Orchestrator:
     async def _abort_stages(self, request_id: str, stage_ids: set[int]) -> None:
         """Tell every stage that may still hold the request to drop it."""
         for sid in sorted(stage_ids):
-            abort = getattr(self.stages[sid], "abort", None)
-            if abort is None:
+            managed = self._managed[sid]
+            if managed is None:
                 continue
             try:
-                await abort(request_id)
+                await managed.abort(request_id)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.warning("stage %d could not abort %r: %r", sid, request_id, e)
 
     async def _record(self, stage_id: int, out: StageOutput) -> ReqState | None:
-        """Steps 1-3: drop and count an unknown request's output (never resurrect state), end
-        the request on a stage failure, else record the data. None: nothing more to do."""
+        """Steps 1-3: drop and count an unknown request's output (never resurrect state) or a
+        stage's second `finished`, end the request on a stage failure, else record the
+        data. None: nothing more to do."""
         state = self.request_states.get(out.request_id)
         if state is None:  # late, or never added
-            self.dropped_outputs += 1
+            self._drop(stage_id, out)
+            managed = self._managed[stage_id]
+            if managed is not None:
+                managed.request_ended(out.request_id)
+            return None
+        if out.finished and stage_id in state.finished:  # a repeat: the stage already ended
+            self._drop(stage_id, out)
             return None
         if isinstance(out.data, StageFailure):
             await self._fail(out.request_id, stage_id, out.data.error)
@@ -282,11 +283,16 @@ class Orchestrator:
         if state is not None:
             await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 
+    def _drop(self, stage_id: int, out: StageOutput) -> None:
+        log.debug("output of stage %d for %r dropped", stage_id, out.request_id)
+        self.dropped_outputs += 1
+        if self.metrics is not None:
+            self.metrics.inc("omni_dropped_outputs_total", stage=stage_id)
+
     def _cleanup(self, request_id: str) -> None:
         """Forget the request; later outputs for it are dropped and counted."""
         self.request_states.pop(request_id, None)
-        if self._deadline_of.pop(request_id, None) is not None and len(self._deadlines) > 2 * (
-            len(self._deadline_of) + 64
-        ):  # drop dead heap entries now and then: memory follows live requests only
-            self._deadlines = [e for e in self._deadlines if self._deadline_of.get(e[2]) == e[1]]
-            heapq.heapify(self._deadlines)
+        self._deadlines.cancel(request_id)
+        for managed in self._managed:
+            if managed is not None:
+                managed.request_ended(request_id)

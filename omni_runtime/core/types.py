@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+ForwardFn = Callable[[int, Any, list[Any]], Any]
+"""`forward_fn(next_stage_id, prompt, all data of the previous stage) -> next input`."""
+
+
+def forward_previous_data(next_stage_id: int, prompt: Any, previous: list[Any]) -> Any:
+    """The default forward function: the next stage gets all of the previous stage's data."""
+    return previous
 
 
 @dataclass(slots=True)
@@ -46,13 +55,39 @@ class StageFailure:
 
 @runtime_checkable
 class Stage(Protocol):
-    """A stage as the orchestrator sees it: in-process fake or Redis client alike."""
+    """A stage as the orchestrator sees it (SPEC §2): in-process or over Redis alike."""
 
     async def submit(self, request_id: str, data: Any) -> None: ...
 
     async def get_output(self) -> list[StageOutput]:
         """Wait until at least one output exists; the list may mix requests."""
         ...
+
+
+@runtime_checkable
+class ManagedStage(Stage, Protocol):
+    """A stage that also takes the orchestrator's lifecycle calls (the Redis one does).
+
+    The orchestrator checks for it once, at construction; a plain `Stage` gets none.
+    """
+
+    def output_handled(self, out: StageOutput) -> None:
+        """`out` was routed: a durable stage may acknowledge it now, never before."""
+
+    async def abort(self, request_id: str) -> None:
+        """Drop the request wherever the stage holds it."""
+
+    async def quiesce(self) -> None:
+        """Stop reading between two reads (shutdown), so no read is cut in half."""
+
+    def request_ended(self, request_id: str) -> None:
+        """The orchestrator forgot the request: per-request memory may go too."""
+
+
+class CounterSink(Protocol):
+    """Where core components count (`omni_runtime.metrics.Metrics` is one)."""
+
+    def inc(self, name: str, amount: float = 1, **labels: object) -> None: ...
 
 
 @runtime_checkable

@@ -1,22 +1,30 @@
-"""The batching writer of the control plane: every XADD / XACK / EXPIRE of a process.
+"""The batching writer of the control plane: every XADD / XACK / EXPIRE of an asyncio process.
 
 Whatever accumulated while the previous round trip was in flight goes out as one
-pipeline (see `transport`, which re-exports `StreamWriter`).
+pipeline: one round trip per message would cap a process at a few thousand
+messages per second on loopback. A batch that keeps failing is retried with the
+bounded `Backoff`, then given up, counted and reported (`written()` → False).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
+
+DEFAULT_ATTEMPTS = 20
+"""Writes always give up at last: a scheduler must never retry forever."""
 
 
 def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
@@ -28,25 +36,82 @@ def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
     return cast("dict[FieldT, EncodableT]", fields)
 
 
+@dataclass(frozen=True, slots=True)
+class XAdd:
+    stream: str
+    fields: dict[str, Any]
+    maxlen: int
+    urgent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class XAck:
+    stream: str
+    group: str
+    entry_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    key: str
+    ttl_s: int
+
+
+Op = XAdd | XAck | Expire
+
+
+def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
+    """Urgent XADDs first, then the others in order; then one XACK per stream with all its
+    ids and one EXPIRE per key, after the writes they follow (never an ack before its
+    consequences)."""
+    adds = [op for op in ops if isinstance(op, XAdd)]
+    for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
+        pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
+    acks: dict[tuple[str, str], list[bytes]] = {}
+    expires: dict[str, int] = {}
+    for op in ops:
+        if isinstance(op, XAck):
+            acks.setdefault((op.stream, op.group), []).append(op.entry_id)
+        elif isinstance(op, Expire):
+            expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
+    for (stream, group), ids in acks.items():
+        pipe.xack(stream, group, *ids)
+    for key, ttl_s in expires.items():
+        pipe.expire(key, ttl_s)
+
+
 class StreamWriter:
     """Batches XADD / XACK / EXPIRE of one asyncio process into one pipeline per round trip."""
 
-    MAX_ATTEMPTS = 20
-
-    def __init__(self, client: aioredis.Redis, maxlen: int, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        maxlen: int,
+        tracer: Tracer | None = None,
+        *,
+        metrics: Metrics | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.client = client
         self.maxlen = maxlen
         self.tracer = tracer
+        self.metrics = metrics or Metrics()
+        self.backoff = backoff or Backoff(0.01, 1.0, DEFAULT_ATTEMPTS)
+        """Bounded: after `max_attempts` failures a batch is dropped and reported."""
         self._traced: list[tuple[str, int]] = []
         """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""
-        self._ops: list[tuple[str, tuple[Any, ...]]] = []
+        self._ops: list[Op] = []
         self._done: list[asyncio.Future[bool]] = []
-        self._urgent_queued = False
         """Resolved when the batch holding what was queued before them was written."""
+        self._urgent_queued = False
         self._pending = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.dropped_writes = 0
+
+    @property
+    def dropped_writes(self) -> int:
+        """Writes given up on so far (`omni_dropped_writes_total`)."""
+        return int(self.metrics.value("omni_dropped_writes_total", source="writer"))
 
     def xadd(
         self,
@@ -61,26 +126,22 @@ class StreamWriter:
         (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
-        self._queue("xadd", stream, fields, maxlen or self.maxlen, urgent)
+        self._urgent_queued |= urgent
+        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent))
 
     def xack(self, stream: str, group: str, entry_id: bytes) -> None:
-        self._queue("xack", stream, group, entry_id)
+        self._queue(XAck(stream, group, entry_id))
 
     def expire(self, key: str, ttl_s: int) -> None:
-        self._queue("expire", key, ttl_s)
-
-    def delete(self, key: str) -> None:
-        self._queue("delete", key)
+        self._queue(Expire(key, ttl_s))
 
     @property
     def urgent_pending(self) -> bool:
         """Whether an urgent entry waits for the next pipeline."""
         return self._urgent_queued
 
-    def _queue(self, op: str, *args: Any) -> None:
-        if op == "xadd" and args[3]:
-            self._urgent_queued = True
-        self._ops.append((op, args))
+    def _queue(self, op: Op) -> None:
+        self._ops.append(op)
         self._idle.clear()
         self._pending.set()
 
@@ -106,59 +167,45 @@ class StreamWriter:
             self._urgent_queued = False
             done, self._done = self._done, []
             traced, self._traced = self._traced, []
-            for rid, sid in traced:
-                self.tracer.stamp("input_write_start", rid, sid)  # type: ignore[union-attr]
+            self._stamp("input_write_start", traced)
             try:
                 ok = await self._write(ops) if ops else True
             except Exception:  # never die with callers waiting on `written`
                 log.exception("stream writer failed on a batch of %d writes", len(ops))
-                self.dropped_writes += len(ops)
+                self._dropped(ops)
                 ok = False
-            for rid, sid in traced:
-                self.tracer.stamp("input_written", rid, sid)  # type: ignore[union-attr]
+            self._stamp("input_written", traced)
             for fut in done:
                 if not fut.done():
                     fut.set_result(ok)
             if not self._ops:
                 self._idle.set()
 
-    @staticmethod
-    def _fill(pipe: Any, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
-        """Writes in order; then one XACK per stream with all its ids and one EXPIRE per
-        key, after the writes they acknowledge (never an ack before its consequences)."""
-        acks: dict[tuple[str, str], list[bytes]] = {}
-        expires: dict[str, int] = {}
-        ops = sorted(ops, key=lambda o: not (o[0] == "xadd" and o[1][3]))  # stable: urgent first
-        for op, args in ops:
-            if op == "xadd":
-                pipe.xadd(args[0], xadd_fields(args[1]), maxlen=args[2], approximate=True)
-            elif op == "xack":
-                acks.setdefault((args[0], args[1]), []).append(args[2])
-            elif op == "expire":
-                expires[args[0]] = max(args[1], expires.get(args[0], 0))
-            else:
-                pipe.delete(args[0])
-        for (stream, group), ids in acks.items():
-            pipe.xack(stream, group, *ids)
-        for key, ttl_s in expires.items():
-            pipe.expire(key, ttl_s)
+    def _stamp(self, event: str, traced: list[tuple[str, int]]) -> None:
+        if self.tracer is not None:
+            for rid, sid in traced:
+                self.tracer.stamp(event, rid, sid)
 
-    async def _write(self, ops: list[tuple[str, tuple[Any, ...]]]) -> bool:
-        delay_s = 0.01
-        for attempt in range(1, self.MAX_ATTEMPTS + 1):
+    def _dropped(self, ops: list[Op]) -> None:
+        for op in ops:
+            where = op.key if isinstance(op, Expire) else op.stream
+            self.metrics.inc("omni_dropped_writes_total", stream=where, source="writer")
+
+    async def _write(self, ops: list[Op]) -> bool:
+        b = self.backoff
+        policy = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
+        while True:
             try:
                 async with self.client.pipeline(transaction=False) as pipe:
-                    self._fill(pipe, ops)
+                    fill_pipeline(pipe, ops)
                     await pipe.execute()
                 return True
             except RedisError as e:
-                if attempt == self.MAX_ATTEMPTS:
-                    self.dropped_writes += len(ops)
-                    log.error(
-                        "giving up on %d stream writes after %d attempts: %r", len(ops), attempt, e
-                    )
+                delay = policy.failed()
+                if delay is None:
+                    self._dropped(ops)
+                    log.error("giving up on %d stream writes: %r", len(ops), e)
                     return False
-                log.warning("stream write failed (attempt %d), retrying: %r", attempt, e)
-                await asyncio.sleep(delay_s)
-                delay_s = min(1.0, delay_s * 2)
-        return False
+                self.metrics.inc("omni_retries_total", source="writer")
+                log.warning("stream write failed (attempt %d), retrying: %r", policy.failures, e)
+                await asyncio.sleep(delay)

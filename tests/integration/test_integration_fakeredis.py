@@ -15,7 +15,7 @@ from omni_runtime import codec, keys
 from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.stage_client import entry_fields
+from omni_runtime.redis_io.streams import entry_fields
 from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for
@@ -134,8 +134,10 @@ async def test_malformed_entries_are_dead_lettered_and_acknowledged(
         ):
             pending = await raw.xpending(stream, group)
             assert pending["pending"] == 0, stream
-        assert c.service.malformed_requests == 2
-        assert c.service.orchestrator.stages[2].malformed_entries == 1  # type: ignore[attr-defined]
+        metrics = c.service.metrics
+        assert metrics.value("omni_malformed_entries_total", stream=names.requests) == 2
+        assert metrics.value("omni_malformed_entries_total", stream=names.stage_out(2)) == 1
+        assert metrics.value("omni_dead_letters_total", stream=names.stage_out(2)) == 1
         assert sum(w.malformed_inputs for w in c.workers) == 1
         await raw.aclose()
 
@@ -284,7 +286,7 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
     """Read from the group but never acknowledged (the orchestrator died): not lost."""
     from omni_runtime.client import OmniClient
     from omni_runtime.messages import RequestMsg
-    from omni_runtime.redis_io.stage_client import ensure_group
+    from omni_runtime.redis_io.streams import ensure_group
 
     names = settings.names
     raw = fake_clients.aio()

@@ -9,27 +9,14 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
+from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.streaming import StreamingOrchestrator
-from tests.fakes import Behaviour, FakeStage, identity_forward
+from tests.fakes import identity_forward
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 FINALS = {0, 2}
-
-
-class AbortableStage(FakeStage):
-    """A FakeStage that records every `abort(rid)` call."""
-
-    def __init__(self, behaviour: Behaviour | None = None) -> None:
-        super().__init__(behaviour)
-        self.aborted: list[str] = []
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def submitted_ids(self) -> list[str]:
-        return [rid for rid, _data in self.submitted]
 
 
 @pytest.fixture(params=[Orchestrator, StreamingOrchestrator], ids=["sequential", "streaming"])
@@ -38,12 +25,12 @@ def orch_cls(request: pytest.FixtureRequest) -> type[Orchestrator]:
     return cls
 
 
-def hand_driven(n: int = 3) -> list[AbortableStage]:
+def hand_driven(n: int = 3) -> list[InMemoryStage]:
     """Stages that emit nothing on their own: the test emits every output."""
-    return [AbortableStage() for _ in range(n)]
+    return [InMemoryStage() for _ in range(n)]
 
 
-async def wait_submitted(stage: AbortableStage, rid: str) -> None:
+async def wait_submitted(stage: InMemoryStage, rid: str) -> None:
     await wait_for(lambda: rid in stage.submitted_ids())
 
 
@@ -52,7 +39,7 @@ async def assert_no_output(orch: Orchestrator, timeout: float = 0.05) -> None:
         await orch.next_output(timeout=timeout)
 
 
-async def handler_barrier(orch: Orchestrator, stage0: AbortableStage, name: str) -> None:
+async def handler_barrier(orch: Orchestrator, stage0: InMemoryStage, name: str) -> None:
     """Everything queued on the handler before this (adds, aborts) has been handled: the
     handler takes its queue in FIFO order, one item at a time."""
     await orch.add_request(name, "barrier")
@@ -68,7 +55,7 @@ def expected_submitted(orch: Orchestrator, reached: int) -> list[int]:
 
 async def assert_aborted_exactly(
     orch: Orchestrator,
-    stages: list[AbortableStage],
+    stages: list[InMemoryStage],
     rid: str,
     out: OrchOutput,
     reason: str,
@@ -192,7 +179,7 @@ async def test_abort_racing_the_natural_end_yields_exactly_one_final_output(
 ) -> None:
     """Stage 0 finishes inside submit; stage 1 (the final stage) is driven by hand: its last
     output and the abort are issued back to back, in both orders, with 0-3 yields between."""
-    stages = [AbortableStage(finish_at_once), AbortableStage()]
+    stages = [InMemoryStage(finish_at_once), InMemoryStage()]
     n = 400
     rids = [f"r{i}" for i in range(n)]
     async with orch_cls(stages, {1}, identity_forward) as orch:
@@ -322,7 +309,7 @@ async def test_shutdown_with_pending_deadlines_leaves_no_pending_task(
 
 async def test_deadlines_of_ended_requests_are_not_retained() -> None:
     """The deadline heap follows live requests: ended ones are dropped from it, in bulk."""
-    stages = [FakeStage(lambda rid, data: [(data, True)])]
+    stages = [InMemoryStage(lambda rid, data: [(data, True)])]
     async with Orchestrator(stages, {0}, default_deadline_s=600) as orch:
         for i in range(1000):
             await orch.add_request(f"r{i}", "x")

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
-from tests.fakes import FakeStage, identity_forward, seed_stages
+from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.metrics import Metrics
+from tests.fakes import identity_forward, seed_stages
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -84,7 +86,7 @@ async def test_final_0_never_submits_stage_1() -> None:
 
 
 async def test_state_registered_before_first_await_so_outputs_inside_submit_are_kept() -> None:
-    """FakeStage emits every output inside submit(); none may be dropped."""
+    """InMemoryStage emits every output inside submit(); none may be dropped."""
     async with Orchestrator(seed_stages(), {0, 2}, identity_forward) as orch:
         for i in range(50):
             await orch.add_request(f"r{i}", "one two three")
@@ -107,7 +109,7 @@ async def test_late_output_does_not_resurrect_state() -> None:
 
 async def test_per_stage_order_kept_under_interleaved_requests() -> None:
     """Stage 0 is driven by hand, interleaving 100 requests' chunks at random."""
-    stage0 = FakeStage()
+    stage0 = InMemoryStage()
     stages: list[Any] = [stage0, *seed_stages()[1:]]
     n_req, n_chunks = 100, 20
     async with Orchestrator(stages, {0, 2}, identity_forward) as orch:
@@ -176,7 +178,7 @@ async def test_invalid_final_stage_ids_rejected() -> None:
 
 
 async def test_duplicate_request_id_rejected_without_touching_the_live_one() -> None:
-    stage0 = FakeStage()
+    stage0 = InMemoryStage()
     async with Orchestrator([stage0], {0}, identity_forward) as orch:
         await orch.add_request("r1", "a")
         await orch.add_request("r1", "b")
@@ -185,3 +187,50 @@ async def test_duplicate_request_id_rejected_without_touching_the_live_one() -> 
         assert stage0.submitted == [("r1", "a")]
         stage0.emit(StageOutput("r1", "A", True))
         assert (await orch.next_output(timeout=5)) == OrchOutput("r1", 0, "A", True)
+
+
+class PlainStage:
+    """Only the SPEC §2 protocol: submit and get_output, nothing managed."""
+
+    def __init__(self) -> None:
+        self.inner = InMemoryStage(lambda _rid, data: [(data, True)])
+
+    async def submit(self, request_id: str, data: Any) -> None:
+        await self.inner.submit(request_id, data)
+
+    async def get_output(self) -> list[StageOutput]:
+        return await self.inner.get_output()
+
+
+async def test_a_plain_stage_needs_no_lifecycle_methods() -> None:
+    async with Orchestrator([PlainStage()], {0}, identity_forward) as orch:
+        await orch.add_request("r1", "a")
+        assert await orch.next_output(timeout=5) == OrchOutput("r1", 0, "a", True)
+        await orch.abort_request("r1")  # already ended: nothing to abort anywhere
+
+
+async def test_managed_stage_hears_every_handled_output_and_every_ended_request() -> None:
+    stages = seed_stages()
+    async with Orchestrator(stages, {2}, identity_forward) as orch:
+        await orch.add_request("r1", "a b")
+        await collect_until_done(orch, 1)
+        await wait_for(lambda: len(stages[2].handled) == 2)
+        assert [o.data for o in stages[0].handled] == ["a", "b"]
+        assert all(stage.ended == ["r1"] for stage in stages)
+        stages[1].emit(StageOutput("ghost", "?", True))
+        await wait_for(lambda: stages[1].ended == ["r1", "ghost"])  # dropped: forgotten too
+
+
+async def test_second_finished_of_a_stage_is_dropped_and_counted() -> None:
+    stage0 = InMemoryStage()
+    metrics = Metrics()
+    async with Orchestrator([stage0, InMemoryStage()], {0, 1}, metrics=metrics) as orch:
+        await orch.add_request("r1", "p")
+        await wait_for(lambda: stage0.submitted_ids() == ["r1"])
+        stage0.emit(StageOutput("r1", "a", True))
+        stage0.emit(StageOutput("r1", "a", True))  # a repeat must not be routed twice
+        assert await orch.next_output(timeout=5) == OrchOutput("r1", 0, "a", False)
+        await wait_for(lambda: orch.dropped_outputs == 1)
+        assert orch.stages[1].submitted == [("r1", ["a"])]  # type: ignore[attr-defined]
+        assert orch.request_states["r1"].stage_data[0] == ["a"]
+        assert metrics.value("omni_dropped_outputs_total", stage=0) == 1

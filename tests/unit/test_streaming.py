@@ -7,16 +7,17 @@ from typing import Any
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
+from omni_runtime.core.in_memory import Behaviour, InMemoryStage
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import StageFailure
-from tests.fakes import Behaviour, FakeStage, identity_forward, seed_stages, split_words
+from tests.fakes import identity_forward, seed_stages, split_words
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class AbortableStage(FakeStage):
-    """A FakeStage that also records aborts and, in a shared log, the order of submits."""
+class LoggedStage(InMemoryStage):
+    """An InMemoryStage that also notes, in a log shared by all stages, the order of submits."""
 
     def __init__(
         self,
@@ -28,25 +29,18 @@ class AbortableStage(FakeStage):
         super().__init__(behaviour, fail_on)
         self.stage_id = stage_id
         self.log = log if log is not None else []
-        self.aborted: list[str] = []
 
     async def submit(self, request_id: str, data: Any) -> None:
         await super().submit(request_id, data)
         self.log.append((self.stage_id, request_id))
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
-    def submitted_ids(self) -> list[str]:
-        return [rid for rid, _data in self.submitted]
-
-
-def make_stages(n: int) -> tuple[list[AbortableStage], list[tuple[int, str]]]:
+def make_stages(n: int) -> tuple[list[LoggedStage], list[tuple[int, str]]]:
     log: list[tuple[int, str]] = []
-    return [AbortableStage(sid, log) for sid in range(n)], log
+    return [LoggedStage(sid, log) for sid in range(n)], log
 
 
-async def dispatched_barrier(orch: Orchestrator, stage: FakeStage) -> None:
+async def dispatched_barrier(orch: Orchestrator, stage: InMemoryStage) -> None:
     """Everything `stage` emitted so far has been handled: its reader/dispatcher FIFO keeps
     order, so once an output for a never-added request is counted as dropped, all before it
     were handled too."""
@@ -158,14 +152,14 @@ async def test_non_final_stage_outputs_never_emitted() -> None:
 # --- dropped outputs -----------------------------------------------------------
 
 
-def seed_like_stages(orch_cls: type[Orchestrator]) -> list[FakeStage]:
+def seed_like_stages(orch_cls: type[Orchestrator]) -> list[InMemoryStage]:
     """The seed pipeline; in streaming mode every stage takes the prompt and emits at once."""
     if orch_cls is not StreamingOrchestrator:
         return seed_stages()
     return [
-        FakeStage(split_words),
-        FakeStage(lambda _rid, p: [([w.upper() for w in p.split()], True)]),
-        FakeStage(),  # stage 2 is driven by hand, after stages 0 and 1 were handled
+        InMemoryStage(split_words),
+        InMemoryStage(lambda _rid, p: [([w.upper() for w in p.split()], True)]),
+        InMemoryStage(),  # stage 2 is driven by hand, after stages 0 and 1 were handled
     ]
 
 

@@ -1,0 +1,90 @@
+"""StreamWriter: the order a batch is written in, and bounded, reported give-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import fakeredis
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.writer import Expire, StreamWriter, XAck, XAdd, fill_pipeline
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class RecordingPipe:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def xadd(self, stream: str, fields: Any, maxlen: int, approximate: bool) -> None:
+        self.calls.append(("xadd", stream, maxlen))
+
+    def xack(self, stream: str, group: str, *ids: bytes) -> None:
+        self.calls.append(("xack", stream, group, *ids))
+
+    def expire(self, key: str, ttl_s: int) -> None:
+        self.calls.append(("expire", key, ttl_s))
+
+
+def test_urgent_adds_first_then_adds_then_one_ack_per_stream_then_expires() -> None:
+    pipe = RecordingPipe()
+    fill_pipeline(
+        pipe,
+        [
+            XAck("out", "g", b"1-0"),
+            XAdd("client", {}, 10),
+            Expire("client", 5),
+            XAdd("in", {}, 20, urgent=True),
+            XAck("out", "g", b"2-0"),
+            Expire("client", 9),
+            XAdd("client", {}, 10),
+        ],
+    )
+    assert pipe.calls == [
+        ("xadd", "in", 20),
+        ("xadd", "client", 10),
+        ("xadd", "client", 10),
+        ("xack", "out", "g", b"1-0", b"2-0"),
+        ("expire", "client", 9),
+    ]
+
+
+async def test_batch_is_written_and_callers_told(fake_server: fakeredis.FakeServer) -> None:
+    client = fakeredis.FakeAsyncRedis(server=fake_server)
+    writer = StreamWriter(client, 100)
+    task = asyncio.create_task(writer.run())
+    try:
+        writer.xadd("s", {"m": b"1"}, urgent=True)
+        writer.expire("s", 60)
+        assert await writer.written()
+        assert await client.xlen("s") == 1 and 0 < await client.ttl("s") <= 60
+        assert writer.dropped_writes == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_writes_are_given_up_after_bounded_attempts_counted_and_reported() -> None:
+    class Down:
+        def pipeline(self, **_k: Any) -> Any:
+            raise RedisConnectionError("down")
+
+    metrics = Metrics()
+    writer = StreamWriter(Down(), 100, metrics=metrics, backoff=Backoff(0.001, 0.002, 3))  # type: ignore[arg-type]
+    task = asyncio.create_task(writer.run())
+    try:
+        writer.xadd("a", {"m": b"1"})
+        writer.xack("b", "g", b"1-0")
+        assert await writer.written() is False
+        await writer.flushed()
+        assert writer.dropped_writes == 2
+        assert metrics.value("omni_dropped_writes_total", stream="a") == 1
+        assert metrics.value("omni_retries_total", source="writer") == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
