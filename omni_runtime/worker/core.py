@@ -25,16 +25,13 @@ from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepF
 
 log = logging.getLogger(__name__)
 
-ABORT_MEMORY_S = 60.0
-"""How long an aborted request id is remembered, so its late input is dropped."""
-ABORT_MEMORY_MAX = 10_000
-"""At most this many remembered aborts (the oldest go first): an abort storm is bounded."""
+ABORT_MEMORY_S, ABORT_MEMORY_MAX = 60.0, 10_000
+"""Aborted ids are remembered (to drop their late inputs) this long, and at most this many."""
 
 
 @dataclass(frozen=True, slots=True)
 class Input:
-    """A validated stage input and the stream entry that carried it; `refused`: the
-    reason it must not run (its request ends with that error instead)."""
+    """A validated input and its stream entry; `refused`: why its request fails unrun."""
 
     entry_id: bytes
     msg: StageInputMsg
@@ -76,7 +73,7 @@ class _Request:
 
 
 class WorkerCore:
-    """Owns the worker's active requests and drives its engine; see the module docstring."""
+    """Owns the worker's active requests and drives its engine (see the module docstring)."""
 
     def __init__(
         self,
@@ -146,13 +143,19 @@ class WorkerCore:
             self._fail(rid, self._engine_error("add_request", e))
 
     def on_abort(self, request_id: str, now: float) -> None:
-        """Drop the request: engine, chunk sender and receiver, its input entry."""
+        """Drop the request: engine, chunk sender and receiver, its input entry.
+
+        A receiving stage also discards a request whose input has not arrived: nobody
+        would read its upstream's chunks, which would then wait for their TTL."""
+        first = request_id not in self._recent_aborts
         self._recent_aborts[request_id] = now
         self._recent_aborts.move_to_end(request_id)
         while len(self._recent_aborts) > self._abort_memory_max:
             self._recent_aborts.popitem(last=False)
         req = self._active.pop(request_id, None)
         if req is None:
+            if first and self.receives_chunks:
+                self._actions.discards.append(request_id)
             return
         self._abort_engine(request_id)
         self._actions.discards.append(request_id)
@@ -171,8 +174,8 @@ class WorkerCore:
         return bool(ready)
 
     def on_publish_failed(self, lost: Sequence[Outgoing], reason: str) -> None:
-        """Outputs the shell could not write (Redis unreachable beyond the bounded retries):
-        their requests end with an error output now, never silently short of data."""
+        """Outputs the shell could not write: their requests end with an error output now,
+        never silently short of data."""
         by_request: dict[str, list[Outgoing]] = {}
         for out in lost:
             by_request.setdefault(out.request_id, []).append(out)

@@ -50,6 +50,7 @@ class Deployment:
             {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "4"},
         )
         self.group = ProcessGroup(self.path, self.pipeline, env)
+        self.redis = redis.Redis.from_url(redis_url)
 
     def __enter__(self) -> Deployment:
         self.group.start()
@@ -57,15 +58,13 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.group.stop()
+        self.redis.close()
 
     def heartbeats(self, stage_id: int) -> list[dict[str, Any]]:
         """The status documents of the stage's live workers (their heartbeat values)."""
-        r = redis.Redis.from_url(self.settings.redis_url or "")
-        try:
-            found = list(r.scan_iter(self.settings.names.heartbeat_pattern(stage_id), count=100))
-            values = [r.get(k) for k in found]
-        finally:
-            r.close()
+        r = self.redis
+        found = list(r.scan_iter(self.settings.names.heartbeat_pattern(stage_id), count=100))
+        values = [r.get(k) for k in found]
         return [json.loads(v) for v in values if v is not None]
 
     async def wait_all_replicas(self) -> None:

@@ -122,6 +122,17 @@ def test_an_abort_drops_the_request_and_its_late_input() -> None:
     assert core.metrics.value("omni_aborts_total", stage=1) == 1
 
 
+def test_a_receiving_stage_discards_an_aborted_request_whose_input_has_not_arrived() -> None:
+    """Else its upstream's chunks, which nobody will read, would wait for their TTL."""
+    core, _ = make(streaming=True)
+    core.on_abort("early", now=0)
+    core.on_abort("early", now=0)  # the abort of another stage, broadcast as well
+    assert core.take_actions().discards == ["early"]
+    plain, _ = make(streaming=False)
+    plain.on_abort("early", now=0)
+    assert plain.take_actions().discards == []
+
+
 def test_remembered_aborts_are_bounded_in_number_and_age() -> None:
     core, _ = make(abort_memory_s=60, abort_memory_max=3)
     for i in range(5):
