@@ -32,7 +32,7 @@ IDLE_READ_BLOCK_MS = 1000
 """A blocking read returns the moment an entry arrives; its timeout only sets how often an
 idle worker wakes (CPU) and how long a stopping thread may take to notice."""
 SLOT_WAIT_S = 0.1
-
+"""With no free slot, the input thread re-checks its stop flag this often."""
 
 T = TypeVar("T")
 

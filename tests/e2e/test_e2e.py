@@ -265,7 +265,10 @@ async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
         def chunk_keys() -> list[bytes]:
             return [k for k in client_r.scan_iter(f"{d.namespace}:chunk:*") if b":notify:" not in k]
 
-        await wait_for(lambda: not chunk_keys(), deadline_s=15)
+        try:
+            await wait_for(lambda: not chunk_keys(), deadline_s=15)
+        except AssertionError:
+            raise AssertionError(f"chunk keys left behind: {chunk_keys()[:10]}") from None
     finally:
         client_r.close()
     d.group.stop()
