@@ -62,20 +62,13 @@ class Deployment:
 
     def heartbeats(self, stage_id: int) -> list[dict[str, Any]]:
         """The status documents of the stage's live workers (their heartbeat values)."""
-        r = self.redis
-        found = list(r.scan_iter(self.settings.names.heartbeat_pattern(stage_id), count=100))
-        values = [r.get(k) for k in found]
-        return [json.loads(v) for v in values if v is not None]
+        found = list(self.redis.scan_iter(self.settings.names.heartbeat_pattern(stage_id)))
+        return [json.loads(v) for v in map(self.redis.get, found) if v is not None]
 
     async def wait_all_replicas(self) -> None:
         """Every configured replica beats: work submitted now can reach each of them."""
         stages = self.pipeline.stages[: self.pipeline.last_stage + 1]
-
-        def all_up() -> bool:
-            self.group.check_alive()
-            return all(len(self.heartbeats(s.id)) >= s.replicas for s in stages)
-
-        await wait_for(all_up, deadline_s=60)
+        await wait_for(lambda: all(len(self.heartbeats(s.id)) >= s.replicas for s in stages), 60)
 
     async def run_all(self, prompts: dict[str, str]) -> dict[str, list[OrchOutput]]:
         async with OmniClient(self.settings) as client:
