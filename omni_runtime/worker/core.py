@@ -53,7 +53,7 @@ class Outgoing:
 @dataclass(slots=True)
 class Actions:
     """What the shell must do, in this order: publish `outputs` and `acks` (one batch), then
-    save chunks, discard, load and clean up receivers; give `freed_slots` back to the reader."""
+    load receivers, save chunks, discard, clean up receivers; give back `freed_slots`."""
 
     outputs: list[Outgoing] = field(default_factory=list)
     acks: list[bytes] = field(default_factory=list)

@@ -252,13 +252,13 @@ class StageWorker:
         """Writes go to the output thread first; chunks after (the user's output leads)."""
         self._output.publish(actions.outputs, actions.acks)
         adapter = self.adapter
-        if adapter is not None:
+        if adapter is not None:  # a request may start and end within one batch: in that order
+            for rid in actions.receiver_loads:
+                adapter.load_async(rid)
             for rid, data, finished in actions.chunk_saves:
                 adapter.save_async(rid, data, finished)
             for rid in actions.discards:
                 adapter.discard(rid)
-            for rid in actions.receiver_loads:
-                adapter.load_async(rid)
             for rid in actions.receiver_cleanups:
                 adapter.cleanup_receiver(rid)
         self._in_flight = self.core.in_flight
