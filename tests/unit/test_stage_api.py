@@ -66,7 +66,12 @@ def gated(
 
 def wait_for_outputs(engine: GeneratorEngine, n: int) -> list[EngineOutput]:
     outs: list[EngineOutput] = []
-    wait_until(lambda: bool(outs.extend(engine.step())) or len(outs) >= n)
+
+    def enough() -> bool:
+        outs.extend(engine.step())
+        return len(outs) >= n
+
+    wait_until(enough)
     return outs
 
 
@@ -113,7 +118,7 @@ def test_an_async_generator_is_driven_too() -> None:
 
 
 def test_an_exception_ends_only_its_request_with_an_error() -> None:
-    def gen(data: str) -> Iterator[str]:
+    def gen(data: str) -> Iterator[Final]:
         if data == "bad":
             raise ValueError("refusing bad")
         yield Final(data)
