@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     """A process whose heartbeat is older than this is taken for dead. Default: derived,
     `max(5, 3 * (heartbeat_interval_s + block_ms / 1000))`, since a reader refreshes its
     heartbeat between blocking reads; set explicitly, it must be at least twice that sum."""
+    max_deliveries: Annotated[int, Field(gt=0, le=1000)] = 3
+    """An input delivered more often than this (replicas died on it) is dead-lettered and
+    its request ends with an error, instead of taking down replica after replica."""
     retry_initial_s: PositiveFloat = 0.01
     """First delay after a failed Redis operation; doubles per failure up to `retry_max_s`."""
     retry_max_s: PositiveFloat = 2.0

@@ -1,241 +1,264 @@
-"""The worker's I/O threads: they block on Redis so the scheduler loop never has to."""
+"""The worker's reading threads: they block on Redis so the scheduler loop never has to.
+
+Each takes narrow callables (where to hand what it read), never the worker. Input
+entries are parsed and validated here, so the loop only sees valid `Input`s. A
+process stops its threads together: `request_stop()` on all, then `join()` on all.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
-import time
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, cast
 
 import redis
-from redis.exceptions import RedisError, ResponseError
-from redis.typing import StreamIdT
+from redis.exceptions import RedisError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import AbortMsg
-from omni_runtime.redis_io.streams import Entry, ensure_group_sync, parse_entry, stream_reply
-
-if TYPE_CHECKING:
-    from omni_runtime.worker.proc import StageWorker
+from omni_runtime.messages import AbortMsg, StageInputMsg
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
+from omni_runtime.settings import Settings
+from omni_runtime.tracing import Tracer
+from omni_runtime.worker.core import Input
 
 log = logging.getLogger(__name__)
 
 IDLE_READ_BLOCK_MS = 1000
 """A blocking read returns the moment an entry arrives; its timeout only sets how often an
-idle worker wakes (CPU) and how long `stop()` may wait for the thread."""
+idle worker wakes (CPU) and how long a stopping thread may take to notice."""
+SLOT_WAIT_S = 0.1
+"""With no free slot, the input thread re-checks its stop flag this often."""
+
+T = TypeVar("T")
 
 
-class InputReader:
-    """Blocking XREADGROUP on the stage's input stream, bounded by the worker's free slots.
+class Handoff(Generic[T]):
+    """Items an I/O thread delivers to the loop; each delivery wakes the loop."""
 
-    Entries beyond the worker's concurrency stay in the stream, where another
-    replica of the stage can take them.
+    def __init__(self, wake: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._items: list[T] = []
+        self._wake = wake
+
+    def put(self, items: list[T]) -> None:
+        with self._lock:
+            self._items.extend(items)
+        self._wake.set()
+
+    def take(self) -> list[T]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+class Slots:
+    """The worker's free request slots, shared by the input thread and the scheduler.
+
+    The reader takes slots before it reads and the scheduler gives them back as requests
+    leave, under one lock: inputs in flight between the two are always counted, so a
+    worker never reads past its concurrency (the rest stays for other replicas).
     """
 
-    def __init__(self, worker: StageWorker, client: redis.Redis) -> None:
-        self.worker = worker
-        self.client = client
+    def __init__(self, capacity: int) -> None:
+        self._free = capacity
         self._cv = threading.Condition()
-        self._inbox: list[Entry] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="input-reader", daemon=True)
+
+    def take_up_to(self, n: int, timeout_s: float) -> int:
+        """Take up to `n` free slots, waiting up to `timeout_s` for one; 0 if none freed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._free > 0, timeout_s)
+            taken = max(0, min(n, self._free))
+            self._free -= taken
+            return taken
+
+    def force_take(self, n: int) -> None:
+        """Inputs taken over from a dead replica run even beyond the concurrency."""
+        with self._cv:
+            self._free -= n
+
+    def give_back(self, n: int) -> None:
+        if n:
+            with self._cv:
+                self._free += n
+                self._cv.notify_all()
+
+    @property
+    def free(self) -> int:
+        with self._cv:
+            return self._free
+
+
+class _Loop:
+    """A daemon thread running `_run` until `request_stop()`."""
+
+    def __init__(self, name: str, stop: threading.Event | None = None) -> None:
+        self._stop = stop or threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
         self._stop.set()
-        self.slots_freed()
-        self._thread.join(5)
 
-    def take(self) -> list[Entry]:
-        with self._cv:
-            entries, self._inbox = self._inbox, []
-        return entries
-
-    def inject(self, entries: list[Entry]) -> None:
-        """Hand over entries claimed from a dead replica."""
-        with self._cv:
-            self._inbox.extend(entries)
-        self.worker.wake.set()
-
-    def slots_freed(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        w = self.worker
-        s = w.settings
-        delay_s = 0.05
-        while not self._stop.is_set() and not w.stop_event.is_set():
-            with self._cv:
-                free = w.free_slots() - len(self._inbox)
-                if free <= 0:
-                    self._cv.wait(0.1)
-                    continue
-            try:
-                reply = self.client.xreadgroup(
-                    keys.WORKERS_GROUP,
-                    w.worker_id,
-                    {w.in_stream: ">"},
-                    count=min(s.read_count, free),
-                    block=max(s.block_ms, IDLE_READ_BLOCK_MS),
-                )
-                delay_s = 0.05
-            except ResponseError as e:
-                if "NOGROUP" in str(e):
-                    ensure_group_sync(self.client, w.in_stream, keys.WORKERS_GROUP)
-                    continue
-                raise
-            except RedisError as e:
-                log.warning("reading %s failed, retrying in %.2fs: %r", w.in_stream, delay_s, e)
-                self._stop.wait(delay_s)
-                delay_s = min(2.0, delay_s * 2)
+        raise NotImplementedError
+
+
+class InputThread(_Loop):
+    """XREADGROUP on the stage's input stream, as many entries as there are free slots.
+
+    Malformed entries are dead-lettered by the reader (the kit's one path); valid ones
+    are handed over as `Input`s, stamped `input_read` with the time the read returned.
+    """
+
+    def __init__(
+        self,
+        reader: SyncGroupReader[StageInputMsg],
+        slots: Slots,
+        deliver: Callable[[list[Input]], None],
+        settings: Settings,
+        *,
+        stage_id: int,
+        tracer: Tracer | None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        super().__init__("input-reader", stop)
+        self.reader = reader
+        self.slots = slots
+        self.deliver = deliver
+        self.read_count = settings.read_count
+        self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
+        self.stage_id = stage_id
+        self.tracer = tracer
+
+    def request_stop(self) -> None:
+        super().request_stop()
+        self.slots.give_back(0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            n = self.slots.take_up_to(self.read_count, SLOT_WAIT_S)
+            if n == 0:
                 continue
-            t_ns = time.monotonic_ns()
-            entries = [entry for _s, batch in stream_reply(reply) for entry in batch]
-            if entries:
-                self.inject(entries)
-                if w.tracer is not None:
-                    for _eid, fields in entries:
-                        with contextlib.suppress(Exception):  # malformed: dead-lettered later
-                            rid = codec.decode(fields[keys.PAYLOAD_FIELD.encode()])["request_id"]
-                            w.tracer.stamp("input_read", str(rid), w.stage_id, t_ns)
+            got: list[tuple[bytes, StageInputMsg]] = []
+            try:
+                got = self.reader.read(n, self.block_ms)
+            finally:
+                self.slots.give_back(n - len(got))
+            if not got:
+                continue
+            if self.tracer is not None:
+                for _eid, msg in got:
+                    self.tracer.stamp(
+                        "input_read", msg.request_id, self.stage_id, self.reader.read_ns
+                    )
+            self.deliver([Input(eid, msg) for eid, msg in got])
 
 
-class ControlReader:
+class ControlThread(_Loop):
     """Follows the broadcast control stream (aborts) from the moment the worker started."""
 
-    def __init__(self, worker: StageWorker, client: redis.Redis) -> None:
-        self.worker = worker
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        deliver: Callable[[list[str]], None],
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        super().__init__("control-reader")
         self.client = client
-        self._lock = threading.Lock()
-        self._aborts: list[str] = []
-        self.malformed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="control-reader", daemon=True)
+        self.stream = stream
+        self.deliver = deliver
+        self.read_count = settings.read_count
+        self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
+        self.max_bytes = settings.max_message_bytes
+        self.backoff = settings.backoff()
+        self.metrics = metrics
+        self._last_id = b"0-0"
 
     def start(self) -> None:
-        self._last_id = self._tail_id()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def take(self) -> list[str]:
-        with self._lock:
-            aborts, self._aborts = self._aborts, []
-        return aborts
-
-    def _tail_id(self) -> bytes:
         # Entries of bytes: our clients never use decode_responses (redis-py's stub allows str).
-        last = cast("list[Entry]", self.client.xrevrange(self.worker.names.control, count=1))
-        return last[0][0] if last else b"0-0"
+        last = cast("list[Entry]", self.client.xrevrange(self.stream, count=1))
+        self._last_id = last[0][0] if last else b"0-0"
+        super().start()
 
     def _run(self) -> None:
-        w = self.worker
-        stream = w.names.control
-        delay_s = 0.05
-        while not self._stop.is_set() and not w.stop_event.is_set():
+        while not self._stop.is_set():
             try:
                 reply = self.client.xread(
-                    {stream: self._last_id},
-                    count=w.settings.read_count,
-                    block=max(w.settings.block_ms, IDLE_READ_BLOCK_MS),
+                    {self.stream: self._last_id}, count=self.read_count, block=self.block_ms
                 )
-                delay_s = 0.05
+                self.backoff.succeeded()
             except RedisError as e:
-                log.warning("reading %s failed, retrying in %.2fs: %r", stream, delay_s, e)
-                self._stop.wait(delay_s)
-                delay_s = min(2.0, delay_s * 2)
+                delay = self.backoff.failed() or 0.0
+                log.warning("reading %s failed, retrying in %.2fs: %r", self.stream, delay, e)
+                self._stop.wait(delay)
                 continue
             aborts: list[str] = []
             for _s, entries in stream_reply(reply):
                 for entry_id, fields in entries:
                     self._last_id = entry_id
                     try:
-                        msg = parse_entry(fields, AbortMsg, w.settings.max_message_bytes)
+                        aborts.append(parse_entry(fields, AbortMsg, self.max_bytes).request_id)
                     except CodecError as e:
                         # Broadcast, not a group: every worker sees it, so none dead-letters it.
-                        self.malformed += 1
+                        self.metrics.inc("omni_malformed_entries_total", stream=self.stream)
                         log.error("malformed control entry %s ignored: %s", entry_id, e)
-                        continue
-                    aborts.append(msg.request_id)
             if aborts:
-                with self._lock:
-                    self._aborts.extend(aborts)
-                w.wake.set()
+                self.deliver(aborts)
 
 
-class Heartbeat:
-    """Keeps `hb:stage:<id>:<worker>` alive and re-claims inputs of replicas that died."""
+class HeartbeatThread(_Loop):
+    """Keeps the worker's heartbeat key alive; its value is the worker's status document.
 
-    def __init__(self, worker: StageWorker, client: redis.Redis) -> None:
-        self.worker = worker
+    The value is JSON (`worker_id`, `stage_id`, `host`, `pid`, `started_at`, `in_flight`,
+    `completed`, ...), so tests and tools can read a worker's counters from Redis. After
+    each beat it runs `after_beat` (taking over the inputs of dead replicas).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key: str,
+        interval_s: float,
+        status: Callable[[], dict[str, Any]],
+        after_beat: Callable[[], None],
+    ) -> None:
+        super().__init__("heartbeat")
         self.client = client
-        self.key = worker.names.stage_heartbeat(worker.stage_id, worker.worker_id)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.key = key
+        self.interval_s = interval_s
+        self.status = status
+        self.after_beat = after_beat
 
     def start(self) -> None:
         self.beat()  # visible before the first read, so nobody takes us for dead
-        self._thread.start()
+        super().start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+    def beat(self) -> None:
+        doc = json.dumps(self.status(), separators=(",", ":"))
+        self.client.set(self.key, doc, ex=keys.HEARTBEAT_TTL_S)
+
+    def forget(self) -> None:
+        """Delete the key at shutdown: a stopped worker is gone at once, not after the TTL."""
         with contextlib.suppress(RedisError):
             self.client.delete(self.key)
 
-    def beat(self) -> None:
-        self.client.set(self.key, self.worker.worker_id, ex=keys.HEARTBEAT_TTL_S)
-
     def _run(self) -> None:
-        interval_s = self.worker.settings.heartbeat_interval_s
-        while not self._stop.wait(interval_s):
+        while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
-                self.reclaim_orphans()
+                self.after_beat()
             except RedisError as e:
                 log.warning("heartbeat failed: %r", e)
-
-    def reclaim_orphans(self) -> None:
-        """Take over the unacknowledged inputs of consumers whose heartbeat expired."""
-        w = self.worker
-        summary: Any = self.client.xpending(w.in_stream, keys.WORKERS_GROUP)
-        for consumer in summary.get("consumers") or []:
-            name = consumer["name"]
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name == w.worker_id:
-                continue
-            if self.client.exists(w.names.stage_heartbeat(w.stage_id, name)):
-                continue
-            rows = self.client.xpending_range(
-                w.in_stream, keys.WORKERS_GROUP, min="-", max="+", count=100, consumername=name
-            )
-            ids: list[StreamIdT] = [row["message_id"] for row in rows]
-            if not ids:
-                self.client.xgroup_delconsumer(w.in_stream, keys.WORKERS_GROUP, name)
-                continue
-            # Without justid XCLAIM returns entries, of bytes for our clients (the stub allows
-            # ids only, and str); one whose entry was deleted may come back as (None, None),
-            # which inject_claimed drops.
-            claimed = cast(
-                "list[Entry]",
-                self.client.xclaim(
-                    w.in_stream,
-                    keys.WORKERS_GROUP,
-                    w.worker_id,
-                    min_idle_time=keys.HEARTBEAT_TTL_S * 1000,
-                    message_ids=ids,
-                ),
-            )
-            if claimed:
-                log.warning("took over %d input(s) of dead replica %s", len(claimed), name)
-                self.inject_claimed(claimed)
-
-    def inject_claimed(self, claimed: list[Entry]) -> None:
-        self.worker.reader.inject([(eid, fields) for eid, fields in claimed if fields])

@@ -1,44 +1,46 @@
-"""A stage worker process: one scheduler loop around the stage's engine.
+"""A stage worker process: the shell around a `WorkerCore`.
 
-I/O threads hand off to the loop through in-memory queues and one wake-up
-Event, so the loop never blocks on Redis: an input-reader thread does the
-blocking XREADGROUP, the ChunkAdapter's threads move chunks (streaming
-mode), a heartbeat thread keeps the worker visible and re-claims the inputs
-of replicas whose heartbeat expired. Each loop iteration: take new inputs,
-feed received chunks, step the engine, publish outputs in one pipeline.
+The shell is the only part that owns Redis clients and starts threads: an input
+thread (reads and validates inputs), a control thread (aborts), a heartbeat thread
+(status document, takeovers of dead replicas), an output thread (publishes) and,
+in streaming mode, the ChunkAdapter's. Its scheduler loop never blocks on Redis:
+hand the core what the threads delivered, step the engine, carry out the core's
+actions (queue writes, chunk saves, discards), sleep until woken.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
-
-from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
-from omni_runtime.errors import CodecError
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.messages import StageInputMsg
+from omni_runtime.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.streams import (
-    dead_letter_fields,
-    ensure_group_sync,
-    entry_fields,
-    parse_entry,
-)
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
-from omni_runtime.stage_api import ChunkStream, EngineOutput, load_engine
+from omni_runtime.stage_api import ClosableEngine
 from omni_runtime.tracing import tracer_for
-from omni_runtime.worker.io_threads import ControlReader, Heartbeat, InputReader
+from omni_runtime.worker.core import Actions, Input, Outgoing, WorkerCore
+from omni_runtime.worker.engines import load_engine
+from omni_runtime.worker.io_threads import (
+    ControlThread,
+    Handoff,
+    HeartbeatThread,
+    InputThread,
+    Slots,
+)
+from omni_runtime.worker.output import OutputThread
+from omni_runtime.worker.takeover import Takeover
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +48,9 @@ HOUSEKEEPING_INTERVAL_S = 0.05
 """How often the loop checks for stalled inputs, at the latest."""
 IDLE_LOOP_WAIT_S = 1.0
 """With no request in flight the loop sleeps until woken (inputs, aborts), at most this long."""
-ABORT_MEMORY_S = 60.0
-
-
-@dataclass
-class ActiveRequest:
-    entry_id: bytes
-    stream: ChunkStream | None = None
-    seq: int = 0
-    last_input_at: float = field(default_factory=time.monotonic)
+DRAIN_S = 5.0
+"""After `stop()`, requests in flight get this long to finish before the process exits."""
+JOIN_TIMEOUT_S = 5.0
 
 
 class StageWorker:
@@ -66,274 +62,240 @@ class StageWorker:
         clients: RedisClients | None = None,
         worker_id: str | None = None,
     ) -> None:
+        s = settings
         self.pipeline = pipeline
         self.stage = pipeline.stage(stage_id)
         self.stage_id = stage_id
         self.settings = settings
-        self.clients = clients or RedisClients.from_url(settings.require_redis_url())
-        self.names = settings.names
+        self.clients = clients or RedisClients.from_url(s.require_redis_url())
+        self.names = s.names
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.streaming = pipeline.mode == "streaming"
         self.sends_chunks = self.streaming and stage_id < pipeline.last_stage
         self.receives_chunks = self.streaming and stage_id > 0
         self.in_stream = self.names.stage_in(stage_id)
         self.out_stream = self.names.stage_out(stage_id)
-        self.wake = threading.Event()
-        self.stop_event = threading.Event()
-        self.active: dict[str, ActiveRequest] = {}
-        self.completed = 0
-        self.aborted = 0
-        self.malformed_inputs = 0
-        self.recent_aborts: dict[str, float] = {}
-        """Aborted request ids (bounded, ~1 min): an input that arrives after its abort is dropped."""
-        self._next_housekeeping = 0.0
-        self.tracer = tracer_for(settings.trace_file)
-
-    # --- lifecycle -------------------------------------------------------------
+        self.metrics = Metrics()
+        self.tracer = tracer_for(s.trace_file)
+        self.started_at = time.time()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._input_stop = threading.Event()
+        self._inputs: Handoff[Input] = Handoff(self._wake)
+        self._aborts: Handoff[str] = Handoff(self._wake)
+        self._lost: Handoff[tuple[list[Outgoing], str]] = Handoff(self._wake)
+        self._slots = Slots(s.worker_max_concurrency)
+        self._in_flight = 0
+        """The core's count, published by the loop for other threads (one int store)."""
+        self._client = self.clients.sync()
+        self.engine = load_engine(
+            self.stage, pipeline.source_dir, s.worker_max_concurrency, self._wake.set
+        )
+        self._closable = self.engine if isinstance(self.engine, ClosableEngine) else None
+        self.core = WorkerCore(
+            self.engine,
+            stage_id,
+            self.stage.name,
+            sends_chunks=self.sends_chunks,
+            receives_chunks=self.receives_chunks,
+            max_message_bytes=s.max_message_bytes,
+            input_timeout_s=s.input_timeout_s,
+            metrics=self.metrics,
+        )
+        self._connector: RedisConnector | None = None
+        self.adapter: ChunkAdapter | None = None
+        """Streaming mode only; built in `run` (its threads start with it)."""
+        reader = functools.partial(
+            SyncGroupReader[StageInputMsg],
+            self._client,
+            self.in_stream,
+            keys.WORKERS_GROUP,
+            self.worker_id,
+            StageInputMsg,
+            max_bytes=s.max_message_bytes,
+            dead_letters=self.names.dead_letters,
+            metrics=self.metrics,
+            backoff=s.backoff(bounded=True),
+        )
+        self._input = InputThread(
+            reader(stop=self._input_stop),
+            self._slots,
+            self._inputs.put,
+            s,
+            stage_id=stage_id,
+            tracer=self.tracer,
+            stop=self._input_stop,
+        )
+        self._control = ControlThread(
+            self._client, self.names.control, self._aborts.put, s, self.metrics
+        )
+        takeover = Takeover(
+            self._client,
+            reader(),
+            self._take_over,
+            s,
+            worker_id=self.worker_id,
+            stage_id=stage_id,
+            metrics=self.metrics,
+        )
+        self._heartbeat = HeartbeatThread(
+            self._client,
+            self.names.stage_heartbeat(stage_id, self.worker_id),
+            s.heartbeat_interval_s,
+            self.status,
+            takeover,
+        )
+        self._output = OutputThread(
+            self._client,
+            self.out_stream,
+            self.in_stream,
+            maxlen=s.stream_maxlen,
+            backoff=lambda: s.backoff(bounded=True),
+            on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
+            metrics=self.metrics,
+        )
 
     def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
         s = self.settings
         codec.warm_up()
-        self.client = self.clients.sync()
-        ensure_group_sync(self.client, self.in_stream, keys.WORKERS_GROUP)
-        self.engine = load_engine(
-            self.stage, self.pipeline.source_dir, s.worker_max_concurrency, self.wake.set
-        )
-        self.adapter: ChunkAdapter | None = None
+        ensure_group_sync(self._client, self.in_stream, keys.WORKERS_GROUP)
         if self.streaming:
-            self.connector = RedisConnector(
-                self.client,
+            self._connector = RedisConnector(
+                self._client,
                 ttl_s=s.chunk_ttl_s,
                 prefix=self.names.chunk_prefix,
                 max_bytes=s.max_message_bytes,
             )
-            self.adapter = ChunkAdapter(self.connector, self.stage_id, on_ready=self.wake.set)
-        self.reader = InputReader(self, self.client)
-        self.control = ControlReader(self, self.client)
-        self.heartbeat = Heartbeat(self, self.client)
-        self.heartbeat.start()
-        self.control.start()  # before inputs: an abort is never older than what it aborts
-        self.reader.start()
+            self.adapter = ChunkAdapter(self._connector, self.stage_id, on_ready=self._wake.set)
+        self._heartbeat.start()
+        self._output.start()
+        self._control.start()  # before inputs: an abort is never older than what it aborts
+        self._input.start()
         log.info("worker %s of stage %d (%s) ready", self.worker_id, self.stage_id, self.stage.name)
         try:
             self._loop()
         finally:
-            self.reader.stop()
-            self.control.stop()
-            self.heartbeat.stop()
-            if self.adapter is not None:
-                self.adapter.stop()
-                self.connector.close()
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()
-            self.client.close()
-            log.info(
-                "worker %s of stage %d stopped: %d requests completed, %d aborted, "
-                "%d still active, %d malformed inputs",
-                self.worker_id,
-                self.stage_id,
-                self.completed,
-                self.aborted,
-                len(self.active),
-                self.malformed_inputs,
-            )
+            self._shut_down()
 
     def stop(self) -> None:
-        self.stop_event.set()
-        self.wake.set()
+        """Stop reading inputs and drain; safe to call from a signal handler."""
+        self._stop.set()
+        self._input_stop.set()
+        self._wake.set()
 
-    def free_slots(self) -> int:
-        return self.settings.worker_max_concurrency - len(self.active)
+    def status(self) -> dict[str, Any]:
+        """The heartbeat's value: who this worker is and what it has done."""
+        return {
+            "worker_id": self.worker_id,
+            "stage_id": self.stage_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "in_flight": self._in_flight,
+            "completed": self.completed,
+            "failed": int(self.metrics.value("omni_requests_failed_total")),
+            "aborted": self.aborted,
+            "malformed_inputs": self.malformed_inputs,
+            "takeovers": int(self.metrics.value("omni_takeovers_total")),
+        }
 
-    # --- the scheduler loop ----------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Requests in flight on this worker."""
+        return self._in_flight
+
+    @property
+    def completed(self) -> int:
+        return int(self.metrics.value("omni_requests_completed_total"))
+
+    @property
+    def aborted(self) -> int:
+        return int(self.metrics.value("omni_aborts_total"))
+
+    @property
+    def malformed_inputs(self) -> int:
+        return int(self.metrics.value("omni_malformed_entries_total", stream=self.in_stream))
 
     def _loop(self) -> None:
         drain_deadline: float | None = None
+        next_housekeeping = 0.0
         while True:
-            if self.stop_event.is_set():
-                drain_deadline = drain_deadline or time.monotonic() + 5.0
-                if not self.active or time.monotonic() > drain_deadline:
+            now = time.monotonic()
+            if self._stop.is_set():
+                drain_deadline = drain_deadline or now + DRAIN_S
+                if not self.core.in_flight or now > drain_deadline:
                     return
-            self.wake.clear()
-            self._take_aborts()
-            busy = self._take_inputs()
-            busy |= self._feed_chunks()
-            outputs = self.engine.step() if self.engine.has_work() else []
-            if outputs:
-                self._publish(outputs)
-            if time.monotonic() >= self._next_housekeeping:
-                self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
-                self._expire_stalled_inputs()
-                self._forget_old_aborts()
-            if not outputs and not busy:
-                self.wake.wait(HOUSEKEEPING_INTERVAL_S if self.active else IDLE_LOOP_WAIT_S)
-
-    def _take_aborts(self) -> None:
-        """Drop aborted requests: engine, chunk sender and receiver, their chunk keys, the input."""
-        now = time.monotonic()
-        for rid in self.control.take():
-            self.recent_aborts[rid] = now
-            req = self.active.pop(rid, None)
-            if req is None:
-                continue
-            self.engine.abort(rid)
-            if self.adapter is not None:
-                self.adapter.discard(rid)
-            self._ack(req.entry_id)
-            self.aborted += 1
-            self.reader.slots_freed()
-
-    def _forget_old_aborts(self) -> None:
-        horizon = time.monotonic() - ABORT_MEMORY_S
-        for rid in [r for r, t in self.recent_aborts.items() if t < horizon]:
-            del self.recent_aborts[rid]
-
-    def _ack(self, entry_id: bytes) -> None:
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
-            self._execute(pipe)
-
-    def _take_inputs(self) -> bool:
-        entries = self.reader.take()
-        for entry_id, fields in entries:
-            try:
-                msg = parse_entry(fields, StageInputMsg, self.settings.max_message_bytes)
-            except CodecError as e:
-                self._dead_letter(entry_id, fields, str(e))
-                continue
-            if msg.request_id in self.active or msg.request_id in self.recent_aborts:
-                self._ack(entry_id)  # a redelivery of what we run, or already aborted
-                continue
-            req = ActiveRequest(entry_id)
-            self.active[msg.request_id] = req
-            data = msg.data
-            if msg.streaming and self.receives_chunks and self.adapter is not None:
-                req.stream = data = ChunkStream()
-                self.adapter.load_async(msg.request_id)
-            self.engine.add_request(msg.request_id, data)
-        return bool(entries)
-
-    def _feed_chunks(self) -> bool:
-        if self.adapter is None or not self.receives_chunks:
-            return False
-        ready = self.adapter.poll_ready()
-        now = time.monotonic()
-        for rid, chunks in ready.items():
-            req = self.active.get(rid)
-            if req is None or req.stream is None:
-                continue
-            req.last_input_at = now
-            req.stream.extend([c["data"] for c in chunks], closed=chunks[-1]["finished"])
-        return bool(ready)
-
-    def _expire_stalled_inputs(self) -> None:
-        """An upstream that never sends its next chunk fails the request instead of hanging it."""
-        limit = self.settings.input_timeout_s
-        now = time.monotonic()
-        stalled = [
-            rid
-            for rid, req in self.active.items()
-            if req.stream is not None and not req.stream.closed and now - req.last_input_at > limit
-        ]
-        for rid in stalled:
-            self.engine.abort(rid)
-            error = (
-                f"no input from stage {self.stage_id - 1} within {limit:g}s (OMNI_INPUT_TIMEOUT_S)"
-            )
-            self._publish([EngineOutput(rid, None, True, error=error)])
-
-    # --- output ----------------------------------------------------------------
-
-    def _publish(self, outputs: list[EngineOutput]) -> None:
-        """One pipeline: every output entry, and the acks of the inputs they finished."""
-        finished: list[tuple[str, ActiveRequest]] = []
-        chunks: list[EngineOutput] = []
-        with self.client.pipeline(transaction=False) as pipe:
-            for out in outputs:
-                req = self.active.get(out.request_id)
-                if req is None:
-                    continue  # aborted meanwhile
-                fields, out = self._encode_output(out, req.seq)
-                req.seq += 1
-                pipe.xadd(
-                    self.out_stream,
-                    xadd_fields(fields),
-                    maxlen=self.settings.stream_maxlen,
-                    approximate=True,
+            self._wake.clear()
+            busy = self._feed(now)
+            busy |= self.core.step()
+            if now >= next_housekeeping:
+                next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+                self.core.tick(now)
+            self._apply(self.core.take_actions())
+            if not busy:
+                self._wake.wait(
+                    HOUSEKEEPING_INTERVAL_S if self.core.in_flight else IDLE_LOOP_WAIT_S
                 )
-                if self.adapter is not None:
-                    if out.error is not None:  # final with data None if mid-stream, keys deleted
-                        self.adapter.discard(out.request_id)
-                    elif self.sends_chunks:
-                        chunks.append(out)
-                if out.finished or out.error is not None:
-                    pipe.xack(self.in_stream, keys.WORKERS_GROUP, req.entry_id)
-                    finished.append((out.request_id, req))
-            self._execute(pipe)
-        # Chunks for the next stage after the outputs for the user: the SAVE thread's put then
-        # does not compete with this round trip (time to first output), and costs ~0.1 ms here.
+
+    def _feed(self, now: float) -> bool:
+        """What the threads delivered, aborts first (never older than what they abort)."""
+        core = self.core
+        aborts, inputs, lost = self._aborts.take(), self._inputs.take(), self._lost.take()
+        for rid in aborts:
+            core.on_abort(rid, now)
+        for inp in inputs:
+            core.on_input(inp, now)
+        for outs, reason in lost:
+            core.on_publish_failed(outs, reason)
+        ready = self.adapter.poll_ready() if self.adapter and self.receives_chunks else {}
+        return core.on_chunks(ready, now) or bool(aborts or inputs or lost)
+
+    def _apply(self, actions: Actions) -> None:
+        """Writes go to the output thread first; chunks after (the user's output leads)."""
+        self._output.publish(actions.outputs, actions.acks)
+        adapter = self.adapter
+        if adapter is not None:  # a request may start and end within one batch: in that order
+            for rid in actions.receiver_loads:
+                adapter.load_async(rid)
+            for rid, data, finished in actions.chunk_saves:
+                adapter.save_async(rid, data, finished)
+            for rid in actions.discards:
+                adapter.discard(rid)
+            for rid in actions.receiver_cleanups:
+                adapter.cleanup_receiver(rid)
+        self._in_flight = self.core.in_flight
+        self._slots.give_back(actions.freed_slots)
+
+    def _take_over(self, inputs: list[Input]) -> None:
+        self._slots.force_take(len(inputs))
+        self._inputs.put(inputs)
+
+    def _shut_down(self) -> None:
+        """Signal every thread, then join them all: one wait, not one per thread."""
+        threads = (self._input, self._control, self._heartbeat, self._output)
+        for t in threads:
+            t.request_stop()
         if self.adapter is not None:
-            for out in chunks:
-                self.adapter.save_async(out.request_id, out.data, out.finished)
-        for rid, _req in finished:
-            self.active.pop(rid, None)
-            if self.adapter is not None and self.receives_chunks:
-                self.adapter.cleanup_receiver(rid)
-            self.completed += 1
-        if finished:
-            self.reader.slots_freed()
-
-    def _encode_output(self, out: EngineOutput, seq: int) -> tuple[dict[str, bytes], EngineOutput]:
-        """The entry for `out`; an output that cannot travel becomes the request's error
-        (and the engine stops working on it)."""
-        msg = StageOutputMsg(
-            request_id=out.request_id,
-            data=out.data,
-            finished=out.finished,
-            error=out.error,
-            seq=seq,
-        )
-        try:
-            fields = entry_fields(msg)
-            size = len(fields[keys.PAYLOAD_FIELD])
-            if size > self.settings.max_message_bytes:  # the reader would refuse it
-                raise CodecError(f"{size} bytes > OMNI_MAX_MESSAGE_BYTES")
-            return fields, out
-        except CodecError as e:
-            log.error("stage %d output for %r cannot be sent: %s", self.stage_id, out.request_id, e)
-            if not out.finished and out.error is None:
-                self.engine.abort(out.request_id)
-            failed = EngineOutput(out.request_id, None, True, error=f"output cannot be sent: {e}")
-            bad = StageOutputMsg(
-                request_id=out.request_id, data=None, finished=True, seq=seq, error=failed.error
-            )
-            return entry_fields(bad), failed
-
-    def _execute(self, pipe: Any) -> None:
-        delay_s = 0.01
-        while True:
+            self.adapter.stop()
+        for t in threads:
+            t.join(JOIN_TIMEOUT_S)
+        self._heartbeat.forget()
+        if self._connector is not None:
+            self._connector.close()
+        if self._closable is not None:
             try:
-                pipe.execute()
-                return
-            except RedisError as e:
-                if self.stop_event.is_set() and delay_s > 1:
-                    log.error("dropping a batch of outputs on shutdown: %r", e)
-                    return
-                log.warning("publishing outputs failed, retrying in %.2fs: %r", delay_s, e)
-                time.sleep(delay_s)
-                delay_s = min(2.0, delay_s * 2)
-
-    def _dead_letter(self, entry_id: bytes, fields: Any, error: str) -> None:
-        self.malformed_inputs += 1
-        log.error("malformed entry %s on %s dead-lettered: %s", entry_id, self.in_stream, error)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.xadd(
-                self.names.dead_letters,
-                xadd_fields(dead_letter_fields(self.in_stream, entry_id, error, fields)),
-                maxlen=keys.DEAD_LETTER_MAXLEN,
-                approximate=True,
-            )
-            pipe.xack(self.in_stream, keys.WORKERS_GROUP, entry_id)
-            self._execute(pipe)
+                self._closable.close()
+            except Exception:
+                log.exception("stage %d engine close() raised", self.stage_id)
+        self._client.close()
+        log.info(
+            "worker %s of stage %d stopped: %d requests completed, %d aborted, "
+            "%d still active, %d malformed inputs",
+            self.worker_id,
+            self.stage_id,
+            self.completed,
+            self.aborted,
+            self.core.in_flight,
+            self.malformed_inputs,
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import socket
@@ -49,6 +50,7 @@ class Deployment:
             {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "4"},
         )
         self.group = ProcessGroup(self.path, self.pipeline, env)
+        self.redis = redis.Redis.from_url(redis_url)
 
     def __enter__(self) -> Deployment:
         self.group.start()
@@ -56,10 +58,22 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.group.stop()
+        self.redis.close()
+
+    def heartbeats(self, stage_id: int) -> list[dict[str, Any]]:
+        """The status documents of the stage's live workers (their heartbeat values)."""
+        found = list(self.redis.scan_iter(self.settings.names.heartbeat_pattern(stage_id)))
+        return [json.loads(v) for v in map(self.redis.get, found) if v is not None]
+
+    async def wait_all_replicas(self) -> None:
+        """Every configured replica beats: work submitted now can reach each of them."""
+        stages = self.pipeline.stages[: self.pipeline.last_stage + 1]
+        await wait_for(lambda: all(len(self.heartbeats(s.id)) >= s.replicas for s in stages), 60)
 
     async def run_all(self, prompts: dict[str, str]) -> dict[str, list[OrchOutput]]:
         async with OmniClient(self.settings) as client:
             await client.wait_ready(list(range(self.pipeline.last_stage + 1)), timeout_s=60)
+            await self.wait_all_replicas()
             for rid, prompt in prompts.items():
                 await client.submit(prompt, request_id=rid)
 
@@ -108,15 +122,42 @@ async def test_seed_examples_with_real_processes(deploy: Any) -> None:
 async def test_two_replicas_share_a_stage(deploy: Any) -> None:
     d = deploy(final_stage_ids=[2], stages={1: {"replicas": 2, "options": {"delay_ms": 50}}})
     prompts = {f"r{i}": f"w{i}" for i in range(24)}
-    results = await d.run_all(prompts)
+    results = await d.run_all(prompts)  # starts once both replicas beat
     assert all(triples(results[r]) == [(2, f"wav:W{r[1:]}", True)] for r in prompts)
+
+    def completed() -> list[int]:
+        return sorted(h["completed"] for h in d.heartbeats(1))
+
+    await wait_for(lambda: sum(completed()) == 24, deadline_s=15)  # beats every second
+    assert len(completed()) == 2
+    assert min(completed()) > 0, f"one replica did all the work: {completed()}"
     d.group.stop()
-    completed = [
-        int(m.group(1))
-        for m in re.finditer(r"of stage 1 stopped: (\d+) requests completed", d.logs())
-    ]
-    assert len(completed) == 2 and sum(completed) == 24
-    assert min(completed) > 0, f"one replica did all the work: {completed}"
+    assert "stage code still running" not in d.logs(), "a clean shutdown leaves no stage thread"
+
+
+async def test_a_step_engine_failing_some_inputs_fails_only_those_requests(
+    deploy: Any, redis_url: str
+) -> None:
+    d = deploy(final_stage_ids=[2], stages={1: {"entry": "tests.odd_stages:Picky", "options": {}}})
+    prompts = {f"g{i}": f"w{i}" for i in range(8)}
+    prompts |= {"bad1": "x bad-add", "bad2": "bad-step y", "bad3": "bad-add bad-step"}
+    results = await d.run_all(prompts)
+    for rid, outs in results.items():
+        if rid.startswith("g"):
+            assert triples(outs) == [(2, f"wav:W{rid[1:]}", True)], rid
+            continue
+        assert len(outs) == 1 and outs[0].finished and outs[0].stage_id == 1, rid
+        error = outs[0].error or ""
+        assert error.startswith("stage 1 failed:") and "refusing bad-" in error, error
+    d.group.check_alive()  # the replica lives on ...
+    again = await d.run_all({"after": "still fine"})
+    assert triples(again["after"]) == [(2, "wav:STILL", False), (2, "wav:FINE", True)]
+    await wait_for(lambda: [h["failed"] for h in d.heartbeats(1)] == [3], deadline_s=15)
+    r = redis.Redis.from_url(redis_url)
+    try:  # ... and holds nothing back
+        assert r.xpending(d.settings.names.stage_in(1), "workers")["pending"] == 0
+    finally:
+        r.close()
 
 
 async def test_200_concurrent_requests_no_loss_no_duplicate_no_leftovers(
@@ -217,7 +258,10 @@ async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
         def chunk_keys() -> list[bytes]:
             return [k for k in client_r.scan_iter(f"{d.namespace}:chunk:*") if b":notify:" not in k]
 
-        await wait_for(lambda: not chunk_keys(), deadline_s=15)
+        try:
+            await wait_for(lambda: not chunk_keys(), deadline_s=15)
+        except AssertionError:
+            raise AssertionError(f"chunk keys left behind: {chunk_keys()[:10]}") from None
     finally:
         client_r.close()
     d.group.stop()

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import PipelineConfig, StageConfig, load_pipeline, resolve_entry
 from omni_runtime.settings import Settings
-from omni_runtime.stage_api import GeneratorEngine, StageEngine, load_engine
+from omni_runtime.stage_api import StageEngine
+from omni_runtime.worker.engines import GeneratorEngine, load_engine
 
 pytestmark = pytest.mark.timeout(30)
 

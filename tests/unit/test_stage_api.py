@@ -8,14 +8,8 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.stage_api import (
-    ChunkStream,
-    EngineOutput,
-    Final,
-    GeneratorEngine,
-    marks_final,
-    with_last,
-)
+from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, marks_final, with_last
+from omni_runtime.worker.engines import GeneratorEngine
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -72,7 +66,12 @@ def gated(
 
 def wait_for_outputs(engine: GeneratorEngine, n: int) -> list[EngineOutput]:
     outs: list[EngineOutput] = []
-    wait_until(lambda: bool(outs.extend(engine.step())) or len(outs) >= n)
+
+    def enough() -> bool:
+        outs.extend(engine.step())
+        return len(outs) >= n
+
+    wait_until(enough)
     return outs
 
 
@@ -119,7 +118,7 @@ def test_an_async_generator_is_driven_too() -> None:
 
 
 def test_an_exception_ends_only_its_request_with_an_error() -> None:
-    def gen(data: str) -> Iterator[str]:
+    def gen(data: str) -> Iterator[Final]:
         if data == "bad":
             raise ValueError("refusing bad")
         yield Final(data)
@@ -171,3 +170,12 @@ def test_chunk_stream_take_never_blocks_and_returns_only_what_is_new() -> None:
     stream.extend([3], closed=True)
     assert stream.take() == [3] and stream.closed
     assert stream.take() == []
+
+
+def test_close_after_requests_ended_leaves_no_pool_thread_behind() -> None:
+    """A clean shutdown joins the pool: idle threads must not pass for stuck stage code."""
+    engine = engine_for(lambda data: data)
+    engine.add_request("r", "x")
+    assert triples(drain(engine, "r")) == [("x", True, None)]
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("stage")]

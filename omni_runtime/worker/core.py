@@ -1,0 +1,299 @@
+"""A stage worker's decisions, with no I/O and no threads of its own.
+
+The process shell (`proc.py`) feeds it what its I/O threads delivered (`on_input`,
+`on_abort`, `on_chunks`, `on_publish_failed`), lets it drive the engine (`step`,
+`tick`) and carries out the `Actions` it hands back: outputs to publish, inputs to
+acknowledge, chunks to save, requests to discard. Every rule of a request's life on a
+worker — one final per request, per-request output sequence numbers, an abort beats
+a late input, a silent upstream times out, a failing engine fails only the requests
+it concerns — lives here, testable with an in-memory engine and no Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime import codec
+from omni_runtime.errors import CodecError
+from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.metrics import Metrics
+from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepFailed
+
+log = logging.getLogger(__name__)
+
+ABORT_MEMORY_S, ABORT_MEMORY_MAX = 60.0, 10_000
+"""Aborted ids are remembered (to drop their late inputs) this long, and at most this many."""
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """A validated input and its stream entry; `refused`: why its request fails unrun."""
+
+    entry_id: bytes
+    msg: StageInputMsg
+    refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One encoded `StageOutputMsg`; `ack`: the input entry it ends, acknowledged with it."""
+
+    request_id: str
+    seq: int
+    payload: bytes
+    ends: bool
+    is_error: bool
+    ack: bytes | None = None
+
+
+@dataclass(slots=True)
+class Actions:
+    """What the shell must do, in this order: publish `outputs` and `acks` (one batch), then
+    load receivers, save chunks, discard, clean up receivers; give back `freed_slots`."""
+
+    outputs: list[Outgoing] = field(default_factory=list)
+    acks: list[bytes] = field(default_factory=list)
+    chunk_saves: list[tuple[str, Any, bool]] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)
+    receiver_loads: list[str] = field(default_factory=list)
+    receiver_cleanups: list[str] = field(default_factory=list)
+    freed_slots: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    entry_id: bytes
+    last_input_at: float
+    stream: ChunkStream | None = None
+    seq: int = 0
+
+
+class WorkerCore:
+    """Owns the worker's active requests and drives its engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: StageEngine,
+        stage_id: int,
+        stage_name: str,
+        *,
+        sends_chunks: bool,
+        receives_chunks: bool,
+        max_message_bytes: int,
+        input_timeout_s: float,
+        metrics: Metrics,
+        abort_memory_s: float = ABORT_MEMORY_S,
+        abort_memory_max: int = ABORT_MEMORY_MAX,
+    ) -> None:
+        self.engine = engine
+        self.stage_id = stage_id
+        self.stage_name = stage_name
+        self.sends_chunks = sends_chunks
+        self.receives_chunks = receives_chunks
+        self.max_message_bytes = max_message_bytes
+        self.input_timeout_s = input_timeout_s
+        self.metrics = metrics
+        self._stage = str(stage_id)
+        self._abort_memory_s = abort_memory_s
+        self._abort_memory_max = abort_memory_max
+        self._active: dict[str, _Request] = {}
+        self._recent_aborts: OrderedDict[str, float] = OrderedDict()
+        self._actions = Actions()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    @property
+    def remembered_aborts(self) -> int:
+        return len(self._recent_aborts)
+
+    def take_actions(self) -> Actions:
+        actions, self._actions = self._actions, Actions()
+        return actions
+
+    def on_input(self, inp: Input, now: float) -> None:
+        """Start a request; a redelivery of one running here, or of an aborted one, is acked."""
+        rid = inp.msg.request_id
+        if inp.refused is not None and rid not in self._active:
+            self.metrics.inc("omni_requests_failed_total", stage=self._stage)
+            self._publish_error(rid, inp.refused, 0, inp.entry_id)
+            self._actions.freed_slots += 1
+            return
+        if rid in self._active or rid in self._recent_aborts:
+            self._actions.acks.append(inp.entry_id)
+            self._actions.freed_slots += 1
+            return
+        req = _Request(inp.entry_id, now)
+        data = inp.msg.data
+        if inp.msg.streaming and self.receives_chunks:
+            req.stream = data = ChunkStream()
+            self._actions.receiver_loads.append(rid)
+        self._active[rid] = req
+        try:
+            self.engine.add_request(rid, data)
+        except Exception as e:
+            self._fail(rid, self._engine_error("add_request", e))
+
+    def on_abort(self, request_id: str, now: float) -> None:
+        """Drop the request: engine, chunk sender and receiver, its input entry.
+
+        A receiving stage also discards a request whose input has not arrived: nobody
+        would read its upstream's chunks, which would then wait for their TTL."""
+        first = request_id not in self._recent_aborts
+        self._recent_aborts[request_id] = now
+        self._recent_aborts.move_to_end(request_id)
+        while len(self._recent_aborts) > self._abort_memory_max:
+            self._recent_aborts.popitem(last=False)
+        req = self._active.pop(request_id, None)
+        if req is None:
+            if first and self.receives_chunks:
+                self._actions.discards.append(request_id)
+            return
+        self._abort_engine(request_id)
+        self._actions.discards.append(request_id)
+        self._actions.acks.append(req.entry_id)
+        self._actions.freed_slots += 1
+        self.metrics.inc("omni_aborts_total", reason="aborted", stage=self._stage)
+
+    def on_chunks(self, ready: Mapping[str, Sequence[Mapping[str, Any]]], now: float) -> bool:
+        """Hand received chunks (`{req: [{"data", "finished"}, ...]}`) to their requests."""
+        for rid, chunks in ready.items():
+            req = self._active.get(rid)
+            if req is None or req.stream is None or not chunks:
+                continue
+            req.last_input_at = now
+            req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
+        return bool(ready)
+
+    def on_publish_failed(self, lost: Sequence[Outgoing], reason: str) -> None:
+        """Outputs the shell could not write: their requests end with an error output now,
+        never silently short of data."""
+        by_request: dict[str, list[Outgoing]] = {}
+        for out in lost:
+            by_request.setdefault(out.request_id, []).append(out)
+        error = f"stage {self.stage_id} output lost: {reason}"
+        for rid, outs in by_request.items():
+            if any(o.is_error for o in outs):  # its error final was lost too: nothing left
+                log.error("stage %d: error output for %r lost: %s", self.stage_id, rid, reason)
+                continue
+            if rid in self._active:
+                self._fail(rid, error)
+                continue
+            # It ended already: its final went into the lost batch or was skipped after it.
+            self.metrics.inc("omni_requests_failed_total", stage=self._stage)
+            log.error("stage %d: request %r failed: %s", self.stage_id, rid, error)
+            ack = next((o.ack for o in outs if o.ack is not None), None)
+            self._publish_error(rid, error, max(o.seq for o in outs) + 1, ack)
+
+    def step(self) -> bool:
+        """Step the engine if it has work; True if that produced outputs or failures."""
+        method = "has_work"
+        try:
+            if not self.engine.has_work():
+                return False
+            method = "step"
+            outputs = self.engine.step()
+        except StepFailed as e:
+            error = f"{self.stage_name} step() failed: {e}"
+            failed = [rid for rid in e.request_ids if rid in self._active]
+            log.error("stage %d: %s (requests %s)", self.stage_id, error, failed)
+            for rid in failed:
+                self._fail(rid, error)
+            return True
+        except Exception as e:
+            error = self._engine_error(method, e)
+            for rid in list(self._active):
+                self._fail(rid, error)
+            return True
+        for out in outputs:
+            self._emit(out)
+        return bool(outputs)
+
+    def tick(self, now: float) -> None:
+        """Housekeeping: fail requests whose upstream went silent, forget old aborts."""
+        limit = self.input_timeout_s
+        stalled = [
+            rid
+            for rid, req in self._active.items()
+            if req.stream is not None and not req.stream.closed and now - req.last_input_at > limit
+        ]
+        for rid in stalled:
+            self._fail(
+                rid,
+                f"no input from stage {self.stage_id - 1} within {limit:g}s (OMNI_INPUT_TIMEOUT_S)",
+            )
+        horizon = now - self._abort_memory_s
+        while self._recent_aborts and next(iter(self._recent_aborts.values())) < horizon:
+            self._recent_aborts.popitem(last=False)
+
+    def _emit(self, out: EngineOutput) -> None:
+        """One engine output: encode it (or turn it into the request's error), publish it."""
+        rid = out.request_id
+        req = self._active.get(rid)
+        if req is None:
+            return  # aborted or failed meanwhile
+        ends = out.finished or out.error is not None
+        msg = StageOutputMsg(
+            request_id=rid, data=out.data, finished=out.finished, error=out.error, seq=req.seq
+        )
+        try:
+            payload = codec.encode_model(msg)
+            if len(payload) > self.max_message_bytes:  # the reader would refuse it
+                raise CodecError(f"{len(payload)} bytes > OMNI_MAX_MESSAGE_BYTES")
+        except CodecError as e:
+            log.error("stage %d output for %r cannot be sent: %s", self.stage_id, rid, e)
+            self._fail(rid, f"output cannot be sent: {e}", abort_engine=not ends)
+            return
+        if out.error is not None:
+            self._actions.discards.append(rid)
+        elif self.sends_chunks:
+            self._actions.chunk_saves.append((rid, out.data, out.finished))
+        ack = req.entry_id if ends else None
+        self._actions.outputs.append(
+            Outgoing(rid, req.seq, payload, ends, out.error is not None, ack)
+        )
+        req.seq += 1
+        if ends:
+            self._end(rid, failed=out.error is not None)
+
+    def _publish_error(self, rid: str, error: str, seq: int, ack: bytes | None) -> None:
+        msg = StageOutputMsg(request_id=rid, data=None, finished=True, error=error, seq=seq)
+        payload = codec.encode_model(msg)
+        self._actions.outputs.append(Outgoing(rid, seq, payload, True, True, ack))
+
+    def _fail(self, rid: str, error: str, abort_engine: bool = True) -> None:
+        """End an active request with one error output; the engine stops working on it."""
+        req = self._active[rid]
+        if abort_engine:
+            self._abort_engine(rid)
+        log.error("stage %d: request %r failed: %s", self.stage_id, rid, error)
+        self._actions.discards.append(rid)
+        self._publish_error(rid, error, req.seq, req.entry_id)
+        self._end(rid, failed=True)
+
+    def _end(self, rid: str, failed: bool) -> None:
+        del self._active[rid]
+        if self.receives_chunks:
+            self._actions.receiver_cleanups.append(rid)
+        self._actions.freed_slots += 1
+        self.metrics.inc("omni_requests_completed_total", stage=self._stage)
+        if failed:
+            self.metrics.inc("omni_requests_failed_total", stage=self._stage)
+
+    def _abort_engine(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("stage %d (%s): abort(%r) raised", self.stage_id, self.stage_name, rid)
+
+    def _engine_error(self, method: str, e: Exception) -> str:
+        log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)
+        return f"{self.stage_name} {method}() raised {type(e).__name__}: {e}"

@@ -1,0 +1,216 @@
+"""How the worker drives stage code: functions and generators on a thread pool, classes as is.
+
+The user's side of this contract (what a stage looks like) is `omni_runtime.stage_api`;
+this module is the runtime's side, so stage authors never import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.errors import ConfigError
+from omni_runtime.pipeline import StageConfig, resolve_entry
+from omni_runtime.stage_api import (
+    MARKS_FINAL_ATTR,
+    ChunkStream,
+    EngineOutput,
+    Final,
+    RequestAborted,
+    StageEngine,
+)
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 1.0
+"""How long `close` waits for aborted stage code to return before leaving it running."""
+
+Emit = Callable[[str, Any, bool], bool]
+
+
+class GeneratorEngine:
+    """Runs a plain function or generator stage per request on a bounded thread pool."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: dict[str, Any],
+        max_concurrency: int,
+        wake: Callable[[], None],
+    ) -> None:
+        self._fn = fn
+        self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
+        self._options = options
+        self._wake = wake
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="stage")
+        self._lock = threading.Condition()
+        self._outputs: list[EngineOutput] = []
+        self._aborted: set[str] = set()
+        self._inputs: dict[str, Any] = {}
+        self._running = 0
+        """Requests whose stage code has not returned yet (on a pool thread or queued)."""
+
+    def add_request(self, request_id: str, data: Any) -> None:
+        with self._lock:
+            self._aborted.discard(request_id)
+            self._inputs[request_id] = data
+            self._running += 1
+        self._pool.submit(self._call, request_id, data).add_done_callback(self._done)
+
+    def step(self) -> list[EngineOutput]:
+        with self._lock:
+            out, self._outputs = self._outputs, []
+        return out
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._outputs)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborted.add(request_id)
+            data = self._inputs.pop(request_id, None)
+            self._outputs = [o for o in self._outputs if o.request_id != request_id]
+        if isinstance(data, ChunkStream):
+            data.abort()
+
+    def close(self) -> None:
+        """Abort everything; join the pool if the stage code returns within `CLOSE_GRACE_S`.
+
+        Joining matters: the CLI warns about threads still running at exit, and idle
+        pool threads of a clean shutdown must not look like stuck stage code.
+        """
+        with self._lock:
+            streams = [d for d in self._inputs.values() if isinstance(d, ChunkStream)]
+            self._aborted.update(self._inputs)
+        for s in streams:
+            s.abort()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        with self._lock:
+            self._lock.wait_for(lambda: self._running == 0, deadline - time.monotonic())
+            idle = self._running == 0
+        if idle:
+            self._pool.shutdown(wait=True)
+
+    # --- on a pool thread ------------------------------------------------------
+
+    def _emit(self, request_id: str, data: Any, finished: bool, error: str | None = None) -> bool:
+        """Queue one output; False once the request was aborted (stop producing)."""
+        with self._lock:
+            if request_id in self._aborted:
+                return False
+            self._outputs.append(EngineOutput(request_id, data, finished, error))
+            if finished:
+                self._inputs.pop(request_id, None)
+        self._wake()
+        return True
+
+    def _done(self, _future: Future[None]) -> None:
+        """Run, failed or cancelled at shutdown: the request no longer holds a pool thread."""
+        with self._lock:
+            self._running -= 1
+            self._lock.notify_all()
+
+    def _call(self, request_id: str, data: Any) -> None:
+        try:
+            result = self._fn(data, **self._options)
+            if inspect.isasyncgen(result):
+                asyncio.run(_collect_async(result, request_id, self._emit, not self._marks_final))
+                return
+            if inspect.iscoroutine(result):
+                result = asyncio.run(result)
+            if inspect.isgenerator(result):
+                self._drain(request_id, result)
+            else:
+                self._emit(request_id, result, True)
+        except RequestAborted:
+            return
+        except Exception as e:
+            log.exception("stage code failed for %r", request_id)
+            self._emit(request_id, None, True, error=f"{type(e).__name__}: {e}")
+
+    def _drain(self, request_id: str, gen: Generator[Any, Any, Any]) -> None:
+        """Emit each chunk, holding one back unless the code marks its last with `Final`."""
+        sink = _LastChunkSink(request_id, self._emit, hold=not self._marks_final)
+        try:
+            for item in gen:
+                if not sink.push(item):
+                    return
+        finally:
+            gen.close()
+        sink.end()
+
+
+class _LastChunkSink:
+    """One chunk of look-ahead, so the last chunk can be marked finished — unless the
+    stage is `marks_final`, whose chunks go out the moment they are yielded."""
+
+    _EMPTY = object()
+
+    def __init__(self, request_id: str, emit: Emit, hold: bool = True) -> None:
+        self.request_id = request_id
+        self.emit = emit
+        self.hold = hold
+        self.held: Any = self._EMPTY
+        self.done = False
+
+    def push(self, item: Any) -> bool:
+        """False: stop producing (aborted, or `Final` already sent)."""
+        if self.held is not self._EMPTY and not self.emit(self.request_id, self.held, False):
+            return False
+        self.held = self._EMPTY
+        if isinstance(item, Final):
+            self.done = True
+            self.emit(self.request_id, item.data, True)
+            return False
+        if not self.hold:
+            return self.emit(self.request_id, item, False)
+        self.held = item
+        return True
+
+    def end(self) -> None:
+        """The generator is exhausted: its last chunk (or a `None`) closes the request."""
+        if self.done:
+            return
+        last = None if self.held is self._EMPTY else self.held
+        self.emit(self.request_id, last, True)
+
+
+async def _collect_async(
+    agen: AsyncGenerator[Any, Any], request_id: str, emit: Emit, hold: bool
+) -> None:
+    sink = _LastChunkSink(request_id, emit, hold)
+    try:
+        async for item in agen:
+            if not sink.push(item):
+                return
+    finally:
+        await agen.aclose()
+    sink.end()
+
+
+def load_engine(
+    stage: StageConfig,
+    source_dir: Path | None,
+    max_concurrency: int,
+    wake: Callable[[], None],
+) -> StageEngine:
+    """A class entry is a step engine (`cls(**options)`); a callable is wrapped."""
+    entry = resolve_entry(stage.entry, source_dir)
+    if inspect.isclass(entry):
+        engine = entry(**stage.options)
+        if not isinstance(engine, StageEngine):
+            raise ConfigError(
+                f"stage {stage.id} entry {stage.entry!r} is a class but not a StageEngine "
+                "(add_request, step, abort, has_work)"
+            )
+        return engine
+    return GeneratorEngine(entry, stage.options, max_concurrency, wake)

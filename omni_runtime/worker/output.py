@@ -1,0 +1,150 @@
+"""The worker's output thread: every write of the scheduler loop, off the loop.
+
+Outputs and acknowledgements queue here and go out as one pipeline per round trip
+(whatever accumulated meanwhile). A failed write is retried with the bounded policy
+(`Settings.backoff(bounded=True)`); once that gives up, the batch is reported through
+`on_lost`, so its requests end with an error instead of being dropped silently, and
+later outputs of those requests are skipped until their error output comes through
+(a request must never end "successfully" with a chunk missing).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+from redis.exceptions import RedisError
+
+from omni_runtime import keys
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.worker.core import Outgoing
+
+log = logging.getLogger(__name__)
+
+STOPPING_ATTEMPTS = 3
+"""At shutdown a write is tried at most this often: a dead Redis must not hold the exit."""
+
+
+class OutputThread:
+    """XADDs outputs to the stage's output stream and XACKs inputs, in queue order."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        out_stream: str,
+        in_stream: str,
+        *,
+        maxlen: int,
+        backoff: Callable[[], Backoff],
+        on_lost: Callable[[list[Outgoing], str], None],
+        metrics: Metrics,
+    ) -> None:
+        self.client = client
+        self.out_stream = out_stream
+        self.in_stream = in_stream
+        self.maxlen = maxlen
+        self.backoff = backoff
+        self.on_lost = on_lost
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._outputs: list[Outgoing] = []
+        self._acks: list[bytes] = []
+        self._writing = False
+        self._stop = False
+        self._lost: set[str] = set()
+        """Requests whose outputs were lost; only their error output goes out now."""
+        self._thread = threading.Thread(target=self._run, name="output-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def publish(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
+        """Queue for the next pipeline; returns at once."""
+        if outputs or acks:
+            with self._cv:
+                self._outputs.extend(outputs)
+                self._acks.extend(acks)
+                self._cv.notify_all()
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing being written."""
+        with self._cv:
+            return not (self._outputs or self._acks or self._writing)
+
+    def request_stop(self) -> None:
+        """Write what is queued, then exit."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._outputs or self._acks or self._stop)
+                if not (self._outputs or self._acks):
+                    return
+                outputs, self._outputs = self._outputs, []
+                acks, self._acks = self._acks, []
+                self._writing = True
+            try:
+                self._write(*self._skip_lost(outputs, acks))
+            finally:
+                with self._cv:
+                    self._writing = False
+
+    def _skip_lost(
+        self, outputs: list[Outgoing], acks: list[bytes]
+    ) -> tuple[list[Outgoing], list[bytes]]:
+        if not self._lost:
+            return outputs, acks
+        kept: list[Outgoing] = []
+        for out in outputs:
+            if out.request_id not in self._lost:
+                kept.append(out)
+            elif out.is_error:
+                self._lost.discard(out.request_id)
+                kept.append(out)
+            elif out.ack is not None:
+                acks.append(out.ack)  # its input is done with all the same
+        return kept, acks
+
+    def _write(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
+        policy = self.backoff()
+        while True:
+            try:
+                with self.client.pipeline(transaction=False) as pipe:
+                    for out in outputs:
+                        fields = xadd_fields({keys.PAYLOAD_FIELD: out.payload})
+                        pipe.xadd(self.out_stream, fields, maxlen=self.maxlen, approximate=True)
+                    ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
+                    if ack_ids:
+                        pipe.xack(self.in_stream, keys.WORKERS_GROUP, *ack_ids)
+                    pipe.execute()
+                return
+            except RedisError as e:
+                delay = policy.failed()
+                if delay is None or (self._stop and policy.failures >= STOPPING_ATTEMPTS):
+                    self._give_up(outputs, policy.failures, e)
+                    return
+                self.metrics.inc("omni_retries_total", stream=self.out_stream)
+                log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, e)
+                time.sleep(delay)
+
+    def _give_up(self, outputs: list[Outgoing], attempts: int, e: RedisError) -> None:
+        reason = f"Redis unreachable after {attempts} attempts ({type(e).__name__})"
+        log.error(
+            "dropping %d outputs of stage stream %s: %s", len(outputs), self.out_stream, reason
+        )
+        self.metrics.inc("omni_dropped_writes_total", stream=self.out_stream)
+        self._lost.update(o.request_id for o in outputs if not o.is_error)
+        if outputs:
+            self.on_lost(outputs, reason)

@@ -1,0 +1,114 @@
+"""Taking over the inputs of replicas that died, on the heartbeat thread.
+
+A consumer of the stage's group whose heartbeat key expired holds inputs nobody
+will finish: they are claimed (XCLAIM) and run here. An input already delivered
+`max_deliveries` times is not run again (it may be what kills replicas): it is
+dead-lettered and its request ends with one error output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import redis
+from redis.typing import StreamIdT
+
+from omni_runtime import keys
+from omni_runtime.messages import StageInputMsg
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
+from omni_runtime.settings import Settings
+from omni_runtime.worker.core import Input
+
+log = logging.getLogger(__name__)
+
+CLAIM_PAGE = 100
+"""Pending entries of one dead consumer claimed per heartbeat."""
+
+
+class Takeover:
+    """Callable after each heartbeat: claims the pending inputs of dead replicas."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        reader: SyncGroupReader[StageInputMsg],
+        deliver: Callable[[list[Input]], None],
+        settings: Settings,
+        *,
+        worker_id: str,
+        stage_id: int,
+        metrics: Metrics,
+    ) -> None:
+        self.client = client
+        self.reader = reader
+        self.deliver = deliver
+        self.names = settings.names
+        self.worker_id = worker_id
+        self.stage_id = stage_id
+        self.max_deliveries = settings.max_deliveries
+        self.metrics = metrics
+        self.stream = reader.stream
+        self.dead_letters = SyncDeadLetters(
+            client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
+        )
+
+    def __call__(self) -> None:
+        summary: Any = self.client.xpending(self.stream, keys.WORKERS_GROUP)
+        for consumer in summary.get("consumers") or []:
+            name = consumer["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != self.worker_id and not self._alive(name):
+                self._take_over(name)
+
+    def _alive(self, name: str) -> bool:
+        return bool(self.client.exists(self.names.stage_heartbeat(self.stage_id, name)))
+
+    def _take_over(self, name: str) -> None:
+        rows = self.client.xpending_range(
+            self.stream, keys.WORKERS_GROUP, min="-", max="+", count=CLAIM_PAGE, consumername=name
+        )
+        if not rows:
+            self.client.xgroup_delconsumer(self.stream, keys.WORKERS_GROUP, name)
+            return
+        ids: list[StreamIdT] = [row["message_id"] for row in rows]
+        deliveries = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        # Without justid XCLAIM returns entries, of bytes for our clients (the stub allows
+        # ids only, and str); one whose entry was deleted comes back as (None, None).
+        claimed = cast(
+            "list[Entry]",
+            self.client.xclaim(
+                self.stream,
+                keys.WORKERS_GROUP,
+                self.worker_id,
+                min_idle_time=keys.HEARTBEAT_TTL_S * 1000,
+                message_ids=ids,
+            ),
+        )
+        entries = [(eid, fields) for eid, fields in claimed if fields]
+        if not entries:
+            return
+        log.warning("took over %d input(s) of dead replica %s", len(entries), name)
+        self.metrics.inc("omni_takeovers_total", len(entries), stage=self.stage_id)
+        raw = dict(entries)
+        inputs: list[Input] = []
+        for eid, msg in self.reader.accept(entries):
+            times = deliveries.get(_id(eid), 0)
+            if times < self.max_deliveries:
+                inputs.append(Input(eid, msg))
+                continue
+            error = (
+                f"input delivered {times} times without finishing "
+                f"(OMNI_MAX_DELIVERIES={self.max_deliveries}); dead-lettered"
+            )
+            log.error("stage %d: %s: request %r", self.stage_id, error, msg.request_id)
+            self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, raw[eid])
+            inputs.append(Input(eid, msg, refused=error))
+        if inputs:
+            self.deliver(inputs)
+
+
+def _id(entry_id: object) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()

@@ -1,0 +1,180 @@
+"""The worker shell's parts around the core: output thread, slots, takeovers (no real Redis)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, cast
+
+import fakeredis
+import pytest
+import redis
+
+from omni_runtime import codec, keys
+from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.streams import SyncGroupReader
+from omni_runtime.settings import Settings
+from omni_runtime.worker.core import Input, Outgoing
+from omni_runtime.worker.io_threads import Slots
+from omni_runtime.worker.output import OutputThread
+from omni_runtime.worker.takeover import Takeover
+from tests.unit.test_worker_core import inp, make, published
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FlakyRedis:
+    """Enough of a redis client for the output thread: pipelines that fail `failures` times."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.written: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def pipeline(self, transaction: bool = False) -> FlakyPipe:
+        return FlakyPipe(self)
+
+
+class FlakyPipe:
+    def __init__(self, owner: FlakyRedis) -> None:
+        self.owner = owner
+        self.ops: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> FlakyPipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def xadd(self, stream: str, fields: dict[str, bytes], **_kw: Any) -> None:
+        msg = codec.decode_model(fields[keys.PAYLOAD_FIELD], StageOutputMsg)
+        self.ops.append(("xadd", (msg.request_id, msg.seq, msg.error)))
+
+    def xack(self, stream: str, group: str, *ids: bytes) -> None:
+        self.ops.extend(("xack", i) for i in ids)
+
+    def execute(self) -> None:
+        with self.owner.lock:
+            if self.owner.failures > 0:
+                self.owner.failures -= 1
+                raise redis.exceptions.ConnectionError("down")
+            self.owner.written.extend(self.ops)
+
+
+def out(rid: str, seq: int, ends: bool = False, error: str | None = None) -> Outgoing:
+    msg = StageOutputMsg(request_id=rid, data=None, finished=ends, error=error, seq=seq)
+    ack = f"{rid}-in".encode() if ends or error else None
+    return Outgoing(rid, seq, codec.encode_model(msg), ends or error is not None, bool(error), ack)
+
+
+Lost = list[tuple[list[Outgoing], str]]
+
+
+def output_thread(client: FlakyRedis, lost: Lost, attempts: int) -> OutputThread:
+    settings = Settings(retry_initial_s=0.001, retry_max_s=0.002, retry_attempts=attempts)
+    thread = OutputThread(
+        cast("redis.Redis", client),
+        "out",
+        "in",
+        maxlen=100,
+        backoff=lambda: settings.backoff(bounded=True),
+        on_lost=lambda outs, reason: lost.append((outs, reason)),
+        metrics=Metrics(),
+    )
+    thread.start()
+    return thread
+
+
+def test_the_output_thread_retries_a_failed_write_within_its_bound() -> None:
+    client, lost = FlakyRedis(failures=2), Lost()
+    thread = output_thread(client, lost, attempts=5)
+    thread.publish([out("a", 0), out("a", 1, ends=True)], [b"x-in"])
+    wait_until(lambda: len(client.written) == 4)
+    assert client.written == [
+        ("xadd", ("a", 0, None)),
+        ("xadd", ("a", 1, None)),
+        ("xack", b"a-in"),
+        ("xack", b"x-in"),
+    ]
+    assert lost == [] and thread.metrics.value("omni_retries_total") == 2
+    thread.request_stop()
+    thread.join(5)
+
+
+def test_an_outage_beyond_the_retries_reports_the_lost_outputs_and_skips_their_rest() -> None:
+    client, lost = FlakyRedis(failures=3), Lost()
+    thread = output_thread(client, lost, attempts=3)
+    thread.publish([out("a", 0), out("b", 0)], [])
+    wait_until(lambda: bool(lost))
+    ((outs, reason),) = lost
+    assert [(o.request_id, o.seq) for o in outs] == [("a", 0), ("b", 0)]
+    assert reason == "Redis unreachable after 3 attempts (ConnectionError)"
+    assert thread.metrics.value("omni_dropped_writes_total") == 1
+    # Redis is back: a's final is skipped (its error output follows), its input still acked
+    thread.publish([out("a", 1, ends=True), out("c", 0, ends=True)], [])
+    thread.publish([out("a", 2, error="lost"), out("b", 1, error="lost"), out("a", 3)], [])
+    thread.request_stop()
+    thread.join(5)
+    assert [op for op in client.written if op[0] == "xadd"] == [
+        ("xadd", ("c", 0, None)),
+        ("xadd", ("a", 2, "lost")),
+        ("xadd", ("b", 1, "lost")),
+        ("xadd", ("a", 3, None)),  # after its error output: the core never sends that
+    ]
+    assert ("xack", b"a-in") in client.written
+
+
+def test_slots_bound_what_the_input_thread_may_take() -> None:
+    slots = Slots(3)
+    assert slots.take_up_to(5, 0.01) == 3
+    assert slots.take_up_to(1, 0.01) == 0  # none free: waited, got nothing
+    slots.force_take(2)  # a takeover runs beyond the concurrency
+    slots.give_back(4)
+    assert slots.free == 2 and slots.take_up_to(8, 0.01) == 2
+
+
+def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered_too_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(keys, "HEARTBEAT_TTL_S", 0)  # claimable at once
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    settings = Settings(max_deliveries=3)
+    names, stream = settings.names, settings.names.stage_in(1)
+    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
+    for rid in ("often", "once"):
+        client.xadd(stream, {keys.PAYLOAD_FIELD: codec.encode_model(inp(rid).msg)})
+    client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "often"
+    for _ in range(2):  # its replicas died on it: delivered 3 times
+        client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: "0"})
+    client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "once"
+    delivered: list[Input] = []
+    metrics = Metrics()
+    reader = SyncGroupReader(
+        client,
+        stream,
+        keys.WORKERS_GROUP,
+        "me",
+        StageInputMsg,
+        max_bytes=1 << 20,
+        dead_letters=names.dead_letters,
+        metrics=metrics,
+    )
+    takeover = Takeover(
+        client, reader, delivered.extend, settings, worker_id="me", stage_id=1, metrics=metrics
+    )
+    takeover()  # "ghost" has no heartbeat
+    assert [(i.msg.request_id, i.refused is not None) for i in delivered] == [
+        ("often", True),
+        ("once", False),
+    ]
+    assert "OMNI_MAX_DELIVERIES=3" in (delivered[0].refused or "")
+    assert client.xlen(names.dead_letters) == 1
+    assert client.xpending(stream, keys.WORKERS_GROUP)["pending"] == 1  # "once", now ours
+    assert metrics.value("omni_takeovers_total") == 2
+    core, engine = make()
+    core.on_input(delivered[0], now=0)
+    actions = core.take_actions()
+    ((rid, _seq, _data, finished, error),) = published(actions)
+    assert rid == "often" and finished and error == delivered[0].refused
+    assert engine.queues == {}  # never run
