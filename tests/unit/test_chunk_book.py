@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from omni_runtime.core.chunk_book import Poll, RecvBook, SendBook, Staged
 
 
-def put_all(book: SendBook, ok: bool = True) -> list[tuple[str, int, bool]]:
+def put_all(book: SendBook, ok: bool = True) -> list[tuple[str, int, Any]]:
     """Run the SAVE loop by hand: take every item, build it as is, put it as one batch."""
     batch: list[Staged] = []
     while (taken := book.take()) is not None:

@@ -219,10 +219,8 @@ def test_engine_entries_load() -> None:
     assert isinstance(engine, StageEngine)
     fn_stage = StageConfig(id=0, name="split", entry="workers.seed:split_words")
     wrapped = load_engine(fn_stage, None, max_concurrency=1, wake=lambda: None)
-    try:
-        assert isinstance(wrapped, GeneratorEngine)
-    finally:
-        wrapped.close()
+    assert isinstance(wrapped, GeneratorEngine)
+    wrapped.close()
 
 
 # --- settings -----------------------------------------------------------------------
