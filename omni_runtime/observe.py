@@ -18,7 +18,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.metrics_poller import StreamStatsPoller
 from omni_runtime.prometheus_export import maybe_start_metrics_server
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import FanOutTracer, Tracer, tracer_for
+from omni_runtime.tracing import Closable, FanOutTracer, Tracer, tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,7 @@ class Observability:
 
 def _closers(tracer: Tracer | None) -> list[Callable[[], None]]:
     tracers = tracer.tracers if isinstance(tracer, FanOutTracer) else [tracer]
-    out: list[Callable[[], None]] = []
-    for t in tracers:
-        close = getattr(t, "close", None)
-        if close is not None:
-            out.append(close)
-    return out
+    return [t.close for t in tracers if t is not None and isinstance(t, Closable)]
 
 
 def start_observability(

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from omni_runtime import keys
-from omni_runtime.tracing import Stamp, wall_ns
+from omni_runtime.tracing import Flushable, Stamp, wall_ns
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,8 @@ class OtelTracer:
         self._stop.set()
         self._thread.join(5)
         self.flush()
-        force = getattr(self.provider, "force_flush", None)
-        if force is not None:
-            force()
+        if isinstance(self.provider, Flushable):
+            self.provider.force_flush()
 
     def _send(self, request_id: str, stamps: list[Stamp]) -> None:
         try:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Stamp, read_redis_trace
+from omni_runtime.tracing import Flushable, Stamp, read_redis_trace
 
 MAX_LABELLED = 80
 """Stamps named in the PNG; a longer timeline is drawn one row per lane, unlabelled."""
@@ -170,6 +170,5 @@ def _export(request_id: str, stamps: list[Stamp], provider: Any) -> None:
             raise ConfigError("--otel needs OTEL_EXPORTER_OTLP_ENDPOINT and omni-runtime[observe]")
         provider = otel.provider
     export_stamps(provider, request_id, stamps)
-    flush = getattr(provider, "force_flush", None)
-    if flush is not None:
-        flush()
+    if isinstance(provider, Flushable):
+        provider.force_flush()

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from omni_runtime import keys
 
@@ -38,6 +38,20 @@ log = logging.getLogger(__name__)
 
 Stamp = tuple[str, str, int | None, int]
 """`(event, request id, stage id or None, t_ns)`."""
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A tracer (or exporter) holding a file, a thread or a connection to release."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Flushable(Protocol):
+    """An OpenTelemetry tracer provider of the SDK (the API's no-op one has no flush)."""
+
+    def force_flush(self, timeout_millis: int = ...) -> bool: ...
 
 
 class Tracer(Protocol):

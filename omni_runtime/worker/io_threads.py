@@ -17,7 +17,6 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg, StageInputMsg
 from omni_runtime.metrics import Metrics
@@ -232,6 +231,7 @@ class HeartbeatThread(_Loop):
         client: redis.Redis,
         key: str,
         interval_s: float,
+        ttl_ms: int,
         status: Callable[[], dict[str, Any]],
         after_beat: Callable[[], None],
     ) -> None:
@@ -239,6 +239,7 @@ class HeartbeatThread(_Loop):
         self.client = client
         self.key = key
         self.interval_s = interval_s
+        self.ttl_ms = ttl_ms
         self.status = status
         self.after_beat = after_beat
 
@@ -248,7 +249,7 @@ class HeartbeatThread(_Loop):
 
     def beat(self) -> None:
         doc = json.dumps(self.status(), separators=(",", ":"))
-        self.client.set(self.key, doc, ex=keys.HEARTBEAT_TTL_S)
+        self.client.set(self.key, doc, px=self.ttl_ms)
 
     def forget(self) -> None:
         """Delete the key at shutdown: a stopped worker is gone at once, not after the TTL."""

@@ -29,7 +29,6 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ClosableEngine
-from omni_runtime.tracing import tracer_for
 from omni_runtime.worker.core import Actions, Input, Outgoing, WorkerCore
 from omni_runtime.worker.engines import load_engine
 from omni_runtime.worker.io_threads import (
@@ -39,6 +38,7 @@ from omni_runtime.worker.io_threads import (
     InputThread,
     Slots,
 )
+from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.takeover import Takeover
 
@@ -76,8 +76,7 @@ class StageWorker:
         self.in_stream = self.names.stage_in(stage_id)
         self.out_stream = self.names.stage_out(stage_id)
         self.metrics = Metrics()
-        self.tracer = tracer_for(s.trace_file)
-        self.started_at = time.time()
+        self.observed = WorkerObservation(self.metrics, stage_id, self.worker_id, self.in_stream)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._input_stop = threading.Event()
@@ -123,7 +122,7 @@ class StageWorker:
             self._inputs.put,
             s,
             stage_id=stage_id,
-            tracer=self.tracer,
+            tracer=None,  # set in `run`, with the rest of the observability
             stop=self._input_stop,
         )
         self._control = ControlThread(
@@ -142,6 +141,7 @@ class StageWorker:
             self._client,
             self.names.stage_heartbeat(stage_id, self.worker_id),
             s.heartbeat_interval_s,
+            s.heartbeat_ttl_ms,
             self.status,
             takeover,
         )
@@ -167,7 +167,10 @@ class StageWorker:
                 prefix=self.names.chunk_prefix,
                 max_bytes=s.max_message_bytes,
             )
-            self.adapter = ChunkAdapter(self._connector, self.stage_id, on_ready=self._wake.set)
+            self.adapter = ChunkAdapter(
+                self._connector, self.stage_id, on_ready=self._wake.set, metrics=self.metrics
+            )
+        self._input.tracer = self.observed.start(s, self.clients.sync).tracer
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts
@@ -186,19 +189,7 @@ class StageWorker:
 
     def status(self) -> dict[str, Any]:
         """The heartbeat's value: who this worker is and what it has done."""
-        return {
-            "worker_id": self.worker_id,
-            "stage_id": self.stage_id,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "in_flight": self._in_flight,
-            "completed": self.completed,
-            "failed": int(self.metrics.value("omni_requests_failed_total")),
-            "aborted": self.aborted,
-            "malformed_inputs": self.malformed_inputs,
-            "takeovers": int(self.metrics.value("omni_takeovers_total")),
-        }
+        return self.observed.status(self._in_flight)
 
     @property
     def active(self) -> int:
@@ -207,15 +198,15 @@ class StageWorker:
 
     @property
     def completed(self) -> int:
-        return int(self.metrics.value("omni_requests_completed_total"))
+        return self.observed.count("omni_requests_completed_total")
 
     @property
     def aborted(self) -> int:
-        return int(self.metrics.value("omni_aborts_total"))
+        return self.observed.count("omni_aborts_total")
 
     @property
     def malformed_inputs(self) -> int:
-        return int(self.metrics.value("omni_malformed_entries_total", stream=self.in_stream))
+        return self.observed.count("omni_malformed_entries_total", stream=self.in_stream)
 
     def _loop(self) -> None:
         drain_deadline: float | None = None
@@ -244,6 +235,8 @@ class StageWorker:
         aborts, inputs, lost = self._aborts.take(), self._inputs.take(), self._lost.take()
         for rid in aborts:
             core.on_abort(rid, now)
+        self.observed.aborted(aborts)
+        self.observed.inputs(inputs)
         for inp in inputs:
             core.on_input(inp, now)
         for outs, reason in lost:
@@ -254,6 +247,7 @@ class StageWorker:
     def _apply(self, actions: Actions) -> None:
         """Writes go to the output thread first; chunks after (the user's output leads)."""
         self._output.publish(actions.outputs, actions.acks)
+        self.observed.published(actions)
         adapter = self.adapter
         if adapter is not None:  # a request may start and end within one batch: in that order
             for rid in actions.receiver_loads:
@@ -288,6 +282,7 @@ class StageWorker:
                 self._closable.close()
             except Exception:
                 log.exception("stage %d engine close() raised", self.stage_id)
+        self.observed.close()
         self._client.close()
         log.info(
             "worker %s of stage %d stopped: %d requests completed, %d aborted, "

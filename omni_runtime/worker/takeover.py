@@ -49,6 +49,7 @@ class Takeover:
         self.worker_id = worker_id
         self.stage_id = stage_id
         self.max_deliveries = settings.max_deliveries
+        self.min_idle_ms = settings.heartbeat_ttl_ms
         self.metrics = metrics
         self.stream = reader.stream
         self.dead_letters = SyncDeadLetters(
@@ -83,7 +84,7 @@ class Takeover:
                 self.stream,
                 keys.WORKERS_GROUP,
                 self.worker_id,
-                min_idle_time=keys.HEARTBEAT_TTL_S * 1000,
+                min_idle_time=self.min_idle_ms,
                 message_ids=ids,
             ),
         )

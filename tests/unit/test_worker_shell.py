@@ -134,10 +134,9 @@ def test_slots_bound_what_the_input_thread_may_take() -> None:
     assert slots.free == 2 and slots.take_up_to(8, 0.01) == 2
 
 
-def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered_too_often(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(keys, "HEARTBEAT_TTL_S", 0)  # claimable at once
+def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered_too_often() -> (
+    None
+):
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     settings = Settings(max_deliveries=3)
     names, stream = settings.names, settings.names.stage_in(1)
@@ -163,6 +162,7 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
     takeover = Takeover(
         client, reader, delivered.extend, settings, worker_id="me", stage_id=1, metrics=metrics
     )
+    takeover.min_idle_ms = 0  # claimable at once
     takeover()  # "ghost" has no heartbeat
     assert [(i.msg.request_id, i.refused is not None) for i in delivered] == [
         ("often", True),

@@ -1,0 +1,76 @@
+"""What a worker shows of itself: its heartbeat document, its per-stage timings, its exports.
+
+Called on the scheduler thread only (the timer's bookkeeping is not shared with
+the I/O threads); `start` and `close` bracket the worker's run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from omni_runtime.metrics import Metrics
+from omni_runtime.observe import Observability, start_observability
+from omni_runtime.request_timings import StageTimer
+from omni_runtime.settings import Settings
+from omni_runtime.worker.core import Actions, Input
+
+
+class WorkerObservation:
+    def __init__(self, metrics: Metrics, stage_id: int, worker_id: str, in_stream: str) -> None:
+        self.metrics = metrics
+        self.stage_id = stage_id
+        self.worker_id = worker_id
+        self.in_stream = in_stream
+        self.started_at = time.time()
+        self.timer = StageTimer(metrics, stage_id)
+        self._obs: Observability | None = None
+
+    def start(self, settings: Settings, redis_client: Callable[[], Any]) -> Observability:
+        """The metrics endpoint, tracers and stats poller `settings` ask for."""
+        role = f"stage:{self.stage_id}:{self.worker_id}"
+        self._obs = start_observability(
+            settings, self.metrics, role, redis_client, const_labels={"stage": str(self.stage_id)}
+        )
+        return self._obs
+
+    def close(self) -> None:
+        if self._obs is not None:
+            self._obs.close()
+
+    def inputs(self, inputs: list[Input]) -> None:
+        for inp in inputs:
+            if inp.refused is None:
+                self.timer.read(inp.msg.request_id, inp.entry_id)
+
+    def aborted(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.timer.done(rid)
+
+    def published(self, actions: Actions) -> None:
+        for out in actions.outputs:
+            self.timer.output("error" if out.is_error else None)
+            if out.ends:
+                self.timer.done(out.request_id)
+
+    def count(self, name: str, **labels: object) -> int:
+        return int(self.metrics.value(name, **labels))
+
+    def status(self, in_flight: int) -> dict[str, Any]:
+        """The heartbeat's value: who this worker is and what it has done."""
+        return {
+            "worker_id": self.worker_id,
+            "stage_id": self.stage_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "in_flight": in_flight,
+            "completed": self.count("omni_requests_completed_total"),
+            "failed": self.count("omni_requests_failed_total"),
+            "aborted": self.count("omni_aborts_total"),
+            "malformed_inputs": self.count("omni_malformed_entries_total", stream=self.in_stream),
+            "takeovers": self.count("omni_takeovers_total"),
+        }
