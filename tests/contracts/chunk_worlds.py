@@ -173,11 +173,21 @@ def encoded_size(value: Any) -> int:
     return len(codec.encode(value))
 
 
-@pytest.fixture(params=KINDS)
-def world(request: pytest.FixtureRequest) -> Iterator[World]:
+def _world(request: pytest.FixtureRequest) -> Iterator[World]:
     url = request.getfixturevalue("redis_url") if request.param == "redis-server" else None
     w = World(request.param, url)
     try:
         yield w
     finally:
         w.close()
+
+
+@pytest.fixture(params=KINDS)
+def world(request: pytest.FixtureRequest) -> Iterator[World]:
+    yield from _world(request)
+
+
+@pytest.fixture(params=["fakeredis", REAL])
+def redis_world(request: pytest.FixtureRequest) -> Iterator[World]:
+    """The worlds whose transport is the Redis one, for what only it promises."""
+    yield from _world(request)

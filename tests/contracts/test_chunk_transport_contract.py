@@ -12,9 +12,9 @@ from omni_runtime import keys
 from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport, Connector
 from omni_runtime.core.types import MalformedChunk
-from tests.contracts.chunk_worlds import PREFIX, World, world
+from tests.contracts.chunk_worlds import PREFIX, World, redis_world, world
 
-__all__ = ["world"]
+__all__ = ["redis_world", "world"]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,14 +92,10 @@ def test_polling_lifts_any_spec_connector() -> None:
 # --- Redis only ------------------------------------------------------------------------
 
 
-def redis_world(world: World) -> World:
-    if world.side is None:
-        pytest.skip("Redis only")
-    return world
-
-
-def test_redis_put_batch_rejects_what_cannot_be_stored_and_stores_nothing(world: World) -> None:
-    w = redis_world(world)
+def test_redis_put_batch_rejects_what_cannot_be_stored_and_stores_nothing(
+    redis_world: World,
+) -> None:
+    w = redis_world
     t = w.transport().inner
     assert isinstance(t, RedisConnector)
     t.max_bytes = 100
@@ -115,8 +111,8 @@ def test_redis_put_batch_rejects_what_cannot_be_stored_and_stores_nothing(world:
     assert w.left() == 0
 
 
-def test_redis_fetch_of_a_malformed_value_keeps_the_good_ones(world: World) -> None:
-    w = redis_world(world)
+def test_redis_fetch_of_a_malformed_value_keeps_the_good_ones(redis_world: World) -> None:
+    w = redis_world
     t = w.transport().inner
     t.put_batch([("m_0_0", chunk("good"), False)])
     w.put_garbage("m_0_1")
@@ -126,8 +122,8 @@ def test_redis_fetch_of_a_malformed_value_keeps_the_good_ones(world: World) -> N
     assert w.left() == 0  # consumed, not served twice
 
 
-def test_redis_a_small_chunk_rides_in_its_wakeup(world: World) -> None:
-    w = redis_world(world)
+def test_redis_a_small_chunk_rides_in_its_wakeup(redis_world: World) -> None:
+    w = redis_world
     receiver, sender = w.transport().inner, w.transport().inner
     receiver.subscribe(["inl_0"])
     sender.put_batch([("inl_0_0", chunk(b"small", True), True)])
@@ -139,9 +135,9 @@ def test_redis_a_small_chunk_rides_in_its_wakeup(world: World) -> None:
 
 
 def test_redis_unsubscribe_drops_the_route_and_unlistened_puts_leave_no_state(
-    world: World,
+    redis_world: World,
 ) -> None:
-    w = redis_world(world)
+    w = redis_world
     receiver, sender = w.transport().inner, w.transport().inner
     receiver.subscribe(["u_0"])
     assert w.raw.exists(keys.chunk_route_key("u_0", PREFIX))

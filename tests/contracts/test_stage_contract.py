@@ -77,18 +77,28 @@ class RedisHarness:
 Harness = MemoryHarness | RedisHarness
 
 
+async def _redis_harness(request: pytest.FixtureRequest) -> RedisHarness:
+    if request.param == "fakeredis":
+        client: aioredis.Redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    else:
+        client = aioredis.Redis.from_url(request.getfixturevalue("redis_url"))
+    await ensure_group(client, NAMES.stage_out(SID), keys.ORCHESTRATOR_GROUP)
+    return RedisHarness(client)
+
+
 @pytest.fixture(params=["memory", "fakeredis", "redis"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    h: Harness
-    if request.param == "memory":
-        h = MemoryHarness()
-    else:
-        if request.param == "fakeredis":
-            client: aioredis.Redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
-        else:
-            client = aioredis.Redis.from_url(request.getfixturevalue("redis_url"))
-        await ensure_group(client, NAMES.stage_out(SID), keys.ORCHESTRATOR_GROUP)
-        h = RedisHarness(client)
+    h: Harness = MemoryHarness() if request.param == "memory" else await _redis_harness(request)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+@pytest.fixture(params=["fakeredis", "redis"])
+async def redis_harness(request: pytest.FixtureRequest) -> AsyncIterator[RedisHarness]:
+    """A stage over Redis: only it sees re-runs (seq), error entries and untrusted entries."""
+    h = await _redis_harness(request)
     try:
         yield h
     finally:
@@ -164,9 +174,8 @@ async def test_submit_reaches_the_stage(harness: Harness) -> None:
     assert (msg.request_id, msg.data, msg.streaming) == ("r1", {"prompt": "hi"}, False)
 
 
-async def test_repeated_seq_is_dropped_even_after_finished(harness: Harness) -> None:
-    if not isinstance(harness, RedisHarness):
-        pytest.skip("only a stage over Redis sees re-runs (seq)")
+async def test_repeated_seq_is_dropped_even_after_finished(redis_harness: RedisHarness) -> None:
+    harness = redis_harness
     await harness.emit("r1", "a", seq=0)
     await harness.emit("r1", "a", seq=0)  # a replica re-ran the request
     await harness.emit("r1", "b", True, seq=1)
@@ -185,9 +194,8 @@ async def test_repeated_seq_is_dropped_even_after_finished(harness: Harness) -> 
     assert len(harness.stage.seq) == 0  # memory follows live requests
 
 
-async def test_error_output_passes_whatever_its_seq(harness: Harness) -> None:
-    if not isinstance(harness, RedisHarness):
-        pytest.skip("errors travel as StageOutputMsg.error over Redis")
+async def test_error_output_passes_whatever_its_seq(redis_harness: RedisHarness) -> None:
+    harness = redis_harness
     await harness.emit("r1", "a", seq=0)
     msg = StageOutputMsg(request_id="r1", data=None, finished=False, error="boom", seq=0)
     await harness.client.xadd(NAMES.stage_out(SID), entry_fields(msg))  # type: ignore[arg-type]
@@ -196,9 +204,8 @@ async def test_error_output_passes_whatever_its_seq(harness: Harness) -> None:
     assert "boom" in failed.data.error
 
 
-async def test_malformed_entry_is_dead_lettered(harness: Harness) -> None:
-    if not isinstance(harness, RedisHarness):
-        pytest.skip("only a stage over Redis reads untrusted entries")
+async def test_malformed_entry_is_dead_lettered(redis_harness: RedisHarness) -> None:
+    harness = redis_harness
     out = NAMES.stage_out(SID)
     await harness.client.xadd(out, {keys.PAYLOAD_FIELD: b"\xc1"})
     await harness.client.xadd(out, {keys.PAYLOAD_FIELD: codec.encode({"type": "stage_output"})})
