@@ -234,7 +234,7 @@ def tracer_for(
 
     `trace_file`: a `FileTracer`; `trace` (with a client factory and names): a
     `RedisTracer`; and, when opentelemetry-sdk is installed and
-    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `otel_export.OtelTracer` whose spans
+    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `observe.otel.OtelTracer` whose spans
     are named after `role` ("orchestrator", "stage 1", "client").
     """
     tracers: list[Tracer] = []
@@ -244,7 +244,7 @@ def tracer_for(
         tracers.append(RedisTracer(redis_client(), names, ttl_s))
     if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
-            from omni_runtime.otel_export import otel_tracer_from_env
+            from omni_runtime.observe.otel import otel_tracer_from_env
         except ImportError:
             log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry is not installed")
         else:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_runtime.metrics import Metrics
-from omni_runtime.observe import Observability, start_observability
-from omni_runtime.request_timings import StageTimer
+from omni_runtime.observe.start import Observability, start_observability
+from omni_runtime.observe.timings import StageTimer
 from omni_runtime.settings import Settings
 from omni_runtime.worker.core import Actions, Input
 

@@ -15,8 +15,8 @@ import redis
 from rich.console import Console
 
 from omni_runtime import keys
+from omni_runtime.ops.trace_view import add_trace_arguments, run_trace, stage_spans
 from omni_runtime.settings import Settings
-from omni_runtime.trace_view import add_trace_arguments, run_trace, stage_spans
 from omni_runtime.tracing import (
     FanOutTracer,
     MemoryTracer,

@@ -16,18 +16,18 @@ import redis
 from rich.console import Console
 
 from omni_runtime import keys
-from omni_runtime.dead_letters import (
+from omni_runtime.errors import ConfigError
+from omni_runtime.metrics import Metrics
+from omni_runtime.observe.poller import StreamStatsPoller
+from omni_runtime.observe.redis_stats import heartbeat_value, parse_heartbeat
+from omni_runtime.ops.dead_letters import (
     add_dead_letters_arguments,
     list_dead_letters,
     replay,
     run_dead_letters,
 )
-from omni_runtime.errors import ConfigError
-from omni_runtime.metrics import Metrics
-from omni_runtime.metrics_poller import StreamStatsPoller
-from omni_runtime.redis_stats import heartbeat_value, parse_heartbeat
+from omni_runtime.ops.status import add_status_arguments, run_status
 from omni_runtime.settings import Settings
-from omni_runtime.status import add_status_arguments, run_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,7 +186,7 @@ def test_replay_refuses_foreign_streams_and_cut_payloads(client: redis.Redis) ->
 
 
 def test_live_view_refreshes_and_survives_a_redis_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import omni_runtime.status as status
+    import omni_runtime.ops.status as status
 
     r = fakeredis.FakeRedis()
     _deployment(r)

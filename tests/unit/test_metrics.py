@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
-from omni_runtime.prometheus_export import (
+from omni_runtime.observe.prometheus import (
     MetricsCollector,
     maybe_start_metrics_server,
     metrics_wsgi_app,
@@ -158,7 +158,7 @@ def test_port_zero_setting_serves_nothing() -> None:
 
 
 async def test_asgi_app_answers_the_exposition_format() -> None:
-    from omni_runtime.prometheus_export import metrics_asgi_app
+    from omni_runtime.observe.prometheus import metrics_asgi_app
 
     app = metrics_asgi_app(_filled())
     sent: list[dict[str, object]] = []

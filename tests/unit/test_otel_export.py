@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from omni_runtime.otel_export import OtelTracer, export_stamps
+from omni_runtime.observe.otel import OtelTracer, export_stamps
+from omni_runtime.ops.trace_view import add_trace_arguments, run_trace
 from omni_runtime.settings import Settings
-from omni_runtime.trace_view import add_trace_arguments, run_trace
 from omni_runtime.tracing import RedisTracer
 from tests.waiting import wait_until
 

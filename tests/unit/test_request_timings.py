@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from omni_runtime.metrics import Metrics
-from omni_runtime.request_timings import RequestTimer, StageTimer, entry_age_s
+from omni_runtime.observe.timings import RequestTimer, StageTimer, entry_age_s
 
 
 def test_request_timer_observes_ttft_ttfa_gaps_and_e2e() -> None:

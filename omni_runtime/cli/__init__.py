@@ -1,6 +1,6 @@
 """`omni-runtime`: parse arguments into typed settings and call the library. Nothing else.
 
-The subcommands themselves are in `cli_commands`."""
+The subcommands themselves are in `commands`, what they print in `console`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic_settings import CliSettingsSource
 from redis.exceptions import RedisError
 
 from omni_runtime import __version__
-from omni_runtime.cli_commands import (
+from omni_runtime.cli.commands import (
     cmd_bench,
     cmd_dead_letters,
     cmd_orchestrator,
@@ -125,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")
     b.add_argument("--prompt", default="hi there", help="the prompt of every request")
     b.set_defaults(func=cmd_bench)
-    from omni_runtime.dead_letters import add_dead_letters_arguments
-    from omni_runtime.status import add_status_arguments
-    from omni_runtime.trace_view import add_trace_arguments
+    from omni_runtime.ops.dead_letters import add_dead_letters_arguments
+    from omni_runtime.ops.status import add_status_arguments
+    from omni_runtime.ops.trace_view import add_trace_arguments
 
     for name, help_text, add_flags, func in (
         (

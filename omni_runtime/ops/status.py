@@ -21,7 +21,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from omni_runtime import keys, redis_stats
+from omni_runtime import keys
+from omni_runtime.observe import redis_stats
 from omni_runtime.settings import Settings
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.metrics import Metrics
-from omni_runtime.metrics_poller import StreamStatsPoller
-from omni_runtime.prometheus_export import maybe_start_metrics_server
+from omni_runtime.observe.poller import StreamStatsPoller
+from omni_runtime.observe.prometheus import maybe_start_metrics_server
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, FanOutTracer, Tracer, tracer_for
 

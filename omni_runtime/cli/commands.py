@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic_settings import CliSettingsSource
 
-from omni_runtime.console import OutputPrinter, check_wav_path, read_prompt, write_wav
+from omni_runtime.cli.console import OutputPrinter, check_wav_path, read_prompt, write_wav
 from omni_runtime.errors import ConfigError, OmniError
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
@@ -159,18 +159,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from omni_runtime.status import run_status
+    from omni_runtime.ops.status import run_status
 
     return run_status(args, settings_of(args))
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    from omni_runtime.dead_letters import run_dead_letters
+    from omni_runtime.ops.dead_letters import run_dead_letters
 
     return run_dead_letters(args, settings_of(args))
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from omni_runtime.trace_view import run_trace
+    from omni_runtime.ops.trace_view import run_trace
 
     return run_trace(args, settings_of(args))

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime import keys
 from omni_runtime.metrics import HISTOGRAMS, Metrics
-from omni_runtime.redis_stats import (
+from omni_runtime.observe.redis_stats import (
     StreamInfo,
     read_heartbeats,
     read_stream,

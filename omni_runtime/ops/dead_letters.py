@@ -109,7 +109,7 @@ def run_dead_letters(
 ) -> int:
     """The `dead-letters` subcommand."""
     if client is None:
-        from omni_runtime.status import connect
+        from omni_runtime.ops.status import connect
 
         client = connect(settings)
     if console is None:

@@ -131,7 +131,7 @@ def run_trace(
 ) -> int:
     """The `trace` subcommand; 1 when Redis holds no trace of the request."""
     if client is None:
-        from omni_runtime.status import connect
+        from omni_runtime.ops.status import connect
 
         client = connect(settings)
     if console is None:
@@ -159,11 +159,11 @@ def run_trace(
 
 def _export(request_id: str, stamps: list[Stamp], provider: Any) -> None:
     try:
-        from omni_runtime.otel_export import export_stamps
+        from omni_runtime.observe.otel import export_stamps
     except ImportError as e:
         raise ConfigError("--otel needs opentelemetry: pip install 'omni-runtime[observe]'") from e
     if provider is None:
-        from omni_runtime.otel_export import otel_tracer_from_env
+        from omni_runtime.observe.otel import otel_tracer_from_env
 
         otel = otel_tracer_from_env("trace")
         if otel is None:

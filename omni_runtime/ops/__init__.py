@@ -1,0 +1,1 @@
+"""Operator commands over a running deployment: `status`, `dead-letters`, `trace`."""
