@@ -12,7 +12,7 @@ RUN groupadd --system --gid 10001 omni \
 
 WORKDIR /app
 COPY . .
-RUN pip install --no-cache-dir . && rm -rf build ./*.egg-info
+RUN pip install --no-cache-dir '.[serve]' && rm -rf build ./*.egg-info
 
 # The code stays root-owned and read-only for the process; write outputs (e.g. --wav) to /tmp.
 USER omni
