@@ -64,6 +64,10 @@ CLIENT_STREAM_TTL_S = 600
 """A client's output stream expires this long after its last write (client gone away)."""
 HEARTBEAT_TTL_S = 5
 """A process whose heartbeat key is older than this is taken for dead."""
+CLIENT_BUFFER_OUTPUTS = 4096
+"""Outputs a client buffers for one request nobody reads before it aborts the request."""
+RECENT_ABORTS_S = 60.0
+"""How long a client remembers a request it ended itself, so late outputs drop quietly."""
 DEAD_LETTER_MAXLEN = 10_000
 PAYLOAD_FIELD = "m"
 """The one field of every stream entry: the msgpack-encoded wire message."""

@@ -30,6 +30,10 @@ COUNTERS: Mapping[str, str] = {
     "omni_requests_completed_total": "Requests a worker finished.",
     "omni_requests_failed_total": "Requests that ended with an error, by stage.",
     "omni_takeovers_total": "Inputs claimed from a replica whose heartbeat expired.",
+    "omni_outputs_lost_total": "Requests a client ended because an output's seq skipped some.",
+    "omni_redis_restarts_total": "Redis restarts seen (server run_id changed): state was lost.",
+    "omni_stage_down_total": "Times a stage was found with no live replica.",
+    "omni_requests_refused_total": "Requests answered with an error at once, by reason.",
 }
 """Every counter name the runtime uses, with its help text."""
 

@@ -75,14 +75,18 @@ def _fill_dead_letter(
     pipe: Any,
     dead: str,
     stream: str,
-    group: str,
+    group: str | None,
     entry_id: bytes,
     error: str,
     fields: Mapping[bytes, bytes] | None,
 ) -> None:
+    """Copy to the dead stream, acknowledge (`group` None: a plain XREAD reader) and delete
+    the original: nobody can use it, and it must not hold memory until MAXLEN trims it."""
     fields_out = cast("dict[Any, Any]", dead_letter_fields(stream, entry_id, error, fields))
     pipe.xadd(dead, fields_out, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
-    pipe.xack(stream, group, entry_id)
+    if group is not None:
+        pipe.xack(stream, group, entry_id)
+    pipe.xdel(stream, entry_id)
 
 
 class SyncDeadLetters(Retrying):
@@ -103,7 +107,7 @@ class SyncDeadLetters(Retrying):
     def send(
         self,
         stream: str,
-        group: str,
+        group: str | None,
         entry_id: bytes,
         error: str,
         fields: Mapping[bytes, bytes] | None,
@@ -139,7 +143,7 @@ class DeadLetters(Retrying):
     async def send(
         self,
         stream: str,
-        group: str,
+        group: str | None,
         entry_id: bytes,
         error: str,
         fields: Mapping[bytes, bytes] | None,

@@ -1,0 +1,102 @@
+"""Who is alive, as Redis tells it: heartbeat discovery, absences, and server restarts.
+
+A heartbeat key that is missing once proves little: Redis may just have come
+back empty and the process not yet beaten again. So an absence is timed by the
+observer (`Absence`), and a server restart is recognised by its `run_id`
+changing (`RunIdWatch`), so the orchestrator can tell "state lost" apart from
+"process gone".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from omni_runtime import keys
+
+
+async def stage_has_live_replica(client: aioredis.Redis, names: keys.Names, stage_id: int) -> bool:
+    """Whether any worker of `stage_id` beats its heartbeat (`<ns>:hb:stage:<k>:*`).
+
+    The one place stage replicas are discovered: a key present means a beat younger
+    than its TTL.
+    """
+    async for _key in client.scan_iter(names.heartbeat_pattern(stage_id), count=1000):
+        return True
+    return False
+
+
+async def server_run_id(client: aioredis.Redis) -> str:
+    """The server's `run_id` (INFO server): a new one means Redis restarted. A server
+    without INFO (fakeredis) answers "" always: no restart is ever seen there."""
+    try:
+        info = await client.info("server")
+    except ResponseError:
+        return ""
+    return str(info.get("run_id", ""))
+
+
+class Absence:
+    """First seen missing at t, gone if still missing at t + `ttl_s`; never on first sight.
+
+    Only the names last asked about are remembered, so memory follows what is watched.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._since: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def update(self, present: Mapping[str, bool], now: float) -> set[str]:
+        """Record one look at every watched name; the names gone by now."""
+        for name in list(self._since):
+            if name not in present:
+                del self._since[name]
+        for name, ok in present.items():
+            if ok:
+                self._since.pop(name, None)
+            else:
+                self._since.setdefault(name, now)
+        return {name for name, t in self._since.items() if now - t >= self.ttl_s}
+
+    def reset(self) -> None:
+        """Forget every absence (Redis came back empty: everyone's key vanished at once)."""
+        self._since.clear()
+
+
+class RunIdWatch:
+    """Remembers the server's `run_id`; `changed` is True once per restart seen."""
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+
+    def changed(self, run_id: str) -> bool:
+        before, self.run_id = self.run_id, run_id
+        return before is not None and before != run_id
+
+
+class StageWatch:
+    """Stages with no live replica. A missing heartbeat key already means silence for a
+    whole TTL, so a stage is down on first sight, except within one TTL of a (re)start
+    when replicas may not have beaten yet."""
+
+    def __init__(self, ttl_s: float, now: float) -> None:
+        self.ttl_s = ttl_s
+        self._quiet_until = now + ttl_s
+        self.down: set[int] = set()
+
+    def restarted(self, now: float) -> None:
+        self._quiet_until = now + self.ttl_s
+
+    def update(self, live: Iterable[tuple[int, bool]], now: float) -> tuple[set[int], set[int]]:
+        """One look at every stage: (stages newly down, stages back up)."""
+        if now < self._quiet_until:
+            return set(), set()
+        down = {sid for sid, ok in live if not ok}
+        new, back = down - self.down, self.down - down
+        self.down = down
+        return new, back
