@@ -31,7 +31,7 @@ from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, Req
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.inbox import Inbox
-from omni_runtime.redis_io.liveness import RunIdWatch, server_run_id
+from omni_runtime.redis_io.liveness import StateEpoch
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
@@ -60,7 +60,6 @@ class OmniClient:
         self._closing = False
         self.metrics = metrics or Metrics()
         self.inbox = Inbox(self.metrics, settings.client_buffer_outputs)
-        self._run_id = RunIdWatch()
 
     @property
     def dropped_outputs(self) -> int:
@@ -78,6 +77,7 @@ class OmniClient:
         )
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
+        self._epoch = StateEpoch(self.redis, self.names.epoch)
         self._dead = DeadLetters(self.redis, self.names.dead_letters, metrics=self.metrics)
         await self._beat()
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
@@ -205,10 +205,10 @@ class OmniClient:
             yield out
 
     async def _beat(self) -> None:
-        """Refresh the heartbeat; a new server `run_id` means Redis lost every request
-        in flight: end each with one error at once instead of letting it wait."""
+        """Refresh the heartbeat; Redis back empty lost every request in flight: end each
+        with one error at once instead of letting it wait."""
         await self.redis.set(self._heartbeat_key, 1, px=self.settings.heartbeat_ttl_ms)
-        if self._run_id.changed(await server_run_id(self.redis)):
+        if await self._epoch.lost():
             now = asyncio.get_running_loop().time()
             lost = self.inbox.end_all(REDIS_LOST_STATE, now)
             log.error("Redis restarted: %d requests in flight lost their state", len(lost))

@@ -115,6 +115,12 @@ class Names:
     def client_heartbeat(self, client_id: str) -> str:
         return self.heartbeat(f"client:{client_id}")
 
+    @property
+    def epoch(self) -> str:
+        """A token with no TTL that vanishes only when Redis loses its data (empty restart);
+        kept beside the heartbeats since it tells whether Redis's state is alive."""
+        return self.heartbeat("epoch")
+
     def heartbeat_pattern(self, stage_id: int) -> str:
         return f"{self.prefix}hb:stage:{stage_id}:*"
 

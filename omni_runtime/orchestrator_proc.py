@@ -31,9 +31,8 @@ from omni_runtime.pipeline import PipelineConfig, resolve_entry
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.liveness import (
     Absence,
-    RunIdWatch,
     StageWatch,
-    server_run_id,
+    StateEpoch,
     stage_has_live_replica,
 )
 from omni_runtime.redis_io.outbox import ClientOutbox
@@ -126,7 +125,7 @@ class OrchestratorService:
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
         self._clients_absent = Absence(ttl_s)
         self._stage_watch = StageWatch(ttl_s, 0.0)
-        self._run_id = RunIdWatch()
+        self._epoch = StateEpoch(self.client, self.names.epoch)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -208,7 +207,7 @@ class OrchestratorService:
         while not self._stopping.is_set():
             try:
                 await self.client.set(key, self.pipeline.name, px=self.settings.heartbeat_ttl_ms)
-                if self._run_id.changed(await server_run_id(self.client)):
+                if await self._epoch.lost():
                     await self._redis_restarted(loop.time())
                 await self._watch_stages(loop.time())
                 await self._watch_clients(loop.time())
@@ -219,11 +218,7 @@ class OrchestratorService:
     async def _redis_restarted(self, now: float) -> None:
         """Redis came back empty: every request in flight lost its inputs and outputs. End
         each with one error at once (none waits for its deadline); groups are recreated."""
-        log.error(
-            "Redis restarted (run_id %s): ending %d requests in flight",
-            self._run_id.run_id,
-            len(self.client_of),
-        )
+        log.error("Redis restarted empty: ending %d requests in flight", len(self.client_of))
         self.metrics.inc("omni_redis_restarts_total")
         for stream in self._streams():
             await ensure_group(self.client, stream, keys.ORCHESTRATOR_GROUP)

@@ -2,17 +2,17 @@
 
 A heartbeat key that is missing once proves little: Redis may just have come
 back empty and the process not yet beaten again. So an absence is timed by the
-observer (`Absence`), and a server restart is recognised by its `run_id`
-changing (`RunIdWatch`), so the orchestrator can tell "state lost" apart from
+observer (`Absence`), and Redis losing its data is recognised by a token
+vanishing (`StateEpoch`), so the runtime can tell "state lost" apart from
 "process gone".
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from omni_runtime import keys
 
@@ -28,14 +28,28 @@ async def stage_has_live_replica(client: aioredis.Redis, names: keys.Names, stag
     return False
 
 
-async def server_run_id(client: aioredis.Redis) -> str:
-    """The server's `run_id` (INFO server): a new one means Redis restarted. A server
-    without INFO (fakeredis) answers "" always: no restart is ever seen there."""
-    try:
-        info = await client.info("server")
-    except ResponseError:
-        return ""
-    return str(info.get("run_id", ""))
+class StateEpoch:
+    """Whether Redis lost its data since the last look: a token kept under `Names.epoch`.
+
+    A restart alone loses nothing when Redis persists (AOF); an empty one loses every
+    stream, group and pending entry, and with them every request in flight. The first
+    process to find the token gone writes a new one (SET NX), so every process,
+    whenever it looks, sees a token other than the one it remembered.
+    """
+
+    def __init__(self, client: aioredis.Redis, key: str) -> None:
+        self.client = client
+        self.key = key
+        self.token: bytes | str | None = None
+
+    async def lost(self) -> bool:
+        """True once per loss of Redis's data seen by this process (never on first look)."""
+        seen = await self.client.get(self.key)
+        if seen is None:
+            await self.client.set(self.key, uuid.uuid4().hex, nx=True)
+            seen = await self.client.get(self.key)
+        before, self.token = self.token, seen
+        return before is not None and seen != before
 
 
 class Absence:
@@ -66,17 +80,6 @@ class Absence:
     def reset(self) -> None:
         """Forget every absence (Redis came back empty: everyone's key vanished at once)."""
         self._since.clear()
-
-
-class RunIdWatch:
-    """Remembers the server's `run_id`; `changed` is True once per restart seen."""
-
-    def __init__(self) -> None:
-        self.run_id: str | None = None
-
-    def changed(self, run_id: str) -> bool:
-        before, self.run_id = self.run_id, run_id
-        return before is not None and before != run_id
 
 
 class StageWatch:

@@ -8,7 +8,7 @@ import pytest
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.messages import OrchOutputMsg
-from omni_runtime.redis_io.liveness import Absence, RunIdWatch, StageWatch, server_run_id
+from omni_runtime.redis_io.liveness import Absence, StageWatch, StateEpoch
 from omni_runtime.redis_io.outbox import ClientOutbox
 from omni_runtime.redis_io.streams import parse_entry, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter, XAck, fill_pipeline
@@ -34,14 +34,15 @@ def test_stage_watch_is_quiet_for_one_ttl_after_a_restart() -> None:
     assert w.update([(0, False)], 12.0) == (set(), set())
 
 
-def test_run_id_watch() -> None:
-    w = RunIdWatch()
-    assert not w.changed("a") and not w.changed("a")
-    assert w.changed("b") and not w.changed("b")
-
-
-async def test_server_without_info_never_restarts() -> None:
-    assert await server_run_id(fakeredis.FakeAsyncRedis()) == ""
+async def test_state_epoch_sees_redis_losing_its_data_once_per_process() -> None:
+    server = fakeredis.FakeServer()
+    a = StateEpoch(fakeredis.FakeAsyncRedis(server=server), "ns:hb:epoch")
+    b = StateEpoch(fakeredis.FakeAsyncRedis(server=server), "ns:hb:epoch")
+    assert not await a.lost() and not await b.lost()
+    assert not await a.lost()  # a restart that kept the data (AOF) loses nothing
+    await a.client.flushall()
+    assert await b.lost() and await a.lost()  # b wrote the new token, a sees it differ
+    assert not await a.lost() and not await b.lost()
 
 
 async def test_outbox_numbers_each_requests_outputs_from_0() -> None:
@@ -79,6 +80,7 @@ async def test_an_ack_may_delete_the_entry_in_the_same_pipeline(delete: bool) ->
     r = fakeredis.FakeAsyncRedis()
     await r.xgroup_create("s", "g", id="0", mkstream=True)
     entry_id = await r.xadd("s", {"m": b"x"})
+    assert isinstance(entry_id, bytes)
     await r.xreadgroup("g", "c", {"s": ">"})
     async with r.pipeline(transaction=False) as pipe:
         fill_pipeline(pipe, [XAck("s", "g", entry_id, delete)])
