@@ -1,0 +1,50 @@
+"""Redis restarted empty mid-load: every request completes or ends with one error final
+saying its state was lost, within 10 s; no client is taken for gone; no partial success."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_runtime.messages import REDIS_LOST_STATE
+from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
+from tests.faults.private_redis import PrivateRedis
+
+pytestmark = [pytest.mark.timeout(300)]
+
+RESTART_BOUND_S = 10.0
+
+
+async def test_empty_redis_restart_loses_no_client_and_no_data_silently(tmp_path: Path) -> None:
+    n, concurrency = (2000, 200) if FULL else (300, 50)
+    with (
+        PrivateRedis(tmp_path) as server,
+        FaultDeployment(
+            server.url,
+            tmp_path,
+            "seed.yaml",
+            final_stage_ids=[2],
+            stages={1: {"options": {"delay_ms": 5}}},
+        ) as d,
+    ):
+        restarted: list[float] = []
+
+        async def restart_redis() -> None:
+            started = time.monotonic()
+            await asyncio.to_thread(server.restart)
+            restarted.append(time.monotonic() - started)
+
+        prompts = {f"r{i}": f"a{i} b{i}" for i in range(n)}
+        report = await run_load(
+            d, "redis restart (empty)", prompts, seed_final_2, concurrency, n // 4, restart_redis
+        )
+    print("\n" + header() + "\n" + report.line() + f"  errors={report.errors}")
+    assert report.errors.get("client went away", 0) == 0, report
+    assert set(report.errors) <= {REDIS_LOST_STATE}, report
+    assert (report.wrong, report.lost) == (0, 0), report
+    assert report.ok + report.failed == n, report
+    assert report.recovery_s is not None
+    assert report.recovery_s <= RESTART_BOUND_S + restarted[0], report
