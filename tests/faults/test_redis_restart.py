@@ -80,8 +80,10 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
             concurrency,
             n // 4,
             restart_redis,
+            timeout_s=10,
         )
     print("\n" + header() + "\n" + report.line() + f"  errors={report.errors}")
+    assert report.errors == {} and report.wrong == 0, report
     assert (report.ok, report.wrong, report.lost) == (n, 0, 0), report
 
 
@@ -113,7 +115,7 @@ async def test_orchestrator_and_redis_restart_with_aof(tmp_path: Path) -> None:
             concurrency,
             n // 4,
             restart_both,
-            timeout_s=15,
+            timeout_s=10,
         )
     print("\n" + header() + "\n" + report.line() + f"  errors={report.errors}")
     assert report.wrong == 0, report
