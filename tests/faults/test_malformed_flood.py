@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from omni_runtime import codec
+from omni_runtime.redis_io.writer import xadd_fields
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.waiting import wait_for
 
@@ -46,7 +47,7 @@ async def test_malformed_flood_is_dead_lettered_and_harms_nothing(
                 with d.redis.pipeline(transaction=False) as pipe:
                     for i in range(start, min(start + BATCH, per_stream)):
                         for stream in streams:
-                            pipe.xadd(stream, malformed(i))
+                            pipe.xadd(stream, xadd_fields(malformed(i)))
                     pipe.execute()
 
         async def flood_between_requests() -> None:
