@@ -181,8 +181,10 @@ class OrchestratorService:
         s = self.settings
         while not self._stopping.is_set():
             for entry_id, cmd in await self.requests.read(s.read_count, s.block_ms):
-                if isinstance(cmd, RequestMsg) and self.client_of.get(cmd.request_id):
-                    pass  # read again (a lost reply, a retried write): it is in flight
+                if isinstance(cmd, RequestMsg) and cmd.request_id in self.client_of:
+                    if self.client_of[cmd.request_id] != cmd.client_id:
+                        self.outbox.refuse(cmd.request_id, cmd.client_id, "duplicate request id")
+                    # else read again (a lost reply, a retried write): it is in flight
                 elif isinstance(cmd, RequestMsg) and self._stage_watch.down:
                     error = no_live_worker(min(self._stage_watch.down))
                     self.metrics.inc("omni_requests_refused_total", reason=error)
