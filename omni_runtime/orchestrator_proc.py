@@ -180,7 +180,11 @@ class OrchestratorService:
     async def _read_requests(self) -> None:
         s = self.settings
         while not self._stopping.is_set():
-            for entry_id, cmd in await self.requests.read(s.read_count, s.block_ms):
+            batch = await self.requests.read(s.read_count, s.block_ms)
+            if batch and self._stage_watch.down:  # a replica may have beaten since
+                with contextlib.suppress(RedisError):
+                    await self._watch_stages(asyncio.get_running_loop().time())
+            for entry_id, cmd in batch:
                 if isinstance(cmd, RequestMsg) and cmd.request_id in self.client_of:
                     if self.client_of[cmd.request_id] != cmd.client_id:
                         self.outbox.refuse(cmd.request_id, cmd.client_id, "duplicate request id")
