@@ -200,8 +200,8 @@ class SyncGroupReader(_ReaderBase[M]):
 
     def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
-        for entry_id, fields, error in batch.bad:
-            self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.bad:
+            self._dead.send_all(self.stream, self.group, batch.bad)
         if batch.trimmed:
             self.ack(*batch.trimmed)
         return batch.good
@@ -259,8 +259,8 @@ class GroupReader(_ReaderBase[M]):
 
     async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
-        for entry_id, fields, error in batch.bad:
-            await self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.bad:
+            await self._dead.send_all(self.stream, self.group, batch.bad)
         if batch.trimmed:
             await self.ack(*batch.trimmed)
         return batch.good
