@@ -149,7 +149,10 @@ class _ReaderBase(Generic[M]):
 
 
 def _no_group(e: ResponseError) -> bool:
-    return "NOGROUP" in str(e)
+    """The group or its stream vanished (Redis flushed: UNBLOCKED while blocked in the
+    read; fakeredis words a vanished stream its own way)."""
+    text = str(e)
+    return any(m in text for m in ("NOGROUP", "UNBLOCKED", "requires the key to exist"))
 
 
 class SyncGroupReader(_ReaderBase[M]):
