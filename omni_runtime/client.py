@@ -27,10 +27,12 @@ from omni_runtime.errors import (
     StartupTimeoutError,
     TransportError,
 )
-from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
+from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.inbox import Inbox
+from omni_runtime.redis_io.liveness import StateEpoch
+from omni_runtime.redis_io.streams import DeadLetters, entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import tracer_for
@@ -54,10 +56,10 @@ class OmniClient:
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
         self.tracer = tracer_for(settings.trace_file)
-        self._queues: dict[str, asyncio.Queue[OrchOutput]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self.metrics = metrics or Metrics()
+        self.inbox = Inbox(self.metrics, settings.client_buffer_outputs)
 
     @property
     def dropped_outputs(self) -> int:
@@ -75,7 +77,9 @@ class OmniClient:
         )
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
-        await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
+        self._epoch = StateEpoch(self.redis, self.names.epoch)
+        self._dead = DeadLetters(self.redis, self.names.dead_letters, metrics=self.metrics)
+        await self._beat()
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
         return self
 
@@ -89,7 +93,7 @@ class OmniClient:
 
     async def close(self) -> None:
         """Stop reading (within one `block_ms`, no command cut off midway), drop the stream."""
-        for request_id in list(self._queues):  # nobody will read them: free the pipeline
+        for request_id in list(self.inbox.requests):  # nobody will read them: free the pipeline
             self._writer.xadd(self.names.requests, entry_fields(AbortMsg(request_id=request_id)))
         if self._reader is not None:
             self._closing = True
@@ -152,10 +156,10 @@ class OmniClient:
         size = len(fields[keys.PAYLOAD_FIELD])
         if size > self.settings.max_message_bytes:
             raise CodecError(f"request of {size} bytes exceeds OMNI_MAX_MESSAGE_BYTES")
-        self._queues[request_id] = asyncio.Queue()
+        self.inbox.open(request_id)
         self._writer.xadd(self.names.requests, fields)  # concurrent submits share one pipeline
         if not await self._writer.written():
-            self._queues.pop(request_id, None)
+            self.inbox.requests.pop(request_id, None)
             raise TransportError(f"request {request_id!r} could not be sent to Redis")
         return request_id
 
@@ -168,8 +172,8 @@ class OmniClient:
         self, request_id: str, timeout_s: float | None = None
     ) -> AsyncIterator[OrchOutput]:
         """The request's outputs as they arrive, up to and including the finished one."""
-        queue = self._queues.get(request_id)
-        if queue is None:
+        pending = self.inbox.requests.get(request_id)
+        if pending is None:
             raise KeyError(f"request {request_id!r} was not submitted by this client")
         timeout_s = timeout_s or self.settings.request_timeout_s
         finished = False
@@ -177,7 +181,7 @@ class OmniClient:
             while True:
                 try:
                     async with asyncio.timeout(timeout_s):
-                        out = await queue.get()
+                        out = await pending.queue.get()
                 except TimeoutError:
                     raise RequestTimeoutError(
                         f"no output for request {request_id!r} within {timeout_s:g}s "
@@ -188,7 +192,7 @@ class OmniClient:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self.inbox.close(request_id, asyncio.get_running_loop().time())
             if not finished:  # abandoned (break, timeout, cancel): stop the work it causes
                 self._writer.xadd(
                     self.names.requests, entry_fields(AbortMsg(request_id=request_id))
@@ -200,18 +204,30 @@ class OmniClient:
         async for out in self.stream(request_id):
             yield out
 
+    async def _beat(self) -> None:
+        """Refresh the heartbeat; Redis back empty lost every request in flight: end each
+        with one error at once instead of letting it wait."""
+        await self.redis.set(self._heartbeat_key, 1, px=self.settings.heartbeat_ttl_ms)
+        if await self._epoch.lost():
+            now = asyncio.get_running_loop().time()
+            lost = self.inbox.end_all(REDIS_LOST_STATE, now)
+            log.error("Redis restarted: %d requests in flight lost their state", len(lost))
+            for request_id in lost:
+                self._abort_upstream(request_id, REDIS_LOST_STATE)
+            self._last_id = b"0-0"
+
     async def _read_outputs(self) -> None:
-        last_id = b"0-0"
+        self._last_id = b"0-0"
         backoff = self.settings.backoff()
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
             try:
                 if loop.time() >= beat_at:
-                    await self.redis.set(self._heartbeat_key, 1, ex=keys.HEARTBEAT_TTL_S)
+                    await self._beat()
                     beat_at = loop.time() + self.settings.heartbeat_interval_s
                 reply = await self.redis.xread(
-                    {self.out_stream: last_id},
+                    {self.out_stream: self._last_id},
                     count=self.settings.read_count,
                     block=self.settings.block_ms,
                 )
@@ -225,25 +241,26 @@ class OmniClient:
             ids: list[bytes] = []
             for _stream, entries in stream_reply(reply):
                 for entry_id, fields in entries:
-                    last_id = entry_id
+                    self._last_id = entry_id
                     ids.append(entry_id)
-                    self._deliver(fields)
+                    await self._deliver(entry_id, fields)
             if ids:  # read once: keep the stream short
                 with contextlib.suppress(RedisError):
                     await self.redis.xdel(self.out_stream, *ids)
 
-    def _deliver(self, fields: Any) -> None:
+    async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:
             msg = parse_entry(fields, OrchOutputMsg, self.settings.max_message_bytes)
         except CodecError as e:
             self.metrics.inc("omni_malformed_entries_total", stream=self.out_stream)
-            self.metrics.inc("omni_dropped_outputs_total", source="client")
-            log.error("malformed output entry dropped: %s", e)
+            await self._dead.send(self.out_stream, None, entry_id, str(e), fields)
             return
-        queue = self._queues.get(msg.request_id)
-        if queue is None:
-            self.metrics.inc("omni_dropped_outputs_total", source="client")
-            return
-        queue.put_nowait(
-            OrchOutput(msg.request_id, msg.stage_id, msg.data, msg.finished, msg.error)
-        )
+        error = self.inbox.deliver(msg, asyncio.get_running_loop().time())
+        if error is not None:
+            log.error("request %r ended by the client: %s", msg.request_id, error)
+            self._abort_upstream(msg.request_id, error)
+
+    def _abort_upstream(self, request_id: str, reason: str) -> None:
+        """The client gave up on the request: free the pipeline of its work."""
+        msg = AbortMsg(request_id=request_id, reason=reason[:200])
+        self._writer.xadd(self.names.requests, entry_fields(msg))

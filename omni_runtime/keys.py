@@ -64,6 +64,10 @@ CLIENT_STREAM_TTL_S = 600
 """A client's output stream expires this long after its last write (client gone away)."""
 HEARTBEAT_TTL_S = 5
 """A process whose heartbeat key is older than this is taken for dead."""
+CLIENT_BUFFER_OUTPUTS = 4096
+"""Outputs a client buffers for one request nobody reads before it aborts the request."""
+RECENT_ABORTS_S = 60.0
+"""How long a client remembers a request it ended itself, so late outputs drop quietly."""
 DEAD_LETTER_MAXLEN = 10_000
 TRACE_MAX_EVENTS = 10_000
 """A request's trace list is trimmed to this many stamps: a runaway stream stays bounded."""
@@ -114,6 +118,12 @@ class Names:
 
     def client_heartbeat(self, client_id: str) -> str:
         return self.heartbeat(f"client:{client_id}")
+
+    @property
+    def epoch(self) -> str:
+        """A token with no TTL that vanishes only when Redis loses its data (empty restart);
+        kept beside the heartbeats since it tells whether Redis's state is alive."""
+        return self.heartbeat("epoch")
 
     def heartbeat_pattern(self, stage_id: int) -> str:
         return f"{self.prefix}hb:stage:{stage_id}:*"

@@ -12,9 +12,14 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 WIRE_VERSION: Final = 1
+REDIS_LOST_STATE: Final = "Redis restarted and lost this request's state"
+"""The error final of a request in flight when Redis came back empty."""
 
-RequestId = Annotated[str, Field(min_length=1, max_length=256)]
-ClientId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+RequestId = Annotated[str, Field(min_length=1, max_length=256, strict=True)]
+"""Strict: an id sent as bytes (or a number) is refused, never coerced into another id."""
+ClientId = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$", strict=True)
+]
 
 
 class _Wire(BaseModel):
@@ -71,6 +76,9 @@ class OrchOutputMsg(_Wire):
     data: Any
     finished: bool
     error: str | None = None
+    seq: Annotated[int, Field(ge=0)]
+    """0, 1, 2, ... per request, assigned by the orchestrator as it emits: the client drops
+    repeats and turns a gap into an error instead of a success that misses data."""
 
 
 ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]

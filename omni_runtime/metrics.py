@@ -41,6 +41,10 @@ COUNTERS: Mapping[str, str] = {
     "omni_stage_errors_total": "Stage code failures, by stage.",
     "omni_deadline_exceeded_total": "Requests ended because they outlived their deadline.",
     "omni_requests_received_total": "Requests the orchestrator accepted.",
+    "omni_outputs_lost_total": "Requests a client ended because an output's seq skipped some.",
+    "omni_redis_restarts_total": "Redis restarts that lost the state (the epoch key vanished).",
+    "omni_stage_down_total": "Times a stage was found with no live replica.",
+    "omni_requests_refused_total": "Requests answered with an error at once, by reason.",
 }
 """Every counter name the runtime uses, with its help text."""
 

@@ -20,12 +20,24 @@ from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import OrchOutput, Stage, forward_previous_data
-from omni_runtime.messages import AbortMsg, ClientCommand, OrchOutputMsg, RequestMsg
+from omni_runtime.messages import (
+    REDIS_LOST_STATE,
+    AbortMsg,
+    ClientCommand,
+    RequestMsg,
+)
 from omni_runtime.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.liveness import (
+    Absence,
+    StageWatch,
+    StateEpoch,
+    stage_has_live_replica,
+)
+from omni_runtime.redis_io.outbox import ClientOutbox
 from omni_runtime.redis_io.stage_client import RedisStageClient
-from omni_runtime.redis_io.streams import GroupReader, ensure_group, entry_fields
+from omni_runtime.redis_io.streams import GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import tracer_for
@@ -35,6 +47,11 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 """How long, beyond one blocking read, the Redis loops get to end on their own at shutdown."""
 FLUSH_TIMEOUT_S = 2.0
+
+
+def no_live_worker(stage_id: int) -> str:
+    """The error of a request that needs a stage with no live replica."""
+    return f"no live worker for stage {stage_id}"
 
 
 def build_orchestrator(
@@ -102,8 +119,13 @@ class OrchestratorService:
             metrics=self.metrics,
             backoff=backoff,
         )
-        self.client_of: dict[str, str] = {}
+        self.outbox = ClientOutbox(self.writer, self.names, s.client_stream_ttl_s)
+        self.client_of = self.outbox.client_of
         """request id → client id, for the requests in flight."""
+        ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
+        self._clients_absent = Absence(ttl_s)
+        self._stage_watch = StageWatch(ttl_s, 0.0)
+        self._epoch = StateEpoch(self.client, self.names.epoch)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -114,15 +136,15 @@ class OrchestratorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then flush what was queued and close."""
         codec.warm_up()
+        self._stage_watch.restarted(asyncio.get_running_loop().time())
         try:
-            for stream in [self.names.requests, *(st.out_stream for st in self.stages)]:
+            for stream in self._streams():
                 await ensure_group(self.client, stream, keys.ORCHESTRATOR_GROUP)
             writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")
             async with self.orchestrator:
                 redis_loops = [
                     asyncio.create_task(self._read_requests(), name="requests"),
-                    asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                    asyncio.create_task(self._watch_clients(), name="clients"),
+                    asyncio.create_task(self._watch(), name="watch"),
                 ]
                 delivery = asyncio.create_task(self._deliver_outputs(), name="deliver")
                 self.ready.set()
@@ -158,8 +180,20 @@ class OrchestratorService:
     async def _read_requests(self) -> None:
         s = self.settings
         while not self._stopping.is_set():
-            for entry_id, cmd in await self.requests.read(s.read_count, s.block_ms):
-                if isinstance(cmd, RequestMsg):
+            batch = await self.requests.read(s.read_count, s.block_ms)
+            if batch and self._stage_watch.down:  # a replica may have beaten since
+                with contextlib.suppress(RedisError):
+                    await self._watch_stages(asyncio.get_running_loop().time())
+            for entry_id, cmd in batch:
+                if isinstance(cmd, RequestMsg) and cmd.request_id in self.client_of:
+                    if self.client_of[cmd.request_id] != cmd.client_id:
+                        self.outbox.refuse(cmd.request_id, cmd.client_id, "duplicate request id")
+                    # else read again (a lost reply, a retried write): it is in flight
+                elif isinstance(cmd, RequestMsg) and self._stage_watch.down:
+                    error = no_live_worker(min(self._stage_watch.down))
+                    self.metrics.inc("omni_requests_refused_total", reason=error)
+                    self.outbox.refuse(cmd.request_id, cmd.client_id, error)
+                elif isinstance(cmd, RequestMsg):
                     if self.tracer is not None:
                         self.tracer.stamp(
                             "request_read", cmd.request_id, None, self.requests.read_ns
@@ -170,59 +204,82 @@ class OrchestratorService:
                     await self.orchestrator.abort_request(cmd.request_id, cmd.reason)
                 # Acknowledged once queued, as before: the handler task, woken first, queues
                 # the stage input before the writer task takes this ack.
-                self.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id)
+                self.writer.xack(
+                    self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id, delete=True
+                )
 
-    async def _watch_clients(self) -> None:
-        """Abort the requests of clients whose heartbeat expired: nobody will read them."""
+    async def _watch(self) -> None:
+        """Once per heartbeat interval: beat, notice a Redis restart, dead stages, gone clients."""
+        loop = asyncio.get_running_loop()
+        key = self.names.orchestrator_heartbeat()
         while not self._stopping.is_set():
-            await self._pause(self.settings.heartbeat_interval_s)
-            client_ids = sorted(set(self.client_of.values()))
-            if not client_ids:
-                continue
             try:
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for cid in client_ids:
-                        pipe.exists(self.names.client_heartbeat(cid))
-                    alive = await pipe.execute()
+                await self.client.set(key, self.pipeline.name, px=self.settings.heartbeat_ttl_ms)
+                if await self._epoch.lost():
+                    await self._redis_restarted(loop.time())
+                await self._watch_stages(loop.time())
+                await self._watch_clients(loop.time())
             except RedisError as e:
-                log.warning("checking client heartbeats failed: %r", e)
-                continue
-            gone = {cid for cid, ok in zip(client_ids, alive, strict=True) if not ok}
-            for rid, cid in list(self.client_of.items()):
-                if cid in gone:
-                    await self.orchestrator.abort_request(rid, "client went away")
+                log.warning("watching heartbeats failed: %r", e)
+            await self._pause(self.settings.heartbeat_interval_s)
+
+    async def _redis_restarted(self, now: float) -> None:
+        """Redis came back empty: every request in flight lost its inputs and outputs. End
+        each with one error at once (none waits for its deadline); groups are recreated."""
+        log.error("Redis restarted empty: ending %d requests in flight", len(self.client_of))
+        self.metrics.inc("omni_redis_restarts_total")
+        for stream in self._streams():
+            await ensure_group(self.client, stream, keys.ORCHESTRATOR_GROUP)
+        self._clients_absent.reset()
+        self._stage_watch.restarted(now)
+        for rid in list(self.client_of):
+            self.metrics.inc("omni_aborts_total", reason="redis restarted")
+            await self.orchestrator.abort_request(rid, REDIS_LOST_STATE)
+
+    async def _watch_stages(self, now: float) -> None:
+        live = [
+            (sid, await stage_has_live_replica(self.client, self.names, sid))
+            for sid in range(len(self.stages))
+        ]
+        new, back = self._stage_watch.update(live, now)
+        for sid in sorted(back):
+            log.warning("stage %d has a live worker again", sid)
+        for sid in sorted(new):
+            log.error("stage %d has no live worker: failing its requests", sid)
+            self.metrics.inc("omni_stage_down_total", stage=sid)
+            states = self.orchestrator.request_states
+            for rid in list(self.client_of):
+                state = states.get(rid)
+                if state is None or sid not in state.finished:
+                    self.metrics.inc("omni_aborts_total", reason="no live worker")
+                    await self.orchestrator.abort_request(rid, no_live_worker(sid))
+
+    async def _watch_clients(self, now: float) -> None:
+        """Abort the requests of clients gone for longer than the heartbeat TTL: a key
+        missing once may just be Redis back empty before the client beat again."""
+        client_ids = sorted(set(self.client_of.values()))
+        if not client_ids and not len(self._clients_absent):
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for cid in client_ids:
+                pipe.exists(self.names.client_heartbeat(cid))
+            alive = await pipe.execute()
+        present = {cid: bool(ok) for cid, ok in zip(client_ids, alive, strict=True)}
+        gone = self._clients_absent.update(present, now)
+        for rid, cid in list(self.client_of.items()):
+            if cid in gone:
+                self.metrics.inc("omni_aborts_total", reason="client went away")
+                await self.orchestrator.abort_request(rid, "client went away")
 
     async def _deliver_outputs(self) -> None:
-        ttl_s = self.settings.client_stream_ttl_s
         while True:
             out: OrchOutput = await self.orchestrator.next_output()
             if self.writer.urgent_pending:
                 await asyncio.sleep(0)  # let the writer send a stage's next input first
-            client_id = self.client_of.get(out.request_id)
-            if out.finished:
-                self.client_of.pop(out.request_id, None)
-            if client_id is None:
-                log.warning("output for %r has no client; dropped", out.request_id)
-                continue
-            msg = OrchOutputMsg(
-                request_id=out.request_id,
-                stage_id=out.stage_id,
-                data=out.data,
-                finished=out.finished,
-                error=out.error,
-            )
-            stream = self.names.client_out(client_id)
-            self.writer.xadd(stream, entry_fields(msg))
-            self.writer.expire(stream, ttl_s)
+            self.outbox.send(out)
 
-    async def _heartbeat(self) -> None:
-        key = self.names.orchestrator_heartbeat()
-        while not self._stopping.is_set():
-            try:
-                await self.client.set(key, self.pipeline.name, ex=keys.HEARTBEAT_TTL_S)
-            except RedisError as e:
-                log.warning("heartbeat failed: %r", e)
-            await self._pause(self.settings.heartbeat_interval_s)
+    def _streams(self) -> list[str]:
+        return [self.names.requests, *(st.out_stream for st in self.stages)]
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once on shutdown: loops end between commands, never inside one."""

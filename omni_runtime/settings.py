@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
     """Requests one worker runs at once; further inputs wait in the stream."""
+    client_buffer_outputs: Annotated[int, Field(gt=0)] = keys.CLIENT_BUFFER_OUTPUTS
+    """Outputs a client buffers for one request its consumer does not read; past this the
+    request is aborted (one error final) and its buffer freed."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     heartbeat_ttl_s: PositiveFloat | None = None
     """A process whose heartbeat is older than this is taken for dead. Default: derived,

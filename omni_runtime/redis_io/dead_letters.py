@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -22,6 +22,9 @@ from omni_runtime import keys
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import dead_letter_fields
+
+BadEntry = tuple[bytes, Mapping[bytes, bytes] | None, str]
+"""(entry id, its fields, why it is malformed)."""
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +78,18 @@ def _fill_dead_letter(
     pipe: Any,
     dead: str,
     stream: str,
-    group: str,
+    group: str | None,
     entry_id: bytes,
     error: str,
     fields: Mapping[bytes, bytes] | None,
 ) -> None:
+    """Copy to the dead stream, acknowledge (`group` None: a plain XREAD reader) and delete
+    the original: nobody can use it, and it must not hold memory until MAXLEN trims it."""
     fields_out = cast("dict[Any, Any]", dead_letter_fields(stream, entry_id, error, fields))
     pipe.xadd(dead, fields_out, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
-    pipe.xack(stream, group, entry_id)
+    if group is not None:
+        pipe.xack(stream, group, entry_id)
+    pipe.xdel(stream, entry_id)
 
 
 class SyncDeadLetters(Retrying):
@@ -103,21 +110,27 @@ class SyncDeadLetters(Retrying):
     def send(
         self,
         stream: str,
-        group: str,
+        group: str | None,
         entry_id: bytes,
         error: str,
         fields: Mapping[bytes, bytes] | None,
     ) -> bool:
-        log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
+        return self.send_all(stream, group, [(entry_id, fields, error)])
+
+    def send_all(self, stream: str, group: str | None, bad: Sequence[BadEntry]) -> bool:
+        """Every bad entry of one read in one pipeline."""
+        for entry_id, _fields, error in bad:
+            log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
 
         def op() -> None:
             pipe = self.client.pipeline(transaction=False)
-            _fill_dead_letter(pipe, self.dead_stream, stream, group, entry_id, error, fields)
+            for entry_id, fields, error in bad:
+                _fill_dead_letter(pipe, self.dead_stream, stream, group, entry_id, error, fields)
             pipe.execute()
 
         ok = self.retry_sync(op, "dead-lettering", stream)
         if ok:
-            self.metrics.inc("omni_dead_letters_total", stream=stream)
+            self.metrics.inc("omni_dead_letters_total", len(bad), stream=stream)
         return ok
 
 
@@ -139,19 +152,28 @@ class DeadLetters(Retrying):
     async def send(
         self,
         stream: str,
-        group: str,
+        group: str | None,
         entry_id: bytes,
         error: str,
         fields: Mapping[bytes, bytes] | None,
     ) -> bool:
-        log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
+        return await self.send_all(stream, group, [(entry_id, fields, error)])
+
+    async def send_all(self, stream: str, group: str | None, bad: Sequence[BadEntry]) -> bool:
+        """Every bad entry of one read in one pipeline: a flood costs a round trip per
+        batch, not per entry."""
+        for entry_id, _fields, error in bad:
+            log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
 
         async def op() -> None:
             async with self.client.pipeline(transaction=False) as pipe:
-                _fill_dead_letter(pipe, self.dead_stream, stream, group, entry_id, error, fields)
+                for entry_id, fields, error in bad:
+                    _fill_dead_letter(
+                        pipe, self.dead_stream, stream, group, entry_id, error, fields
+                    )
                 await pipe.execute()
 
         ok = await self.retry(op, "dead-lettering", stream)
         if ok:
-            self.metrics.inc("omni_dead_letters_total", stream=stream)
+            self.metrics.inc("omni_dead_letters_total", len(bad), stream=stream)
         return ok

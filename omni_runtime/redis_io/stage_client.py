@@ -152,14 +152,14 @@ class RedisStageClient:
         if entry_id is None:
             log.warning("stage %d: no entry for the handled output of %r", self.stage_id, out)
             return
-        self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id)
+        self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
     def _accept(self, batch: list[tuple[bytes, StageOutputMsg]]) -> list[StageOutput]:
         outputs: list[StageOutput] = []
         for entry_id, msg in batch:
             if not self.seq.accept(msg):
                 self.metrics.inc("omni_duplicate_outputs_total", stage=self.stage_id)
-                self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id)
+                self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
                 continue
             data = (
                 StageFailure(f"stage {self.stage_id} failed: {msg.error}")

@@ -17,7 +17,8 @@ API (stable):
   up after its `max_attempts`.
   - `[await] read(count, block_ms) -> list[(entry_id: bytes, msg)]`: this consumer's
     own pending backlog from id 0 first (what a previous run read but never
-    acknowledged), then new entries with `>`. `[]` on timeout, or after a failed
+    acknowledged), then new entries with `>`; after a failed read the backlog again
+    (a reply lost with its connection left its entries pending, never read). `[]` on timeout, or after a failed
     XREADGROUP once its back-off delay passed, so callers loop and check their stop
     flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
@@ -125,6 +126,9 @@ class _ReaderBase(Generic[M]):
         self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
 
     def _read_failed(self, e: RedisError) -> float:
+        # The failed XREADGROUP may have been executed and only its reply lost: those
+        # entries are now pending for this consumer and `>` never returns them again.
+        self.cursor = BacklogCursor(True)
         delay = self._read_policy.failed() or 0.0
         log.warning("reading %s failed, retrying in %.2fs: %r", self.stream, delay, e)
         self.metrics.inc("omni_retries_total", stream=self.stream)
@@ -145,7 +149,10 @@ class _ReaderBase(Generic[M]):
 
 
 def _no_group(e: ResponseError) -> bool:
-    return "NOGROUP" in str(e)
+    """The group or its stream vanished (Redis flushed: UNBLOCKED while blocked in the
+    read; fakeredis words a vanished stream its own way)."""
+    text = str(e)
+    return any(m in text for m in ("NOGROUP", "UNBLOCKED", "requires the key to exist"))
 
 
 class SyncGroupReader(_ReaderBase[M]):
@@ -196,8 +203,8 @@ class SyncGroupReader(_ReaderBase[M]):
 
     def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
-        for entry_id, fields, error in batch.bad:
-            self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.bad:
+            self._dead.send_all(self.stream, self.group, batch.bad)
         if batch.trimmed:
             self.ack(*batch.trimmed)
         return batch.good
@@ -255,8 +262,8 @@ class GroupReader(_ReaderBase[M]):
 
     async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
-        for entry_id, fields, error in batch.bad:
-            await self._dead.send(self.stream, self.group, entry_id, error, fields)
+        if batch.bad:
+            await self._dead.send_all(self.stream, self.group, batch.bad)
         if batch.trimmed:
             await self.ack(*batch.trimmed)
         return batch.good

@@ -49,6 +49,9 @@ class XAck:
     stream: str
     group: str
     entry_id: bytes
+    delete: bool = False
+    """XDEL the entry right after its XACK: a handled entry is never read again, so it
+    need not stay in memory until MAXLEN trims it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +65,25 @@ Op = XAdd | XAck | Expire
 
 def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
     """Urgent XADDs first, then the others in order; then one XACK per stream with all its
-    ids and one EXPIRE per key, after the writes they follow (never an ack before its
-    consequences)."""
+    ids (and one XDEL of those to delete) and one EXPIRE per key, after the writes they
+    follow (never an ack before its consequences)."""
     adds = [op for op in ops if isinstance(op, XAdd)]
     for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
         pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
     acks: dict[tuple[str, str], list[bytes]] = {}
+    deletes: dict[str, list[bytes]] = {}
     expires: dict[str, int] = {}
     for op in ops:
         if isinstance(op, XAck):
             acks.setdefault((op.stream, op.group), []).append(op.entry_id)
+            if op.delete:
+                deletes.setdefault(op.stream, []).append(op.entry_id)
         elif isinstance(op, Expire):
             expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
     for (stream, group), ids in acks.items():
         pipe.xack(stream, group, *ids)
+    for stream, ids in deletes.items():
+        pipe.xdel(stream, *ids)
     for key, ttl_s in expires.items():
         pipe.expire(key, ttl_s)
 
@@ -129,8 +137,9 @@ class StreamWriter:
         self._urgent_queued |= urgent
         self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent))
 
-    def xack(self, stream: str, group: str, entry_id: bytes) -> None:
-        self._queue(XAck(stream, group, entry_id))
+    def xack(self, stream: str, group: str, entry_id: bytes, delete: bool = False) -> None:
+        """`delete`: also XDEL it (a stream read by one group only)."""
+        self._queue(XAck(stream, group, entry_id, delete))
 
     def expire(self, key: str, ttl_s: int) -> None:
         self._queue(Expire(key, ttl_s))

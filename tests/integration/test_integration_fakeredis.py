@@ -237,7 +237,7 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
     async with InProcessCluster(pipeline, settings, fake_clients) as c:
         ghost = OmniClient(settings, fake_clients)
         await ghost.__aenter__()
-        rid = await ghost.submit(" ".join(["word"] * 100))  # ~10 s of thinking
+        rid = await ghost.submit(" ".join(["word"] * 300))  # ~30 s of thinking
         await wait_for(lambda: bool(c.workers[0].active))
         # the process "dies": its tasks stop, nothing is closed or aborted politely
         tasks = [ghost._reader, ghost._writer_task]
@@ -246,7 +246,8 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
             task.cancel()
         await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
         orch = c.service.orchestrator
-        await wait_for(lambda: rid not in orch.request_states, deadline_s=20)  # heartbeat TTL 5 s
+        # its key expires one TTL (5 s) after its last beat; it is gone one TTL after that
+        await wait_for(lambda: rid not in orch.request_states, deadline_s=25)
         await wait_for(lambda: not c.workers[0].active)
         assert c.workers[0].aborted == 1
         await ghost.redis.aclose()
@@ -294,7 +295,7 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
     raw = fake_clients.aio()
     async with OmniClient(settings, fake_clients) as client:
         await ensure_group(raw, names.requests, keys.ORCHESTRATOR_GROUP)
-        client._queues["orphan"] = asyncio.Queue()  # as `submit` registers it, without sending
+        client.inbox.open("orphan")  # as `submit` registers it, without sending
         msg = RequestMsg(request_id="orphan", client_id=client.client_id, prompt="still here")
         await raw.xadd(names.requests, xadd_fields(entry_fields(msg)))
         # the previous orchestrator's last act: it read the entry, then died

@@ -1,0 +1,111 @@
+"""The client's side of SPEC §6: per-request buffers that check every output's `seq`.
+
+A repeat is dropped and counted; a gap ends the request with one error final
+(never a success that misses data); a buffer its consumer lets grow past the
+bound ends the request too, freeing what it held. A request the client ended
+itself is remembered for a while, so the outputs still on their way drop quietly;
+every map here follows the live requests plus that age-limited memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from omni_runtime import keys
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.messages import OrchOutputMsg
+from omni_runtime.metrics import Metrics
+
+
+@dataclass
+class Pending:
+    """One request the client waits on: its outputs in order, and the next seq expected."""
+
+    queue: asyncio.Queue[OrchOutput] = field(default_factory=asyncio.Queue)
+    next_seq: int = 0
+    ended: bool = False
+    """Its final (or the error the client ended it with) is queued: nothing more goes in."""
+
+
+class Inbox:
+    """`deliver` each output read; it returns what the client must abort upstream."""
+
+    def __init__(
+        self, metrics: Metrics, buffer_limit: int, recent_s: float = keys.RECENT_ABORTS_S
+    ) -> None:
+        self.metrics = metrics
+        self.buffer_limit = buffer_limit
+        self.recent_s = recent_s
+        self.requests: dict[str, Pending] = {}
+        self._recent: OrderedDict[str, float] = OrderedDict()
+        """request id → when the client ended it itself (oldest first)."""
+
+    def open(self, request_id: str) -> Pending:
+        pending = self.requests[request_id] = Pending()
+        return pending
+
+    def close(self, request_id: str, now: float) -> None:
+        """The consumer is done with it; late outputs for it drop quietly for a while."""
+        pending = self.requests.pop(request_id, None)
+        if pending is not None and not pending.ended:
+            self._remember(request_id, now)
+
+    def deliver(self, msg: OrchOutputMsg, now: float) -> str | None:
+        """Queue `msg` for its request; the error to abort the request upstream with, if the
+        client just ended it (a gap, or a full buffer)."""
+        self._forget_old(now)
+        rid = msg.request_id
+        pending = self.requests.get(rid)
+        if pending is None or pending.ended:
+            why = "ended" if pending is not None or rid in self._recent else "unknown"
+            self.metrics.inc("omni_dropped_outputs_total", source="client", reason=why)
+            return None
+        if msg.seq < pending.next_seq:
+            self.metrics.inc("omni_duplicate_outputs_total", source="client")
+            return None
+        if msg.seq > pending.next_seq:
+            self.metrics.inc("omni_outputs_lost_total")
+            error = f"outputs lost: expected seq {pending.next_seq}, got {msg.seq}"
+            return self.end(rid, msg.stage_id, error, now)
+        pending.next_seq += 1
+        if not msg.finished and pending.queue.qsize() >= self.buffer_limit:
+            self.metrics.inc("omni_aborts_total", reason="client buffer full")
+            error = (
+                f"client buffer full: more than {self.buffer_limit} outputs not read "
+                "(OMNI_CLIENT_BUFFER_OUTPUTS)"
+            )
+            return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
+        pending.queue.put_nowait(OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error))
+        pending.ended = msg.finished
+        return None
+
+    def end(
+        self, rid: str, stage_id: int, error: str, now: float, drop_buffered: bool = False
+    ) -> str | None:
+        """End a waiting request with one error final; the error, or None if it had ended."""
+        pending = self.requests.get(rid)
+        if pending is None or pending.ended:
+            return None
+        if drop_buffered:
+            pending.queue = asyncio.Queue()  # the reader takes the new queue: memory freed
+        pending.queue.put_nowait(OrchOutput(rid, stage_id, None, True, error=error))
+        pending.ended = True
+        self._remember(rid, now)
+        return error
+
+    def end_all(self, error: str, now: float) -> list[str]:
+        """End every request still waiting (their state was lost); the ids ended."""
+        return [rid for rid in list(self.requests) if self.end(rid, 0, error, now) is not None]
+
+    def _remember(self, rid: str, now: float) -> None:
+        self._recent[rid] = now
+        self._recent.move_to_end(rid)
+
+    def _forget_old(self, now: float) -> None:
+        while self._recent:
+            rid, at = next(iter(self._recent.items()))
+            if now - at < self.recent_s:
+                return
+            del self._recent[rid]

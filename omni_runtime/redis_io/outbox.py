@@ -1,0 +1,67 @@
+"""Where the orchestrator process's outputs go: each request's client stream, numbered.
+
+Every output of a request carries the next `seq` (0, 1, 2, …), so the client can
+drop repeats and notice a gap (SPEC §6). Both maps follow the requests in flight:
+an entry is made when the request is read and dropped with its final output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omni_runtime import keys
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.messages import OrchOutputMsg
+from omni_runtime.redis_io.entries import entry_fields
+from omni_runtime.redis_io.writer import StreamWriter
+
+log = logging.getLogger(__name__)
+
+
+class ClientOutbox:
+    """Numbers and writes each `OrchOutput` to the stream of the client that asked."""
+
+    def __init__(self, writer: StreamWriter, names: keys.Names, stream_ttl_s: int) -> None:
+        self.writer = writer
+        self.names = names
+        self.stream_ttl_s = stream_ttl_s
+        self.client_of: dict[str, str] = {}
+        """request id → client id, for the requests in flight."""
+        self._seq: dict[str, int] = {}
+        """request id → the seq of its next output."""
+
+    def __len__(self) -> int:
+        return len(self.client_of)
+
+    def send(self, out: OrchOutput) -> None:
+        rid = out.request_id
+        client_id = self.client_of.get(rid)
+        seq = self._seq.pop(rid, 0)
+        if out.finished:
+            self.client_of.pop(rid, None)
+        else:
+            self._seq[rid] = seq + 1
+        if client_id is None:
+            log.warning("output for %r has no client; dropped", rid)
+            return
+        msg = OrchOutputMsg(
+            request_id=rid,
+            stage_id=out.stage_id,
+            data=out.data,
+            finished=out.finished,
+            error=out.error,
+            seq=seq,
+        )
+        self._write(client_id, msg)
+
+    def refuse(self, request_id: str, client_id: str, error: str) -> None:
+        """Answer a request that will not run with its one error final (seq 0)."""
+        msg = OrchOutputMsg(
+            request_id=request_id, stage_id=0, data=None, finished=True, error=error, seq=0
+        )
+        self._write(client_id, msg)
+
+    def _write(self, client_id: str, msg: OrchOutputMsg) -> None:
+        stream = self.names.client_out(client_id)
+        self.writer.xadd(stream, entry_fields(msg))
+        self.writer.expire(stream, self.stream_ttl_s)

@@ -1,0 +1,122 @@
+"""The client's side of SPEC §6 over fakeredis: outputs written to its stream by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakeredis
+import pytest
+
+from omni_runtime import codec
+from omni_runtime.client import OmniClient
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fake_clients() -> RedisClients:
+    server = fakeredis.FakeServer()
+    return RedisClients(
+        sync=lambda: fakeredis.FakeRedis(server=server),
+        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+    )
+
+
+def settings(**changes: Any) -> Settings:
+    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2, **changes)
+
+
+def out(rid: str, seq: int, data: Any, finished: bool = False) -> dict[str, bytes]:
+    msg = OrchOutputMsg(request_id=rid, stage_id=2, data=data, finished=finished, seq=seq)
+    return entry_fields(msg)
+
+
+async def send(client: OmniClient, *entries: dict[str, Any]) -> None:
+    for fields in entries:
+        await client.redis.xadd(client.out_stream, xadd_fields(fields))
+
+
+async def outputs(client: OmniClient, rid: str) -> list[OrchOutput]:
+    return [o async for o in client.stream(rid, timeout_s=10)]
+
+
+async def aborts_sent(client: OmniClient) -> list[AbortMsg]:
+    await client._writer.flushed()
+    reply = await client.redis.xread({client.names.requests: "0-0"})
+    found = []
+    for _s, entries in stream_reply(reply):
+        for _id, fields in entries:
+            obj = codec.decode(fields[b"m"])
+            if obj["type"] == "abort":
+                found.append(parse_entry(fields, AbortMsg, 1 << 20))
+    return found
+
+
+async def test_repeats_are_dropped_and_counted(fake_clients: RedisClients) -> None:
+    async with OmniClient(settings(), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        await send(client, out(rid, 0, "a"), out(rid, 0, "a"), out(rid, 1, "b"))
+        await send(client, out(rid, 1, "b"), out(rid, 2, "c", True), out(rid, 2, "c", True))
+        got = await outputs(client, rid)
+        assert [(o.data, o.finished, o.error) for o in got] == [
+            ("a", False, None),
+            ("b", False, None),
+            ("c", True, None),
+        ]
+        assert client.metrics.value("omni_duplicate_outputs_total", source="client") == 2
+
+
+async def test_a_gap_ends_the_request_with_one_error_final(fake_clients: RedisClients) -> None:
+    async with OmniClient(settings(), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        await send(client, out(rid, 0, "a"), out(rid, 2, "c"), out(rid, 3, "d", True))
+        got = await outputs(client, rid)
+        assert [(o.data, o.finished, o.error) for o in got] == [
+            ("a", False, None),
+            (None, True, "outputs lost: expected seq 1, got 2"),
+        ]
+        assert client.metrics.value("omni_outputs_lost_total") == 1
+        assert [a.request_id for a in await aborts_sent(client)] == ["r"]
+
+
+async def test_a_stalled_consumer_past_the_bound_is_aborted_and_freed(
+    fake_clients: RedisClients,
+) -> None:
+    async with OmniClient(settings(client_buffer_outputs=3), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        await send(client, *(out(rid, i, i) for i in range(5)))
+        await send(client, out(rid, 5, "end", True))
+        got = await outputs(client, rid)
+        assert len(got) == 1 and got[0].finished
+        assert got[0].error is not None and "client buffer full" in got[0].error
+        assert client.inbox.requests == {}
+        assert [a.request_id for a in await aborts_sent(client)] == ["r"]
+
+
+async def test_malformed_client_entries_are_dead_lettered(fake_clients: RedisClients) -> None:
+    async with OmniClient(settings(), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        bad = codec.encode({"type": "orch_output", "request_id": b"r", "stage_id": 2})
+        await send(client, {"m": b"\x00junk"}, {"m": bad}, {"x": b"1"})
+        await send(client, out(rid, 0, "a", True))
+        got = await outputs(client, rid)
+        assert [(o.data, o.finished) for o in got] == [("a", True)]
+        stream = client.out_stream
+        assert client.metrics.value("omni_malformed_entries_total", stream=stream) == 3
+        assert client.metrics.value("omni_dead_letters_total", stream=stream) == 3
+        assert await client.redis.xlen(client.names.dead_letters) == 3
+
+
+def test_request_ids_sent_as_bytes_are_refused() -> None:
+    good = {"type": "request", "request_id": "r", "client_id": "c", "prompt": 1}
+    assert parse_entry({b"m": codec.encode(good)}, RequestMsg, 1 << 20).request_id == "r"
+    for field in ("request_id", "client_id"):
+        bad = {**good, field: field.encode()}
+        with pytest.raises(Exception, match=field):
+            parse_entry({b"m": codec.encode(bad)}, RequestMsg, 1 << 20)
