@@ -35,7 +35,7 @@ from omni_runtime.redis_io.liveness import StateEpoch
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import tracer_for
+from omni_runtime.tracing import Closable, tracer_for
 
 __all__ = ["OmniClient", "RequestTimeoutError"]
 
@@ -55,7 +55,14 @@ class OmniClient:
         self.clients = clients or RedisClients.from_url(settings.require_redis_url())
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
-        self.tracer = tracer_for(settings.trace_file)
+        self.tracer = tracer_for(
+            settings.trace_file,
+            settings.trace,
+            self.clients.sync,
+            self.names,
+            settings.trace_ttl_s,
+            "client",
+        )
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self.metrics = metrics or Metrics()
@@ -112,6 +119,8 @@ class OmniClient:
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.out_stream, self._heartbeat_key)
         await self.redis.aclose()
+        if isinstance(self.tracer, Closable):
+            self.tracer.close()
 
     async def wait_ready(self, stage_ids: list[int], timeout_s: float | None = None) -> None:
         """Wait until the orchestrator and a worker of every listed stage beat their heartbeat."""

@@ -20,19 +20,17 @@ from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import OrchOutput, Stage, forward_previous_data
-from omni_runtime.messages import (
-    REDIS_LOST_STATE,
-    AbortMsg,
-    ClientCommand,
-    RequestMsg,
-)
+from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, ClientCommand, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.start import start_observability
+from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.liveness import (
     Absence,
     StageWatch,
     StateEpoch,
+    no_live_worker,
     stage_has_live_replica,
 )
 from omni_runtime.redis_io.outbox import ClientOutbox
@@ -40,18 +38,13 @@ from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import tracer_for
+from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
 """How long, beyond one blocking read, the Redis loops get to end on their own at shutdown."""
 FLUSH_TIMEOUT_S = 2.0
-
-
-def no_live_worker(stage_id: int) -> str:
-    """The error of a request that needs a stage with no live replica."""
-    return f"no live worker for stage {stage_id}"
 
 
 def build_orchestrator(
@@ -85,8 +78,10 @@ class OrchestratorService:
         self.settings = settings
         self.names = s.names
         self.metrics = metrics or Metrics()
-        self.client = (clients or RedisClients.from_url(s.require_redis_url())).aio()
-        self.tracer = tracer_for(s.trace_file)
+        self.clients = clients or RedisClients.from_url(s.require_redis_url())
+        self.client = self.clients.aio()
+        self.tracer: Tracer | None = None
+        """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
         backoff = s.backoff(bounded=True)
         self.writer = StreamWriter(
             self.client, s.stream_maxlen, self.tracer, metrics=self.metrics, backoff=backoff
@@ -126,6 +121,7 @@ class OrchestratorService:
         self._clients_absent = Absence(ttl_s)
         self._stage_watch = StageWatch(ttl_s, 0.0)
         self._epoch = StateEpoch(self.client, self.names.epoch)
+        self.timer = RequestTimer(self.metrics)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -137,6 +133,11 @@ class OrchestratorService:
         """Serve until `stop` is set, then flush what was queued and close."""
         codec.warm_up()
         self._stage_watch.restarted(asyncio.get_running_loop().time())
+        obs = start_observability(
+            self.settings, self.metrics, "orchestrator", self.clients.sync, poll_streams=True
+        )
+        self._trace_with(obs.tracer)
+        self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         try:
             for stream in self._streams():
                 await ensure_group(self.client, stream, keys.ORCHESTRATOR_GROUP)
@@ -162,7 +163,14 @@ class OrchestratorService:
             await asyncio.gather(writer_task, return_exceptions=True)
             await self.client.delete(self.names.orchestrator_heartbeat())
         finally:
+            obs.close()
             await self.client.aclose()
+
+    def _trace_with(self, tracer: Tracer | None) -> None:
+        """Every component stamps through the process's tracer (file, Redis, OpenTelemetry)."""
+        self.tracer = self.writer.tracer = tracer
+        for stage in self.stages:
+            stage.tracer = tracer
 
     async def _stop_loops(
         self, redis_loops: list[asyncio.Task[None]], delivery: asyncio.Task[None]
@@ -199,6 +207,7 @@ class OrchestratorService:
                             "request_read", cmd.request_id, None, self.requests.read_ns
                         )
                     self.client_of[cmd.request_id] = cmd.client_id
+                    self.timer.started(cmd.request_id)
                     await self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.deadline_s)
                 else:
                     await self.orchestrator.abort_request(cmd.request_id, cmd.reason)
@@ -277,6 +286,7 @@ class OrchestratorService:
             if self.writer.urgent_pending:
                 await asyncio.sleep(0)  # let the writer send a stage's next input first
             self.outbox.send(out)
+            self.timer.output(out.request_id, out.data, out.finished, out.error)
 
     def _streams(self) -> list[str]:
         return [self.names.requests, *(st.out_stream for st in self.stages)]

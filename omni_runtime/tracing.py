@@ -221,6 +221,11 @@ class FanOutTracer:
         for tracer in self.tracers:
             tracer.stamp(event, request_id, stage_id, t)
 
+    def close(self) -> None:
+        for tracer in self.tracers:
+            if isinstance(tracer, Closable):
+                tracer.close()
+
 
 def tracer_for(
     trace_file: Path | None,

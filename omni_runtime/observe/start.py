@@ -18,7 +18,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.prometheus import maybe_start_metrics_server
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Closable, FanOutTracer, Tracer, tracer_for
+from omni_runtime.tracing import Closable, Tracer, tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ class Observability:
             except Exception as e:  # shutting down: report, and stop the rest
                 log.warning("stopping %r failed: %r", stop, e)
         self._stops.clear()
-
-
-def _closers(tracer: Tracer | None) -> list[Callable[[], None]]:
-    tracers = tracer.tracers if isinstance(tracer, FanOutTracer) else [tracer]
-    return [t.close for t in tracers if t is not None and isinstance(t, Closable)]
 
 
 def start_observability(
@@ -72,7 +67,8 @@ def start_observability(
             settings.trace_ttl_s,
             role,
         )
-        obs._stops.extend(_closers(obs.tracer))
+        if isinstance(obs.tracer, Closable):
+            obs._stops.append(obs.tracer.close)
         if redis_client is not None:
             poller = StreamStatsPoller(
                 redis_client(), settings.names, metrics, role, poll_interval_s, poll_streams

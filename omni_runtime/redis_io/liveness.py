@@ -103,3 +103,8 @@ class StageWatch:
         new, back = down - self.down, self.down - down
         self.down = down
         return new, back
+
+
+def no_live_worker(stage_id: int) -> str:
+    """The error of a request that needs a stage with no live replica."""
+    return f"no live worker for stage {stage_id}"

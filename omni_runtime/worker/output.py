@@ -126,8 +126,9 @@ class OutputThread:
                         fields = xadd_fields({keys.PAYLOAD_FIELD: out.payload})
                         pipe.xadd(self.out_stream, fields, maxlen=self.maxlen, approximate=True)
                     ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
-                    if ack_ids:
+                    if ack_ids:  # handled: acknowledged and deleted, so memory comes back
                         pipe.xack(self.in_stream, keys.WORKERS_GROUP, *ack_ids)
+                        pipe.xdel(self.in_stream, *ack_ids)
                     pipe.execute()
                 return
             except RedisError as e:

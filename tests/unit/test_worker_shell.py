@@ -54,6 +54,9 @@ class FlakyPipe:
     def xack(self, stream: str, group: str, *ids: bytes) -> None:
         self.ops.extend(("xack", i) for i in ids)
 
+    def xdel(self, stream: str, *ids: bytes) -> None:
+        self.ops.extend(("xdel", i) for i in ids)
+
     def execute(self) -> None:
         with self.owner.lock:
             if self.owner.failures > 0:
@@ -90,12 +93,14 @@ def test_the_output_thread_retries_a_failed_write_within_its_bound() -> None:
     client, lost = FlakyRedis(failures=2), Lost()
     thread = output_thread(client, lost, attempts=5)
     thread.publish([out("a", 0), out("a", 1, ends=True)], [b"x-in"])
-    wait_until(lambda: len(client.written) == 4)
+    wait_until(lambda: len(client.written) == 6)
     assert client.written == [
         ("xadd", ("a", 0, None)),
         ("xadd", ("a", 1, None)),
         ("xack", b"a-in"),
         ("xack", b"x-in"),
+        ("xdel", b"a-in"),  # handled inputs leave the stream with their acknowledgement
+        ("xdel", b"x-in"),
     ]
     assert lost == [] and thread.metrics.value("omni_retries_total") == 2
     thread.request_stop()
