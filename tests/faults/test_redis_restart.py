@@ -52,11 +52,6 @@ async def test_empty_redis_restart_loses_no_client_and_no_data_silently(tmp_path
     assert report.recovery_s <= RESTART_BOUND_S + restarted[0], report
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="worker side: an input whose XREADGROUP reply was lost stays pending unread, a "
-    "failed output pipeline is not retried (see docs/operations.md)",
-)
 async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
     """`appendfsync always`: every write Redis acknowledged survives; no request ends with
     a lost-state error (the epoch token survives), none is taken for gone."""
