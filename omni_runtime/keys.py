@@ -125,6 +125,10 @@ class Names:
         kept beside the heartbeats since it tells whether Redis's state is alive."""
         return self.heartbeat("epoch")
 
+    def stage_stream_pattern(self) -> str:
+        """Every stage's input and output stream (for SCAN)."""
+        return f"{self.prefix}stage:*"
+
     def heartbeat_pattern(self, stage_id: int) -> str:
         return f"{self.prefix}hb:stage:{stage_id}:*"
 

@@ -159,7 +159,7 @@ def _id_ms(entry_id: Any) -> int:
 def stream_names(client: redis.Redis, names: keys.Names) -> list[str]:
     """The namespace's fixed streams, then every stage and client stream that exists."""
     fixed = [names.requests, names.control, names.dead_letters]
-    stages = scan_keys(client, f"{names.prefix}stage:*", "stream")
+    stages = scan_keys(client, names.stage_stream_pattern(), "stream")
     clients = scan_keys(client, f"{names.client_out('')}*", "stream")
     return fixed + [s for s in stages if s.endswith((":in", ":out"))] + clients
 
