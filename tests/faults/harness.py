@@ -107,6 +107,9 @@ class FaultDeployment:
     def signal(self, name_prefix: str, sig: signal.Signals) -> None:
         os.kill(self.pid(name_prefix), sig)
 
+    def signal_pid(self, pid: int, sig: int) -> None:
+        os.kill(pid, sig)
+
     def used_memory(self) -> int:
         return int(self.redis.info("memory")["used_memory"])
 
