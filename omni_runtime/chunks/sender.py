@@ -110,7 +110,11 @@ class ChunkSender:
             try:
                 payload = self.build_payload(item.snapshot)
             except Exception:
-                log.exception("build_payload failed for %r; chunk skipped", item.request_id)
+                log.exception(
+                    "build_payload failed for %r; chunk skipped",
+                    item.request_id,
+                    extra={"request_id": item.request_id},
+                )
         if payload is None and not item.is_final:
             self._skip(item)
             return None
@@ -186,5 +190,8 @@ class ChunkSender:
             )
         except Exception as e:
             log.warning(
-                "deleting the chunks of aborted %r failed (they expire): %r", item.request_id, e
+                "deleting the chunks of aborted %r failed (they expire): %r",
+                item.request_id,
+                e,
+                extra={"request_id": item.request_id},
             )
