@@ -29,7 +29,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         request_id = getattr(record, "request_id", None)
-        record.request_tag = "" if request_id is None else f"[{request_id}] "
+        record.__dict__["request_tag"] = "" if request_id is None else f"[{request_id}] "
         return super().format(record)
 
 
