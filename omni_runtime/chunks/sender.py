@@ -163,7 +163,12 @@ class ChunkSender:
                 keep.append(staged)
                 continue
             self.metrics.inc("omni_chunks_dropped_total", stage=self.stage_id)
-            log.error("chunk %s cannot be put, dropped: %s", key, rejected[key])
+            log.error(
+                "chunk %s cannot be put, dropped: %s",
+                key,
+                rejected[key],
+                extra={"request_id": staged.request_id},
+            )
             if staged.chunk["finished"]:
                 if staged.chunk["data"] is None:  # even the bare final fails: give up on it
                     self._sent([staged], ok=False)
