@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from omni_runtime import launcher
 from omni_runtime.launcher import ProcessGroup
 from omni_runtime.pipeline import load_pipeline
 
@@ -31,7 +31,7 @@ class FakePopen:
 def test_each_process_gets_its_own_metrics_port(
     monkeypatch: pytest.MonkeyPatch, given: str, expected: list[int] | None
 ) -> None:
-    monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)  # what the launcher calls
     FakePopen.envs.clear()
     group = ProcessGroup(OMNI, load_pipeline(OMNI), {"OMNI_METRICS_PORT": given})
     group.start()
