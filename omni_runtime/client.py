@@ -266,7 +266,12 @@ class OmniClient:
             return
         error = self.inbox.deliver(msg, asyncio.get_running_loop().time())
         if error is not None:
-            log.error("request %r ended by the client: %s", msg.request_id, error)
+            log.error(
+                "request %r ended by the client: %s",
+                msg.request_id,
+                error,
+                extra={"request_id": msg.request_id},
+            )
             self._abort_upstream(msg.request_id, error)
 
     def _abort_upstream(self, request_id: str, reason: str) -> None:

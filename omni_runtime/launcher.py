@@ -203,6 +203,8 @@ class ProcessGroup:
         self.procs: list[tuple[str, subprocess.Popen[bytes], IO[bytes]]] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="omni-runtime-"))
         self.final_logs: dict[str, str] = {}
+        self.metrics_ports: dict[str, int] = {}
+        """With OMNI_METRICS_PORT=P in `env`, process i (orchestrator first) serves on P + i."""
 
     def start(self) -> None:
         base = [sys.executable, "-m", "omni_runtime.cli"]
@@ -214,8 +216,13 @@ class ProcessGroup:
                 self._spawn(name, [*base, "worker", *common, "--stage", str(stage.id)])
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
+        env, base = self.env, self.env.get("OMNI_METRICS_PORT", "").strip()
+        if base.isdigit() and int(base) > 0:  # one port each: the same one would fail all but one
+            port = self.metrics_ports[name] = int(base) + len(self.procs)
+            env = {**env, "OMNI_METRICS_PORT": str(port)}
+            log.info("%s serves /metrics on port %d", name, port)
         logfile = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
-        proc = subprocess.Popen(cmd, env=self.env, stdout=logfile, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT)
         self.procs.append((name, proc, logfile))
 
     def check_alive(self) -> None:

@@ -40,7 +40,7 @@ COUNTERS: Mapping[str, str] = {
     "omni_stage_outputs_total": "Outputs a stage published, by stage.",
     "omni_stage_errors_total": "Stage code failures, by stage.",
     "omni_deadline_exceeded_total": "Requests ended because they outlived their deadline.",
-    "omni_requests_received_total": "Requests the orchestrator accepted.",
+    "omni_requests_received_total": "Requests accepted (by the orchestrator; by serve: submitted).",
     "omni_outputs_lost_total": "Requests a client ended because an output's seq skipped some.",
     "omni_redis_restarts_total": "Redis restarts that lost the state (the epoch key vanished).",
     "omni_stage_down_total": "Times a stage was found with no live replica.",

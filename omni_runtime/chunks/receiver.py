@@ -208,7 +208,11 @@ class ChunkReceiver:
             done = self._book.commit(batch, values)  # a MalformedChunk is not a chunk: skipped
         for rid, chunk_id in done.malformed:
             self.metrics.inc("omni_malformed_chunks_total", stage=self.stage_id)
-            log.error("malformed chunk %s skipped", keys.chunk_key(rid, src, chunk_id))
+            log.error(
+                "malformed chunk %s skipped",
+                keys.chunk_key(rid, src, chunk_id),
+                extra={"request_id": rid},
+            )
         if done.received:
             self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
             if self.on_ready is not None:
@@ -237,5 +241,8 @@ class ChunkReceiver:
                 first += len(page)
         except Exception as e:
             log.warning(
-                "deleting unread chunks of discarded %r failed (they expire): %r", request_id, e
+                "deleting unread chunks of discarded %r failed (they expire): %r",
+                request_id,
+                e,
+                extra={"request_id": request_id},
             )

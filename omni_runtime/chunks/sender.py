@@ -110,7 +110,11 @@ class ChunkSender:
             try:
                 payload = self.build_payload(item.snapshot)
             except Exception:
-                log.exception("build_payload failed for %r; chunk skipped", item.request_id)
+                log.exception(
+                    "build_payload failed for %r; chunk skipped",
+                    item.request_id,
+                    extra={"request_id": item.request_id},
+                )
         if payload is None and not item.is_final:
             self._skip(item)
             return None
@@ -159,7 +163,12 @@ class ChunkSender:
                 keep.append(staged)
                 continue
             self.metrics.inc("omni_chunks_dropped_total", stage=self.stage_id)
-            log.error("chunk %s cannot be put, dropped: %s", key, rejected[key])
+            log.error(
+                "chunk %s cannot be put, dropped: %s",
+                key,
+                rejected[key],
+                extra={"request_id": staged.request_id},
+            )
             if staged.chunk["finished"]:
                 if staged.chunk["data"] is None:  # even the bare final fails: give up on it
                     self._sent([staged], ok=False)
@@ -186,5 +195,8 @@ class ChunkSender:
             )
         except Exception as e:
             log.warning(
-                "deleting the chunks of aborted %r failed (they expire): %r", item.request_id, e
+                "deleting the chunks of aborted %r failed (they expire): %r",
+                item.request_id,
+                e,
+                extra={"request_id": item.request_id},
             )

@@ -214,7 +214,9 @@ class Orchestrator:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("stage %d could not abort %r: %r", sid, request_id, e)
+                log.warning(
+                    "stage %d could not abort: %r", sid, e, extra={"request_id": request_id}
+                )
 
     async def _record(self, stage_id: int, out: StageOutput) -> ReqState | None:
         """Steps 1-3: drop and count an unknown request's output (never resurrect state) or a
@@ -266,7 +268,7 @@ class Orchestrator:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("stage %d submit failed for %r: %r", stage_id, request_id, e)
+            log.warning("stage %d submit failed: %r", stage_id, e, extra={"request_id": request_id})
             if request_id in self.request_states:
                 await self._fail(
                     request_id, stage_id, f"stage {stage_id} submit failed: {type(e).__name__}: {e}"
@@ -284,7 +286,7 @@ class Orchestrator:
             await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 
     def _drop(self, stage_id: int, out: StageOutput) -> None:
-        log.debug("output of stage %d for %r dropped", stage_id, out.request_id)
+        log.debug("output of stage %d dropped", stage_id, extra={"request_id": out.request_id})
         self.dropped_outputs += 1
         if self.metrics is not None:
             self.metrics.inc("omni_dropped_outputs_total", stage=stage_id)

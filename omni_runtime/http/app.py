@@ -11,11 +11,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.routing import Route
 
 from omni_runtime.http.errors import ApiError, BodyLimit, error_response, install_error_handlers
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.routes import media_router
 from omni_runtime.http.schemas import ModelCard, ModelList
+from omni_runtime.observe.prometheus import metrics_asgi_app
 
 
 def _playground_html() -> str:
@@ -42,6 +44,17 @@ def api_key_check(gateway: Gateway) -> Any:
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
 
     return check
+
+
+class AsgiEndpoint:
+    """An ASGI app as a route's endpoint: Starlette calls it as is (a plain function it would
+    wrap as a request handler), so `/metrics` answers at its own path, with no redirect."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -94,6 +107,11 @@ def create_app(gateway: Gateway) -> FastAPI:
                 ApiError(503, f"not ready: no {', '.join(missing)}", code="not_ready")
             )
         return JSONResponse({"status": "ready", "pipeline": gateway.pipeline.name})
+
+    # The gateway's registry (its OmniClient's counters, HTTP-side TTFT/TTFP); no API key,
+    # like /health: Prometheus scrapes it, and it holds no request content.
+    exporter = AsgiEndpoint(metrics_asgi_app(gateway.metrics, {"role": "serve"}))
+    app.router.routes.append(Route("/metrics", exporter, methods=["GET"], include_in_schema=False))
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(gateway))])
 

@@ -21,6 +21,8 @@ from omni_runtime.errors import CodecError, ConfigError, OmniError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.settings import ServeSettings
+from omni_runtime.metrics import Metrics
+from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
@@ -69,6 +71,10 @@ class Gateway:
         self.settings = settings
         self.clients = clients
         self.serve = serve
+        self.metrics = Metrics()
+        """This process's one registry (its client counts here too), served at GET /metrics."""
+        self.timer = RequestTimer(self.metrics)
+        """Time to first token / audio and end to end as the HTTP side sees them."""
         self.inflight = 0
         self.client: OmniClient | None = None
         self._aborts: set[asyncio.Task[None]] = set()
@@ -76,7 +82,7 @@ class Gateway:
         self._missing: list[str] = ["startup"]
 
     async def start(self) -> None:
-        client = OmniClient(self.settings, self.clients)
+        client = OmniClient(self.settings, self.clients, metrics=self.metrics)
         await client.__aenter__()
         self.client = client
         self._probe = self.clients.aio()
@@ -117,8 +123,10 @@ class Gateway:
         """Admit and submit one request; 503 when not ready, 429 when at `max_inflight`."""
         missing = await self.missing()
         if missing:
+            self.metrics.inc("omni_requests_refused_total", reason="not ready")
             raise ApiError(503, f"not ready: no {', '.join(missing)}", code="not_ready")
         if self.inflight >= self.serve.max_inflight:
+            self.metrics.inc("omni_requests_refused_total", reason="busy")
             raise ApiError(
                 429, f"{self.serve.max_inflight} requests in flight; retry later", code="busy"
             )
@@ -132,6 +140,7 @@ class Gateway:
         except (OmniError, RedisError) as e:
             self.inflight -= 1
             raise ApiError(503, f"could not submit: {e}", code="unavailable") from e
+        self.timer.started(request_id)
         return Run(self, self.client, request_id, audio)
 
     def abort_later(self, client: OmniClient, request_id: str) -> None:
@@ -141,7 +150,9 @@ class Gateway:
             try:
                 await client.abort(request_id, "http client went away")
             except (OmniError, RedisError) as e:
-                log.warning("abort of %s failed: %r", request_id, e)
+                log.warning(
+                    "abort of %s failed: %r", request_id, e, extra={"request_id": request_id}
+                )
 
         task = asyncio.get_running_loop().create_task(abort())
         self._aborts.add(task)
@@ -163,10 +174,12 @@ class Run:
     async def events(self) -> AsyncGenerator[Event, None]:
         out_cfg = self.gateway.outputs
         first_text = True
+        timer = self.gateway.timer
         timeout_s = self.gateway.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S
         try:
             async for out in self.client.stream(self.request_id, timeout_s=timeout_s):
                 self.ended = out.finished
+                timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
                     yield FailureEvent(f"stage {out.stage_id}: {out.error}")
@@ -193,5 +206,6 @@ class Run:
             return
         self._closed = True
         self.gateway.inflight -= 1
+        self.gateway.timer.ended(self.request_id)  # no-op once its finished output was timed
         if not self.ended:
             self.gateway.abort_later(self.client, self.request_id)

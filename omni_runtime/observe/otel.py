@@ -127,7 +127,12 @@ class OtelTracer:
         try:
             _emit(self._tracer, self.role, request_id, stamps, request_context(request_id))
         except Exception as e:  # an exporter problem must not reach the runtime
-            log.warning("exporting the trace of %r failed: %r", request_id, e)
+            log.warning(
+                "exporting the trace of %r failed: %r",
+                request_id,
+                e,
+                extra={"request_id": request_id},
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self.idle_s / 2):

@@ -42,7 +42,7 @@ class ClientOutbox:
         else:
             self._seq[rid] = seq + 1
         if client_id is None:
-            log.warning("output for %r has no client; dropped", rid)
+            log.warning("output for %r has no client; dropped", rid, extra={"request_id": rid})
             return
         msg = OrchOutputMsg(
             request_id=rid,

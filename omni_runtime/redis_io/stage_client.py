@@ -150,7 +150,12 @@ class RedisStageClient:
     def output_handled(self, out: StageOutput) -> None:
         entry_id = self._entry_of.pop(id(out), None)
         if entry_id is None:
-            log.warning("stage %d: no entry for the handled output of %r", self.stage_id, out)
+            log.warning(
+                "stage %d: no entry for the handled output of %r",
+                self.stage_id,
+                out,
+                extra={"request_id": out.request_id},
+            )
             return
         self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 

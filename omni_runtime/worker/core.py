@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_runtime import codec
 from omni_runtime.errors import CodecError
+from omni_runtime.logs import for_request as _rid
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepFailed
@@ -143,10 +144,9 @@ class WorkerCore:
             self._fail(rid, self._engine_error("add_request", e))
 
     def on_abort(self, request_id: str, now: float) -> None:
-        """Drop the request: engine, chunk sender and receiver, its input entry.
-
-        A receiving stage also discards a request whose input has not arrived: nobody
-        would read its upstream's chunks, which would then wait for their TTL."""
+        """Drop the request: engine, chunk sender and receiver, its input entry. A receiving
+        stage also discards a request whose input has not arrived: nobody would read its
+        upstream's chunks, which would then wait for their TTL."""
         first = request_id not in self._recent_aborts
         self._recent_aborts[request_id] = now
         self._recent_aborts.move_to_end(request_id)
@@ -182,14 +182,14 @@ class WorkerCore:
         error = f"stage {self.stage_id} output lost: {reason}"
         for rid, outs in by_request.items():
             if any(o.is_error for o in outs):  # its error final was lost too: nothing left
-                log.error("stage %d: error output for %r lost: %s", self.stage_id, rid, reason)
+                log.error("stage %d: error output lost: %s", self.stage_id, reason, extra=_rid(rid))
                 continue
             if rid in self._active:
                 self._fail(rid, error)
                 continue
             # It ended already: its final went into the lost batch or was skipped after it.
             self.metrics.inc("omni_requests_failed_total", stage=self._stage)
-            log.error("stage %d: request %r failed: %s", self.stage_id, rid, error)
+            log.error("stage %d: request failed: %s", self.stage_id, error, extra=_rid(rid))
             ack = next((o.ack for o in outs if o.ack is not None), None)
             self._publish_error(rid, error, max(o.seq for o in outs) + 1, ack)
 
@@ -249,7 +249,7 @@ class WorkerCore:
             if len(payload) > self.max_message_bytes:  # the reader would refuse it
                 raise CodecError(f"{len(payload)} bytes > OMNI_MAX_MESSAGE_BYTES")
         except CodecError as e:
-            log.error("stage %d output for %r cannot be sent: %s", self.stage_id, rid, e)
+            log.error("stage %d: output cannot be sent: %s", self.stage_id, e, extra=_rid(rid))
             self._fail(rid, f"output cannot be sent: {e}", abort_engine=not ends)
             return
         if out.error is not None:
@@ -274,7 +274,7 @@ class WorkerCore:
         req = self._active[rid]
         if abort_engine:
             self._abort_engine(rid)
-        log.error("stage %d: request %r failed: %s", self.stage_id, rid, error)
+        log.error("stage %d: request failed: %s", self.stage_id, error, extra=_rid(rid))
         self._actions.discards.append(rid)
         self._publish_error(rid, error, req.seq, req.entry_id)
         self._end(rid, failed=True)
@@ -292,7 +292,7 @@ class WorkerCore:
         try:
             self.engine.abort(rid)
         except Exception:
-            log.exception("stage %d (%s): abort(%r) raised", self.stage_id, self.stage_name, rid)
+            log.exception("stage %d: abort() raised", self.stage_id, extra=_rid(rid))
 
     def _engine_error(self, method: str, e: Exception) -> str:
         log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)

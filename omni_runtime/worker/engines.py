@@ -134,7 +134,7 @@ class GeneratorEngine:
         except RequestAborted:
             return
         except Exception as e:
-            log.exception("stage code failed for %r", request_id)
+            log.exception("stage code failed for %r", request_id, extra={"request_id": request_id})
             self._emit(request_id, None, True, error=f"{type(e).__name__}: {e}")
 
     def _drain(self, request_id: str, gen: Generator[Any, Any, Any]) -> None:

@@ -104,7 +104,13 @@ class Takeover:
                 f"input delivered {times} times without finishing "
                 f"(OMNI_MAX_DELIVERIES={self.max_deliveries}); dead-lettered"
             )
-            log.error("stage %d: %s: request %r", self.stage_id, error, msg.request_id)
+            log.error(
+                "stage %d: %s: request %r",
+                self.stage_id,
+                error,
+                msg.request_id,
+                extra={"request_id": msg.request_id},
+            )
             self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, raw[eid])
             inputs.append(Input(eid, msg, refused=error))
         if inputs:

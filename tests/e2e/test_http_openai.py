@@ -12,8 +12,10 @@ import wave
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
@@ -112,6 +114,17 @@ def test_openai_client_errors(server: ServeProcess) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="omni", messages=[])
     assert info.value.param == "messages"
+
+
+def test_serve_exports_its_metrics_without_a_key(server: ServeProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    client.audio.speech.create(model="omni", input="Hi", voice="alloy", response_format="wav")
+    resp = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert resp.status_code == 200, resp.text
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    for name in ("omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds"):
+        (count,) = [s for s in families[name].samples if s.name == f"{name}_count"]
+        assert count.value >= 1 and count.labels["role"] == "serve"
 
 
 @pytest.mark.parametrize(

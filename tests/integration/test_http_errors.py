@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.http.app import create_app
 from omni_runtime.http.gateway import Gateway
@@ -17,6 +18,7 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.integration.http_support import (
+    AUDIO_ON,
     CHAT,
     WORKERS,
     assert_error,
@@ -108,6 +110,24 @@ async def test_api_keys(cluster: InProcessCluster) -> None:
         assert (await api.get("/v1/models", headers=ok)).status_code == 200
         assert (await api.post(CHAT, json=chat_body(), headers=ok)).status_code == 200
         assert (await api.get("/health")).status_code == 200  # probes need no key
+
+
+async def test_metrics_need_no_key_and_time_what_serve_saw(cluster: InProcessCluster) -> None:
+    app = create_app(gateway_for(cluster, api_keys="first-key-123"))
+    ok = {"Authorization": "Bearer first-key-123"}
+    async with http(app) as api:
+        body = chat_body(stream=True, **AUDIO_ON)
+        for _ in range(2):
+            assert (await api.post(CHAT, json=body, headers=ok)).status_code == 200
+        resp = await api.get("/metrics")  # no key: Prometheus scrapes it
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+        assert (await api.post("/metrics")).status_code == 405
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    for name in ("omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds"):
+        (count,) = [s for s in families[name].samples if s.name == f"{name}_count"]
+        assert count.value == 2 and count.labels["role"] == "serve"
+    (received,) = families["omni_requests_received"].samples
+    assert received.value == 2
 
 
 async def test_max_inflight_is_429(fake_clients: RedisClients, settings: Settings) -> None:

@@ -1,5 +1,5 @@
 """deploy/: the Grafana dashboard charts only declared metrics, and charts all of them;
-the Prometheus config scrapes each process kind on the metrics port."""
+the Prometheus config scrapes each process kind on its metrics port."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRICS_PORT = 9400
+SERVE_PORT = 8000
 
 
 def _exprs() -> list[str]:
@@ -41,10 +42,16 @@ def test_dashboard_histogram_queries_go_through_buckets() -> None:
 def test_prometheus_scrapes_every_process_kind() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert {"omni-orchestrator", "omni-worker"} <= set(jobs)
-    names = {n for j in jobs.values() for sd in j.get("dns_sd_configs", []) for n in sd["names"]}
-    assert names == {"orchestrator", "thinker", "talker", "code2wav"}
-    ports = {sd["port"] for j in jobs.values() for sd in j.get("dns_sd_configs", [])}
-    assert ports == {METRICS_PORT}
+    assert {"omni-orchestrator", "omni-worker", "omni-serve"} <= set(jobs)
+    ports = {
+        n: sd["port"]
+        for j in jobs.values()
+        for sd in j.get("dns_sd_configs", [])
+        for n in sd["names"]
+    }
+    assert set(ports) == {"orchestrator", "thinker", "talker", "code2wav", "serve"}
+    # serve answers /metrics on its HTTP port; every other process on OMNI_METRICS_PORT
+    assert ports.pop("serve") == SERVE_PORT
+    assert set(ports.values()) == {METRICS_PORT}
     for path in ("datasources.yml", "dashboards.yml"):
         assert yaml.safe_load((DEPLOY / "grafana" / path).read_text())["apiVersion"] == 1
