@@ -41,6 +41,9 @@ __all__ = ["OmniClient", "RequestTimeoutError"]
 
 log = logging.getLogger(__name__)
 
+READY_POLL_S = 0.02
+"""`wait_ready` checks the heartbeats this often: a few cheap commands, once per start."""
+
 
 class OmniClient:
     def __init__(
@@ -149,7 +152,7 @@ class OmniClient:
                     "(raise OMNI_STARTUP_TIMEOUT_S, or check that those processes run "
                     "against the same Redis URL and namespace)"
                 )
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(READY_POLL_S)
 
     async def submit(
         self, prompt: Any, request_id: str | None = None, deadline_s: float | None = None

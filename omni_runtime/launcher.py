@@ -111,7 +111,11 @@ class RedisServer:
             if self.log_path is not None:
                 out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
             try:
-                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                # Its own session: a Ctrl-C in the terminal must not kill it before the
+                # processes using it have stopped (whoever started it stops it, last).
+                self.proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
             except OSError as e:
                 raise FatalError(f"cannot start {self.binary}: {e}") from e
             finally:
@@ -238,10 +242,16 @@ class ProcessGroup:
             text = (self.log_dir / f"{name}.log").read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM everyone (graceful), SIGKILL stragglers; keeps the logs readable by `tail`."""
+    def stop(
+        self, timeout_s: float = 10.0, *, keep_failed_logs: bool = False, failed: bool = False
+    ) -> Path | None:
+        """SIGTERM everyone (graceful), SIGKILL stragglers; keeps the logs readable by `tail`.
+
+        The log directory is deleted, except with `keep_failed_logs` when the caller's run
+        `failed` or a process exited non-zero (or was killed): then it stays for a
+        post-mortem, and is returned."""
         if self.final_logs:
-            return
+            return None
         for _name, proc, _f in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -255,7 +265,11 @@ class ProcessGroup:
                 proc.wait()
             logfile.close()
             self.final_logs[name] = (self.log_dir / f"{name}.log").read_text(errors="replace")
+        crashed = any(proc.returncode != 0 for _n, proc, _f in self.procs)
+        if keep_failed_logs and (failed or crashed):
+            return self.log_dir
         shutil.rmtree(self.log_dir, ignore_errors=True)
+        return None
 
 
 def child_env(redis_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:

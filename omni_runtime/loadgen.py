@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 from omni_runtime.client import OmniClient
 from omni_runtime.pipeline import PipelineConfig
@@ -11,33 +12,55 @@ from omni_runtime.settings import Settings
 from omni_runtime.stats import percentile
 
 
+@dataclass(slots=True)
+class LoadResult:
+    """What a load run measured; `str()` is the report `bench` prints."""
+
+    requests: int
+    concurrency: int
+    errors: int = 0
+    """Requests that ended with an error output."""
+    wall_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    first_ms: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.errors == 0
+
+    def __str__(self) -> str:
+        lat, first = self.latencies_ms, self.first_ms
+        rate = self.requests / self.wall_s if self.wall_s > 0 else 0.0
+        return (
+            f"{self.requests} requests, concurrency {self.concurrency}, {self.errors} errors, "
+            f"{self.wall_s:.2f} s\n"
+            f"throughput  {rate:,.0f} requests/s\n"
+            f"latency     p50 {percentile(lat, 50):.2f} ms  p99 {percentile(lat, 99):.2f} ms\n"
+            f"first out   p50 {percentile(first, 50):.2f} ms  p99 {percentile(first, 99):.2f} ms"
+        )
+
+
 async def run_load(
     settings: Settings, pipeline: PipelineConfig, n_requests: int, concurrency: int, prompt: str
-) -> str:
-    latencies_ms: list[float] = []
-    first_ms: list[float] = []
-    errors = 0
+) -> LoadResult:
+    result = LoadResult(n_requests, concurrency)
     async with OmniClient(settings) as client:
         await client.wait_ready(list(range(pipeline.last_stage + 1)))
         slots = asyncio.Semaphore(concurrency)
 
         async def one() -> None:
-            nonlocal errors
             async with slots:
                 t0 = time.perf_counter()
                 first = None
+                failed = False
                 async for out in client.generate(prompt):
                     first = first or time.perf_counter()
-                    errors += out.error is not None
-                latencies_ms.append((time.perf_counter() - t0) * 1000)
-                first_ms.append(((first or t0) - t0) * 1000)
+                    failed |= out.error is not None
+                result.errors += failed
+                result.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                result.first_ms.append(((first or t0) - t0) * 1000)
 
         start = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n_requests)))
-        wall_s = time.perf_counter() - start
-    return (
-        f"{n_requests} requests, concurrency {concurrency}, {errors} errors, {wall_s:.2f} s\n"
-        f"throughput  {n_requests / wall_s:,.0f} requests/s\n"
-        f"latency     p50 {percentile(latencies_ms, 50):.2f} ms  p99 {percentile(latencies_ms, 99):.2f} ms\n"
-        f"first out   p50 {percentile(first_ms, 50):.2f} ms  p99 {percentile(first_ms, 99):.2f} ms"
-    )
+        result.wall_s = time.perf_counter() - start
+    return result

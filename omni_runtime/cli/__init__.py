@@ -125,9 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")
     b.add_argument("--prompt", default="hi there", help="the prompt of every request")
     b.set_defaults(func=cmd_bench)
-    from omni_runtime.ops.dead_letters import add_dead_letters_arguments
-    from omni_runtime.ops.status import add_status_arguments
-    from omni_runtime.ops.trace_view import add_trace_arguments
+    from omni_runtime.ops.flags import (
+        add_dead_letters_arguments,
+        add_status_arguments,
+        add_trace_arguments,
+    )
 
     for name, help_text, add_flags, func in (
         (

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -112,13 +113,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
         env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
         group = ProcessGroup(Path(args.pipeline), pipeline, env)
+        failed = True  # until the request has ended well; a Ctrl-C is no failure
         group.start()
         try:
             run_settings = settings.model_copy(update={"redis_url": url})
             stage_ids = list(range(pipeline.last_stage + 1))
             asyncio.run(_watch(group, _submit_and_print(run_settings, prompt, printer, stage_ids)))
-        finally:
-            group.stop()
+            failed = printer.failed
+        except KeyboardInterrupt:
+            failed = False
+            raise
+        finally:  # the processes stop before the Redis they use (`local_redis` exits after)
+            kept = group.stop(keep_failed_logs=True, failed=failed)
+            if kept is not None:
+                print(f"logs kept in {kept}", file=sys.stderr, flush=True)
     write_wav(printer, args.wav, _wav_rate(pipeline))
     print(printer.summary())
     return 1 if printer.failed else 0
@@ -141,11 +149,11 @@ async def _watch(group: Any, work: Any) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from omni_runtime.loadgen import run_load
 
-    report = asyncio.run(
+    result = asyncio.run(
         run_load(settings_of(args), _pipeline(args), args.requests, args.concurrency, args.prompt)
     )
-    print(report)
-    return 1 if " 0 errors" not in report else 0
+    print(result)
+    return 0 if result.ok else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ from typing import Any
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
-from omni_runtime.observe.prometheus import maybe_start_metrics_server
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, Tracer, tracer_for
 
@@ -57,7 +56,10 @@ def start_observability(
     """
     labels = {"role": role.split(":", 1)[0], **(const_labels or {})}
     obs = Observability(metrics, None)
-    obs._stops.append(maybe_start_metrics_server(metrics, settings.metrics_port, labels))
+    if settings.metrics_port > 0:  # prometheus_client (~0.1 s to import) only when asked for
+        from omni_runtime.observe.prometheus import maybe_start_metrics_server
+
+        obs._stops.append(maybe_start_metrics_server(metrics, settings.metrics_port, labels))
     try:
         obs.tracer = tracer_for(
             settings.trace_file,

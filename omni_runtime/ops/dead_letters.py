@@ -20,6 +20,7 @@ from rich.table import Table
 
 from omni_runtime import keys
 from omni_runtime.errors import ConfigError
+from omni_runtime.ops.flags import add_dead_letters_arguments as add_dead_letters_arguments
 from omni_runtime.settings import Settings
 
 RAW_CUT_BYTES = 4096
@@ -92,13 +93,6 @@ def replay(
         pipe.xdel(names.dead_letters, dead_id)
         new_id, _ = pipe.execute()
     return _s(new_id)
-
-
-def add_dead_letters_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replay", metavar="ID", help="re-queue this dead letter onto its stream")
-    parser.add_argument("--force", action="store_true", help="replay even a payload cut at 4 KiB")
-    parser.add_argument("--limit", type=int, default=100, help="list at most this many (newest)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run_dead_letters(

@@ -23,6 +23,7 @@ from rich.text import Text
 
 from omni_runtime import keys
 from omni_runtime.observe import redis_stats
+from omni_runtime.ops.flags import add_status_arguments as add_status_arguments
 from omni_runtime.settings import Settings
 
 
@@ -172,12 +173,6 @@ def render(snap: dict[str, Any]) -> Group:
     if latency is not None:
         parts.append(latency)
     return Group(*parts)
-
-
-def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
 
 def run_status(

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from omni_runtime.errors import ConfigError
+from omni_runtime.ops.flags import add_trace_arguments as add_trace_arguments
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Flushable, Stamp, read_redis_trace
 
@@ -111,15 +112,6 @@ def draw_gantt(request_id: str, stamps: list[Stamp], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("request_id", help="the request's id (as `submit -v` logs it)")
-    parser.add_argument("--png", metavar="FILE", help="also draw the timeline into this PNG file")
-    parser.add_argument("--json", action="store_true", help="print the stamps as JSON")
-    parser.add_argument(
-        "--otel", action="store_true", help="send it to OTEL_EXPORTER_OTLP_ENDPOINT as spans"
-    )
 
 
 def run_trace(

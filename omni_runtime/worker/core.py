@@ -26,6 +26,7 @@ from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepF
 
 log = logging.getLogger(__name__)
 
+MODES = ("sequential", "streaming")  # by `streaming`; an input in the other mode fails
 ABORT_MEMORY_S, ABORT_MEMORY_MAX = 60.0, 10_000
 """Aborted ids are remembered (to drop their late inputs) this long, and at most this many."""
 
@@ -122,10 +123,15 @@ class WorkerCore:
 
     def on_input(self, inp: Input, now: float) -> None:
         """Start a request; a redelivery of one running here, or of an aborted one, is acked."""
-        rid = inp.msg.request_id
-        if inp.refused is not None and rid not in self._active:
+        rid, refused = inp.msg.request_id, inp.refused
+        if refused is None and inp.msg.streaming != self.receives_chunks:
+            refused = (
+                f"the orchestrator runs {MODES[inp.msg.streaming]} mode, this worker of stage "
+                f"{self._stage} runs {MODES[self.receives_chunks]}: start both with the same --mode"
+            )
+        if refused is not None and rid not in self._active:
             self.metrics.inc("omni_requests_failed_total", stage=self._stage)
-            self._publish_error(rid, inp.refused, 0, inp.entry_id)
+            self._publish_error(rid, refused, 0, inp.entry_id)
             self._actions.freed_slots += 1
             return
         if rid in self._active or rid in self._recent_aborts:
@@ -174,8 +180,7 @@ class WorkerCore:
         return bool(ready)
 
     def on_publish_failed(self, lost: Sequence[Outgoing], reason: str) -> None:
-        """Outputs the shell could not write: their requests end with an error output now,
-        never silently short of data."""
+        """Outputs the shell could not write: their requests end with an error output now."""
         by_request: dict[str, list[Outgoing]] = {}
         for out in lost:
             by_request.setdefault(out.request_id, []).append(out)
@@ -225,11 +230,9 @@ class WorkerCore:
             for rid, req in self._active.items()
             if req.stream is not None and not req.stream.closed and now - req.last_input_at > limit
         ]
+        error = f"no input from stage {self.stage_id - 1} within {limit:g}s (OMNI_INPUT_TIMEOUT_S)"
         for rid in stalled:
-            self._fail(
-                rid,
-                f"no input from stage {self.stage_id - 1} within {limit:g}s (OMNI_INPUT_TIMEOUT_S)",
-            )
+            self._fail(rid, error)
         horizon = now - self._abort_memory_s
         while self._recent_aborts and next(iter(self._recent_aborts.values())) < horizon:
             self._recent_aborts.popitem(last=False)
@@ -240,7 +243,8 @@ class WorkerCore:
         req = self._active.get(rid)
         if req is None:
             return  # aborted or failed meanwhile
-        ends = out.finished or out.error is not None
+        is_error = out.error is not None
+        ends = out.finished or is_error
         msg = StageOutputMsg(
             request_id=rid, data=out.data, finished=out.finished, error=out.error, seq=req.seq
         )
@@ -252,17 +256,15 @@ class WorkerCore:
             log.error("stage %d: output cannot be sent: %s", self.stage_id, e, extra=_rid(rid))
             self._fail(rid, f"output cannot be sent: {e}", abort_engine=not ends)
             return
-        if out.error is not None:
+        if is_error:
             self._actions.discards.append(rid)
         elif self.sends_chunks:
             self._actions.chunk_saves.append((rid, out.data, out.finished))
         ack = req.entry_id if ends else None
-        self._actions.outputs.append(
-            Outgoing(rid, req.seq, payload, ends, out.error is not None, ack)
-        )
+        self._actions.outputs.append(Outgoing(rid, req.seq, payload, ends, is_error, ack))
         req.seq += 1
         if ends:
-            self._end(rid, failed=out.error is not None)
+            self._end(rid, failed=is_error)
 
     def _publish_error(self, rid: str, error: str, seq: int, ack: bytes | None) -> None:
         msg = StageOutputMsg(request_id=rid, data=None, finished=True, error=error, seq=seq)

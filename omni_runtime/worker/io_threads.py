@@ -27,7 +27,7 @@ from omni_runtime.worker.core import Input
 
 log = logging.getLogger(__name__)
 
-IDLE_READ_BLOCK_MS = 1000
+IDLE_READ_BLOCK_MS = 250
 """A blocking read returns the moment an entry arrives; its timeout only sets how often an
 idle worker wakes (CPU) and how long a stopping thread may take to notice."""
 SLOT_WAIT_S = 0.1

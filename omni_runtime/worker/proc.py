@@ -49,7 +49,7 @@ HOUSEKEEPING_INTERVAL_S = 0.05
 IDLE_LOOP_WAIT_S = 1.0
 """With no request in flight the loop sleeps until woken (inputs, aborts), at most this long."""
 DRAIN_S = 5.0
-"""After `stop()`, requests in flight get this long to finish before the process exits."""
+"""After `stop()`, requests in flight get this long to finish (a second `stop()`: none)."""
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -79,6 +79,7 @@ class StageWorker:
         self.observed = WorkerObservation(self.metrics, stage_id, self.worker_id, self.in_stream)
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._stop_now = False
         self._input_stop = threading.Event()
         self._inputs: Handoff[Input] = Handoff(self._wake)
         self._aborts: Handoff[str] = Handoff(self._wake)
@@ -182,7 +183,9 @@ class StageWorker:
             self._shut_down()
 
     def stop(self) -> None:
-        """Stop reading inputs and drain; safe to call from a signal handler."""
+        """Stop reading inputs and drain; called again, stop without draining (a second
+        Ctrl-C, a SIGTERM after it). Safe to call from a signal handler."""
+        self._stop_now = self._stop.is_set()
         self._stop.set()
         self._input_stop.set()
         self._wake.set()
@@ -215,7 +218,7 @@ class StageWorker:
             now = time.monotonic()
             if self._stop.is_set():
                 drain_deadline = drain_deadline or now + DRAIN_S
-                if not self.core.in_flight or now > drain_deadline:
+                if not self.core.in_flight or now > drain_deadline or self._stop_now:
                     return
             self._wake.clear()
             busy = self._feed(now)

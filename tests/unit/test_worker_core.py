@@ -62,8 +62,8 @@ def make(
         engine,
         1,
         "upper",
-        sends_chunks=streaming,
-        receives_chunks=streaming,
+        sends_chunks=kw.pop("sends_chunks", streaming),
+        receives_chunks=kw.pop("receives_chunks", streaming),
         max_message_bytes=kw.pop("max_message_bytes", 1 << 20),
         input_timeout_s=kw.pop("input_timeout_s", 10.0),
         metrics=Metrics(),
@@ -161,13 +161,13 @@ def test_streaming_inputs_get_a_chunk_stream_and_time_out_when_upstream_goes_sil
 
 
 def test_streaming_outputs_are_saved_as_chunks_and_errors_discard_them() -> None:
-    core, engine = make(streaming=True)
+    core, engine = make(sends_chunks=True)  # a sending stage that reads its input whole
     core.on_input(inp("a", [1, 2]), now=0)
     while core.step():
         pass
     actions = core.take_actions()
     assert actions.chunk_saves == [("a", 1, False), ("a", 2, True)]
-    assert actions.receiver_cleanups == ["a"] and actions.discards == []
+    assert actions.receiver_cleanups == [] and actions.discards == []
     core.on_input(inp("b", [3]), now=0)
     engine.fail_on["step"] = StepFailed(["b"], "bad")
     core.step()
@@ -258,3 +258,29 @@ def test_lost_outputs_end_their_requests_with_an_error_output() -> None:
     assert engine.aborted == ["running"] and core.in_flight == 0
     core.on_publish_failed(actions.outputs, "still down")  # the error outputs lost as well
     assert core.take_actions().outputs == []
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [("sequential", "streaming"), ("streaming", "sequential")]
+)
+def test_an_input_from_an_orchestrator_in_the_other_mode_fails_naming_both(
+    ours: str, theirs: str
+) -> None:
+    core, engine = make(streaming=ours == "streaming")
+    core.on_input(inp("a", None, streaming=theirs == "streaming"), now=0)
+    actions = core.take_actions()
+    error = (
+        f"the orchestrator runs {theirs} mode, this worker of stage 1 runs {ours}: "
+        "start both with the same --mode"
+    )
+    assert published(actions) == [("a", 0, None, True, error)]
+    assert [o.ack for o in actions.outputs] == [b"a-0"] and actions.freed_slots == 1
+    assert engine.queues == {} and core.in_flight == 0
+    assert core.metrics.value("omni_requests_failed_total", stage=1) == 1
+
+
+def test_stage_0_inputs_never_carry_the_mode() -> None:
+    """The orchestrator sends stage 0 its prompt whole in both modes."""
+    core, _ = make(sends_chunks=True)
+    core.on_input(inp("a", ["x"]), now=0)
+    assert core.is_active("a")
