@@ -1,12 +1,10 @@
 """A stage worker's decisions, with no I/O and no threads of its own.
 
-The process shell (`proc.py`) feeds it what its I/O threads delivered (`on_input`,
-`on_abort`, `on_chunks`, `on_publish_failed`), lets it drive the engine (`step`,
-`tick`) and carries out the `Actions` it hands back: outputs to publish, inputs to
-acknowledge, chunks to save, requests to discard. Every rule of a request's life on a
-worker — one final per request, per-request output sequence numbers, an abort beats
-a late input, a silent upstream times out, a failing engine fails only the requests
-it concerns — lives here, testable with an in-memory engine and no Redis.
+The process shell (`proc.py`) feeds it what its I/O threads delivered, lets it drive
+the engine (`step`, `tick`) and carries out the `Actions` it hands back. Every rule of
+a request's life on a worker — one final per request, per-request output sequence
+numbers, an abort beats a late input, a silent upstream times out, a failing engine
+fails only the requests it concerns — lives here, testable with no Redis.
 """
 
 from __future__ import annotations
