@@ -16,6 +16,7 @@ OMNI = Path(__file__).resolve().parents[2] / "workers" / "omni.yaml"
 
 class FakePopen:
     envs: ClassVar[list[dict[str, str]]] = []
+    returncode = 0
 
     def __init__(self, cmd: list[str], env: dict[str, str], **_kw: Any) -> None:
         self.envs.append(env)
