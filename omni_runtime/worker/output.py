@@ -70,6 +70,10 @@ class OutputThread:
                 self._outputs.extend(outputs)
                 self._acks.extend(acks)
                 self._cv.notify_all()
+            if outputs:
+                # Hand the interpreter lock to the woken writer now: left to the switch
+                # interval (5 ms), a busy scheduler would hold every output back that long.
+                time.sleep(0)
 
     def idle(self) -> bool:
         """Nothing queued and nothing being written."""
