@@ -8,12 +8,10 @@ import time
 
 import fakeredis
 import pytest
-from rich.console import Console
-
-pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from rich.console import Console
 
 from omni_runtime.observe.otel import OtelTracer, export_stamps
 from omni_runtime.ops.trace_view import add_trace_arguments, run_trace
