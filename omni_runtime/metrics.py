@@ -37,6 +37,8 @@ COUNTERS: Mapping[str, str] = {
     "omni_requests_completed_total": "Requests a worker finished.",
     "omni_requests_failed_total": "Requests that ended with an error, by stage.",
     "omni_takeovers_total": "Inputs claimed from a replica whose heartbeat expired.",
+    "omni_deposed_requests_total": "Requests a stalled replica gave up: another claimed them.",
+    "omni_fenced_outputs_total": "Outputs not published: their input was claimed by another.",
     "omni_stage_outputs_total": "Outputs a stage published, by stage.",
     "omni_stage_errors_total": "Stage code failures, by stage.",
     "omni_deadline_exceeded_total": "Requests ended because they outlived their deadline.",

@@ -12,64 +12,21 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime import codec
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.messages import StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepFailed
+from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
 
 log = logging.getLogger(__name__)
 
 MODES = ("sequential", "streaming")  # by `streaming`; an input in the other mode fails
 ABORT_MEMORY_S, ABORT_MEMORY_MAX = 60.0, 10_000
 """Aborted ids are remembered (to drop their late inputs) this long, and at most this many."""
-
-
-@dataclass(frozen=True, slots=True)
-class Input:
-    """A validated input and its stream entry; `refused`: why its request fails unrun."""
-
-    entry_id: bytes
-    msg: StageInputMsg
-    refused: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """One encoded `StageOutputMsg`; `ack`: the input entry it ends, acknowledged with it."""
-
-    request_id: str
-    seq: int
-    payload: bytes
-    ends: bool
-    is_error: bool
-    ack: bytes | None = None
-
-
-@dataclass(slots=True)
-class Actions:
-    """What the shell must do, in this order: publish `outputs` and `acks` (one batch), then
-    load receivers, save chunks, discard, clean up receivers; give back `freed_slots`."""
-
-    outputs: list[Outgoing] = field(default_factory=list)
-    acks: list[bytes] = field(default_factory=list)
-    chunk_saves: list[tuple[str, Any, bool]] = field(default_factory=list)
-    discards: list[str] = field(default_factory=list)
-    receiver_loads: list[str] = field(default_factory=list)
-    receiver_cleanups: list[str] = field(default_factory=list)
-    freed_slots: int = 0
-
-
-@dataclass(slots=True)
-class _Request:
-    entry_id: bytes
-    last_input_at: float
-    stream: ChunkStream | None = None
-    seq: int = 0
 
 
 class WorkerCore:
@@ -100,9 +57,11 @@ class WorkerCore:
         self._stage = str(stage_id)
         self._abort_memory_s = abort_memory_s
         self._abort_memory_max = abort_memory_max
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, ActiveRequest] = {}
         self._recent_aborts: OrderedDict[str, float] = OrderedDict()
         self._actions = Actions()
+        self._last_check: Ownership | None = None
+        """The latest ownership snapshot: an input read before a stall may arrive after it."""
 
     @property
     def in_flight(self) -> int:
@@ -132,11 +91,16 @@ class WorkerCore:
             self._publish_error(rid, refused, 0, inp.entry_id)
             self._actions.freed_slots += 1
             return
+        check = self._last_check
+        if check and not inp.taken_over and check.lost(inp.entry_id):  # read before a stall
+            self.metrics.inc("omni_deposed_requests_total", stage=self._stage)
+            self._actions.freed_slots += 1
+            return
         if rid in self._active or rid in self._recent_aborts:
             self._actions.acks.append(inp.entry_id)
             self._actions.freed_slots += 1
             return
-        req = _Request(inp.entry_id, now)
+        req = ActiveRequest(inp.entry_id, now)
         data = inp.msg.data
         if inp.msg.streaming and self.receives_chunks:
             req.stream = data = ChunkStream()
@@ -166,6 +130,23 @@ class WorkerCore:
         self._actions.acks.append(req.entry_id)
         self._actions.freed_slots += 1
         self.metrics.inc("omni_aborts_total", reason="aborted", stage=self._stage)
+
+    def on_ownership(self, ownership: Ownership) -> list[str]:
+        """Drop, unpublished, the requests whose input another replica claimed while this
+        one stalled; returns their ids, so their queued writes go too."""
+        self._last_check = ownership
+        lost = [rid for rid, req in self._active.items() if ownership.lost(req.entry_id)]
+        for rid in lost:
+            del self._active[rid]
+            self._abort_engine(rid)
+            if self.receives_chunks:  # locally only: the chunk keys are the new owner's now
+                self._actions.receiver_cleanups.append(rid)
+            self._actions.freed_slots += 1
+            self.metrics.inc("omni_deposed_requests_total", stage=self._stage)
+            log.warning(
+                "stage %d: input claimed by another replica", self.stage_id, extra=_rid(rid)
+            )
+        return lost
 
     def on_chunks(self, ready: Mapping[str, Sequence[Mapping[str, Any]]], now: float) -> bool:
         """Hand received chunks (`{req: [{"data", "finished"}, ...]}`) to their requests."""

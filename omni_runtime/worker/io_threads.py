@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
@@ -23,7 +24,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
-from omni_runtime.worker.core import Input
+from omni_runtime.worker.actions import Input
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,7 @@ class HeartbeatThread(_Loop):
         ttl_ms: int,
         status: Callable[[], dict[str, Any]],
         after_beat: Callable[[], None],
+        fence_check: Callable[[float], None] = lambda _started: None,
     ) -> None:
         super().__init__("heartbeat")
         self.client = client
@@ -242,9 +244,13 @@ class HeartbeatThread(_Loop):
         self.ttl_ms = ttl_ms
         self.status = status
         self.after_beat = after_beat
+        self.fence_check = fence_check
+        """Given when the beat started: the key's TTL counts from about then."""
 
     def start(self) -> None:
+        started = time.monotonic()
         self.beat()  # visible before the first read, so nobody takes us for dead
+        self.fence_check(started)
         super().start()
 
     def beat(self) -> None:
@@ -259,7 +265,9 @@ class HeartbeatThread(_Loop):
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
+                started = time.monotonic()
                 self.beat()
+                self.fence_check(started)
                 self.after_beat()
             except RedisError as e:
                 log.warning("heartbeat failed: %r", e)

@@ -16,7 +16,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.observe.start import Observability, start_observability
 from omni_runtime.observe.timings import StageTimer
 from omni_runtime.settings import Settings
-from omni_runtime.worker.core import Actions, Input
+from omni_runtime.worker.actions import Actions, Input
 
 
 class WorkerObservation:
@@ -73,4 +73,5 @@ class WorkerObservation:
             "aborted": self.count("omni_aborts_total"),
             "malformed_inputs": self.count("omni_malformed_entries_total", stream=self.in_stream),
             "takeovers": self.count("omni_takeovers_total"),
+            "deposed": self.count("omni_deposed_requests_total"),
         }

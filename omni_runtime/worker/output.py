@@ -22,10 +22,12 @@ from omni_runtime import keys
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.writer import xadd_fields
-from omni_runtime.worker.core import Outgoing
+from omni_runtime.worker.actions import Outgoing, Ownership
+from omni_runtime.worker.fence import Fence
 
 log = logging.getLogger(__name__)
 
+FENCE_POLL_S = 0.2
 STOPPING_ATTEMPTS = 3
 """At shutdown a write is tried at most this often: a dead Redis must not hold the exit."""
 
@@ -43,8 +45,10 @@ class OutputThread:
         backoff: Callable[[], Backoff],
         on_lost: Callable[[list[Outgoing], str], None],
         metrics: Metrics,
+        fence: Fence | None = None,
     ) -> None:
         self.client = client
+        self.fence = fence
         self.out_stream = out_stream
         self.in_stream = in_stream
         self.maxlen = maxlen
@@ -80,6 +84,19 @@ class OutputThread:
         with self._cv:
             return not (self._outputs or self._acks or self._writing)
 
+    def forget(self, request_ids: set[str], ownership: Ownership) -> None:
+        """Drop what is queued for inputs another replica claimed (see `fence.py`): the
+        requests the scheduler gave up, and those that ended here but whose queued final
+        would acknowledge an entry no longer ours."""
+        with self._cv:
+            claimed = request_ids | {
+                o.request_id for o in self._outputs if o.ack is not None and ownership.lost(o.ack)
+            }
+            kept = [o for o in self._outputs if o.request_id not in claimed]
+            self.metrics.inc("omni_fenced_outputs_total", len(self._outputs) - len(kept))
+            self.metrics.inc("omni_deposed_requests_total", len(claimed - request_ids))
+            self._outputs = kept
+
     def request_stop(self) -> None:
         """Write what is queued, then exit."""
         with self._cv:
@@ -96,6 +113,9 @@ class OutputThread:
                 self._cv.wait_for(lambda: self._outputs or self._acks or self._stop)
                 if not (self._outputs or self._acks):
                     return
+            if not self._fence_open():
+                return
+            with self._cv:
                 outputs, self._outputs = self._outputs, []
                 acks, self._acks = self._acks, []
                 self._writing = True
@@ -104,6 +124,19 @@ class OutputThread:
             finally:
                 with self._cv:
                     self._writing = False
+
+    def _fence_open(self) -> bool:
+        """Wait while the fence is shut (this replica may have stalled past its TTL). At
+        shutdown a fence that stays shut drops the queue: unacknowledged, those inputs are
+        another replica's to run."""
+        while self.fence is not None and not self.fence.wait_writable(FENCE_POLL_S):
+            if self._stop:
+                with self._cv:
+                    log.warning("stopping unfenced: %d outputs not published", len(self._outputs))
+                    self.metrics.inc("omni_fenced_outputs_total", len(self._outputs))
+                    self._outputs, self._acks = [], []
+                return False
+        return True
 
     def _skip_lost(
         self, outputs: list[Outgoing], acks: list[bytes]

@@ -29,8 +29,10 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ClosableEngine
-from omni_runtime.worker.core import Actions, Input, Outgoing, WorkerCore
+from omni_runtime.worker.actions import Actions, Input, Outgoing
+from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import load_engine
+from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import (
     ControlThread,
     Handoff,
@@ -138,6 +140,8 @@ class StageWorker:
             stage_id=stage_id,
             metrics=self.metrics,
         )
+        ttl_s = s.heartbeat_ttl_ms / 1000
+        self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
         self._heartbeat = HeartbeatThread(
             self._client,
             self.names.stage_heartbeat(stage_id, self.worker_id),
@@ -145,6 +149,7 @@ class StageWorker:
             s.heartbeat_ttl_ms,
             self.status,
             takeover,
+            self._guard.after_beat,
         )
         self._output = OutputThread(
             self._client,
@@ -154,6 +159,7 @@ class StageWorker:
             backoff=lambda: s.backoff(bounded=True),
             on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
             metrics=self.metrics,
+            fence=self._guard.fence,
         )
 
     def run(self) -> None:
@@ -244,8 +250,9 @@ class StageWorker:
             core.on_input(inp, now)
         for outs, reason in lost:
             core.on_publish_failed(outs, reason)
+        checked = self._guard.apply(core.on_ownership, self._output.forget)
         ready = self.adapter.poll_ready() if self.adapter and self.receives_chunks else {}
-        return core.on_chunks(ready, now) or bool(aborts or inputs or lost)
+        return core.on_chunks(ready, now) or bool(aborts or inputs or lost or checked)
 
     def _apply(self, actions: Actions) -> None:
         """Writes go to the output thread first; chunks after (the user's output leads)."""
@@ -287,13 +294,5 @@ class StageWorker:
                 log.exception("stage %d engine close() raised", self.stage_id)
         self.observed.close()
         self._client.close()
-        log.info(
-            "worker %s of stage %d stopped: %d requests completed, %d aborted, "
-            "%d still active, %d malformed inputs",
-            self.worker_id,
-            self.stage_id,
-            self.completed,
-            self.aborted,
-            self.core.in_flight,
-            self.malformed_inputs,
-        )
+        status = {k: v for k, v in self.status().items() if isinstance(v, int) and k != "pid"}
+        log.info("worker %s of stage %d stopped: %s", self.worker_id, self.stage_id, status)

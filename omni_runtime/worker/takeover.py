@@ -20,7 +20,7 @@ from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.worker.core import Input
+from omni_runtime.worker.actions import Input
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Takeover:
         for eid, msg in self.reader.accept(entries):
             times = deliveries.get(_id(eid), 0)
             if times < self.max_deliveries:
-                inputs.append(Input(eid, msg))
+                inputs.append(Input(eid, msg, taken_over=True))
                 continue
             error = (
                 f"input delivered {times} times without finishing "
@@ -112,7 +112,7 @@ class Takeover:
                 extra={"request_id": msg.request_id},
             )
             self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, raw[eid])
-            inputs.append(Input(eid, msg, refused=error))
+            inputs.append(Input(eid, msg, refused=error, taken_over=True))
         if inputs:
             self.deliver(inputs)
 

@@ -10,6 +10,7 @@ that was in flight at the fault), leftover keys and Redis memory before and afte
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -109,6 +110,22 @@ class FaultDeployment:
 
     def signal_pid(self, pid: int, sig: int) -> None:
         os.kill(pid, sig)
+
+    def worker_status(self, stage_id: int) -> list[dict[str, Any]]:
+        """The heartbeat documents of the stage's live workers (their counters)."""
+        pattern = self.settings.names.heartbeat_pattern(stage_id)
+        return [json.loads(self.redis.get(k) or "{}") for k in self.redis.scan_iter(pattern)]
+
+    async def wait_worker_status(
+        self, stage_id: int, done: Callable[[list[dict[str, Any]]], bool], timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """The stage's heartbeat documents once `done` holds of them (or at the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        docs = self.worker_status(stage_id)
+        while not done(docs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # heartbeats are written once per interval
+            docs = self.worker_status(stage_id)
+        return docs
 
     def used_memory(self) -> int:
         return int(self.redis.info("memory")["used_memory"])

@@ -1,12 +1,13 @@
 """A replica stalled past its heartbeat TTL (SIGSTOP), then resumed (SIGCONT): another replica
-has taken its inputs over; what the stalled one publishes late is dropped, so the client sees
-every request once, exact."""
+has taken its inputs over; the stalled one, fenced, gives them up unpublished (and the
+orchestrator drops repeats as a backstop), so the client sees every request once, exact."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +46,16 @@ async def test_sigstop_past_the_ttl_then_sigcont_loses_and_repeats_nothing(
             stall_one_replica,
         )
         d.group.check_alive()
+        # Fenced at the source: each input claimed from the stalled replica, it gives up
+        # unpublished (its heartbeat document shows it a beat after it resumed).
+        docs = await d.wait_worker_status(
+            1, lambda docs: 0 < _sum(docs, "takeovers") == _sum(docs, "deposed"), 15.0
+        )
     print("\n" + header() + "\n" + report.line())
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
     assert report.recovery_s is not None and report.recovery_s <= stall_s + 8, report
+    assert len(docs) == 2 and _sum(docs, "takeovers") == _sum(docs, "deposed"), docs
+
+
+def _sum(docs: list[dict[str, Any]], counter: str) -> int:
+    return sum(int(doc.get(counter, 0)) for doc in docs)

@@ -15,7 +15,8 @@ from omni_runtime.core.types import StageOutput
 from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import EngineOutput
-from omni_runtime.worker.core import Input, WorkerCore
+from omni_runtime.worker.actions import Input
+from omni_runtime.worker.core import WorkerCore
 
 N = 100_000
 GROWTH_LIMIT_BYTES = 4 * 1024 * 1024

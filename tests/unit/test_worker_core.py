@@ -10,7 +10,8 @@ from omni_runtime import codec
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import EngineOutput, StepFailed
-from omni_runtime.worker.core import Actions, Input, WorkerCore
+from omni_runtime.worker.actions import Actions, Input
+from omni_runtime.worker.core import WorkerCore
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.worker.core import Input, Outgoing
+from omni_runtime.worker.actions import Input, Outgoing
 from omni_runtime.worker.io_threads import Slots
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.takeover import Takeover

@@ -1,0 +1,83 @@
+"""What crosses between the worker core and its shell: inputs in, actions out.
+
+Plain data, so the core stays free of I/O and the shell's threads can build inputs
+and ownership snapshots without importing the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.messages import StageInputMsg
+from omni_runtime.stage_api import ChunkStream
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """A validated input and its stream entry; `refused`: why its request fails unrun."""
+
+    entry_id: bytes
+    msg: StageInputMsg
+    refused: str | None = None
+    taken_over: bool = False
+    """Claimed from a dead replica (after any ownership snapshot that listed it as theirs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One encoded `StageOutputMsg`; `ack`: the input entry it ends, acknowledged with it."""
+
+    request_id: str
+    seq: int
+    payload: bytes
+    ends: bool
+    is_error: bool
+    ack: bytes | None = None
+
+
+@dataclass(slots=True)
+class Actions:
+    """What the shell must do, in this order: publish `outputs` and `acks` (one batch), then
+    load receivers, save chunks, discard, clean up receivers; give back `freed_slots`."""
+
+    outputs: list[Outgoing] = field(default_factory=list)
+    acks: list[bytes] = field(default_factory=list)
+    chunk_saves: list[tuple[str, Any, bool]] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)
+    receiver_loads: list[str] = field(default_factory=list)
+    receiver_cleanups: list[str] = field(default_factory=list)
+    freed_slots: int = 0
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    """The core's record of a request running here."""
+
+    entry_id: bytes
+    last_input_at: float
+    stream: ChunkStream | None = None
+    seq: int = 0
+
+
+def stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """The input stream's pending list, read after this replica may have stalled past its
+    heartbeat TTL (see `fence.py`): which inputs another replica claimed meanwhile."""
+
+    mine: frozenset[bytes]
+    others: frozenset[bytes]
+    last_delivered: tuple[int, int]
+    """The group's last delivered id: what is delivered after the snapshot is newer."""
+
+    def lost(self, entry_id: bytes) -> bool:
+        """Pending under another consumer, or delivered before the snapshot and no longer
+        pending at all (another replica claimed and finished it)."""
+        if entry_id in self.mine:
+            return False
+        return entry_id in self.others or stream_id(entry_id) <= self.last_delivered
