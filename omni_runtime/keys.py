@@ -60,6 +60,9 @@ WORKERS_GROUP = "workers"
 """Consumer group the replicas of one stage share its input stream through."""
 STREAM_MAXLEN = 100_000
 """Approximate MAXLEN every XADD trims to: bounded history, never an unbounded stream."""
+CONTROL_STREAM_AGE_S = 60.0
+"""Aborts older than this are trimmed from the control stream (XADD MINID): every worker
+reads it as it comes, so an abort is useful only while a stalled worker may catch up."""
 CLIENT_STREAM_TTL_S = 600
 """A client's output stream expires this long after its last write (client gone away)."""
 HEARTBEAT_TTL_S = 5

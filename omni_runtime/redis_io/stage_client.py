@@ -116,7 +116,8 @@ class RedisStageClient:
 
     async def abort(self, request_id: str) -> None:
         """Broadcast on the control stream: whichever worker holds the request drops it."""
-        self.writer.xadd(self.control, entry_fields(AbortMsg(request_id=request_id)))
+        msg = entry_fields(AbortMsg(request_id=request_id))
+        self.writer.xadd(self.control, msg, max_age_s=keys.CONTROL_STREAM_AGE_S)
 
     async def quiesce(self, timeout_s: float = 5.0) -> None:
         """Stop reading between two reads, so shutdown never cuts a blocking read in half

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,6 +43,8 @@ class XAdd:
     fields: dict[str, Any]
     maxlen: int
     urgent: bool = False
+    max_age_s: float | None = None
+    """Trim by age instead (MINID): for a broadcast stream no group acknowledges."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,11 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
     follow (never an ack before its consequences)."""
     adds = [op for op in ops if isinstance(op, XAdd)]
     for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
-        pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
+        if add.max_age_s is None:
+            pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
+        else:
+            minid = int((time.time() - add.max_age_s) * 1000)
+            pipe.xadd(add.stream, xadd_fields(add.fields), minid=minid, approximate=False)
     acks: dict[tuple[str, str], list[bytes]] = {}
     deletes: dict[str, list[bytes]] = {}
     expires: dict[str, int] = {}
@@ -128,6 +135,7 @@ class StreamWriter:
         maxlen: int | None = None,
         urgent: bool = False,
         trace: tuple[str, int] | None = None,
+        max_age_s: float | None = None,
     ) -> None:
         """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
         latency should not wait behind the outputs being delivered to clients. `trace`
@@ -135,7 +143,7 @@ class StreamWriter:
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
         self._urgent_queued |= urgent
-        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent))
+        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s))
 
     def xack(self, stream: str, group: str, entry_id: bytes, delete: bool = False) -> None:
         """`delete`: also XDEL it (a stream read by one group only)."""

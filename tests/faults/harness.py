@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,11 +131,12 @@ class FaultDeployment:
         return int(self.redis.info("memory")["used_memory"])
 
     def leftover_keys(self) -> list[str]:
-        """Keys of this namespace other than live heartbeats and the (empty) streams' groups."""
+        """Keys of this namespace other than live processes' heartbeats and stats, and the
+        (empty) streams' groups."""
         left = []
         for key in self.redis.scan_iter(f"{self.namespace}:*"):
             name = key.decode()
-            if ":hb:" in name:
+            if ":hb:" in name or ":stats:" in name:  # a live process's, with a TTL
                 continue
             if self.redis.type(key) == b"stream" and self.redis.xlen(key) == 0:
                 continue
@@ -157,10 +158,12 @@ async def run_load(
     fault: Fault | None = None,
     timeout_s: float = 30.0,
     deadline_s: float = 150.0,
+    abort_after_s: Mapping[str, float] | None = None,
 ) -> FaultReport:
     """Send `prompts` with at most `concurrency` in flight; inject `fault` once `fault_after`
-    requests were submitted; classify every request's outcome. A request with no final
-    `timeout_s` after its last output, or by `deadline_s` for the whole load, is lost."""
+    requests were submitted; abort each request of `abort_after_s` that long after its
+    submission; classify every request's outcome. A request with no final `timeout_s`
+    after its last output, or by `deadline_s` for the whole load, is lost."""
     report = FaultReport(scenario, len(prompts), memory_before=d.used_memory())
     outcomes: dict[str, list[OrchOutput] | None] = {}
     done_at: dict[str, float] = {}
@@ -182,6 +185,9 @@ async def run_load(
                     in_flight_at_fault.update(r for r in prompts if r not in done_at)
                     fault_task = asyncio.create_task(fault())
                 outs: list[OrchOutput] = []
+                aborting = None
+                if abort_after_s is not None and rid in abort_after_s:
+                    aborting = asyncio.create_task(abort_later(rid, abort_after_s[rid]))
                 try:
                     async for out in client.stream(rid, timeout_s=timeout_s):
                         outs.append(out)
@@ -189,6 +195,12 @@ async def run_load(
                 except TimeoutError:
                     outcomes[rid] = None
                 done_at[rid] = time.monotonic()
+                if aborting is not None:
+                    await aborting
+
+        async def abort_later(rid: str, after_s: float) -> None:
+            await asyncio.sleep(after_s)  # the fault: an abort at a moment of the request's life
+            await client.abort(rid)
 
         tasks = [asyncio.create_task(one(rid, p)) for rid, p in prompts.items()]
         _done, unfinished = await asyncio.wait(tasks, timeout=deadline_s)

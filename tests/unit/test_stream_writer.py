@@ -88,3 +88,20 @@ async def test_writes_are_given_up_after_bounded_attempts_counted_and_reported()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_add_with_a_max_age_trims_older_entries(fake_server: fakeredis.FakeServer) -> None:
+    """The control stream is read by every worker and acknowledged by none: trimmed by age."""
+    client = fakeredis.FakeAsyncRedis(server=fake_server)
+    await client.xadd("control", {"m": b"ancient"}, id="1000-0")
+    writer = StreamWriter(client, 100)
+    task = asyncio.create_task(writer.run())
+    try:
+        writer.xadd("control", {"m": b"new"}, max_age_s=60.0)
+        await writer.written()
+        entries = await client.xrange("control")
+        assert [fields[b"m"] for _id, fields in entries] == [b"new"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
