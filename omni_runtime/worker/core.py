@@ -43,6 +43,7 @@ class WorkerCore:
         max_message_bytes: int,
         input_timeout_s: float,
         metrics: Metrics,
+        reports_outputs: bool = True,
         abort_memory_s: float = ABORT_MEMORY_S,
         abort_memory_max: int = ABORT_MEMORY_MAX,
     ) -> None:
@@ -54,6 +55,9 @@ class WorkerCore:
         self.max_message_bytes = max_message_bytes
         self.input_timeout_s = input_timeout_s
         self.metrics = metrics
+        self.reports_outputs = reports_outputs
+        """False for a streaming stage that is not a final one: the orchestrator needs only
+        its end (or error), so its other outputs are not sent and its end carries no data."""
         self._stage = str(stage_id)
         self._abort_memory_s = abort_memory_s
         self._abort_memory_max = abort_memory_max
@@ -239,6 +243,12 @@ class WorkerCore:
             self._actions.discards.append(rid)
         elif self.sends_chunks:
             self._actions.chunk_saves.append((rid, out.data, out.finished))
+        if not (is_error or self.reports_outputs):  # its chunks carry it on (SPEC §6)
+            if not ends:
+                req.seq += 1
+                return
+            msg = StageOutputMsg(request_id=rid, data=None, finished=True, seq=req.seq)
+            payload = codec.encode_model(msg)
         ack = req.entry_id if ends else None
         self._actions.outputs.append(Outgoing(rid, req.seq, payload, ends, is_error, ack))
         req.seq += 1

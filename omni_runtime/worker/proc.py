@@ -103,6 +103,7 @@ class StageWorker:
             max_message_bytes=s.max_message_bytes,
             input_timeout_s=s.input_timeout_s,
             metrics=self.metrics,
+            reports_outputs=not self.sends_chunks or stage_id in pipeline.final_stage_ids,
         )
         self._connector: RedisConnector | None = None
         self.adapter: ChunkAdapter | None = None
@@ -294,5 +295,5 @@ class StageWorker:
                 log.exception("stage %d engine close() raised", self.stage_id)
         self.observed.close()
         self._client.close()
-        status = {k: v for k, v in self.status().items() if isinstance(v, int) and k != "pid"}
-        log.info("worker %s of stage %d stopped: %s", self.worker_id, self.stage_id, status)
+        counts = [f"{k}={v}" for k, v in self.status().items() if isinstance(v, int) and k != "pid"]
+        log.info("worker %s stopped: %s", self.worker_id, " ".join(counts))

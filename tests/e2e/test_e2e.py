@@ -266,7 +266,7 @@ async def test_abort_storm_leaves_one_final_output_each_and_nothing_behind(
     finally:
         client_r.close()
     d.group.stop()
-    still_active = [int(m.group(1)) for m in re.finditer(r"(\d+) still active", d.logs())]
+    still_active = [int(m.group(1)) for m in re.finditer(r"stopped: .*\bin_flight=(\d+)", d.logs())]
     assert len(still_active) == 3 and sum(still_active) == 0, "no worker holds state for them"
 
 

@@ -99,7 +99,7 @@ async def test_an_add_with_a_max_age_trims_older_entries(fake_server: fakeredis.
     try:
         writer.xadd("control", {"m": b"new"}, max_age_s=60.0)
         await writer.written()
-        entries = await client.xrange("control")
+        entries: Any = await client.xrange("control")
         assert [fields[b"m"] for _id, fields in entries] == [b"new"]
     finally:
         task.cancel()

@@ -176,6 +176,22 @@ def test_streaming_outputs_are_saved_as_chunks_and_errors_discard_them() -> None
     assert actions.chunk_saves == [] and actions.discards == ["b"]
 
 
+def test_a_streaming_stage_that_is_not_final_reports_only_its_end_and_without_data() -> None:
+    """Its chunks carry its outputs on; the orchestrator needs only its end (SPEC §6)."""
+    core, _engine = make(sends_chunks=True, reports_outputs=False)
+    core.on_input(inp("a", [1, 2, 3]), now=0)
+    while core.step():
+        pass
+    actions = core.take_actions()
+    assert actions.chunk_saves == [("a", 1, False), ("a", 2, False), ("a", 3, True)]
+    assert published(actions) == [("a", 2, None, True, None)]
+    assert [o.ack for o in actions.outputs] == [b"a-0"]
+    core.on_input(inp("b", [{1, 2}]), now=0)  # what cannot travel still fails its request
+    core.step()
+    ((rid, _seq, data, finished, error),) = published(core.take_actions())
+    assert (rid, data, finished) == ("b", None, True) and error is not None
+
+
 def test_an_output_that_cannot_travel_fails_its_request() -> None:
     core, engine = make()
     core.on_input(inp("a", [{1, 2}, "never"]), now=0)
