@@ -29,6 +29,8 @@ from omni_runtime.errors import (
 )
 from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.pipeline import OutputsConfig
+from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.inbox import Inbox
 from omni_runtime.redis_io.liveness import StateEpoch
@@ -52,8 +54,11 @@ class OmniClient:
         clients: RedisClients | None = None,
         client_id: str | None = None,
         metrics: Metrics | None = None,
+        outputs: OutputsConfig | None = None,
     ) -> None:
         self.settings = settings
+        self.outputs = outputs
+        """The pipeline's audio stage and rate: with one, `stream` measures playback gaps."""
         self.names = settings.names
         self.clients = clients or RedisClients.from_url(settings.require_redis_url())
         self.client_id = client_id or uuid.uuid4().hex
@@ -189,6 +194,9 @@ class OmniClient:
             raise KeyError(f"request {request_id!r} was not submitted by this client")
         timeout_s = timeout_s or self.settings.request_timeout_s
         finished = False
+        audio = self.outputs if self.outputs and self.outputs.audio_stage is not None else None
+        playback = Playback()
+        clock = asyncio.get_running_loop().time
         try:
             while True:
                 try:
@@ -200,10 +208,14 @@ class OmniClient:
                         "(OMNI_REQUEST_TIMEOUT_S)"
                     ) from None
                 finished = out.finished
+                if audio is not None and out.stage_id == audio.audio_stage:
+                    playback.add(clock(), audio_seconds(out.data, audio.sample_rate))
                 yield out
                 if finished:
                     return
         finally:
+            if finished and playback.started_at is not None:
+                self.metrics.observe("omni_audio_gap_seconds", playback.worst_gap_s)
             self.inbox.close(request_id, asyncio.get_running_loop().time())
             if not finished:  # abandoned (break, timeout, cancel): stop the work it causes
                 self._writer.xadd(

@@ -60,6 +60,8 @@ HOP_BUCKETS_S: tuple[float, ...] = (
     *(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 """Hand-offs between processes: a Redis round trip is ~0.1-1 ms."""
+GAP_BUCKETS_S: tuple[float, ...] = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Playback gaps: 0 is a request heard without a break; 0.1 s is where a gap becomes audible."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ HISTOGRAMS: Mapping[str, HistogramSpec] = {
         "Time from a chunk's put to its read by the next stage, by stage.", HOP_BUCKETS_S
     ),
     "omni_audio_gap_seconds": HistogramSpec(
-        "Time between consecutive audio outputs of one request (playback stalls).", HOP_BUCKETS_S
+        "Per request, the longest silence a listener heard once its audio started (0: none).",
+        GAP_BUCKETS_S,
     ),
 }
 """Every histogram name, with its help text and bucket upper bounds (seconds)."""

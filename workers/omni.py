@@ -3,6 +3,20 @@
 The "models" are stand-ins (sleeps and sines) but the shapes are real: two generator
 stages and one batching step engine. Every stage reads its input through `with_last` or
 `ChunkStream`, so sequential and streaming mode give identical final outputs.
+
+Pacing, as `workers/omni.yaml` sets it (a GPU-served omni model's speeds):
+
+* thinker: `token_delay_ms` per token (20 ms: 50 tokens/s, an LLM's decode rate);
+* talker: `code_delay_ms` per codec code, each code `frame_ms` of audio (2 ms per
+  20 ms: the talker makes speech 10x faster than real time);
+* code2wav: a step takes the longest audio it makes for one request divided by
+  `real_time_factor` (50: a batched vocoder, 50x faster than real time).
+
+Every audio chunk carries `frame_ms` per code of its token, exactly
+`len(pcm) / sample_rate` seconds: the listener's clock (`omni_runtime.playback`)
+needs nothing else. A word of the demo is ~100 ms of audio against ~300 ms
+spoken, so at 50 tokens/s audio comes ~6x faster than real time — a thinner
+margin against stalls than a real model has.
 """
 
 from __future__ import annotations
@@ -59,12 +73,15 @@ def token_codes(token: str) -> list[int]:
 
 @marks_final
 def talker(data: Iterable[Any], code_delay_ms: float = 2) -> Iterator[Any]:
-    """Stage 1: per upstream token, `{"token", "codes"}`; `None` tokens ("no output") skipped."""
+    """Stage 1: per upstream token, `{"token", "codes"}`; `None` tokens ("no output") skipped.
+
+    The sleep, `code_delay_ms` per code, stands in for the decode steps of the codes."""
     for tok, last in with_last(data):
         if tok is None:
             continue
-        _sleep_ms(code_delay_ms)
-        chunk = {"token": str(tok), "codes": token_codes(str(tok))}
+        codes = token_codes(str(tok))
+        _sleep_ms(code_delay_ms * len(codes))
+        chunk = {"token": str(tok), "codes": codes}
         yield Final(chunk) if last else chunk
 
 
@@ -85,15 +102,19 @@ class Code2Wav:
     sent, the request ends with an empty finished array.
     """
 
-    def __init__(self, sample_rate: int = 16000, frame_ms: float = 20) -> None:
+    def __init__(
+        self, sample_rate: int = 16000, frame_ms: float = 20, real_time_factor: float = 0
+    ) -> None:
         frame_len = round(sample_rate * frame_ms / 1000)
-        if sample_rate <= 0 or frame_len < 1:
+        if sample_rate <= 0 or frame_len < 1 or real_time_factor < 0:
             raise ValueError(
-                f"need sample_rate > 0 and frames of >= 1 sample, got "
-                f"sample_rate={sample_rate}, frame_ms={frame_ms}"
+                f"need sample_rate > 0, frames of >= 1 sample and real_time_factor >= 0 "
+                f"(0: no pacing), got sample_rate={sample_rate}, frame_ms={frame_ms}, "
+                f"real_time_factor={real_time_factor}"
             )
         self.sample_rate = sample_rate
         self.frame_len = frame_len
+        self.real_time_factor = real_time_factor
         self._table = _frame_table(sample_rate, frame_len)
         self._lock = threading.Lock()
         self._reqs: dict[str, _Request] = {}
@@ -113,6 +134,17 @@ class Code2Wav:
             return any(self._poll(r) for r in self._reqs.values())
 
     def step(self) -> list[EngineOutput]:
+        outputs = self._step()
+        if self.real_time_factor and outputs:  # a batch runs in parallel: its longest counts
+            samples: dict[str, int] = {}
+            for o in outputs:
+                if o.data is not None:
+                    samples[o.request_id] = samples.get(o.request_id, 0) + len(o.data)
+            longest_s = max(samples.values(), default=0) / self.sample_rate
+            _sleep_ms(1000 * longest_s / self.real_time_factor)
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         with self._lock:
             batch = [(rid, r) for rid, r in self._reqs.items() if self._poll(r)]
             outputs: list[EngineOutput] = []

@@ -82,7 +82,7 @@ class Gateway:
         self._missing: list[str] = ["startup"]
 
     async def start(self) -> None:
-        client = OmniClient(self.settings, self.clients, metrics=self.metrics)
+        client = OmniClient(self.settings, self.clients, metrics=self.metrics, outputs=self.outputs)
         await client.__aenter__()
         self.client = client
         self._probe = self.clients.aio()

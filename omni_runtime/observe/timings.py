@@ -1,8 +1,8 @@
 """Request- and stage-level durations, measured where the runtime already sees the events.
 
 `RequestTimer` lives in the orchestrator (every output of a request passes
-through it): time to first token, to first audio, end to end, and the gaps
-between audio outputs. `StageTimer` lives in a worker: queue time (from the
+through it): time to first token, to first audio, end to end. (Playback gaps need the
+audio's duration and the listener's clock: `OmniClient.stream` measures them.) `StageTimer` lives in a worker: queue time (from the
 input entry's id, which Redis stamps with its own clock, to the read), run
 time, inputs in flight, outputs and errors. Both are bounded and thread-safe
 enough for their one owner thread; neither does I/O.
@@ -31,7 +31,6 @@ class _Open:
     start: float
     first_token: bool = False
     first_audio: bool = False
-    last_audio: float | None = None
 
 
 class RequestTimer:
@@ -62,10 +61,6 @@ class RequestTimer:
                 if not req.first_audio:
                     req.first_audio = True
                     self.metrics.observe("omni_time_to_first_audio_seconds", now - req.start)
-                else:
-                    assert req.last_audio is not None
-                    self.metrics.observe("omni_audio_gap_seconds", now - req.last_audio)
-                req.last_audio = now
             elif not req.first_token:
                 req.first_token = True
                 self.metrics.observe("omni_time_to_first_token_seconds", now - req.start)

@@ -63,7 +63,7 @@ def test_bundled_pipelines_carry_their_options() -> None:
     assert seed.stages[1].options == {"fail_word": None}
     omni = load_pipeline(str(OMNI))  # a str path works as well as a Path
     assert [s.name for s in omni.stages] == ["thinker", "talker", "code2wav"]
-    assert omni.stages[2].options == {"sample_rate": 16000, "frame_ms": 20}
+    assert omni.stages[2].options == {"sample_rate": 16000, "frame_ms": 20, "real_time_factor": 50}
 
 
 @pytest.mark.parametrize("path", [SEED, OMNI], ids=["seed", "omni"])

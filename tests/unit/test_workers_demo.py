@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import workers.omni as omni_mod
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.stage_api import ChunkStream, EngineOutput, Final
 from omni_runtime.wav import write_wav
@@ -243,3 +244,27 @@ def test_write_wav(tmp_path: Path) -> None:
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     assert np.allclose(pcm / 32767, np.concatenate(chunks), atol=1 / 32767)
     assert write_wav(tmp_path / "empty.wav", [], 8000) == 0
+
+
+# --- omni: pacing ------------------------------------------------------------------------
+
+
+def test_pacing_models_decode_steps_and_a_batched_vocoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sleeps the pipeline file's options ask for (recorded, not slept)."""
+    slept: list[float] = []
+    monkeypatch.setattr(omni_mod, "_sleep_ms", slept.append)
+    assert len(list(thinker("a b c", token_delay_ms=20))) == 3
+    assert slept == [20, 20, 20]  # per token
+    slept.clear()
+    list(talker(["Hello", "!"], code_delay_ms=2))
+    assert slept == [10, 2]  # per code: one code per letter
+    slept.clear()
+    eng = Code2Wav(sample_rate=16000, frame_ms=20, real_time_factor=50)
+    eng.add_request("long", chunks_for("Hello", "world"))  # 10 codes: 200 ms of audio
+    eng.add_request("short", chunks_for("Hi"))  # 40 ms
+    outs = eng.step()
+    assert sum(len(o.data) for o in outs) == 12 * 320
+    assert slept == [pytest.approx(200 / 50)]  # the batch's longest request, 50x real time
+    assert Code2Wav().real_time_factor == 0  # unpaced unless asked
+    with pytest.raises(ValueError, match="real_time_factor"):
+        Code2Wav(real_time_factor=-1)
