@@ -1,16 +1,20 @@
-"""Time to first audio packet: the omni demo in sequential vs streaming mode, same run.
+"""Time to first audio packet and audio continuity: the omni demo, sequential vs streaming.
 
-`workers/omni.yaml` (thinker -> talker -> code2wav, finals {0, 2}), thinker at 20 ms
-per token, both modes deployed at once as processes, each in its own namespace;
-load from one `OmniClient` here. Prompt: 50 distinct words. Closed loop: C tasks,
-each submitting its next request when the previous one finished. Per request, from
-just before `submit`: TTFT (first text token out of `OmniClient.stream`), TTFP
-(first stage-2 output with audio samples), E2E (the finished output). Every request
-is checked (the tokens in order, the number of audio samples). Cells of the two
-modes are interleaved per concurrency.
+`workers/omni.yaml` (thinker -> talker -> code2wav, finals {0, 2}) with its real-time
+pacing (50 tokens/s, talker 10x and vocoder 50x faster than real time), both modes
+deployed at once as processes, each in its own namespace; load from one `OmniClient`
+here. Prompt: 50 distinct words (~6 s of audio). Closed loop: C tasks, each submitting
+its next request when the previous one finished. Per request, from just before
+`submit`: TTFT (first text token out of `OmniClient.stream`), TTFP (first stage-2
+output with audio samples), E2E (the finished output), and what a listener hears
+(`omni_runtime.playback`: playback starts with the first audio and runs in real time;
+a chunk that comes after the audio before it played out is a gap). Every request is
+checked (the tokens in order, the number of audio samples). Cells of the two modes
+are interleaved per concurrency.
 
 Baseline: sequential mode at the same concurrency. Ratios on p50: TTFP seq/stream
-(higher is better), TTFT and E2E stream/seq (lower is better).
+(higher is better), TTFT and E2E stream/seq (lower is better); continuity (share of
+requests with no gap over 100 ms) stream/seq.
 """
 
 from __future__ import annotations
@@ -25,69 +29,29 @@ from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.stats import percentile
 from omni_runtime.client import OmniClient
+from omni_runtime.pipeline import load_pipeline
+from omni_runtime.playback import AUDIBLE_GAP_S, Continuity, Playback, audio_seconds
 
 OMNI = ROOT / "workers" / "omni.yaml"
 MODES = ("sequential", "streaming")
 TEXT_STAGE, AUDIO_STAGE = 0, 2
 TOKENS = 50
 TOKEN_DELAY_S = 0.020
-FRAME_SAMPLES = 16000 * 20 // 1000  # code2wav: sample_rate x frame_ms, per letter of a token
-TARGET_TTFP = {1: 10.0, 32: 5.0}
+RATE = 16000
+FRAME_SAMPLES = RATE * 20 // 1000  # code2wav: sample_rate x frame_ms, per letter of a token
+TARGET_TTFP = {1: 10.0, 32: 10.0, 64: 5.0}
 """Sequential / streaming TTFP p50 at least this, by concurrency."""
 TARGET_TTFT = 1.1
 TARGET_E2E = 1.0
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dogs",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "hum",
-    "bright",
-    "songs",
-    "about",
-    "distant",
-    "rivers",
-    "mountains",
-    "forests",
-    "oceans",
-    "cities",
-    "bridges",
-    "lanterns",
-    "gardens",
-    "meadows",
-    "thunder",
-    "whispers",
-    "shadows",
-    "crystal",
-    "engines",
-    "harbors",
-    "valleys",
-    "silver",
-    "copper",
-    "golden",
-    "marble",
-    "velvet",
-    "amber",
-    "cedar",
-    "willow",
-    "falcon",
-    "heron",
-    "otter",
-    "badger",
-    "lynx",
-    "raven",
-    "sparrow",
-    "maple",
-    "birch",
-]
+TARGET_CONTINUITY = {32: 0.99, 64: 0.95}
+"""Streaming: share of requests with no gap over 100 ms at least this, by concurrency."""
+_WORDS_TEXT = (
+    "the quick brown fox jumps over lazy dogs while seven wizards quietly hum bright songs "
+    "about distant rivers mountains forests oceans cities bridges lanterns gardens meadows "
+    "thunder whispers shadows crystal engines harbors valleys silver copper golden marble "
+    "velvet amber cedar willow falcon heron otter badger lynx raven sparrow maple birch"
+)
+WORDS = _WORDS_TEXT.split()
 
 
 @dataclass(frozen=True)
@@ -102,8 +66,8 @@ class Sizes:
         return max(self.min_requests, concurrency * self.rounds)
 
 
-FULL = Sizes(concurrencies=(1, 8, 32), rounds=3, min_requests=20, warmup=4)
-QUICK = Sizes(concurrencies=(1, 8), rounds=1, min_requests=3, warmup=2)
+FULL = Sizes(concurrencies=(1, 8, 32, 64), rounds=3, min_requests=20, warmup=4)
+QUICK = Sizes(concurrencies=(1, 8, 64), rounds=1, min_requests=3, warmup=2)
 
 
 @dataclass
@@ -114,6 +78,11 @@ class Cell:
     concurrency: int
     ms: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "ttfp": [], "e2e": []})
     errors: list[str] = field(default_factory=list)
+    heard: list[Playback] = field(default_factory=list)
+
+    @property
+    def continuity(self) -> Continuity:
+        return Continuity.of(self.heard)
 
     def p(self, metric: str, q: float) -> float | None:
         values = self.ms[metric]
@@ -125,6 +94,7 @@ async def one_request(client: OmniClient, prompt: str, tokens: list[str], cell: 
     ttft = ttfp = None
     texts: list[Any] = []
     samples = 0
+    heard = Playback()
     try:
         rid = await client.submit(prompt)
         async for out in client.stream(rid, timeout_s=30):
@@ -138,6 +108,7 @@ async def one_request(client: OmniClient, prompt: str, tokens: list[str], cell: 
             elif out.stage_id == AUDIO_STAGE and len(out.data) > 0:
                 samples += len(out.data)
                 ttfp = ttfp or now
+                heard.add(now, audio_seconds(out.data, RATE))
     except TimeoutError as e:
         cell.errors.append(str(e))
         return
@@ -148,12 +119,14 @@ async def one_request(client: OmniClient, prompt: str, tokens: list[str], cell: 
         return
     for metric, t in (("ttft", ttft), ("ttfp", ttfp), ("e2e", end)):
         cell.ms[metric].append((t - t0) * 1e3)
+    cell.heard.append(heard)
 
 
 async def closed_loop(d: Deployment, prompt: str, tokens: list[str], conc: int, n: int) -> Cell:
     cell = Cell(d.mode, conc)
     remaining = [n]
-    async with OmniClient(d.settings) as client:
+    outputs = load_pipeline(OMNI).outputs  # the client observes omni_audio_gap_seconds too
+    async with OmniClient(d.settings, outputs=outputs) as client:
 
         async def user() -> None:
             while remaining[0] > 0:
@@ -194,13 +167,17 @@ async def measure(ctx: scenario.Context, sizes: Sizes) -> list[Cell]:
 
 
 def cell_table(cells: list[Cell]) -> str:
-    """The docs' latency table: p50 (p99) in ms per mode and concurrency."""
+    """The docs' table: p50 (p99) in ms per mode and concurrency, and what listeners heard."""
     lines = [
-        "| concurrency | mode | TTFT | TTFP | end to end | errors |",
-        "|---|---|---|---|---|---|",
+        "| concurrency | mode | TTFT | TTFP | end to end | worst gap | no gap > 100 ms "
+        "| stall, total | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         cols = [f"{c.p(m, 50) or 0:.1f} ({c.p(m, 99) or 0:.1f})" for m in ("ttft", "ttfp", "e2e")]
+        h = c.continuity
+        cols.append(f"{h.worst_gap_p50_s * 1e3:.1f} ({h.worst_gap_p99_s * 1e3:.1f})")
+        cols += [f"{h.continuous_share:.1%}", f"{h.stall_s:.2f} s"]
         lines.append(f"| {c.concurrency} | {c.mode} | {' | '.join(cols)} | {len(c.errors)} |")
     return "\n".join(lines)
 
@@ -232,7 +209,26 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 met=met, notes=errors if metric == "ttfp" else [],
                 details={"sequential_p99_ms": seq.p(metric, 99), "requests": len(st.ms[metric])},
             ))  # fmt: skip
+        rows.append(continuity_row(conc, seq, st, ok))
     return rows
+
+
+def continuity_row(conc: int, seq: Cell, st: Cell, ok: bool) -> Row:
+    """Streaming's share of requests heard with no gap over 100 ms, against sequential's."""
+    h, base = st.continuity, seq.continuity
+    need = TARGET_CONTINUITY.get(conc)
+    return Row(
+        "ttfp", f"c={conc}, streaming", "continuity", "%", 100 * h.continuous_share,
+        baseline="sequential", baseline_value=100 * base.continuous_share,
+        ratio=ratio(h.continuous_share, base.continuous_share), ratio_of="stream/seq",
+        target=f">= {need:.0%} no gap > {AUDIBLE_GAP_S * 1e3:g} ms" if need else "",
+        met=None if need is None else ok and h.continuous_share >= need,
+        details={
+            "requests": h.requests, "stall_s": h.stall_s, "sequential_stall_s": base.stall_s,
+            "worst_gap_p50_ms": h.worst_gap_p50_s * 1e3, "worst_gap_p99_ms": h.worst_gap_p99_s * 1e3,
+            "sequential_worst_gap_p99_ms": base.worst_gap_p99_s * 1e3,
+        },
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
