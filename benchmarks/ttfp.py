@@ -20,6 +20,7 @@ requests with no gap over 100 ms) stream/seq.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ class Cell:
     ms: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "ttfp": [], "e2e": []})
     errors: list[str] = field(default_factory=list)
     heard: list[Playback] = field(default_factory=list)
+    load: float = 0.0
+    """The machine's 1-minute load average when the cell ended."""
 
     @property
     def continuity(self) -> Continuity:
@@ -158,7 +161,9 @@ async def measure(ctx: scenario.Context, sizes: Sizes) -> list[Cell]:
                 cell = await watched(
                     all_d, closed_loop(deployments[mode], prompt, tokens, conc, n), timeout_s
                 )
-                print(f"  {mode:<10} c={conc:<3} {n} requests, {len(cell.errors)} errors")
+                cell.load = os.getloadavg()[0]  # others' runnable processes skew every figure
+                print(f"  {mode:<10} c={conc:<3} {n} requests, {len(cell.errors)} errors, "
+                      f"load average {cell.load:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
                 cells.append(cell)
         return cells
     finally:
@@ -207,7 +212,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 None, None, value, st.p(metric, 99), baseline="sequential", baseline_value=base,
                 ratio=r, ratio_of="seq/stream" if higher_better else "stream/seq", target=target,
                 met=met, notes=errors if metric == "ttfp" else [],
-                details={"sequential_p99_ms": seq.p(metric, 99), "requests": len(st.ms[metric])},
+                details={"sequential_p99_ms": seq.p(metric, 99), "requests": len(st.ms[metric]),
+                         "load_average": st.load},
             ))  # fmt: skip
         rows.append(continuity_row(conc, seq, st, ok))
     return rows

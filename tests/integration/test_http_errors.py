@@ -123,7 +123,8 @@ async def test_metrics_need_no_key_and_time_what_serve_saw(cluster: InProcessClu
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
         assert (await api.post("/metrics")).status_code == 405
     families = {f.name: f for f in text_string_to_metric_families(resp.text)}
-    for name in ("omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds"):
+    timed = ("omni_time_to_first_token_seconds", "omni_time_to_first_audio_seconds")
+    for name in (*timed, "omni_audio_gap_seconds"):  # gap: one per request heard
         (count,) = [s for s in families[name].samples if s.name == f"{name}_count"]
         assert count.value == 2 and count.labels["role"] == "serve"
     (received,) = families["omni_requests_received"].samples
