@@ -60,7 +60,7 @@ class OmniClient:
         self.outputs = outputs
         """The pipeline's audio stage and rate: with one, `stream` measures playback gaps."""
         self.names = settings.names
-        self.clients = clients or RedisClients.from_url(settings.require_redis_url())
+        self.clients = clients or RedisClients.from_settings(settings)
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
         self.tracer = tracer_for(

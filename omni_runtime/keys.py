@@ -2,9 +2,23 @@
 
 No other module builds a key string or hard-codes a TTL: a reader of this file
 knows everything the runtime can leave behind in Redis and for how long.
+
+Redis Cluster: a name's slot is the hash of its first `{...}` (its hash tag) when
+it has one, of the whole name otherwise. Names that one command, transaction or
+script touches together must share a tag, built by `hash_tag` and nothing else.
+Chunk-plane names are tagged by request (a request's chunks and route keys share
+a slot; requests spread over the shards). Every stream is a name of its own, so
+each lands on one shard as a whole (see docs/cluster.md). A namespace never
+contains braces (`Settings.namespace`), so the first `{` of a name is its tag.
 """
 
 from __future__ import annotations
+
+
+def hash_tag(part: str) -> str:
+    """`{part}`: every name carrying the same tag hashes to the same cluster slot."""
+    return f"{{{part}}}"
+
 
 # --- data plane (ChunkAdapter) -------------------------------------------------
 
@@ -24,6 +38,21 @@ def split_chunk_key(key: str) -> tuple[str, int, int]:
     return request_id, int(stage_id), int(chunk_id)
 
 
+def stored_chunk_key(key: str, prefix: str = "") -> str:
+    """The Redis name of chunk key `<req>_<stage>_<id>`: `<prefix>{<req>}_<stage>_<id>`,
+    tagged by request so that a request's chunks and route keys share one slot."""
+    rest, _, chunk_id = key.rpartition("_")
+    request_id, _, stage_id = rest.rpartition("_")
+    return f"{prefix}{hash_tag(request_id)}_{stage_id}_{chunk_id}"
+
+
+def chunk_key_of(name: str, prefix: str = "") -> str:
+    """The chunk key `<req>_<stage>_<id>` stored under `name` (inverse of `stored_chunk_key`)."""
+    rest = name[len(prefix) :]
+    tagged = rest.rpartition("_")[0].rpartition("_")[0]  # "{<req>}"
+    return tagged[1:-1] + rest[len(tagged) :]
+
+
 def route_id(request_id: str, stage_id: int) -> str:
     """`<req>_<sender stage>`: the prefix shared by every chunk key of one request and stage."""
     return f"{request_id}_{stage_id}"
@@ -41,8 +70,10 @@ def split_route_id(route: str) -> tuple[str, int]:
 
 
 def chunk_route_key(route_id: str, prefix: str = "") -> str:
-    """`route_id` is `<req>_<sender stage>`; the value names the receiver's wake-up list."""
-    return f"{prefix}route:{route_id}"
+    """`route_id` is `<req>_<sender stage>`; the value names the receiver's wake-up list.
+    Tagged like the request's chunk keys."""
+    request_id, stage_id = split_route_id(route_id)
+    return f"{prefix}route:{hash_tag(request_id)}_{stage_id}"
 
 
 def receiver_notify_key(receiver_id: str, prefix: str = "") -> str:

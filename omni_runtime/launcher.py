@@ -23,139 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from omni_runtime.errors import FatalError, StartupTimeoutError
+from omni_runtime.errors import FatalError
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_server import RedisCluster as RedisCluster
+from omni_runtime.redis_server import RedisServer as RedisServer
+from omni_runtime.redis_server import free_port as free_port
+from omni_runtime.redis_server import ping as ping
+from omni_runtime.redis_server import redis_server_binary as redis_server_binary
+from omni_runtime.redis_server import wait_for_ping as wait_for_ping
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    """A loopback TCP port free right now (another process may still take it: callers retry)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ping(url: str, timeout_s: float = 0.5) -> bool:
-    """One PING without retries; False (not an exception) while nothing answers."""
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-    )
-    try:
-        return bool(client.ping())
-    except redis.exceptions.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def wait_for_ping(url: str, timeout_s: float) -> None:
-    """Return once `url` answers PING; StartupTimeoutError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not ping(url):
-        if time.monotonic() > deadline:
-            raise StartupTimeoutError(f"Redis at {url} did not answer within {timeout_s:g}s")
-        time.sleep(0.02)
-
-
-def redis_server_binary() -> str | None:
-    """`$OMNI_REDIS_SERVER` if set, else `redis-server` on PATH, else None."""
-    return os.environ.get("OMNI_REDIS_SERVER") or shutil.which("redis-server")
-
-
-class RedisServer:
-    """A private `redis-server` on a free loopback port: no persistence, stopped on exit.
-
-    The one way this repository starts a Redis (`omni-runtime run`, the tests'
-    session fixture, the benchmarks, CI). `start()` waits for PING within
-    `timeout_s`, retries on another port if the server dies at start (a port
-    taken in between), and raises StartupTimeoutError with the log's tail;
-    FatalError if there is no binary. Use as a context manager, or `start()`/`stop()`.
-    """
-
-    def __init__(
-        self,
-        binary: str | None = None,
-        log_path: Path | None = None,
-        timeout_s: float = 10.0,
-        extra_args: tuple[str, ...] = (),
-    ) -> None:
-        self.binary = binary or redis_server_binary()
-        self.log_path = log_path
-        self.timeout_s = timeout_s
-        self.extra_args = extra_args
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def start(self, attempts: int = 3) -> RedisServer:
-        if self.binary is None:
-            raise FatalError("no redis-server on PATH (install it, or set OMNI_REDIS_SERVER)")
-        error = ""
-        for _ in range(attempts):
-            self.port = free_port()
-            cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-            cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args]
-            out: IO[bytes] | int = subprocess.DEVNULL
-            if self.log_path is not None:
-                out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
-            try:
-                # Its own session: a Ctrl-C in the terminal must not kill it before the
-                # processes using it have stopped (whoever started it stops it, last).
-                self.proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            except OSError as e:
-                raise FatalError(f"cannot start {self.binary}: {e}") from e
-            finally:
-                if not isinstance(out, int):
-                    out.close()
-            deadline = time.monotonic() + self.timeout_s
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                if ping(self.url):
-                    return self
-                time.sleep(0.02)
-            error = f"exit code {self.proc.poll()}" if self.proc.poll() is not None else "no PING"
-            self.stop()
-        raise StartupTimeoutError(
-            f"redis-server did not answer PING within {self.timeout_s:g}s ({error})"
-            + (f"; log:\n{self.log_tail()}" if self.log_path else "")
-        )
-
-    def log_tail(self, chars: int = 2000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, SIGKILL after `timeout_s`; always reaped. Idempotent."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 @contextlib.contextmanager

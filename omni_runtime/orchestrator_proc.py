@@ -78,7 +78,7 @@ class OrchestratorService:
         self.settings = settings
         self.names = s.names
         self.metrics = metrics or Metrics()
-        self.clients = clients or RedisClients.from_url(s.require_redis_url())
+        self.clients = clients or RedisClients.from_settings(s)
         self.client = self.clients.aio()
         self.tracer: Tracer | None = None
         """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""

@@ -7,7 +7,7 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -33,6 +33,8 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None
     """`redis://` or `rediss://`, with `user:password@` for ACLs. None: `run` starts one."""
+    redis_cluster: Literal["auto", "yes", "no"] = "auto"
+    """Redis Cluster clients: `auto` asks the server at start-up (any node's URL will do)."""
     namespace: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = (
         "omni"
     )

@@ -1,7 +1,10 @@
-"""Shared fixtures: a real redis-server per session (flushed per test) and in-process fakeredis.
+"""Shared fixtures: a real redis-server and a real Redis Cluster per session (flushed per
+test), and in-process fakeredis.
 
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
-free loopback port by `omni_runtime.launcher.RedisServer`. When neither is available
+free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
+`OMNI_TEST_CLUSTER_URL` (any node) if set, else three `redis-server --cluster-enabled
+yes` started here by `omni_runtime.launcher.RedisCluster`. When neither is available
 the tests that need it are skipped — except under `CI=true`, where a missing server
 is a failure.
 """
@@ -15,11 +18,13 @@ from typing import NoReturn
 import fakeredis
 import pytest
 import redis
+import redis.cluster
 
 from omni_runtime.errors import OmniError
-from omni_runtime.launcher import RedisServer, ping, redis_server_binary
+from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
 
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
+CLUSTER_URL_ENV = "OMNI_TEST_CLUSTER_URL"
 SERVER_START_TIMEOUT_S = 10.0
 
 
@@ -68,6 +73,46 @@ def redis_url(redis_server_url: str) -> str:
     return redis_server_url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_server_url() -> Iterator[str]:
+    """URL of one node of a real 3-master Redis Cluster for the whole session."""
+    url = os.environ.get(CLUSTER_URL_ENV)
+    if url:
+        if not ping(url, timeout_s=2.0):
+            _unavailable(f"{CLUSTER_URL_ENV}={url} is not reachable")
+        yield url
+        return
+    if redis_server_binary() is None:
+        _unavailable(f"no redis-server on PATH and {CLUSTER_URL_ENV} is not set")
+    cluster = RedisCluster(masters=3, timeout_s=30.0)
+    try:
+        cluster.start()
+    except OmniError as e:
+        _unavailable(f"cannot start a Redis Cluster: {e}")
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster_server_url: str) -> str:
+    """The real Redis Cluster, every primary empty at the start of the test."""
+    client = redis.cluster.RedisCluster.from_url(redis_cluster_server_url)
+    try:
+        client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+    finally:
+        client.close()
+    return redis_cluster_server_url
+
+
+@pytest.fixture(params=["redis-server", "redis-cluster"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """Each real Redis in turn: the single server, then the cluster (both flushed)."""
+    name = "redis_url" if request.param == "redis-server" else "redis_cluster_url"
+    return str(request.getfixturevalue(name))
+
+
 @pytest.fixture
 def fake_server() -> fakeredis.FakeServer:
     """A fresh in-process fake Redis; share it between clients with `server=`."""
@@ -87,5 +132,6 @@ def fake_redis(fake_server: fakeredis.FakeServer) -> Iterator[fakeredis.FakeRedi
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tag every test that needs a real redis-server (`-m "not redis_server"` skips them)."""
     for item in items:
-        if "redis_server_url" in getattr(item, "fixturenames", ()):
+        needs = set(getattr(item, "fixturenames", ()))
+        if needs & {"redis_server_url", "redis_cluster_server_url", "any_redis_url"}:
             item.add_marker(pytest.mark.redis_server)

@@ -1,9 +1,16 @@
 """The chunk plane over Redis (SPEC §5): a SPEC connector and a `ChunkTransport` in one.
 
-A put is `SET <prefix><key> <msgpack> EX <ttl_s>`, a read consumes (`GETDEL`, or
-MGET + UNLINK in one MULTI), so a chunk is read at most once and a chunk nobody
-reads expires. Keys handed in are the bare `<req>_<stage>_<id>` strings; the
-namespace prefix is applied here. The tricks stay inside: read-ahead in one
+A put is `SET <prefix>{<req>}_<stage>_<id> <msgpack> EX <ttl_s>`, a read consumes
+(`GETDEL`, or MGET + UNLINK in one MULTI), so a chunk is read at most once and a
+chunk nobody reads expires. Keys handed in are the bare `<req>_<stage>_<id>`
+strings; the namespace prefix and the request's hash tag are applied here
+(`keys.stored_chunk_key`).
+
+On a Redis Cluster no command or transaction may span slots, and one batch spans
+many requests, so the round trips keep their shape but not their atomicity: a
+batch of puts is one non-transactional cluster pipeline (SETs are idempotent, so
+a retry re-puts the whole batch), and a read is a GETDEL per key beside per-key
+UNLINKs and the LPOP of the wake-up list. redis-py sends each node its part. The tricks stay inside: read-ahead in one
 MGET, wake-ups on a notify list with small values inline (`redis_wakeups`), a
 route cache, deletes of inline-served keys riding the next round trip.
 
@@ -23,7 +30,6 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import PythonRespSerializer
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
@@ -38,7 +44,9 @@ from omni_runtime.chunks.redis_wakeups import (
 from omni_runtime.chunks.transport import ChunkRejected, Fetched, PutItem
 from omni_runtime.core.types import MalformedChunk
 from omni_runtime.errors import CodecError, ConfigError, TransportError
+from omni_runtime.keys import stored_chunk_key
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.clients import is_cluster, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,7 @@ class RedisConnector:
         self.max_bytes = max_bytes
         self.retry = retry
         self._owns_client = False
+        self._cluster = is_cluster(client)
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._sender = WakeupSender(prefix, ttl_s)
         self._inbox = WakeupInbox(prefix)
@@ -87,22 +96,16 @@ class RedisConnector:
         """The last `fetch` read the notify list: a zero-timeout wait needs no round trip."""
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> RedisConnector:
-        """Connect to `url` (`redis://`, `rediss://`, `unix://`; ACL user/password in the URL).
+    def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisConnector:
+        """Connect to `url` (`redis://`, `rediss://`, `unix://`; ACL user/password in the URL),
+        through `clients.sync_client` (`cluster`: a Redis Cluster client).
 
-        The pool packs commands with redis-py's Python packer: hiredis's copies
-        every argument into a fresh buffer and is ~5x slower for MiB-size values.
         The connection does not retry itself: `retry` is the one put policy.
         The connector owns the client and `close()` closes it.
         """
         own = {k: kwargs.pop(k) for k in ("ttl_s", "prefix", "max_bytes", "retry") if k in kwargs}
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
-        pool = redis.ConnectionPool.from_url(url, **kwargs)
-        # One stateless packer, built from the pool's encoder, for every connection.
-        pool.connection_kwargs["command_packer"] = PythonRespSerializer(
-            _PACKER_BUFFER_CUTOFF, pool.get_encoder().encode
-        )
-        client = redis.Redis.from_pool(pool)
+        client = sync_client(url, cluster=cluster, **kwargs)
         try:
             connector = cls(client, **own)
         except BaseException:
@@ -115,12 +118,12 @@ class RedisConnector:
 
     def put(self, key: str, obj: Any) -> None:
         """SET with the TTL (and a wake-up if someone listens); `CodecError` if unencodable."""
-        name = self.prefix + key
+        name = stored_chunk_key(key, self.prefix)
         self._store([(name, self._encode(name, obj), keys.route_of_chunk_key(key))], False)
 
     def get(self, key: str) -> Any | None:
         """GETDEL and decode; `None` when absent."""
-        name = self.prefix + key
+        name = stored_chunk_key(key, self.prefix)
         try:
             raw = self.client.getdel(name)
         except RedisError as e:
@@ -134,37 +137,43 @@ class RedisConnector:
         encoded: list[Encoded] = []
         rejected: dict[str, str] = {}
         for key, value, _last in items:
-            name = self.prefix + key
+            name = stored_chunk_key(key, self.prefix)
             try:
                 encoded.append((name, self._encode(name, value), keys.route_of_chunk_key(key)))
             except CodecError as e:
                 rejected[key] = str(e)
         if rejected:
             raise ChunkRejected(rejected)
-        self._store(encoded, len(encoded) > 1)
+        self._store(encoded, len(encoded) > 1 and not self._cluster)
         self._sender.forget(keys.route_of_chunk_key(key) for key, _v, last in items if last)
 
     def fetch(self, keys: Sequence[str]) -> list[Fetched]:
         """Inline values first; the rest in one MULTI: owed UNLINKs, MGET, UNLINK of what
         was read (exactly GETDEL), and the wake-ups queued meanwhile."""
-        names = [self.prefix + key for key in keys]
+        names = [stored_chunk_key(key, self.prefix) for key in keys]
         raws: dict[str, bytes | None] = dict(self._inbox.serve(names))
         missing = [n for n in names if n not in raws]
         if missing:
             owed = list(self._inbox.unlink)
             try:
-                with self.client.pipeline(transaction=True) as pipe:
-                    if owed:
-                        pipe.unlink(*owed)
-                    pipe.mget(missing)
-                    pipe.unlink(*missing)
+                with self.client.pipeline(transaction=not self._cluster) as pipe:
+                    if self._cluster:  # one slot per command: per-key deletes, GETDELs
+                        for name in owed:
+                            pipe.unlink(name)
+                        for name in missing:
+                            pipe.getdel(name)
+                    else:
+                        if owed:
+                            pipe.unlink(*owed)
+                        pipe.mget(missing)
+                        pipe.unlink(*missing)
                     pipe.lpop(self.notify_key, WAKEUP_BATCH)
                     replies = pipe.execute()
             except RedisError as e:
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
             for name in owed:
                 self._inbox.unlink.pop(name, None)
-            fetched = replies[-3]
+            fetched = replies[-1 - len(missing) : -1] if self._cluster else replies[-3]
             raws.update(zip(missing, fetched, strict=True))
             self._inbox.read(n for n, raw in zip(missing, fetched, strict=True) if raw is not None)
             self._inbox.take(replies[-1] or [])
@@ -176,7 +185,8 @@ class RedisConnector:
         if not keys:
             return 0
         try:
-            return int(self.client.unlink(*(self.prefix + key for key in keys)))
+            # A cluster client splits a multi-key UNLINK by slot itself.
+            return int(self.client.unlink(*(stored_chunk_key(k, self.prefix) for k in keys)))
         except RedisError as e:
             raise TransportError(f"UNLINK of {len(keys)} key(s) failed: {e}") from e
 

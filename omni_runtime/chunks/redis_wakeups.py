@@ -21,9 +21,10 @@ from typing import Any
 
 import redis
 from redis.client import Pipeline
-from redis.connection import Connection
+from redis.connection import Connection, ConnectionPool
 
 from omni_runtime import keys
+from omni_runtime.redis_io.clients import pool_for_key
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class WakeupSender:
         out = []
         for name, value, rid in encoded:
             if rid == route_id:
-                key = name[len(self.prefix) :].encode()
+                key = keys.chunk_key_of(name, self.prefix).encode()
                 inline = value if len(value) <= INLINE_MAX_BYTES else b""
                 out.append(_HEADER.pack(len(key)) + key + inline)
         return out
@@ -138,7 +139,7 @@ class WakeupInbox:
             if key is None:
                 continue
             self.woken.add(keys.route_of_chunk_key(key))
-            name = self.prefix + key
+            name = keys.stored_chunk_key(key, self.prefix)
             if name in self.unlink:  # put again since we served it: keep the new value
                 del self.unlink[name]
             elif name in self._read:  # the wake-up of a value already read: stale
@@ -184,6 +185,8 @@ class NotifyWaiter:
         self._pair: tuple[socket.socket, socket.socket] | None = None
         """Made on the first blocking wait: a connector that only puts holds no sockets."""
         self._conn: Connection | None = None
+        self._pool: ConnectionPool | None = None
+        """The pool of the server holding the notify list (a cluster node's, on a cluster)."""
         self._sock: socket.socket | None = None
         self._in_flight = False
 
@@ -231,10 +234,11 @@ class NotifyWaiter:
 
     def _connection(self) -> Connection | None:
         if self._conn is None:
-            conn = self.client.connection_pool.get_connection()
+            pool = self._pool = pool_for_key(self.client, self.notify_key)
+            conn = pool.get_connection()
             sock = conn._sock
             if not isinstance(sock, socket.socket):
-                self.client.connection_pool.release(conn)
+                pool.release(conn)
                 return None
             self._conn, self._sock = conn, sock
         return self._conn
@@ -260,5 +264,6 @@ class NotifyWaiter:
         """A connection with a BLPOP in flight must not go back to the pool as is."""
         if self._conn is not None:
             self._conn.disconnect()  # type: ignore[no-untyped-call]
-            self.client.connection_pool.release(self._conn)
+            if self._pool is not None:
+                self._pool.release(self._conn)
             self._conn, self._in_flight = None, False

@@ -2,31 +2,148 @@
 
 Passing factories (not URLs) down lets the integration tests run the very
 same orchestrator, worker and client over one in-process fakeredis server.
-`sync_client` is the one place the command packer is chosen (the chunk
-connector builds its client here too).
+This module is the one place a client is constructed: `sync_client` chooses the
+command packer, and a URL naming any node of a Redis Cluster gets redis-py's
+cluster clients (`OMNI_REDIS_CLUSTER=auto` asks the server; `yes`/`no` force it).
+A cluster client is typed as the plain client: both speak the same commands,
+and the few places that differ (transactions, one dedicated connection) ask
+`is_cluster`.
+
+At start-up `RedisClients.from_settings` also turns the three ways a deployment
+can be unusable into one `FatalError` line each: Redis cannot be reached, the
+cluster does not serve every slot, the ACL user may not touch the namespace.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
-from redis.connection import PythonRespSerializer
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.connection import ConnectionPool, PythonRespSerializer
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
+
+from omni_runtime.errors import FatalError
+
+if TYPE_CHECKING:
+    from omni_runtime.settings import Settings
 
 PACKER_BUFFER_CUTOFF = 6000
 """redis-py's own cut-off between joining small arguments and sending large ones as is."""
+CLUSTER_SLOTS = 16384
+PROBE_TIMEOUT_S = 5.0
+"""The start-up probe's connect and read timeout: a dead address fails in seconds."""
+
+ClusterMode = Literal["auto", "yes", "no"]
 
 
-def sync_client(url: str, **redis_kwargs: Any) -> redis.Redis:
+def redacted(url: str) -> str:
+    """`url` without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def is_cluster(client: object) -> bool:
+    """Whether `client` is one of redis-py's cluster clients (sync or asyncio)."""
+    return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
+
+
+def cluster_info(client: redis.Redis) -> dict[str, str]:
+    """CLUSTER INFO as a dict of strings (redis-py parses the reply; keep both shapes)."""
+    info = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+    if isinstance(info, dict):
+        return {str(k): v.decode() if isinstance(v, bytes) else str(v) for k, v in info.items()}
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def probe(url: str, mode: ClusterMode = "auto") -> bool:
+    """Connect once to `url`; True if it is a node of a Redis Cluster that serves every slot.
+
+    `FatalError` (one line, no retry) when nothing answers, or when the cluster has
+    slots nobody serves (every command on them would fail).
+    """
+    client = redis.Redis.from_url(
+        url,
+        socket_connect_timeout=PROBE_TIMEOUT_S,
+        socket_timeout=PROBE_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
+    where = redacted(url)
+    try:
+        if mode == "auto":
+            try:
+                info = client.info("cluster")
+                clustered = bool(int(info.get("cluster_enabled", 0)))
+            except ResponseError:  # INFO denied to an ACL user, or a server without the section
+                clustered = _cluster_info_or_none(client) is not None
+        else:
+            clustered = mode == "yes"
+        if clustered:
+            fields = cluster_info(client)
+            state, ok = fields.get("cluster_state"), fields.get("cluster_slots_ok", "0")
+            if state != "ok":
+                raise FatalError(
+                    f"Redis Cluster at {where} is not serving: cluster_state:{state}, "
+                    f"{fields.get('cluster_slots_assigned', '?')} of {CLUSTER_SLOTS} slots "
+                    f"assigned, {ok} served (assign every slot, or wait for failover)"
+                )
+        return clustered
+    except RedisError as e:
+        raise FatalError(f"Redis at {where} cannot be reached: {e}") from e
+    finally:
+        client.close()
+
+
+def _cluster_info_or_none(client: redis.Redis) -> dict[str, str] | None:
+    try:
+        return cluster_info(client)
+    except RedisError:  # "cluster support disabled": a single server
+        return None
+
+
+def check_namespace(client: redis.Redis, namespace: str, url: str) -> None:
+    """`FatalError` if the URL's ACL user may not read and write the namespace's keys.
+
+    UNLINK of a name that never exists needs write access to the key and changes nothing.
+    """
+    try:
+        client.exists(f"{namespace}:access-check")
+        client.unlink(f"{namespace}:access-check")
+    except NoPermissionError as e:
+        user = urlsplit(url).username or "default"
+        raise FatalError(
+            f"Redis user {user!r} may not use namespace {namespace!r} (keys {namespace}:*): {e}"
+        ) from e
+    except RedisError as e:
+        raise FatalError(f"Redis at {redacted(url)} cannot be used: {e}") from e
+
+
+def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redis.Redis:
     """A sync client for `url` whose commands are packed by redis-py's Python packer.
 
     hiredis's packer copies each argument into a fresh mmap'd buffer and is ~5x
     slower for MiB-size values; audio and tensor chunks are exactly those.
     `redis_kwargs` go to the pool (e.g. `retry=`); closing the client closes it.
+    With `cluster`, a `redis.cluster.RedisCluster` (its own pools per node; redis-py's
+    default packer, since the cluster client takes no packer).
     """
+    if cluster:
+        try:
+            return cast(redis.Redis, redis.cluster.RedisCluster.from_url(url, **redis_kwargs))
+        except RedisClusterException as e:  # not a RedisError: say it as one line too
+            raise FatalError(f"Redis Cluster at {redacted(url)}: {e}") from e
     pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
     # Built from the pool's own encoder so str arguments are encoded as the URL says
     # (`encoding=`); the pool hands this one stateless packer to every connection.
@@ -36,13 +153,48 @@ def sync_client(url: str, **redis_kwargs: Any) -> redis.Redis:
     return redis.Redis.from_pool(pool)
 
 
+def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
+    """An asyncio client for `url` (a cluster one with `cluster`; it connects lazily)."""
+    if cluster:
+        return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
+    return aioredis.Redis.from_url(url)
+
+
+def pool_for_key(client: redis.Redis, key: str) -> ConnectionPool:
+    """The connection pool of the server holding `key`: a plain client's own pool, or the
+    pool of the cluster node that serves the key's slot (for a connection kept apart)."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        node = client.get_node_from_key(key)
+        return cast(ConnectionPool, client.get_redis_connection(node).connection_pool)
+    return client.connection_pool
+
+
 @dataclass(frozen=True)
 class RedisClients:
-    """Factories of the sync and async clients of one Redis."""
+    """Factories of the sync and async clients of one Redis (or one Redis Cluster)."""
 
     sync: Callable[[], redis.Redis]
     aio: Callable[[], aioredis.Redis]
+    cluster: bool = False
 
     @classmethod
-    def from_url(cls, url: str) -> RedisClients:
-        return cls(sync=lambda: sync_client(url), aio=lambda: aioredis.Redis.from_url(url))
+    def from_url(cls, url: str, cluster: ClusterMode = "auto") -> RedisClients:
+        """Ask the server what it is (`probe`), then build clients of that kind."""
+        clustered = probe(url, cluster)
+        return cls(
+            sync=lambda: sync_client(url, cluster=clustered),
+            aio=lambda: async_client(url, cluster=clustered),
+            cluster=clustered,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RedisClients:
+        """`from_url` for the configured URL and cluster mode, and the namespace's ACL check."""
+        url = settings.require_redis_url()
+        clients = cls.from_url(url, settings.redis_cluster)
+        client = clients.sync()
+        try:
+            check_namespace(client, settings.namespace, url)
+        finally:
+            client.close()
+        return clients

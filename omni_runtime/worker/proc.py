@@ -69,7 +69,7 @@ class StageWorker:
         self.stage = pipeline.stage(stage_id)
         self.stage_id = stage_id
         self.settings = settings
-        self.clients = clients or RedisClients.from_url(s.require_redis_url())
+        self.clients = clients or RedisClients.from_settings(s)
         self.names = s.names
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.streaming = pipeline.mode == "streaming"

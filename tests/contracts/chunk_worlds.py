@@ -1,5 +1,6 @@
 """The chunk plane's implementations as test worlds: memory (wake-ups), polling (a SPEC
-connector lifted by PollingTransport), Redis on fakeredis and Redis on a real redis-server.
+connector lifted by PollingTransport), Redis on fakeredis, on a real redis-server and on a
+real Redis Cluster.
 
 A `World` makes one transport per adapter (as in one process per stage), all on
 one store, each wrapped in a `Recording` that records puts and can hold or fail
@@ -19,9 +20,12 @@ import redis
 from omni_runtime import ChunkAdapter, codec
 from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import ChunkTransport, Fetched, PutItem
+from omni_runtime.keys import stored_chunk_key
+from omni_runtime.redis_io.clients import sync_client
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
-KINDS = ["memory", "polling", "fakeredis", REAL]
+CLUSTER = pytest.param("redis-cluster", marks=pytest.mark.redis_server)
+KINDS = ["memory", "polling", "fakeredis", REAL, CLUSTER]
 PREFIX = "t:"
 
 
@@ -92,15 +96,18 @@ class World:
         self.adapters: list[ChunkAdapter] = []
         self.store = MemoryConnector()
         self.server = fakeredis.FakeServer()
+        self.cluster = kind == "redis-cluster"
         self.raw: redis.Redis = (
-            redis.Redis.from_url(url) if url else fakeredis.FakeRedis(server=self.server)
+            sync_client(url, cluster=self.cluster)
+            if url
+            else fakeredis.FakeRedis(server=self.server)
         )
-        self.side = self._redis() if kind in ("fakeredis", "redis-server") else None
+        self.side = self._redis() if kind not in ("memory", "polling") else None
         """A second connector on the store: puts as another process would."""
 
     def _redis(self) -> RedisConnector:
         if self.url is not None:
-            conn = RedisConnector.from_url(self.url, prefix=PREFIX)
+            conn = RedisConnector.from_url(self.url, prefix=PREFIX, cluster=self.cluster)
         else:
             conn = RedisConnector(fakeredis.FakeRedis(server=self.server), prefix=PREFIX)
         self.made.append(conn)
@@ -142,7 +149,7 @@ class World:
     def put_garbage(self, key: str) -> None:
         """A value no decoder accepts (memory: a value that is not a chunk)."""
         if self.side is not None:
-            self.raw.set(PREFIX + key, b"\xc1\xc1 not msgpack")
+            self.raw.set(stored_chunk_key(key, PREFIX), b"\xc1\xc1 not msgpack")
         else:
             self.store.put(key, {"unexpected": 1})
 
@@ -151,13 +158,14 @@ class World:
         candidates = [f"{prefix}{i}" for i in range(upto)]
         if self.side is None:
             return [k for k in candidates if k in self.store]
-        return [k for k in candidates if self.raw.exists(PREFIX + k)]
+        return [k for k in candidates if self.raw.exists(stored_chunk_key(k, PREFIX))]
 
     def left(self) -> int:
         """Chunk values stored and not consumed."""
         if self.side is None:
             return len(self.store)
-        names = [k for k in self.raw.keys(PREFIX + "*") if b":notify:" not in k]
+        # SCAN, not KEYS: a cluster client sends KEYS to one node, SCAN to every primary
+        names = [k for k in self.raw.scan_iter(PREFIX + "*") if b":notify:" not in k]
         return len([k for k in names if b"route:" not in k])
 
     def close(self) -> None:
@@ -174,7 +182,8 @@ def encoded_size(value: Any) -> int:
 
 
 def _world(request: pytest.FixtureRequest) -> Iterator[World]:
-    url = request.getfixturevalue("redis_url") if request.param == "redis-server" else None
+    fixture = {"redis-server": "redis_url", "redis-cluster": "redis_cluster_url"}
+    url = request.getfixturevalue(fixture[request.param]) if request.param in fixture else None
     w = World(request.param, url)
     try:
         yield w
@@ -187,7 +196,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
     yield from _world(request)
 
 
-@pytest.fixture(params=["fakeredis", REAL])
+@pytest.fixture(params=["fakeredis", REAL, CLUSTER])
 def redis_world(request: pytest.FixtureRequest) -> Iterator[World]:
     """The worlds whose transport is the Redis one, for what only it promises."""
     yield from _world(request)

@@ -114,19 +114,19 @@ def test_prefix_is_applied_inside_and_every_key_has_a_ttl(redis_variant: RedisVa
     conn.put("r1_0_0", {"data": "x", "finished": False})
     conn.put("r1_0_1", {"data": "y", "finished": False})
     conn.put("r1_0_2", {"data": "z", "finished": True})
-    assert raw.exists("omni:test:r1_0_0") == 1
-    assert raw.exists("r1_0_0") == 0
-    assert 0 < raw.ttl("omni:test:r1_0_0") <= 60
+    assert raw.exists("omni:test:{r1}_0_0") == 1  # prefixed, and tagged by request
+    assert raw.exists("r1_0_0") == raw.exists("{r1}_0_0") == 0
+    assert 0 < raw.ttl("omni:test:{r1}_0_0") <= 60
     assert conn.get("r1_0_0") == {"data": "x", "finished": False}
     assert conn.fetch(["r1_0_1"]) == [{"data": "y", "finished": False}]
     assert conn.discard(["r1_0_2", "r1_0_9"]) == 1
-    assert raw.exists("omni:test:r1_0_0", "omni:test:r1_0_1", "omni:test:r1_0_2") == 0
+    assert raw.exists("omni:test:{r1}_0_0", "omni:test:{r1}_0_1", "omni:test:{r1}_0_2") == 0
 
 
 def test_default_ttl_is_the_chunk_ttl(redis_variant: RedisVariant) -> None:
     conn = redis_variant.make()
     conn.put("r1_0_0", {"data": "x", "finished": False})
-    assert keys.CHUNK_TTL_S - 5 <= redis_variant.raw.ttl("r1_0_0") <= keys.CHUNK_TTL_S
+    assert keys.CHUNK_TTL_S - 5 <= redis_variant.raw.ttl("{r1}_0_0") <= keys.CHUNK_TTL_S
 
 
 def test_put_retries_with_exponential_backoff_then_succeeds(
@@ -151,7 +151,7 @@ def test_put_raises_transport_error_after_exhausting_retries(
         conn.put("r1_0_0", {"data": "lost", "finished": False})
     assert isinstance(info.value.__cause__, redis.exceptions.ConnectionError)
     assert calls[0] == 3
-    assert redis_variant.raw.exists("r1_0_0") == 0
+    assert redis_variant.raw.exists("{r1}_0_0") == 0
 
 
 def test_one_attempt_means_no_retry(
@@ -180,7 +180,7 @@ def test_get_of_a_malformed_value_raises_codec_error_and_counts_it(
     redis_variant: RedisVariant,
 ) -> None:
     conn = redis_variant.make(prefix="p:")
-    redis_variant.raw.set("p:bad_0_0", NOT_PICKLE_NOT_MSGPACK)
+    redis_variant.raw.set("p:{bad}_0_0", NOT_PICKLE_NOT_MSGPACK)
     with pytest.raises(CodecError):
         conn.get("bad_0_0")
     assert conn.get("bad_0_0") is None  # consumed: a malformed value is not served twice

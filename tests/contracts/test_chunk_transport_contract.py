@@ -12,6 +12,7 @@ from omni_runtime import keys
 from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport, Connector
 from omni_runtime.core.types import MalformedChunk
+from omni_runtime.keys import stored_chunk_key
 from tests.contracts.chunk_worlds import PREFIX, World, redis_world, world
 
 __all__ = ["redis_world", "world"]
@@ -118,7 +119,7 @@ def test_redis_fetch_of_a_malformed_value_keeps_the_good_ones(redis_world: World
     w.put_garbage("m_0_1")
     got = t.fetch(["m_0_0", "m_0_1", "m_0_2"])
     assert got[0] == chunk("good") and got[2] is None
-    assert isinstance(got[1], MalformedChunk) and got[1].key == PREFIX + "m_0_1"
+    assert isinstance(got[1], MalformedChunk) and got[1].key == stored_chunk_key("m_0_1", PREFIX)
     assert w.left() == 0  # consumed, not served twice
 
 
@@ -130,7 +131,7 @@ def test_redis_a_small_chunk_rides_in_its_wakeup(redis_world: World) -> None:
     end = time.monotonic() + 10
     while not receiver.wait_for_puts(0.05) and time.monotonic() < end:
         pass
-    w.raw.delete(PREFIX + "inl_0_0")  # proves the value came with the wake-up
+    w.raw.delete(stored_chunk_key("inl_0_0", PREFIX))  # proves the value came with the wake-up
     assert receiver.fetch(["inl_0_0"]) == [chunk(b"small", True)]
 
 
@@ -144,6 +145,6 @@ def test_redis_unsubscribe_drops_the_route_and_unlistened_puts_leave_no_state(
     receiver.unsubscribe(["u_0"])
     assert not w.raw.exists(keys.chunk_route_key("u_0", PREFIX))
     sender.put_batch([("solo_0_0", chunk("x", True), True)])
-    assert sorted(k.decode() if isinstance(k, bytes) else k for k in w.raw.keys("*")) == [
-        PREFIX + "solo_0_0"
+    assert sorted(k.decode() if isinstance(k, bytes) else k for k in w.raw.scan_iter("*")) == [
+        f"{PREFIX}{{solo}}_0_0"
     ]

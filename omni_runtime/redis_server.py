@@ -1,0 +1,267 @@
+"""Private Redis servers for local runs, tests, benchmarks and CI: one server, or a cluster.
+
+`RedisServer` is a `redis-server` on a free loopback port; `RedisCluster` is three
+(or more) of them in cluster mode with every slot assigned, the smallest real Redis
+Cluster. Nothing is downloaded: the binary is `$OMNI_REDIS_SERVER` or the one on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from omni_runtime.errors import FatalError, StartupTimeoutError
+from omni_runtime.redis_io.clients import CLUSTER_SLOTS, cluster_info
+
+CLUSTER_BUS_OFFSET = 10000
+"""A cluster node also listens on its port + this (the cluster bus)."""
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (another process may still take it: callers retry)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ping(url: str, timeout_s: float = 0.5) -> bool:
+    """One PING without retries; False (not an exception) while nothing answers."""
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def wait_for_ping(url: str, timeout_s: float) -> None:
+    """Return once `url` answers PING; StartupTimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ping(url):
+        if time.monotonic() > deadline:
+            raise StartupTimeoutError(f"Redis at {url} did not answer within {timeout_s:g}s")
+        time.sleep(0.02)
+
+
+def redis_server_binary() -> str | None:
+    """`$OMNI_REDIS_SERVER` if set, else `redis-server` on PATH, else None."""
+    return os.environ.get("OMNI_REDIS_SERVER") or shutil.which("redis-server")
+
+
+class RedisServer:
+    """A private `redis-server` on a free loopback port: no persistence, stopped on exit.
+
+    The one way this repository starts a Redis (`omni-runtime run`, the tests'
+    session fixture, the benchmarks, CI). `start()` waits for PING within
+    `timeout_s`, retries on another port if the server dies at start (a port
+    taken in between), and raises StartupTimeoutError with the log's tail;
+    FatalError if there is no binary. Use as a context manager, or `start()`/`stop()`.
+    """
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        log_path: Path | None = None,
+        timeout_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+        pick_port: Callable[[], int] = free_port,
+    ) -> None:
+        self.binary = binary or redis_server_binary()
+        self.log_path = log_path
+        self.timeout_s = timeout_s
+        self.extra_args = extra_args
+        self.pick_port = pick_port
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, attempts: int = 3) -> RedisServer:
+        if self.binary is None:
+            raise FatalError("no redis-server on PATH (install it, or set OMNI_REDIS_SERVER)")
+        error = ""
+        for _ in range(attempts):
+            self.port = self.pick_port()
+            cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+            cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args]
+            out: IO[bytes] | int = subprocess.DEVNULL
+            if self.log_path is not None:
+                out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
+            try:
+                # Its own session: a Ctrl-C in the terminal must not kill it before the
+                # processes using it have stopped (whoever started it stops it, last).
+                self.proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            except OSError as e:
+                raise FatalError(f"cannot start {self.binary}: {e}") from e
+            finally:
+                if not isinstance(out, int):
+                    out.close()
+            deadline = time.monotonic() + self.timeout_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if ping(self.url):
+                    return self
+                time.sleep(0.02)
+            error = f"exit code {self.proc.poll()}" if self.proc.poll() is not None else "no PING"
+            self.stop()
+        raise StartupTimeoutError(
+            f"redis-server did not answer PING within {self.timeout_s:g}s ({error})"
+            + (f"; log:\n{self.log_tail()}" if self.log_path else "")
+        )
+
+    def log_tail(self, chars: int = 2000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, SIGKILL after `timeout_s`; always reaped. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def cluster_node_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+
+
+class RedisCluster:
+    """A private Redis Cluster: `masters` `redis-server --cluster-enabled yes` nodes, no replicas.
+
+    Slots are split evenly (CLUSTER ADDSLOTS), the nodes meet (CLUSTER MEET), and
+    `start()` returns once every node reports `cluster_state:ok` and knows the others:
+    what `redis-cli --cluster create ... --cluster-replicas 0` does, without needing
+    redis-cli. `url` is the first node's; any node's URL reaches the whole cluster.
+    """
+
+    def __init__(
+        self, masters: int = 3, binary: str | None = None, timeout_s: float = 20.0
+    ) -> None:
+        if masters < 1:
+            raise FatalError(f"a cluster needs at least one master, got {masters}")
+        self.masters = masters
+        self.binary = binary
+        self.timeout_s = timeout_s
+        self.nodes: list[RedisServer] = []
+        self.dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    def start(self) -> RedisCluster:
+        self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-cluster-"))
+        try:
+            for i in range(self.masters):
+                node_dir = self.dir / f"node{i}"
+                node_dir.mkdir()
+                conf = str(node_dir / "nodes.conf")
+                args = ["--cluster-enabled", "yes", "--dir", str(node_dir)]
+                args += ["--cluster-config-file", conf, "--cluster-node-timeout", "5000"]
+                node = RedisServer(
+                    self.binary,
+                    node_dir / "redis.log",
+                    self.timeout_s,
+                    tuple(args),
+                    cluster_node_port,
+                )
+                self.nodes.append(node.start())
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self) -> None:
+        clients = [redis.Redis.from_url(url, socket_timeout=self.timeout_s) for url in self.urls]
+        try:
+            per_node = -(-CLUSTER_SLOTS // self.masters)
+            for i, client in enumerate(clients):
+                slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
+                client.execute_command("CLUSTER ADDSLOTS", *slots)  # type: ignore[no-untyped-call]
+            for node in self.nodes[1:]:
+                clients[0].execute_command(  # type: ignore[no-untyped-call]
+                    "CLUSTER MEET", "127.0.0.1", node.port
+                )
+            deadline = time.monotonic() + self.timeout_s
+            while not all(self._ready(c) for c in clients):
+                if time.monotonic() > deadline:
+                    raise StartupTimeoutError(
+                        f"Redis Cluster on ports {[n.port for n in self.nodes]} did not reach "
+                        f"cluster_state:ok within {self.timeout_s:g}s"
+                    )
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+
+    def _ready(self, client: redis.Redis) -> bool:
+        fields = cluster_info(client)
+        return (
+            fields.get("cluster_state") == "ok"
+            and fields.get("cluster_known_nodes") == str(self.masters)
+            and fields.get("cluster_slots_ok") == str(CLUSTER_SLOTS)
+        )
+
+    def stop(self) -> None:
+        """Stop every node and delete their directory. Idempotent."""
+        for node in self.nodes:
+            node.stop()
+        self.nodes = []
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
