@@ -102,6 +102,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from omni_runtime.launcher import ProcessGroup, child_env, local_redis
+    from omni_runtime.redis_io.clients import RedisClients
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
@@ -109,6 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_wav_path(args.wav)
     check_stage_options(pipeline, range(pipeline.last_stage + 1))
     printer = OutputPrinter()
+    if settings.redis_url is not None:  # unusable: one line now, not one per process later
+        RedisClients.from_settings(settings)
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
         env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})

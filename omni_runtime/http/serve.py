@@ -54,7 +54,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         try:
             log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)
             settings = settings.model_copy(update={"redis_url": url})
-            gateway = Gateway(pipeline, settings, RedisClients.from_url(url), serve)
+            gateway = Gateway(pipeline, settings, RedisClients.from_settings(settings), serve)
             # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's
             # default action would kill this process before it stops its embedded children.
             signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -39,8 +39,9 @@ def _s(value: Any) -> str:
 def scan_keys(client: redis.Redis, pattern: str, type_: str | None = None) -> list[str]:
     """Keys matching `pattern`: the one place that discovers keys by SCAN.
 
-    On Redis Cluster, `RedisCluster.scan_iter` visits every primary; a registry
-    set per namespace would avoid SCAN altogether if that ever becomes too slow.
+    On a Redis Cluster the client is redis-py's cluster client, whose `scan_iter`
+    walks every primary (a key lives on the shard of its slot, not on the node the
+    URL names); a registry set per namespace would avoid SCAN if it ever got too slow.
     """
     found: list[str] = []
     for key in client.scan_iter(match=pattern, count=1000, _type=type_):
@@ -222,7 +223,10 @@ def read_stats(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
     """Every published stats document, by role."""
     prefix = names.stats("")
     found = scan_keys(client, f"{prefix}*", "string")
-    values = client.mget(found) if found else []
+    with client.pipeline(transaction=False) as pipe:  # one GET each: the keys span slots
+        for key in found:
+            pipe.get(key)
+        values = pipe.execute()
     out: dict[str, Any] = {}
     for key, raw in zip(found, values, strict=True):
         if raw is not None:

@@ -21,6 +21,7 @@ from rich.table import Table
 from omni_runtime import keys
 from omni_runtime.errors import ConfigError
 from omni_runtime.ops.flags import add_dead_letters_arguments as add_dead_letters_arguments
+from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.settings import Settings
 
 RAW_CUT_BYTES = 4096
@@ -88,7 +89,9 @@ def replay(
         raise ConfigError(
             f"dead letter {dead_id}: its payload was cut at {RAW_CUT_BYTES} bytes; --force to replay anyway"
         )
-    with client.pipeline(transaction=True) as pipe:
+    # One transaction on a single Redis; on a cluster the two streams have slots of their
+    # own, so the entry is re-queued first and its dead letter deleted after.
+    with client.pipeline(transaction=not is_cluster(client)) as pipe:
         pipe.xadd(stream, {keys.PAYLOAD_FIELD: raw}, maxlen=maxlen, approximate=True)
         pipe.xdel(names.dead_letters, dead_id)
         new_id, _ = pipe.execute()

@@ -24,14 +24,16 @@ from rich.text import Text
 from omni_runtime import keys
 from omni_runtime.observe import redis_stats
 from omni_runtime.ops.flags import add_status_arguments as add_status_arguments
+from omni_runtime.redis_io.clients import probe, sync_client
 from omni_runtime.settings import Settings
 
 
 def connect(settings: Settings) -> redis.Redis:
-    """A sync client with bounded timeouts: a status tool never hangs on a dead Redis."""
-    return redis.Redis.from_url(
-        settings.require_redis_url(), socket_connect_timeout=5, socket_timeout=10
-    )
+    """A sync client with bounded timeouts: a status tool never hangs on a dead Redis.
+    A cluster client when the server is a cluster node (its SCANs visit every primary)."""
+    url = settings.require_redis_url()
+    cluster = probe(url, settings.redis_cluster)
+    return sync_client(url, cluster=cluster, socket_connect_timeout=5, socket_timeout=10)
 
 
 def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:

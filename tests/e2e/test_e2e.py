@@ -1,4 +1,7 @@
-"""End to end: a real redis-server, and the orchestrator and every worker as OS processes."""
+"""End to end: a real redis-server, and the orchestrator and every worker as OS processes.
+
+The tests marked `on_both` run again on a real 3-master Redis Cluster (same code, any
+node's URL): both modes, the seed and the omni pipelines."""
 
 from __future__ import annotations
 
@@ -21,10 +24,14 @@ from omni_runtime.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
+
+on_both = pytest.mark.parametrize("deploy", ["redis-server", "redis-cluster"], indirect=True)
+"""Run the test on the single redis-server and on the Redis Cluster."""
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
 
@@ -50,7 +57,7 @@ class Deployment:
             {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "4"},
         )
         self.group = ProcessGroup(self.path, self.pipeline, env)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = RedisClients.from_url(redis_url).sync()
 
     def __enter__(self) -> Deployment:
         self.group.start()
@@ -92,11 +99,16 @@ def triples(outs: list[OrchOutput]) -> list[tuple[int, Any, bool]]:
 
 
 @pytest.fixture
-def deploy(redis_url: str, tmp_path: Path) -> Iterator[Any]:
+def deploy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """Deployments on the redis-server, or on the Redis Cluster when parametrized so."""
+    backend = getattr(request, "param", "redis-server")
+    url = request.getfixturevalue(
+        "redis_cluster_url" if backend == "redis-cluster" else "redis_url"
+    )
     started: list[Deployment] = []
 
     def make(base: str = "seed.yaml", **changes: Any) -> Deployment:
-        d = Deployment(redis_url, tmp_path, base, **changes)
+        d = Deployment(url, tmp_path, base, **changes)
         started.append(d.__enter__())
         return d
 
@@ -105,6 +117,7 @@ def deploy(redis_url: str, tmp_path: Path) -> Iterator[Any]:
         d.__exit__()
 
 
+@on_both
 async def test_seed_examples_with_real_processes(deploy: Any) -> None:
     both = deploy()
     only_2 = deploy(final_stage_ids=[2])
@@ -196,6 +209,7 @@ def omni(**options: Any) -> dict[str, Any]:
     }
 
 
+@on_both
 async def test_streaming_and_sequential_give_identical_outputs(deploy: Any) -> None:
     prompts = {f"q{i}": f"Hello number {i}, streaming world!" for i in range(10)}
     seq = await deploy("omni.yaml", mode="sequential", **omni()).run_all(prompts)

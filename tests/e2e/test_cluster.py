@@ -1,0 +1,139 @@
+"""Redis Cluster for real: `run` on any node's URL in both modes, discovery across shards,
+and the three ways a deployment is unusable, each a one-line error without a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.cluster
+
+from omni_runtime import keys
+from omni_runtime.launcher import RedisServer, free_port
+from omni_runtime.observe import redis_stats
+from omni_runtime.redis_io.clients import async_client, sync_client
+from omni_runtime.redis_io.liveness import stage_has_live_replica
+from omni_runtime.redis_server import cluster_node_port
+from tests.e2e.test_cli import SEED, SEED_OUTPUTS, cli, cli_env, describe, outputs
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
+
+
+def node_urls(cluster_url: str) -> list[str]:
+    client = redis.cluster.RedisCluster.from_url(cluster_url)
+    try:
+        return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "streaming"])
+def test_run_on_any_cluster_node_in_both_modes(redis_cluster_url: str, mode: str) -> None:
+    """Not the node the fixture handed out: any node's URL reaches the whole cluster."""
+    other = next(u for u in node_urls(redis_cluster_url) if u != redis_cluster_url)
+    proc = cli("run", "--pipeline", SEED, "--mode", mode, "--redis-url", other, "hi there")
+    assert proc.returncode == 0, describe(proc)
+    assert f"pipeline 'seed' ({mode} mode) on configured" in proc.stdout
+    got = outputs(proc.stdout)
+    by_stage = sorted(got, key=lambda out: out[0])  # streaming interleaves the stages
+    assert by_stage == SEED_OUTPUTS and got[-1] == SEED_OUTPUTS[-1], describe(proc)
+    assert "Traceback" not in proc.stderr
+
+
+def test_discovery_finds_processes_on_every_shard(redis_cluster_url: str) -> None:
+    """Heartbeats and stats land on the shards of their slots; discovery sees them all."""
+    names = keys.Names(f"d{uuid.uuid4().hex[:6]}")
+    client = sync_client(redis_cluster_url, cluster=True)
+    try:
+        beats = [names.stage_heartbeat(sid, f"w{sid}") for sid in range(12)]
+        for key in beats:
+            client.set(key, redis_stats.heartbeat_value(in_flight=0), px=60_000)
+            client.set(names.stats(key.rpartition(":hb:")[2]), "{}", ex=60)
+        assert isinstance(client, redis.cluster.RedisCluster)
+        shards = {client.get_node_from_key(key).name for key in beats}
+        assert len(shards) == 3, "the heartbeats must spread over every shard for this test"
+        procs = redis_stats.read_heartbeats(client, names, 0.0)
+        assert sorted(p.stage for p in procs if p.stage is not None) == list(range(12))
+        assert len(redis_stats.read_stats(client, names)) == 12
+    finally:
+        client.close()
+
+    async def live() -> list[bool]:
+        aio = async_client(redis_cluster_url, cluster=True)
+        try:
+            return [await stage_has_live_replica(aio, names, sid) for sid in range(13)]
+        finally:
+            await aio.aclose()
+
+    assert asyncio.run(live()) == [True] * 12 + [False]
+
+
+# --- clear errors ------------------------------------------------------------------------
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, describe(proc)
+    assert "Traceback" not in proc.stderr, describe(proc)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("omni-runtime: error: "), describe(proc)
+    for needle in needles:
+        assert needle in lines[0], describe(proc)
+
+
+@pytest.mark.parametrize("command", ["worker", "run"])
+def test_an_unreachable_cluster_url_stops_with_one_line(command: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    args = ["--pipeline", SEED, "--redis-url", url, "--redis-cluster", "yes"]
+    args += {"worker": ["--stage", "0"], "run": ["hi"]}.get(command, [])
+    one_line_error(
+        cli(command, *args, env=cli_env(OMNI_STARTUP_TIMEOUT_S="5")), "cannot be reached"
+    )
+
+
+@pytest.fixture
+def half_a_cluster(tmp_path: Path) -> Iterator[str]:
+    """A cluster node serving 8192 of the 16384 slots: `cluster_state:fail`."""
+    conf = str(tmp_path / "nodes.conf")
+    args = ("--cluster-enabled", "yes", "--dir", str(tmp_path), "--cluster-config-file", conf)
+    with RedisServer(extra_args=args, pick_port=cluster_node_port) as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)  # type: ignore[no-untyped-call]
+        finally:
+            client.close()
+        yield server.url
+
+
+@pytest.mark.parametrize("command", ["orchestrator"])
+def test_a_cluster_with_slots_uncovered_stops_with_one_line(
+    half_a_cluster: str, command: str
+) -> None:
+    args = ["--pipeline", SEED, "--redis-url", half_a_cluster]
+    args += ["--stage", "1"] if command == "worker" else []
+    one_line_error(cli(command, *args), "cluster_state:fail", "8192 of 16384 slots")
+
+
+@pytest.mark.parametrize("command", ["orchestrator", "worker"])
+def test_a_namespace_the_acl_user_may_not_touch_stops_with_one_line(
+    redis_url: str, command: str
+) -> None:
+    user, secret = f"u{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser(
+        user, enabled=True, passwords=[f"+{secret}"], keys=["other:*"], commands=["+@all"]
+    )
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:{secret}@")
+        args = ["--pipeline", SEED, "--redis-url", url, "--namespace", "mine"]
+        args += ["--stage", "0"] if command == "worker" else []
+        proc = cli(command, *args)
+        one_line_error(proc, f"Redis user {user!r} may not use namespace 'mine'")
+        assert secret not in proc.stderr
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
