@@ -33,7 +33,7 @@ from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.inbox import Inbox
-from omni_runtime.redis_io.liveness import StateEpoch
+from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
@@ -141,13 +141,7 @@ class OmniClient:
             if not await self.redis.exists(self.names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
             for sid in stage_ids:
-                found = False
-                async for _key in self.redis.scan_iter(
-                    self.names.heartbeat_pattern(sid), count=100
-                ):
-                    found = True
-                    break
-                if not found:
+                if not await stage_has_live_replica(self.redis, self.names, sid):
                     missing.append(f"stage {sid} worker")
             if not missing:
                 return

@@ -25,6 +25,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -108,11 +109,7 @@ class Gateway:
             if not await self._probe.exists(names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
             for sid in range(self.pipeline.last_stage + 1):
-                found = False
-                async for _key in self._probe.scan_iter(names.heartbeat_pattern(sid), count=1000):
-                    found = True
-                    break
-                if not found:
+                if not await stage_has_live_replica(self._probe, names, sid):
                     missing.append(f"stage {sid} worker")
         except (RedisError, OSError) as e:
             missing = [f"redis ({type(e).__name__})"]

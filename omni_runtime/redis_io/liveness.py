@@ -21,7 +21,8 @@ async def stage_has_live_replica(client: aioredis.Redis, names: keys.Names, stag
     """Whether any worker of `stage_id` beats its heartbeat (`<ns>:hb:stage:<k>:*`).
 
     The one place stage replicas are discovered: a key present means a beat younger
-    than its TTL.
+    than its TTL. On a Redis Cluster the client is a cluster client, whose SCAN walks
+    every primary: a heartbeat lives on the shard of its own slot.
     """
     async for _key in client.scan_iter(names.heartbeat_pattern(stage_id), count=1000):
         return True
