@@ -6,13 +6,14 @@ chunk nobody reads expires. Keys handed in are the bare `<req>_<stage>_<id>`
 strings; the namespace prefix and the request's hash tag are applied here
 (`keys.stored_chunk_key`).
 
-On a Redis Cluster no command or transaction may span slots, and one batch spans
-many requests, so the round trips keep their shape but not their atomicity: a
-batch of puts is one non-transactional cluster pipeline (SETs are idempotent, so
-a retry re-puts the whole batch), and a read is a GETDEL per key beside per-key
-UNLINKs and the LPOP of the wake-up list. redis-py sends each node its part. The tricks stay inside: read-ahead in one
-MGET, wake-ups on a notify list with small values inline (`redis_wakeups`), a
-route cache, deletes of inline-served keys riding the next round trip.
+On a Redis Cluster nothing may span slots and a batch spans requests, so round
+trips keep their shape, not their atomicity: puts are one non-transactional
+pipeline (SETs are idempotent: a retry re-puts the batch), a read is per-key
+GETDELs and UNLINKs beside the LPOP of the wake-ups (see docs/cluster.md).
+
+The tricks stay inside: read-ahead in one MGET, wake-ups on a notify list with
+small values inline (`redis_wakeups`), a route cache, deletes of inline-served
+keys riding the next round trip.
 
 Errors: Redis failures raise `TransportError` (puts retry first, with the
 `Backoff` given); a value that fails to decode or exceeds `max_bytes` is a
@@ -50,8 +51,6 @@ from omni_runtime.redis_io.clients import is_cluster, sync_client
 
 log = logging.getLogger(__name__)
 
-_PACKER_BUFFER_CUTOFF = 6000
-"""Arguments above this size are sent as separate buffers (redis-py's own cutoff)."""
 OWED_MAX = 256
 """Deletes of inline-served keys held back at most, before a zero wait sends them anyway."""
 PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
@@ -149,7 +148,8 @@ class RedisConnector:
 
     def fetch(self, keys: Sequence[str]) -> list[Fetched]:
         """Inline values first; the rest in one MULTI: owed UNLINKs, MGET, UNLINK of what
-        was read (exactly GETDEL), and the wake-ups queued meanwhile."""
+        was read (exactly GETDEL), and the wake-ups queued meanwhile (on a cluster, the
+        same in one pipeline of per-key UNLINKs and GETDELs)."""
         names = [stored_chunk_key(key, self.prefix) for key in keys]
         raws: dict[str, bytes | None] = dict(self._inbox.serve(names))
         missing = [n for n in names if n not in raws]

@@ -27,7 +27,9 @@ import redis.asyncio.cluster as aiocluster
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.connection import ConnectionPool, PythonRespSerializer
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from omni_runtime.errors import FatalError
@@ -82,6 +84,7 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
     )
     where = redacted(url)
     try:
+        client.ping()
         if mode == "auto":
             try:
                 info = client.info("cluster")
@@ -91,7 +94,9 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
         else:
             clustered = mode == "yes"
         if clustered:
-            fields = cluster_info(client)
+            fields = _cluster_info_or_none(client)
+            if fields is None:
+                raise FatalError(f"Redis at {where} is no cluster node (OMNI_REDIS_CLUSTER=yes)")
             state, ok = fields.get("cluster_state"), fields.get("cluster_slots_ok", "0")
             if state != "ok":
                 raise FatalError(
@@ -100,8 +105,10 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
                     f"assigned, {ok} served (assign every slot, or wait for failover)"
                 )
         return clustered
-    except RedisError as e:
+    except (RedisConnectionError, RedisTimeoutError) as e:
         raise FatalError(f"Redis at {where} cannot be reached: {e}") from e
+    except RedisError as e:
+        raise FatalError(f"Redis at {where} answered the start-up check with: {e}") from e
     finally:
         client.close()
 

@@ -14,9 +14,10 @@ import redis
 import redis.cluster
 
 from omni_runtime import keys
+from omni_runtime.errors import FatalError
 from omni_runtime.launcher import RedisServer, free_port
 from omni_runtime.observe import redis_stats
-from omni_runtime.redis_io.clients import async_client, sync_client
+from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
 from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.redis_server import cluster_node_port
 from tests.e2e.test_cli import SEED, SEED_OUTPUTS, cli, cli_env, describe, outputs
@@ -137,3 +138,13 @@ def test_a_namespace_the_acl_user_may_not_touch_stops_with_one_line(
     finally:
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_the_client_kind_comes_from_the_server_unless_forced(
+    redis_url: str, redis_cluster_url: str
+) -> None:
+    assert probe(redis_cluster_url) is True and probe(redis_url) is False
+    assert probe(redis_cluster_url, "no") is False  # forced: plain clients on a cluster node
+    with pytest.raises(FatalError, match="is no cluster node"):
+        probe(redis_url, "yes")
+    assert redacted("redis://bob:secret@h:6379/0") == "redis://bob:***@h:6379/0"
