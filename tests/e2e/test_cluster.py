@@ -17,6 +17,7 @@ from omni_runtime import keys
 from omni_runtime.errors import FatalError
 from omni_runtime.launcher import RedisServer, free_port
 from omni_runtime.observe import redis_stats
+from omni_runtime.ops.status import collect_status
 from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
 from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.redis_server import cluster_node_port
@@ -61,6 +62,8 @@ def test_discovery_finds_processes_on_every_shard(redis_cluster_url: str) -> Non
         procs = redis_stats.read_heartbeats(client, names, 0.0)
         assert sorted(p.stage for p in procs if p.stage is not None) == list(range(12))
         assert len(redis_stats.read_stats(client, names)) == 12
+        snap = collect_status(client, names)  # what `omni-runtime status` shows
+        assert snap["workers_per_stage"] == {str(sid): 1 for sid in range(12)}
     finally:
         client.close()
 
