@@ -1,7 +1,8 @@
 """End to end: a real redis-server, and the orchestrator and every worker as OS processes.
 
-The tests marked `on_both` run again on a real 3-master Redis Cluster (same code, any
-node's URL): both modes, the seed and the omni pipelines; the omni one on Valkey too."""
+The omni pipeline in both modes runs again on a real 3-master Redis Cluster (same code,
+any node's URL) and on Valkey (`on_all`); `tests/e2e/test_cluster.py` runs the seed
+pipeline in both modes on the cluster, through `omni-runtime run`."""
 
 from __future__ import annotations
 
@@ -31,12 +32,10 @@ from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
-on_both = pytest.mark.parametrize("deploy", ["redis-server", "redis-cluster"], indirect=True)
-"""Run the test on the single redis-server and on the Redis Cluster."""
 on_all = pytest.mark.parametrize(
     "deploy", ["redis-server", "redis-cluster", "valkey"], indirect=True
 )
-"""... and on Valkey."""
+"""Run the test on the single redis-server, on the Redis Cluster and on Valkey."""
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
 
@@ -119,7 +118,6 @@ def deploy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
         d.__exit__()
 
 
-@on_both
 async def test_seed_examples_with_real_processes(deploy: Any) -> None:
     both = deploy()
     only_2 = deploy(final_stage_ids=[2])
