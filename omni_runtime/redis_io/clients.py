@@ -90,14 +90,14 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
                 info = client.info("cluster")
                 clustered = bool(int(info.get("cluster_enabled", 0)))
             except ResponseError:  # INFO denied to an ACL user, or a server without the section
-                clustered = _cluster_info_or_none(client) is not None
+                clustered = bool(_cluster_fields(client))
         else:
             clustered = mode == "yes"
         if clustered:
-            fields = _cluster_info_or_none(client)
+            fields = _cluster_fields(client)
             if fields is None:
                 raise FatalError(f"Redis at {where} is no cluster node (OMNI_REDIS_CLUSTER=yes)")
-            state, ok = fields.get("cluster_state"), fields.get("cluster_slots_ok", "0")
+            state, ok = fields.get("cluster_state", "ok"), fields.get("cluster_slots_ok", "0")
             if state != "ok":
                 raise FatalError(
                     f"Redis Cluster at {where} is not serving: cluster_state:{state}, "
@@ -113,10 +113,14 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
         client.close()
 
 
-def _cluster_info_or_none(client: redis.Redis) -> dict[str, str] | None:
+def _cluster_fields(client: redis.Redis) -> dict[str, str] | None:
+    """CLUSTER INFO; None on a single server; `{}` when the ACL user may not ask (unknown:
+    `auto` then takes a single server, `yes` trusts the setting)."""
     try:
         return cluster_info(client)
-    except RedisError:  # "cluster support disabled": a single server
+    except NoPermissionError:
+        return {}
+    except ResponseError:  # "cluster support disabled": a single server
         return None
 
 

@@ -151,3 +151,26 @@ def test_the_client_kind_comes_from_the_server_unless_forced(
     with pytest.raises(FatalError, match="is no cluster node"):
         probe(redis_url, "yes")
     assert redacted("redis://bob:secret@h:6379/0") == "redis://bob:***@h:6379/0"
+
+
+def test_a_user_denied_info_still_starts_on_a_single_server(redis_url: str) -> None:
+    """INFO and CLUSTER denied: `auto` cannot ask, takes a single server, and says nothing."""
+    user, secret = f"u{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser(
+        user,
+        enabled=True,
+        passwords=[f"+{secret}"],
+        keys=["*"],
+        commands=["+@all", "-info", "-cluster"],
+    )
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:{secret}@")
+        denied = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            denied.info("cluster")
+        denied.close()
+        assert probe(url) is False
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
