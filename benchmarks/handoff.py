@@ -7,19 +7,22 @@ calls `poll_ready` and records now - stamp (both on `RedisConnector`, as in a
 worker). Baselines with the same payload (`omni_runtime.codec`) and pacing: raw
 `RPUSH -> BLPOP` (the payload in the list) and raw `SET+RPUSH -> BLPOP -> GET` (the
 adapter's own Redis round trips, no threads between). The first chunks are not
-counted. Ratio: p50 / raw RPUSH -> BLPOP p50.
+counted. Ratio: p50 / raw RPUSH -> BLPOP p50. Last, the adapter again on a private
+3-master Redis Cluster (`RedisCluster`), its ratio against the single server's
+adapter p50 of the same run.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchmarks.harness import scenario
 from benchmarks.harness.procs import RoleProc, role_env
 from benchmarks.harness.redis import delete_keys
 from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import percentile
+from omni_runtime.launcher import RedisCluster
 
 KINDS = {
     "raw_blpop": "raw RPUSH -> BLPOP",
@@ -63,6 +66,8 @@ def once(ctx: scenario.Context, kind: str, sizes: Sizes) -> tuple[list[float], i
 
 def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     results = {kind: once(ctx, kind, sizes) for kind in KINDS}
+    with RedisCluster() as cluster:
+        on_cluster = once(replace(ctx, redis_url=cluster.url), "adapter", sizes)
     base = percentile(results["raw_blpop"][0], 50)
     rows = []
     for kind, (lat, missing) in results.items():
@@ -80,6 +85,14 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
             row.target = f"p50 <= {TARGET_P50_MS:g} ms, p99 <= {TARGET_P99_MS:g} ms"
             row.met = p50 <= TARGET_P50_MS and p99 <= TARGET_P99_MS and not missing
         rows.append(row)
+    lat, missing = on_cluster
+    p50, single = percentile(lat, 50), percentile(results["adapter"][0], 50)
+    rows.append(
+        Row("handoff", "ChunkAdapter on a 3-master Redis Cluster", "one-way p50", "ms", p50,
+            None, None, p50, percentile(lat, 99), baseline="ChunkAdapter, one redis-server",
+            baseline_value=single, ratio=ratio(p50, single), ratio_of="p50",
+            notes=[f"{len(lat)} chunks counted, {missing} missing"])
+    )  # fmt: skip
     return rows
 
 

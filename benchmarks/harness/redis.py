@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 
 from omni_runtime.launcher import RedisServer
+from omni_runtime.redis_io.clients import probe, sync_client
 
 
 @contextlib.contextmanager
@@ -29,8 +30,9 @@ def redis_for_run(url: str | None) -> Iterator[str]:
 
 
 def delete_keys(url: str, pattern: str) -> None:
-    """UNLINK every key matching `pattern`, best effort: a shared Redis keeps no bench keys."""
-    client = redis.Redis.from_url(url)
+    """UNLINK every key matching `pattern`, best effort: a shared Redis keeps no bench keys
+    (on a cluster, the cluster client's SCAN walks every primary)."""
+    client = sync_client(url, cluster=probe(url))
     try:
         for key in client.scan_iter(match=pattern, count=1000):
             client.unlink(key)

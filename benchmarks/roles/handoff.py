@@ -22,6 +22,7 @@ import redis
 from benchmarks.roles import emit
 from omni_runtime import ChunkAdapter, codec
 from omni_runtime.chunks import RedisConnector
+from omni_runtime.redis_io.clients import probe
 
 GAP_MS = (2.0, 4.0)
 CODES = [17, 404, 1000, 3, 512, 77, 901]
@@ -31,7 +32,11 @@ CODES = [17, 404, 1000, 3, 512, 77, 901]
 def send(kind: str, url: str, prefix: str, rid: str, total: int) -> None:
     """`total` stamped chunks, U(2, 4) ms apart; then wait for EOF on stdin before stopping."""
     rng = random.Random(rid)
-    conn = RedisConnector.from_url(url, prefix=prefix) if kind == "adapter" else None
+    conn = (
+        RedisConnector.from_url(url, prefix=prefix, cluster=probe(url))
+        if kind == "adapter"
+        else None
+    )
     adapter = ChunkAdapter(conn, stage_id=0) if conn is not None else None
     client = redis.Redis.from_url(url)
     client.ping()
@@ -67,7 +72,7 @@ def recv(kind: str, url: str, prefix: str, rid: str, total: int, warmup: int) ->
             lat.append(now - payload["t"])
 
     if kind == "adapter":
-        conn = RedisConnector.from_url(url, prefix=prefix)
+        conn = RedisConnector.from_url(url, prefix=prefix, cluster=probe(url))
         ready = threading.Event()
         adapter = ChunkAdapter(conn, stage_id=1, on_ready=ready.set)
         adapter.load_async(rid)
