@@ -25,7 +25,9 @@ from omni_runtime.redis_io.backoff import Backoff
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1
-"""Longest wait between checks of the stop flag and the sweeps when nothing happens."""
+"""Longest wait for puts while requests are registered, between checks of the sweeps."""
+IDLE_SLEEP_S = 5.0
+"""Longest sleep with nothing registered: registering, discarding and stopping notify."""
 NO_PROGRESS_SLEEP_S = 0.001
 """Pause between polling rounds that found nothing, for transports with no wake-ups."""
 SWEEP_INTERVAL_S = 0.5
@@ -120,7 +122,7 @@ class ChunkReceiver:
                     self._step(functools.partial(self._wait, FLUSH_WAIT_S), backoff)
                 with self._cv:
                     if self._idle_wait_s() is None and not self._stop.is_set():
-                        self._cv.wait(IDLE_WAIT_S)
+                        self._cv.wait(IDLE_SLEEP_S)
                 continue
             idle_before = False
             if wait_s > 0:

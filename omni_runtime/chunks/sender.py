@@ -22,8 +22,9 @@ from omni_runtime.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.1
-"""Longest sleep on the Condition: a lost notification costs at most this much."""
+IDLE_WAIT_S = 5.0
+"""Longest sleep on the Condition with nothing queued: every change notifies it under its
+lock, so this is only a safety net (and an idle worker's thread wakes rarely)."""
 
 
 class ChunkSender:
