@@ -178,6 +178,7 @@ class OrchestratorService:
         """Redis loops end after their current command; then everything left is cancelled
         (delivery waits on in-memory queues only)."""
         self._stopping.set()
+        self.requests.interrupt()
         timeout_s = self.settings.block_ms / 1000 + SHUTDOWN_GRACE_S
         await asyncio.wait(redis_loops, timeout=timeout_s)
         tasks = [*redis_loops, delivery]

@@ -120,9 +120,10 @@ class RedisStageClient:
         self.writer.xadd(self.control, msg, max_age_s=keys.CONTROL_STREAM_AGE_S)
 
     async def quiesce(self, timeout_s: float = 5.0) -> None:
-        """Stop reading between two reads, so shutdown never cuts a blocking read in half
-        (entries it delivered would stay pending; some clients hang on it)."""
+        """Stop reading now: the blocking read in progress is cut short (what it was
+        delivered stays pending, read again as backlog by the next orchestrator)."""
         self._stopping = True
+        self.reader.interrupt()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
