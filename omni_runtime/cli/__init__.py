@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt-file", help="read the prompt from this file ('-': stdin)")
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
         source: CliSettingsSource[Settings] = CliSettingsSource(
-            Settings, root_parser=p, cli_kebab_case=True, cli_hide_none_type=True
+            Settings,
+            root_parser=p,
+            cli_kebab_case=True,
+            cli_hide_none_type=True,
+            cli_implicit_flags=True,
         )
         p.set_defaults(settings_source=source)
         return p

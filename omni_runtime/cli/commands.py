@@ -90,14 +90,23 @@ def exit_now(code: int) -> NoReturn:
 
 
 async def _submit_and_print(
-    settings: Settings, prompt: str, printer: OutputPrinter, stage_ids: list[int]
+    settings: Settings,
+    prompt: str,
+    printer: OutputPrinter,
+    stage_ids: list[int],
+    trace: bool = False,
 ) -> None:
     from omni_runtime.client import OmniClient
 
     async with OmniClient(settings) as client:
         await client.wait_ready(stage_ids)
         printer.restart_clock()
-        async for out in client.generate(prompt):
+        request_id = await client.submit(prompt, trace=trace)
+        if trace:  # on stderr: stdout stays the outputs
+            print(
+                f"request {request_id} is traced: omni-runtime trace {request_id}", file=sys.stderr
+            )
+        async for out in client.stream(request_id):
             printer(out)
 
 
@@ -107,7 +116,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     check_wav_path(args.wav)
     printer = OutputPrinter()
     stage_ids = list(range(pipeline.last_stage + 1))
-    asyncio.run(_submit_and_print(settings_of(args), prompt, printer, stage_ids))
+    settings = settings_of(args)  # `--trace`: this request is traced in every process
+    asyncio.run(_submit_and_print(settings, prompt, printer, stage_ids, settings.trace))
     write_wav(printer, args.wav, _wav_rate(pipeline))
     return 1 if printer.failed else 0
 

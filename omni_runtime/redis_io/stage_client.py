@@ -80,6 +80,8 @@ class RedisStageClient:
         self.block_ms = block_ms
         self.streaming = streaming
         self.tracer = tracer
+        self.traced: set[str] | frozenset[str] = frozenset()
+        """The requests traced on demand: their inputs carry the flag to the workers."""
         self.metrics = metrics or Metrics()
         self.reader = GroupReader(
             client,
@@ -110,7 +112,8 @@ class RedisStageClient:
     async def submit(self, request_id: str, data: Any) -> None:
         if self.tracer is not None:
             self.tracer.stamp("input_submitted", request_id, self.stage_id)
-        msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
+        trace = request_id in self.traced
+        msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming, trace=trace)
         fields = entry_fields(msg)  # bad data raises here
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 
