@@ -52,7 +52,11 @@ class Deployment:
     def complete(self, request_id: str) -> bool:
         """Client, orchestrator (read to finished) and a worker of every stage stamped it."""
         seen = {(event, stage) for event, _rid, stage, _t in self.stamps(request_id)}
-        wanted = {("client_submitted", None), ("request_read", None), ("request_finished", None)}
+        wanted: set[tuple[str, int | None]] = {
+            ("client_submitted", None),
+            ("request_read", None),
+            ("request_finished", None),
+        }
         wanted |= {("input_submitted", k) for k in STAGES}  # orchestrator, per stage
         wanted |= {("input_read", k) for k in STAGES}  # the workers
         return wanted <= seen
