@@ -11,7 +11,7 @@ as backlog. Nothing is lost; it is only read later.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -33,6 +33,11 @@ class ReadInterrupt:
         self.interrupted = False
         self._task: asyncio.Task[Any] | None = None
 
+    @property
+    def running(self) -> bool:
+        """A read is in progress (a blocking one: waiting for entries)."""
+        return self._task is not None
+
     def interrupt(self) -> None:
         """Safe to call any time, from the event loop's thread; idempotent."""
         if self.interrupted:
@@ -41,15 +46,13 @@ class ReadInterrupt:
         if self._task is not None:
             self._task.cancel()
 
-    async def run(self, read: Awaitable[T]) -> T:
-        """`await read`, or ReadInterrupted if interrupted before or while it runs."""
+    async def run(self, read: Callable[[], Awaitable[T]]) -> T:
+        """`await read()`, or ReadInterrupted if interrupted before or while it runs."""
         if self.interrupted:
-            if isinstance(read, Coroutine):
-                read.close()  # never awaited: no "coroutine was never awaited" warning
             raise ReadInterrupted
         task = self._task = asyncio.current_task()
         try:
-            return await read
+            return await read()
         except asyncio.CancelledError:
             if not self.interrupted or task is None or task.uncancel() > 0:
                 raise  # (also) cancelled by someone else: theirs to handle

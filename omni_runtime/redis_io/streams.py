@@ -241,6 +241,11 @@ class GroupReader(_ReaderBase[M]):
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()
 
+    @property
+    def reading(self) -> bool:
+        """An XREADGROUP of this reader is in progress (blocked, when nothing is new)."""
+        return self._interrupt.running
+
     def interrupt(self) -> None:
         """Shutdown: cut the blocking read in progress short; later reads return `[]`.
         What the cut read was delivered stays pending, read again as backlog on restart."""
@@ -257,7 +262,7 @@ class GroupReader(_ReaderBase[M]):
     async def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
         try:
             reply: object = await self._interrupt.run(
-                self.client.xreadgroup(
+                lambda: self.client.xreadgroup(
                     self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
                 )
             )
