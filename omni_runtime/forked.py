@@ -13,7 +13,6 @@ when, and the launcher spawns fresh interpreters otherwise.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib
@@ -47,20 +46,11 @@ def can_fork() -> bool:
     return False
 
 
-_parser: argparse.ArgumentParser | None = None
-
-
 def preload(modules: Iterable[str] = PRELOAD) -> None:
-    """Import what the children run (a missing optional module is the child's business),
-    and build the command-line parser they all parse with."""
-    global _parser
+    """Import what the children run (a missing optional module is the child's business)."""
     for name in modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    if _parser is None:
-        from omni_runtime.cli import build_parser
-
-        _parser = build_parser()
 
 
 class ForkedProcess:
@@ -161,4 +151,4 @@ def _child(
             del sys.modules[name]
     from omni_runtime.cli import main
 
-    return main(argv, _parser)
+    return main(argv)
