@@ -36,8 +36,9 @@ PRELOAD = (
 
 
 def can_fork() -> bool:
-    """A POSIX parent with only its main thread and no event loop running."""
-    if not hasattr(os, "fork") or threading.active_count() != 1:
+    """A Linux parent with only its main thread and no event loop running (macOS system
+    libraries are not fork-safe once loaded, and Python spawns there by default too)."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
         return False
     try:
         asyncio.get_running_loop()
