@@ -29,6 +29,7 @@ from omni_runtime.errors import (
 )
 from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.clients import RedisClients
@@ -71,6 +72,7 @@ class OmniClient:
             settings.trace_ttl_s,
             "client",
         )
+        self._on_demand = LazyRedisTracer(self.clients.sync, self.names, settings.trace_ttl_s)
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self.metrics = metrics or Metrics()
@@ -129,6 +131,7 @@ class OmniClient:
         await self.redis.aclose()
         if isinstance(self.tracer, Closable):
             self.tracer.close()
+        self._on_demand.close()
 
     async def wait_ready(self, stage_ids: list[int], timeout_s: float | None = None) -> None:
         """Wait until the orchestrator and a worker of every listed stage beat their heartbeat."""
@@ -154,14 +157,22 @@ class OmniClient:
             await asyncio.sleep(READY_POLL_S)
 
     async def submit(
-        self, prompt: Any, request_id: str | None = None, deadline_s: float | None = None
+        self,
+        prompt: Any,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        trace: bool = False,
     ) -> str:
-        """Send a request; its outputs queue up until `stream` is iterated."""
+        """Send a request (outputs queue up until `stream`); `trace`: record its timeline."""
         request_id = request_id or uuid.uuid4().hex
-        if self.tracer is not None:
-            self.tracer.stamp("client_submitted", request_id)
+        if (tracer := self.tracer or (self._on_demand if trace else None)) is not None:
+            tracer.stamp("client_submitted", request_id)
         msg = RequestMsg(
-            request_id=request_id, client_id=self.client_id, prompt=prompt, deadline_s=deadline_s
+            request_id=request_id,
+            client_id=self.client_id,
+            prompt=prompt,
+            deadline_s=deadline_s,
+            trace=trace,
         )
         fields = entry_fields(msg)
         size = len(fields[keys.PAYLOAD_FIELD])

@@ -35,6 +35,8 @@ class RequestMsg(_Wire):
     client_id: ClientId
     prompt: Any
     deadline_s: Annotated[float, Field(gt=0)] | None = None
+    trace: bool = False
+    """Trace this request (every process stamps it into Redis) even with tracing off."""
 
 
 class AbortMsg(_Wire):
@@ -50,6 +52,8 @@ class StageInputMsg(_Wire):
 
     type: Literal["stage_input"] = "stage_input"
     request_id: RequestId
+    trace: bool = False
+    """The request is traced on demand: the worker stamps it too."""
     data: Any
     streaming: bool = False
 

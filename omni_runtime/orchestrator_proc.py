@@ -1,9 +1,8 @@
 """The orchestrator process: the very SPEC §3 Orchestrator, wired to Redis streams.
 
-It reads client requests, runs them through the pipeline with one
-`RedisStageClient` per stage up to the last final one, and delivers each
-`OrchOutput` to the stream of the client that asked. It beats a heartbeat key so
-clients and the local runner know it is up.
+It reads client requests, runs them through the pipeline with one `RedisStageClient`
+per stage up to the last final one, and delivers each `OrchOutput` to the stream of the
+client that asked. It beats a heartbeat key so clients and the local runner see it.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import OrchOutput, Stage, forward_previous_data
 from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, ClientCommand, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.on_demand import FINISHED, TraceSwitch
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
@@ -136,7 +136,7 @@ class OrchestratorService:
         obs = start_observability(
             self.settings, self.metrics, "orchestrator", self.clients.sync, poll_streams=True
         )
-        self._trace_with(obs.tracer)
+        self._traced = TraceSwitch(obs.tracer, obs.on_demand, self._trace_with, self.stages)
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         try:
             for stream in self._streams():
@@ -175,13 +175,11 @@ class OrchestratorService:
     async def _stop_loops(
         self, redis_loops: list[asyncio.Task[None]], delivery: asyncio.Task[None]
     ) -> None:
-        """Redis loops end after their current command; then everything left is cancelled
-        (delivery waits on in-memory queues only)."""
+        """Cut the Redis loops' reads short, then cancel what is left (delivery waits in memory)."""
         self._stopping.set()
-        timeout_s = self.settings.block_ms / 1000 + SHUTDOWN_GRACE_S
-        await asyncio.wait(redis_loops, timeout=timeout_s)
-        tasks = [*redis_loops, delivery]
-        for task in tasks:
+        self.requests.interrupt()
+        await asyncio.wait(redis_loops, timeout=self.settings.block_ms / 1000 + SHUTDOWN_GRACE_S)
+        for task in (tasks := [*redis_loops, delivery]):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -202,6 +200,8 @@ class OrchestratorService:
                     self.metrics.inc("omni_requests_refused_total", reason=error)
                     self.outbox.refuse(cmd.request_id, cmd.client_id, error)
                 elif isinstance(cmd, RequestMsg):
+                    if cmd.trace:  # traced on demand: this process stamps it too
+                        self._traced.begin(cmd.request_id)
                     if self.tracer is not None:
                         self.tracer.stamp(
                             "request_read", cmd.request_id, None, self.requests.read_ns
@@ -286,6 +286,8 @@ class OrchestratorService:
             if self.writer.urgent_pending:
                 await asyncio.sleep(0)  # let the writer send a stage's next input first
             self.outbox.send(out)
+            if out.finished and self.tracer is not None:
+                self.tracer.stamp(FINISHED, out.request_id)
             self.timer.output(out.request_id, out.data, out.finished, out.error)
 
     def _streams(self) -> list[str]:

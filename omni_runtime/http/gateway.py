@@ -116,8 +116,9 @@ class Gateway:
         self._missing, self._ready_at = missing, loop.time()
         return missing
 
-    async def open(self, prompt: str, audio: bool) -> Run:
-        """Admit and submit one request; 503 when not ready, 429 when at `max_inflight`."""
+    async def open(self, prompt: str, audio: bool, trace: bool = False) -> Run:
+        """Admit and submit one request; 503 when not ready, 429 when at `max_inflight`.
+        `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`."""
         missing = await self.missing()
         if missing:
             self.metrics.inc("omni_requests_refused_total", reason="not ready")
@@ -130,7 +131,7 @@ class Gateway:
         assert self.client is not None
         self.inflight += 1
         try:
-            request_id = await self.client.submit(prompt)
+            request_id = await self.client.submit(prompt, trace=trace)
         except CodecError as e:
             self.inflight -= 1
             raise ApiError(413, str(e), code="request_too_large") from e

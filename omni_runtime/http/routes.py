@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter
+from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -32,6 +33,15 @@ AUDIO_EXPIRY_S = 3600
 """`expires_at` is reported as OpenAI does; this server keeps no audio to refer back to."""
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "X-Omni-Request-Id"
+"""Every pipeline response names its request: what `omni-runtime trace ID` takes."""
+TraceHeader = Annotated[str | None, Header(description="1: record this request's timeline")]
+"""`X-Omni-Trace: 1` traces one request in every process, with tracing off."""
+
+
+def wants(flag: str | None) -> bool:
+    """A header's yes: 1, true, yes, on (any case)."""
+    return flag is not None and flag.strip().lower() in {"1", "true", "yes", "on"}
 
 
 class GuardedStream(StreamingResponse):
@@ -78,31 +88,34 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise ApiError(400, "this pipeline has no audio output", param="modalities")
 
     @router.post("/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> ChatCompletion | StreamingResponse:
+    async def chat(
+        req: ChatCompletionRequest, response: Response, x_omni_trace: TraceHeader = None
+    ) -> ChatCompletion | StreamingResponse:
         check_model(req.model)
         check_prompt(req.prompt, "messages")
         if req.wants_audio:
             check_audio()
-        run = await gateway.open(req.prompt, audio=req.wants_audio)
+        run = await gateway.open(req.prompt, audio=req.wants_audio, trace=wants(x_omni_trace))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return GuardedStream(
                 _chat_sse(run, req.model, include_usage),
                 run.close,
                 media_type="text/event-stream",
-                headers=SSE_HEADERS,  # type: ignore[arg-type]
+                headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},  # type: ignore[arg-type]
             )
+        response.headers[REQUEST_ID_HEADER] = run.request_id
         try:
             return await _chat_whole(run, req, outputs.sample_rate)
         finally:
             run.close()
 
     @router.post("/audio/speech", response_model=None)
-    async def speech(req: SpeechRequest) -> StreamingResponse:
+    async def speech(req: SpeechRequest, x_omni_trace: TraceHeader = None) -> StreamingResponse:
         check_model(req.model)
         check_prompt(req.input, "input")
         check_audio()
-        run = await gateway.open(req.input, audio=True)
+        run = await gateway.open(req.input, audio=True, trace=wants(x_omni_trace))
         events = run.events()
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)
@@ -126,7 +139,11 @@ def media_router(gateway: Gateway) -> APIRouter:
                         return
 
         media = "audio/wav" if req.response_format == "wav" else "audio/pcm"
-        headers = {"X-Sample-Rate": str(outputs.sample_rate), "Cache-Control": "no-cache"}
+        headers = {
+            "X-Sample-Rate": str(outputs.sample_rate),
+            "Cache-Control": "no-cache",
+            REQUEST_ID_HEADER: run.request_id,
+        }
         return GuardedStream(body(), run.close, media_type=media, headers=headers)  # type: ignore[arg-type]
 
     return router

@@ -49,7 +49,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         group = None
         if settings.redis_url is None:
             env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
-            group = ProcessGroup(Path(args.pipeline), pipeline, env)
+            group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True)
             group.start()
         try:
             log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)

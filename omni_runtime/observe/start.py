@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, Tracer, tracer_for
@@ -28,6 +29,9 @@ class Observability:
 
     metrics: Metrics
     tracer: Tracer | None
+    on_demand: Tracer | None = None
+    """Stamps the requests traced on demand when `tracer` does not write to Redis already
+    (`observe.on_demand`); started by its first stamp."""
     _stops: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -71,6 +75,10 @@ def start_observability(
         )
         if isinstance(obs.tracer, Closable):
             obs._stops.append(obs.tracer.close)
+        if redis_client is not None and not settings.trace:
+            on_demand = LazyRedisTracer(redis_client, settings.names, settings.trace_ttl_s)
+            obs.on_demand = on_demand
+            obs._stops.append(on_demand.close)
         if redis_client is not None:
             poller = StreamStatsPoller(
                 redis_client(), settings.names, metrics, role, poll_interval_s, poll_streams

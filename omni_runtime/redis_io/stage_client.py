@@ -80,6 +80,8 @@ class RedisStageClient:
         self.block_ms = block_ms
         self.streaming = streaming
         self.tracer = tracer
+        self.traced: set[str] | frozenset[str] = frozenset()
+        """The requests traced on demand: their inputs carry the flag to the workers."""
         self.metrics = metrics or Metrics()
         self.reader = GroupReader(
             client,
@@ -110,7 +112,8 @@ class RedisStageClient:
     async def submit(self, request_id: str, data: Any) -> None:
         if self.tracer is not None:
             self.tracer.stamp("input_submitted", request_id, self.stage_id)
-        msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming)
+        trace = request_id in self.traced
+        msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming, trace=trace)
         fields = entry_fields(msg)  # bad data raises here
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 
@@ -120,9 +123,10 @@ class RedisStageClient:
         self.writer.xadd(self.control, msg, max_age_s=keys.CONTROL_STREAM_AGE_S)
 
     async def quiesce(self, timeout_s: float = 5.0) -> None:
-        """Stop reading between two reads, so shutdown never cuts a blocking read in half
-        (entries it delivered would stay pending; some clients hang on it)."""
+        """Stop reading now: the blocking read in progress is cut short (what it was
+        delivered stays pending, read again as backlog by the next orchestrator)."""
         self._stopping = True
+        self.reader.interrupt()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()

@@ -21,6 +21,8 @@ API (stable):
     (a reply lost with its connection left its entries pending, never read). `[]` on timeout, or after a failed
     XREADGROUP once its back-off delay passed, so callers loop and check their stop
     flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
+  - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short at
+    once (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
     obtained otherwise (XCLAIM): malformed ones dead-lettered, trimmed ones acked.
   - `[await] ack(*entry_ids) -> bool`: XACK, bounded retries; False once given up.
@@ -64,6 +66,7 @@ from omni_runtime.redis_io.entries import (
     parse_entry,
     stream_reply,
 )
+from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 
 __all__ = [
     "BacklogCursor",
@@ -236,6 +239,18 @@ class GroupReader(_ReaderBase[M]):
         super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
         self.client = client
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
+        self._interrupt = ReadInterrupt()
+
+    @property
+    def reading(self) -> bool:
+        """An XREADGROUP of this reader is in progress (blocked, when nothing is new)."""
+        return self._interrupt.running
+
+    def interrupt(self) -> None:
+        """Shutdown: cut the blocking read in progress short; later reads return `[]`.
+        What the cut read was delivered stays pending, read again as backlog on restart."""
+        self._interrupt.interrupt()
+        self.cursor = BacklogCursor(True)
 
     async def read(self, count: int, block_ms: int) -> list[tuple[bytes, M]]:
         walking = self.cursor.in_backlog
@@ -246,9 +261,13 @@ class GroupReader(_ReaderBase[M]):
 
     async def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
         try:
-            reply = await self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
+            reply: object = await self._interrupt.run(
+                lambda: self.client.xreadgroup(
+                    self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
+                )
             )
+        except ReadInterrupted:
+            return None
         except ResponseError as e:
             if not _no_group(e):
                 raise

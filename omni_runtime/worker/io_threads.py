@@ -140,6 +140,7 @@ class InputThread(_Loop):
         self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.stage_id = stage_id
         self.tracer = tracer
+        self.on_demand: Tracer | None = None
 
     def request_stop(self) -> None:
         super().request_stop()
@@ -157,11 +158,10 @@ class InputThread(_Loop):
                 self.slots.give_back(n - len(got))
             if not got:
                 continue
-            if self.tracer is not None:
-                for _eid, msg in got:
-                    self.tracer.stamp(
-                        "input_read", msg.request_id, self.stage_id, self.reader.read_ns
-                    )
+            for _eid, msg in got:  # the process's tracer, or a request's own (`trace`)
+                tracer = self.tracer or (self.on_demand if msg.trace else None)
+                if tracer is not None:
+                    tracer.stamp("input_read", msg.request_id, self.stage_id, self.reader.read_ns)
             self.deliver([Input(eid, msg) for eid, msg in got])
 
 

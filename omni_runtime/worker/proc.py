@@ -178,7 +178,8 @@ class StageWorker:
             self.adapter = ChunkAdapter(
                 self._connector, self.stage_id, on_ready=self._wake.set, metrics=self.metrics
             )
-        self._input.tracer = self.observed.start(s, self.clients.sync).tracer
+        obs = self.observed.start(s, self.clients.sync)
+        self._input.tracer, self._input.on_demand = obs.tracer, obs.on_demand
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts

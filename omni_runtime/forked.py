@@ -1,0 +1,155 @@
+"""Start the local pipeline's processes by forking a parent that has imported the runtime once.
+
+A fresh interpreter per process pays ~1 s of imports (redis, pydantic, numpy) on every
+start, and the four processes of the demo share two cores: `run` waited ~3 s for them.
+A forked child inherits the parent's imported modules and is ready in tens of
+milliseconds. Each child is still its own OS process with its own log file, PID and
+signals; it runs the same command line (`omni_runtime.cli.main`) a spawned one would.
+
+Forking is safe only from a parent with one thread and no running event loop (a thread
+holding a lock at the fork would leave it held forever in the child): `can_fork` says
+when, and the launcher spawns fresh interpreters otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from typing import IO
+
+PRELOAD = (
+    "numpy",  # the codec's arrays (the demo's stages use it too)
+    "omni_runtime.cli",
+    "omni_runtime.orchestrator_proc",
+    "omni_runtime.worker.proc",
+)
+"""What every child needs: imported once, in the parent, before the first fork."""
+
+
+def can_fork() -> bool:
+    """A Linux parent with only its main thread and no event loop running (macOS system
+    libraries are not fork-safe once loaded, and Python spawns there by default too)."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
+def preload(modules: Iterable[str] = PRELOAD) -> None:
+    """Import what the children run (a missing optional module is the child's business)."""
+    for name in modules:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+class ForkedProcess:
+    """The part of `subprocess.Popen` the launcher uses, for a forked child."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; `subprocess.TimeoutExpired` after `timeout` seconds."""
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_main(
+    argv: list[str],
+    env: dict[str, str],
+    log: IO[bytes],
+    inherited: Iterable[IO[bytes]] = (),
+    fresh: Iterable[str] = (),
+) -> ForkedProcess:
+    """Fork a child running `omni-runtime ARGV` with environment `env`, output to `log`.
+
+    The child never returns into the caller's code: it leaves through `os._exit`.
+    `inherited` are the parent's files the child must not keep (its siblings' logs).
+    `fresh` are packages the child imports again itself, as a new process would: the
+    stage code, which the parent imported only to check its options and which may
+    depend, when imported, on the child's environment.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedProcess(pid)
+    code = 1
+    try:
+        code = _child(argv, env, log, inherited, fresh)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _child(
+    argv: list[str],
+    env: dict[str, str],
+    log: IO[bytes],
+    inherited: Iterable[IO[bytes]],
+    fresh: Iterable[str],
+) -> int:
+    """As a fresh interpreter would start: default signals, stdin closed, output to `log`."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    for f in inherited:
+        f.close()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    os.environ.clear()
+    os.environ.update(env)
+    for package in fresh:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+    from omni_runtime.cli import main
+
+    return main(argv)

@@ -1,0 +1,103 @@
+"""Tracing one request on demand, in a deployment whose tracing is off.
+
+A request submitted with `trace` set (`OmniClient.submit(trace=True)`, `submit --trace`,
+the `X-Omni-Trace: 1` header) carries the flag on its `RequestMsg` and its
+`StageInputMsg`s, so every process it passes through stamps it into Redis
+(`<ns>:trace:<id>`, read by `omni-runtime trace ID`), as `OMNI_TRACE=1` would for all.
+
+The cost when nothing is traced stays what it is with tracing off: the stamp sites
+check `tracer is not None` (or a message's flag), and nothing else. That is why the
+router (the orchestrator) switches its components' tracer (`TraceSwitch`) to an
+`OnDemandTracer` only while a traced request is in flight, and back to `None` after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from omni_runtime import keys
+from omni_runtime.tracing import RedisTracer, Tracer
+
+FINISHED = "request_finished"
+"""The router's stamp of a request's last output: a request traced on demand ends there."""
+
+
+class LazyRedisTracer:
+    """A `RedisTracer` (a client and a thread) started by the first stamp, not before."""
+
+    def __init__(self, redis_client: Callable[[], Any], names: keys.Names, ttl_s: int) -> None:
+        self.redis_client, self.names, self.ttl_s = redis_client, names, ttl_s
+        self.tracer: RedisTracer | None = None
+
+    def stamp(
+        self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
+    ) -> None:
+        if self.tracer is None:
+            self.tracer = RedisTracer(self.redis_client(), self.names, self.ttl_s)
+        self.tracer.stamp(event, request_id, stage_id, t_ns)
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
+
+
+class OnDemandTracer:
+    """Stamps the requests in `requests` only; a request leaves it at its `FINISHED` stamp."""
+
+    def __init__(self, tracer: Tracer, on_idle: Callable[[], None] = lambda: None) -> None:
+        self.tracer = tracer
+        self.requests: set[str] = set()
+        self.on_idle = on_idle
+        """Called when the last traced request has finished."""
+
+    def stamp(
+        self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
+    ) -> None:
+        if request_id not in self.requests:
+            return
+        self.tracer.stamp(event, request_id, stage_id, t_ns)
+        if event == FINISHED:
+            self.requests.discard(request_id)
+            if not self.requests:
+                self.on_idle()
+
+
+class Traceable(Protocol):
+    """A component that carries the traced flag on what it sends (a stage client)."""
+
+    traced: set[str] | frozenset[str]
+
+
+class TraceSwitch:
+    """The tracer of the router's components: the process-wide one, or, while requests
+    traced on demand are in flight and it is None, an `OnDemandTracer` (set through
+    `apply`, on every component at once). `stages` learn which requests are traced, to
+    carry the flag to their workers."""
+
+    def __init__(
+        self,
+        base: Tracer | None,
+        on_demand: Tracer | None,
+        apply: Callable[[Tracer | None], None],
+        stages: Iterable[Traceable] = (),
+    ) -> None:
+        self.base = base
+        self.apply = apply
+        self.on_demand = (
+            None if on_demand is None else OnDemandTracer(on_demand, lambda: apply(base))
+        )
+        traced: set[str] | frozenset[str] = frozenset()
+        if self.on_demand is not None:
+            traced = self.on_demand.requests
+        for stage in stages:
+            stage.traced = traced
+        apply(base)
+
+    def begin(self, request_id: str) -> None:
+        """A request with its `trace` flag set arrived: stamp it from now to its end."""
+        if self.on_demand is None or self.base is not None:
+            return  # (a process-wide tracer stamps every request already)
+        if not self.on_demand.requests:
+            self.apply(self.on_demand)
+        self.on_demand.requests.add(request_id)
