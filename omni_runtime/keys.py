@@ -84,9 +84,18 @@ def receiver_notify_key(receiver_id: str, prefix: str = "") -> str:
 # --- control plane (Streams) ---------------------------------------------------
 
 ORCHESTRATOR_GROUP = "orchestrator"
+"""Consumer group the orchestrators read the requests and stage output streams with."""
 ORCHESTRATOR_CONSUMER = "orchestrator"
-"""The orchestrator's consumer name in its groups."""
-"""Consumer group the orchestrator reads the requests and stage output streams with."""
+"""The consumer name of orchestrator slot 0 in its groups (see `orchestrator_consumer`)."""
+ORCHESTRATOR_LEASE_TTL_S = 5.0
+"""An orchestrator slot whose lease is older than this is taken over by a live one."""
+
+
+def orchestrator_consumer(slot: int) -> str:
+    """An orchestrator slot's consumer name: whoever holds the slot reads its backlog."""
+    return ORCHESTRATOR_CONSUMER if slot == 0 else f"{ORCHESTRATOR_CONSUMER}-{slot}"
+
+
 WORKERS_GROUP = "workers"
 """Consumer group the replicas of one stage share its input stream through."""
 STREAM_MAXLEN = 100_000
@@ -134,8 +143,11 @@ class Names:
     def stage_in(self, stage_id: int) -> str:
         return f"{self.prefix}stage:{stage_id}:in"
 
-    def stage_out(self, stage_id: int) -> str:
-        return f"{self.prefix}stage:{stage_id}:out"
+    def stage_out(self, stage_id: int, slot: int = 0) -> str:
+        """The outputs of a stage for the requests of one orchestrator slot (its owner);
+        slot 0 keeps the plain name, so one orchestrator is laid out as it always was."""
+        base = f"{self.prefix}stage:{stage_id}:out"
+        return base if slot == 0 else f"{base}:{slot}"
 
     def client_out(self, client_id: str) -> str:
         return f"{self.prefix}client:{client_id}"
@@ -152,6 +164,23 @@ class Names:
 
     def client_heartbeat(self, client_id: str) -> str:
         return self.heartbeat(f"client:{client_id}")
+
+    def orchestrator_lease(self, slot: int) -> str:
+        """Held (a token, with a TTL) by the orchestrator serving `slot`."""
+        return f"{self.prefix}orch:lease:{slot}"
+
+    @property
+    def orchestrator_slots(self) -> str:
+        """A set of every slot ever taken: what the live orchestrators watch for lapses."""
+        return f"{self.prefix}orch:slots"
+
+    def orchestrator_requests(self, slot: int) -> str:
+        """A set of the ids of the requests in flight that `slot` owns (durable states)."""
+        return f"{self.prefix}orch:reqs:{slot}"
+
+    def request_state(self, request_id: str) -> str:
+        """A request's durable routing state (msgpack), expiring with its deadline."""
+        return f"{self.prefix}req:{request_id}"
 
     @property
     def epoch(self) -> str:

@@ -56,6 +56,8 @@ class StageInputMsg(_Wire):
     """The request is traced on demand: the worker stamps it too."""
     data: Any
     streaming: bool = False
+    owner: Annotated[int, Field(ge=0)] = 0
+    """The orchestrator slot that owns the request: its outputs go to that slot's stream."""
 
 
 class StageOutputMsg(_Wire):
@@ -83,6 +85,26 @@ class OrchOutputMsg(_Wire):
     seq: Annotated[int, Field(ge=0)]
     """0, 1, 2, ... per request, assigned by the orchestrator as it emits: the client drops
     repeats and turns a gap into an error instead of a success that misses data."""
+
+
+class DurableRequest(_Wire):
+    """A request's routing state as its owner keeps it in Redis, so another can finish it.
+
+    `stage_data` holds only what `forward_fn` will still need (sequential mode, stages
+    not yet finished); `stage_seq` is, per stage, the next output seq not yet handled;
+    `out_seq` the seq of the client's next output; `deadline_at` a wall-clock time.
+    """
+
+    type: Literal["request_state"] = "request_state"
+    request_id: RequestId
+    client_id: ClientId
+    prompt: Any
+    deadline_at: float | None
+    submitted: list[int]
+    finished: list[int]
+    stage_data: dict[int, list[Any]] = Field(default_factory=dict)
+    stage_seq: dict[int, int] = Field(default_factory=dict)
+    out_seq: Annotated[int, Field(ge=0)] = 0
 
 
 ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]

@@ -63,6 +63,14 @@ class Settings(BaseSettings):
     """A process whose heartbeat is older than this is taken for dead. Default: derived,
     `max(5, 3 * (heartbeat_interval_s + block_ms / 1000))`, since a reader refreshes its
     heartbeat between blocking reads; set explicitly, it must be at least twice that sum."""
+    orchestrator_lease_ttl_s: Annotated[float, Field(ge=0.5, le=300)] = (
+        keys.ORCHESTRATOR_LEASE_TTL_S
+    )
+    """An orchestrator renews its slot's lease every quarter of this; a slot whose lease
+    lapsed is taken over by a live orchestrator, which finishes its requests."""
+    durable_requests: bool = True
+    """Keep each request's routing state in Redis, so a takeover or restart resumes it.
+    Off: a dead orchestrator's requests in flight end on their clients' timeouts."""
     max_deliveries: Annotated[int, Field(gt=0, le=1000)] = 3
     """An input delivered more often than this (replicas died on it) is dead-lettered and
     its request ends with an error, instead of taking down replica after replica."""

@@ -11,83 +11,17 @@ same class runs in-process (`InMemoryStage`) and in the orchestrator process
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Iterable, Sequence
 from typing import Any
 
-from omni_runtime.core.deadlines import Deadlines
-from omni_runtime.core.types import (
-    CounterSink,
-    ForwardFn,
-    ManagedStage,
-    OrchOutput,
-    ReqState,
-    Stage,
-    StageFailure,
-    StageOutput,
-    forward_previous_data,
-)
+from omni_runtime.core.loops import OrchestratorLoops
+from omni_runtime.core.types import OrchOutput, ReqState, StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 
 
-class Orchestrator:
+class Orchestrator(OrchestratorLoops):
     """Routes every stage's outputs: forward to the next stage, emit to the user, clean up."""
-
-    def __init__(
-        self,
-        stages: Sequence[Stage],
-        final_stage_ids: Iterable[int],
-        forward_fn: ForwardFn = forward_previous_data,
-        default_deadline_s: float | None = None,
-        metrics: CounterSink | None = None,
-    ) -> None:
-        self.stages: list[Stage] = list(stages)
-        self._managed: list[ManagedStage | None] = [
-            s if isinstance(s, ManagedStage) else None for s in self.stages
-        ]  # the stages that take acks, aborts and request ends
-        self.metrics = metrics
-        self.final_stage_ids: frozenset[int] = frozenset(final_stage_ids)
-        if not self.final_stage_ids:
-            raise ValueError("final_stage_ids must name at least one stage")
-        bad = sorted(s for s in self.final_stage_ids if not 0 <= s < len(self.stages))
-        if bad:
-            raise ValueError(f"final stage ids {bad} outside 0..{len(self.stages) - 1}")
-        self.last_stage: int = max(self.final_stage_ids)
-        self.forward_fn = forward_fn
-        self.default_deadline_s = default_deadline_s
-        self.request_states: dict[str, ReqState] = {}
-        self.dropped_outputs: int = 0
-        self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
-        self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
-        self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._deadline_s: dict[str, float] = {}
-        """Per-request deadline overrides, read once by the handler."""
-        self._deadlines = Deadlines()
-        self._deadline_added = asyncio.Event()
-
-    # --- lifecycle -------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Start the handler, one reader per stage up to the last final one, the dispatcher."""
-        if self._tasks:
-            raise RuntimeError("orchestrator already started")
-        self._tasks.append(asyncio.create_task(self._handler_loop(), name="orch-handler"))
-        for sid in range(self.last_stage + 1):
-            self._tasks.append(
-                asyncio.create_task(self._reader_loop(sid), name=f"orch-reader-{sid}")
-            )
-        self._tasks.append(asyncio.create_task(self._dispatcher_loop(), name="orch-dispatcher"))
-        self._tasks.append(asyncio.create_task(self._deadline_loop(), name="orch-deadlines"))
-
-    async def shutdown(self) -> None:
-        """Cancel every task and wait for them, so none is destroyed while pending."""
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self) -> Orchestrator:
         await self.start()
@@ -95,74 +29,6 @@ class Orchestrator:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.shutdown()
-
-    # --- public API ------------------------------------------------------------
-
-    async def add_request(
-        self, request_id: str, prompt: Any, deadline_s: float | None = None
-    ) -> None:
-        """Only enqueue: the handler task creates the state and submits to stage 0.
-
-        Past `deadline_s` (default: `default_deadline_s`) the request ends with an
-        error output and is aborted at every stage.
-        """
-        if deadline_s is not None:
-            self._deadline_s[request_id] = deadline_s
-        await self._req_q.put(("add", request_id, prompt))
-
-    async def abort_request(self, request_id: str, reason: str = "aborted") -> None:
-        """End a live request with one error output and abort it at every stage that has it.
-
-        A request that already ended is left alone: it got its one final output.
-        """
-        await self._req_q.put(("abort", request_id, reason))
-
-    async def next_output(self, timeout: float | None = None) -> OrchOutput:
-        """The next output for the user; raises `TimeoutError` after `timeout` seconds."""
-        if timeout is None:
-            return await self._out_q.get()
-        async with asyncio.timeout(timeout):
-            return await self._out_q.get()
-
-    # --- loops -----------------------------------------------------------------
-
-    async def _handler_loop(self) -> None:
-        while True:
-            kind, request_id, payload = await self._req_q.get()
-            if kind == "add":
-                await self._handle_add(request_id, payload)
-            else:
-                await self._handle_abort(request_id, payload)
-
-    async def _deadline_loop(self) -> None:
-        """Sleeps until the earliest deadline; a request still live then is aborted."""
-        loop = asyncio.get_running_loop()
-        while True:
-            self._deadline_added.clear()
-            request_id = self._deadlines.pop_due(loop.time())
-            if request_id is not None:
-                await self._handle_abort(request_id, "deadline exceeded")
-                continue
-            at = self._deadlines.next_at()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(None if at is None else at - loop.time()):
-                    await self._deadline_added.wait()
-
-    async def _reader_loop(self, stage_id: int) -> None:
-        """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
-        stage = self.stages[stage_id]
-        while True:
-            outputs = await stage.get_output()
-            for out in outputs:
-                self._ready_q.put_nowait((stage_id, out))
-
-    async def _dispatcher_loop(self) -> None:
-        while True:
-            stage_id, out = await self._ready_q.get()
-            await self._handle_output(stage_id, out)
-            managed = self._managed[stage_id]
-            if managed is not None:  # a durable stage acknowledges only what was handled
-                managed.output_handled(out)
 
     # --- routing ---------------------------------------------------------------
 
@@ -177,9 +43,7 @@ class Orchestrator:
         """Register the request; a duplicate id gets one error output and None."""
         state = self._register(request_id, prompt)
         if state is None:
-            await self._out_q.put(
-                OrchOutput(request_id, 0, None, True, error="duplicate request id")
-            )
+            self._emit(OrchOutput(request_id, 0, None, True, error="duplicate request id"))
         return state
 
     def _register(self, request_id: str, prompt: Any) -> ReqState | None:
@@ -188,10 +52,8 @@ class Orchestrator:
         if request_id in self.request_states:
             return None
         state = ReqState(prompt=prompt)
-        self.request_states[request_id] = state
-        if deadline_s is not None:
-            self._deadlines.add(request_id, asyncio.get_running_loop().time() + deadline_s)
-            self._deadline_added.set()
+        self.restore_request(request_id, state, deadline_s)
+        self._changed(request_id, state)
         return state
 
     async def _handle_abort(self, request_id: str, reason: str) -> None:
@@ -200,7 +62,7 @@ class Orchestrator:
             return  # already ended (or never added): it had, or will have, its one output
         self._cleanup(request_id)
         stage_id = max(state.submitted, default=0)
-        await self._out_q.put(OrchOutput(request_id, stage_id, None, True, error=reason))
+        self._emit(OrchOutput(request_id, stage_id, None, True, error=reason))
         await self._abort_stages(request_id, state.submitted - state.finished)
 
     async def _abort_stages(self, request_id: str, stage_ids: set[int]) -> None:
@@ -238,6 +100,7 @@ class Orchestrator:
         state.stage_data.setdefault(stage_id, []).append(out.data)
         if out.finished:
             state.finished.add(stage_id)
+        self._changed(out.request_id, state)
         return state
 
     async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
@@ -258,7 +121,7 @@ class Orchestrator:
         done = self.final_stage_ids <= state.finished
         if done:
             self._cleanup(rid)
-        await self._out_q.put(OrchOutput(rid, stage_id, out.data, done))
+        self._emit(OrchOutput(rid, stage_id, out.data, done))
         return done
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:
@@ -281,7 +144,7 @@ class Orchestrator:
         """
         state = self.request_states.get(request_id)
         self._cleanup(request_id)
-        await self._out_q.put(OrchOutput(request_id, stage_id, None, True, error=error))
+        self._emit(OrchOutput(request_id, stage_id, None, True, error=error))
         if state is not None:
             await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 
@@ -293,7 +156,8 @@ class Orchestrator:
 
     def _cleanup(self, request_id: str) -> None:
         """Forget the request; later outputs for it are dropped and counted."""
-        self.request_states.pop(request_id, None)
+        if self.request_states.pop(request_id, None) is not None:
+            self._changed(request_id, None)
         self._deadlines.cancel(request_id)
         for managed in self._managed:
             if managed is not None:

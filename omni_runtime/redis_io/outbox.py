@@ -33,6 +33,15 @@ class ClientOutbox:
     def __len__(self) -> int:
         return len(self.client_of)
 
+    def next_seq(self, request_id: str) -> int:
+        """The seq the request's next output will carry (what a durable state records)."""
+        return self._seq.get(request_id, 0)
+
+    def restore(self, request_id: str, client_id: str, next_seq: int) -> None:
+        """A request taken over: its client already has the outputs below `next_seq`."""
+        self.client_of[request_id] = client_id
+        self._seq[request_id] = next_seq
+
     def send(self, out: OrchOutput) -> None:
         rid = out.request_id
         client_id = self.client_of.get(rid)

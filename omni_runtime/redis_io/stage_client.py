@@ -4,6 +4,11 @@
 `StreamWriter`; `get_output` reads the stage's output stream with the kit's
 `GroupReader` (backlog first, malformed entries dead-lettered). An entry is
 acknowledged only once the orchestrator handled its output (`output_handled`).
+
+One client serves one orchestrator slot: its inputs name the slot as their owner,
+so workers answer on the slot's own output stream, read with the slot's consumer
+name. `handled_seq` is, per request, the next output seq not yet handled: what a
+durable state records, so whoever restores the request drops what was handled.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
-from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.redis_io.writer import Fence, StreamWriter
 from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,9 @@ class SeqFilter:
     def __len__(self) -> int:
         return len(self._next)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._next
+
     def accept(self, msg: StageOutputMsg) -> bool:
         expected = self._next.get(msg.request_id, 0)
         if msg.seq < expected and msg.error is None:
@@ -51,6 +59,10 @@ class SeqFilter:
 
     def forget(self, request_id: str) -> None:
         self._next.pop(request_id, None)
+
+    def expect(self, request_id: str, seq: int) -> None:
+        """Outputs below `seq` were handled before (a restored request): repeats now."""
+        self._next[request_id] = max(seq, self._next.get(request_id, 0))
 
 
 class RedisStageClient:
@@ -70,11 +82,15 @@ class RedisStageClient:
         tracer: Tracer | None = None,
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
+        slot: int = 0,
+        fence: Fence | None = None,
     ) -> None:
         self.writer = writer
         self.stage_id = stage_id
+        self.slot = slot
+        self.fence = fence
         self.in_stream = names.stage_in(stage_id)
-        self.out_stream = names.stage_out(stage_id)
+        self.out_stream = names.stage_out(stage_id, slot)
         self.control = names.control
         self.read_count = read_count
         self.block_ms = block_ms
@@ -87,7 +103,7 @@ class RedisStageClient:
             client,
             self.out_stream,
             keys.ORCHESTRATOR_GROUP,
-            keys.ORCHESTRATOR_CONSUMER,
+            keys.orchestrator_consumer(slot),
             StageOutputMsg,
             max_bytes=max_message_bytes,
             dead_letters=names.dead_letters,
@@ -95,8 +111,9 @@ class RedisStageClient:
             backoff=backoff,
         )
         self.seq = SeqFilter()
-        self._entry_of: dict[int, bytes] = {}
-        """id(output) → its entry, from `get_output` until `output_handled` acknowledges it."""
+        self.handled_seq: dict[str, int] = {}
+        self._entry_of: dict[int, tuple[bytes, str, int]] = {}
+        """id(output) → (entry, request, seq), from `get_output` to `output_handled`."""
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -113,7 +130,13 @@ class RedisStageClient:
         if self.tracer is not None:
             self.tracer.stamp("input_submitted", request_id, self.stage_id)
         trace = request_id in self.traced
-        msg = StageInputMsg(request_id=request_id, data=data, streaming=self.streaming, trace=trace)
+        msg = StageInputMsg(
+            request_id=request_id,
+            data=data,
+            streaming=self.streaming,
+            trace=trace,
+            owner=self.slot,
+        )
         fields = entry_fields(msg)  # bad data raises here
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 
@@ -135,10 +158,16 @@ class RedisStageClient:
 
     def request_ended(self, request_id: str) -> None:
         self.seq.forget(request_id)
+        self.handled_seq.pop(request_id, None)
+
+    def restore(self, request_id: str, next_seq: int) -> None:
+        """A restored request: its outputs below `next_seq` were handled already."""
+        self.seq.expect(request_id, next_seq)
+        self.handled_seq[request_id] = next_seq
 
     async def get_output(self) -> list[StageOutput]:
         while True:
-            if self._stopping:
+            if self._stopping or (self.fence is not None and not await self.fence.hold()):
                 await asyncio.get_running_loop().create_future()  # parked until cancelled
             self._idle.clear()
             try:
@@ -153,8 +182,8 @@ class RedisStageClient:
                 return outputs
 
     def output_handled(self, out: StageOutput) -> None:
-        entry_id = self._entry_of.pop(id(out), None)
-        if entry_id is None:
+        entry = self._entry_of.pop(id(out), None)
+        if entry is None:
             log.warning(
                 "stage %d: no entry for the handled output of %r",
                 self.stage_id,
@@ -162,6 +191,9 @@ class RedisStageClient:
                 extra={"request_id": out.request_id},
             )
             return
+        entry_id, rid, seq = entry
+        if rid in self.seq:  # still live (an ended request forgot its seqs)
+            self.handled_seq[rid] = max(seq + 1, self.handled_seq.get(rid, 0))
         self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
     def _accept(self, batch: list[tuple[bytes, StageOutputMsg]]) -> list[StageOutput]:
@@ -177,7 +209,7 @@ class RedisStageClient:
                 else msg.data
             )
             out = StageOutput(msg.request_id, data, msg.finished or msg.error is not None)
-            self._entry_of[id(out)] = entry_id
+            self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)
             if self.tracer is not None:
                 self.tracer.stamp("output_read", msg.request_id, self.stage_id, self.reader.read_ns)

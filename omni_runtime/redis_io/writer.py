@@ -4,6 +4,11 @@ Whatever accumulated while the previous round trip was in flight goes out as one
 pipeline: one round trip per message would cap a process at a few thousand
 messages per second on loopback. A batch that keeps failing is retried with the
 bounded `Backoff`, then given up, counted and reported (`written()` → False).
+
+An orchestrator adds two things: `sources` give, as a batch is taken, the durable
+request states changed since the last one (written after the entries they follow and
+before the acknowledgements that depend on them), and a `fence` holds every batch
+while the process's lease is not known fresh, and refuses it once the lease is lost.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -63,7 +69,33 @@ class Expire:
     ttl_s: int
 
 
-Op = XAdd | XAck | Expire
+@dataclass(frozen=True, slots=True)
+class Put:
+    """SET `key` (PX `ttl_ms`) and SADD `member` to the `index` set."""
+
+    key: str
+    value: bytes
+    ttl_ms: int | None
+    index: str
+    member: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """DEL `key` and SREM `member` from the `index` set."""
+
+    key: str
+    index: str
+    member: str
+
+
+Op = XAdd | XAck | Expire | Put | Forget
+
+
+class Fence(Protocol):
+    async def hold(self) -> bool:
+        """Wait until writing is safe: True, or False once it never will be again."""
+        ...
 
 
 def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
@@ -77,6 +109,13 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
         else:
             minid = int((time.time() - add.max_age_s) * 1000)
             pipe.xadd(add.stream, xadd_fields(add.fields), minid=minid, approximate=False)
+    for op in ops:  # states after the entries they record, before the acks they allow
+        if isinstance(op, Put):
+            pipe.set(op.key, op.value, px=op.ttl_ms)
+            pipe.sadd(op.index, op.member)
+        elif isinstance(op, Forget):
+            pipe.delete(op.key)
+            pipe.srem(op.index, op.member)
     acks: dict[tuple[str, str], list[bytes]] = {}
     deletes: dict[str, list[bytes]] = {}
     expires: dict[str, int] = {}
@@ -113,6 +152,9 @@ class StreamWriter:
         self.metrics = metrics or Metrics()
         self.backoff = backoff or Backoff(0.01, 1.0, DEFAULT_ATTEMPTS)
         """Bounded: after `max_attempts` failures a batch is dropped and reported."""
+        self.sources: list[Callable[[], list[Op]]] = []
+        """Called as each batch is taken: the ops that record state changed since."""
+        self.fence: Fence | None = None
         self._traced: list[tuple[str, int]] = []
         """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""
         self._ops: list[Op] = []
@@ -157,6 +199,11 @@ class StreamWriter:
         """Whether an urgent entry waits for the next pipeline."""
         return self._urgent_queued
 
+    def wake(self) -> None:
+        """A source has something for the next batch."""
+        self._idle.clear()
+        self._pending.set()
+
     def _queue(self, op: Op) -> None:
         self._ops.append(op)
         self._idle.clear()
@@ -180,13 +227,19 @@ class StreamWriter:
         while True:
             await self._pending.wait()
             self._pending.clear()
+            refused = self.fence is not None and not await self.fence.hold()
             ops, self._ops = self._ops, []
+            for src in self.sources:
+                ops.extend(src())
+            if refused:  # deposed: what it queued is refused, never written
+                self._dropped(ops)
+                ops = []
             self._urgent_queued = False
             done, self._done = self._done, []
             traced, self._traced = self._traced, []
             self._stamp("input_write_start", traced)
             try:
-                ok = await self._write(ops) if ops else True
+                ok = not refused and (await self._write(ops) if ops else True)
             except Exception:  # never die with callers waiting on `written`
                 log.exception("stream writer failed on a batch of %d writes", len(ops))
                 self._dropped(ops)
@@ -205,7 +258,7 @@ class StreamWriter:
 
     def _dropped(self, ops: list[Op]) -> None:
         for op in ops:
-            where = op.key if isinstance(op, Expire) else op.stream
+            where = op.stream if isinstance(op, XAdd | XAck) else op.key
             self.metrics.inc("omni_dropped_writes_total", stream=where, source="writer")
 
     async def _write(self, ops: list[Op]) -> bool:
@@ -226,3 +279,6 @@ class StreamWriter:
                 self.metrics.inc("omni_retries_total", source="writer")
                 log.warning("stream write failed (attempt %d), retrying: %r", policy.failures, e)
                 await asyncio.sleep(delay)
+                if self.fence is not None and not await self.fence.hold():
+                    self._dropped(ops)  # the lease was lost meanwhile: never write it late
+                    return False

@@ -6,6 +6,9 @@ Outputs and acknowledgements queue here and go out as one pipeline per round tri
 `on_lost`, so its requests end with an error instead of being dropped silently, and
 later outputs of those requests are skipped until their error output comes through
 (a request must never end "successfully" with a chunk missing).
+
+Each request's outputs go to the output stream of the orchestrator slot that owns it
+(`StageInputMsg.owner`, recorded by `route` as its input is handed to the core).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import redis
 from redis.exceptions import RedisError
@@ -22,12 +26,14 @@ from omni_runtime import keys
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.writer import xadd_fields
-from omni_runtime.worker.actions import Outgoing, Ownership
+from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import Fence
 
 log = logging.getLogger(__name__)
 
 FENCE_POLL_S = 0.2
+ENDED_ROUTES = 10_000
+"""Owners of ended requests remembered, for an error output published after the end."""
 STOPPING_ATTEMPTS = 3
 """At shutdown a write is tried at most this often: a dead Redis must not hold the exit."""
 
@@ -46,10 +52,15 @@ class OutputThread:
         on_lost: Callable[[list[Outgoing], str], None],
         metrics: Metrics,
         fence: Fence | None = None,
+        slot_stream: Callable[[int], str] | None = None,
     ) -> None:
         self.client = client
         self.fence = fence
         self.out_stream = out_stream
+        self.slot_stream = slot_stream or (lambda _slot: out_stream)
+        """The output stream of an orchestrator slot (`Names.stage_out`)."""
+        self._owner: dict[str, int] = {}
+        self._ended: OrderedDict[str, int] = OrderedDict()
         self.in_stream = in_stream
         self.maxlen = maxlen
         self.backoff = backoff
@@ -66,6 +77,22 @@ class OutputThread:
 
     def start(self) -> None:
         self._thread.start()
+
+    def route(self, inputs: Sequence[Input]) -> None:
+        """Record who owns each request, before any output of it is published."""
+        for inp in inputs:
+            self._owner[inp.msg.request_id] = inp.msg.owner
+
+    def _stream_of(self, out: Outgoing) -> str:
+        rid = out.request_id
+        slot = self._owner.pop(rid, None) if out.ends else self._owner.get(rid)
+        if slot is None:
+            slot = self._ended.get(rid, 0)
+        elif out.ends:
+            self._ended[rid] = slot
+            if len(self._ended) > ENDED_ROUTES:
+                self._ended.popitem(last=False)
+        return self.slot_stream(slot)
 
     def publish(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
         """Queue for the next pipeline; returns at once."""
@@ -161,7 +188,8 @@ class OutputThread:
                 with self.client.pipeline(transaction=False) as pipe:
                     for out in outputs:
                         fields = xadd_fields({keys.PAYLOAD_FIELD: out.payload})
-                        pipe.xadd(self.out_stream, fields, maxlen=self.maxlen, approximate=True)
+                        stream = self._stream_of(out)
+                        pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
                     ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
                     if ack_ids:  # handled: acknowledged and deleted, so memory comes back
                         pipe.xack(self.in_stream, keys.WORKERS_GROUP, *ack_ids)

@@ -1,11 +1,10 @@
 """A stage worker process: the shell around a `WorkerCore`.
 
-The shell is the only part that owns Redis clients and starts threads: an input
-thread (reads and validates inputs), a control thread (aborts), a heartbeat thread
-(status document, takeovers of dead replicas), an output thread (publishes) and,
-in streaming mode, the ChunkAdapter's. Its scheduler loop never blocks on Redis:
-hand the core what the threads delivered, step the engine, carry out the core's
-actions (queue writes, chunk saves, discards), sleep until woken.
+The shell alone owns Redis clients and starts threads: input (reads, validates),
+control (aborts), heartbeat (status, takeovers of dead replicas), output (publishes
+to each request's owner) and, in streaming mode, the ChunkAdapter's. Its scheduler
+loop never blocks on Redis: hand the core what the threads delivered, step the
+engine, carry out the core's actions (writes, chunk saves, discards), sleep until woken.
 """
 
 from __future__ import annotations
@@ -161,6 +160,7 @@ class StageWorker:
             on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
             metrics=self.metrics,
             fence=self._guard.fence,
+            slot_stream=functools.partial(self.names.stage_out, stage_id),
         )
 
     def run(self) -> None:
@@ -248,6 +248,7 @@ class StageWorker:
             core.on_abort(rid, now)
         self.observed.aborted(aborts)
         self.observed.inputs(inputs)
+        self._output.route(inputs)
         for inp in inputs:
             core.on_input(inp, now)
         for outs, reason in lost:

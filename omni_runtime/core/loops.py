@@ -1,0 +1,194 @@
+"""The orchestrator's tasks and public API (SPEC §3), apart from its routing rules.
+
+`Orchestrator` (routing, `core/orchestrator.py`) builds on this: three queues and
+three kinds of task (plus one for deadlines). Two optional hooks serve a process
+that keeps request state durable: `sink` takes each user output synchronously (so
+the state change and the output it causes reach the shell in one step, with no
+await between), `on_change` hears which request's state changed (None: it ended).
+`restore_request` registers a state saved earlier without submitting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from omni_runtime.core.deadlines import Deadlines
+from omni_runtime.core.types import (
+    CounterSink,
+    ForwardFn,
+    ManagedStage,
+    OrchOutput,
+    ReqState,
+    Stage,
+    StageOutput,
+    forward_previous_data,
+)
+
+OutputSink = Callable[[OrchOutput], None]
+ChangeHook = Callable[[str, ReqState | None], None]
+
+
+class OrchestratorLoops:
+    """State, queues, tasks and the public API; subclasses supply the `_handle_*` methods."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        final_stage_ids: Iterable[int],
+        forward_fn: ForwardFn = forward_previous_data,
+        default_deadline_s: float | None = None,
+        metrics: CounterSink | None = None,
+    ) -> None:
+        self.stages: list[Stage] = list(stages)
+        self._managed: list[ManagedStage | None] = [
+            s if isinstance(s, ManagedStage) else None for s in self.stages
+        ]  # the stages that take acks, aborts and request ends
+        self.metrics = metrics
+        self.final_stage_ids: frozenset[int] = frozenset(final_stage_ids)
+        if not self.final_stage_ids:
+            raise ValueError("final_stage_ids must name at least one stage")
+        bad = sorted(s for s in self.final_stage_ids if not 0 <= s < len(self.stages))
+        if bad:
+            raise ValueError(f"final stage ids {bad} outside 0..{len(self.stages) - 1}")
+        self.last_stage: int = max(self.final_stage_ids)
+        self.forward_fn = forward_fn
+        self.default_deadline_s = default_deadline_s
+        self.request_states: dict[str, ReqState] = {}
+        self.dropped_outputs: int = 0
+        self.sink: OutputSink | None = None
+        """Set: every user output goes here at once instead of `next_output`'s queue."""
+        self.on_change: ChangeHook | None = None
+        self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
+        self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
+        self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._deadline_s: dict[str, float] = {}
+        """Per-request deadline overrides, read once by the handler."""
+        self._deadlines = Deadlines()
+        self._deadline_added = asyncio.Event()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the handler, one reader per stage up to the last final one, the dispatcher."""
+        if self._tasks:
+            raise RuntimeError("orchestrator already started")
+        self._tasks.append(asyncio.create_task(self._handler_loop(), name="orch-handler"))
+        for sid in range(self.last_stage + 1):
+            self._tasks.append(
+                asyncio.create_task(self._reader_loop(sid), name=f"orch-reader-{sid}")
+            )
+        self._tasks.append(asyncio.create_task(self._dispatcher_loop(), name="orch-dispatcher"))
+        self._tasks.append(asyncio.create_task(self._deadline_loop(), name="orch-deadlines"))
+
+    async def shutdown(self) -> None:
+        """Cancel every task and wait for them, so none is destroyed while pending."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- public API ------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: Any, deadline_s: float | None = None
+    ) -> None:
+        """Only enqueue: the handler task creates the state and submits to stage 0.
+
+        Past `deadline_s` (default: `default_deadline_s`) the request ends with an
+        error output and is aborted at every stage.
+        """
+        if deadline_s is not None:
+            self._deadline_s[request_id] = deadline_s
+        await self._req_q.put(("add", request_id, prompt))
+
+    async def abort_request(self, request_id: str, reason: str = "aborted") -> None:
+        """End a live request with one error output and abort it at every stage that has it.
+
+        A request that already ended is left alone: it got its one final output.
+        """
+        await self._req_q.put(("abort", request_id, reason))
+
+    def restore_request(self, request_id: str, state: ReqState, deadline_s: float | None) -> bool:
+        """Take over a request routed before (its state saved elsewhere): registered as is,
+        nothing submitted again; its outputs are routed from here on. `deadline_s` is what
+        is left of its deadline (≤ 0: it ends at once). False if the id is live already."""
+        if request_id in self.request_states:
+            return False
+        self.request_states[request_id] = state
+        if deadline_s is not None:
+            self._deadlines.add(request_id, asyncio.get_running_loop().time() + deadline_s)
+            self._deadline_added.set()
+        return True
+
+    async def next_output(self, timeout: float | None = None) -> OrchOutput:
+        """The next output for the user; raises `TimeoutError` after `timeout` seconds."""
+        if timeout is None:
+            return await self._out_q.get()
+        async with asyncio.timeout(timeout):
+            return await self._out_q.get()
+
+    # --- loops -----------------------------------------------------------------
+
+    async def _handler_loop(self) -> None:
+        while True:
+            kind, request_id, payload = await self._req_q.get()
+            if kind == "add":
+                await self._handle_add(request_id, payload)
+            else:
+                await self._handle_abort(request_id, payload)
+
+    async def _deadline_loop(self) -> None:
+        """Sleeps until the earliest deadline; a request still live then is aborted."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._deadline_added.clear()
+            request_id = self._deadlines.pop_due(loop.time())
+            if request_id is not None:
+                await self._handle_abort(request_id, "deadline exceeded")
+                continue
+            at = self._deadlines.next_at()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if at is None else at - loop.time()):
+                    await self._deadline_added.wait()
+
+    async def _reader_loop(self, stage_id: int) -> None:
+        """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
+        stage = self.stages[stage_id]
+        while True:
+            outputs = await stage.get_output()
+            for out in outputs:
+                self._ready_q.put_nowait((stage_id, out))
+
+    async def _dispatcher_loop(self) -> None:
+        while True:
+            stage_id, out = await self._ready_q.get()
+            await self._handle_output(stage_id, out)
+            managed = self._managed[stage_id]
+            if managed is not None:  # a durable stage acknowledges only what was handled
+                managed.output_handled(out)
+
+    # --- hooks -----------------------------------------------------------------
+
+    def _emit(self, out: OrchOutput) -> None:
+        """A user output: to the sink, or onto the (unbounded) queue; never an await."""
+        if self.sink is not None:
+            self.sink(out)
+        else:
+            self._out_q.put_nowait(out)
+
+    def _changed(self, request_id: str, state: ReqState | None) -> None:
+        if self.on_change is not None:
+            self.on_change(request_id, state)
+
+    async def _handle_add(self, request_id: str, prompt: Any) -> None:
+        raise NotImplementedError
+
+    async def _handle_abort(self, request_id: str, reason: str) -> None:
+        raise NotImplementedError
+
+    async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
+        raise NotImplementedError

@@ -1,0 +1,1 @@
+"""The orchestrator process's parts: one `SlotService` per slot served, the watches."""

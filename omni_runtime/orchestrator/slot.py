@@ -1,0 +1,271 @@
+"""One orchestrator slot served: its requests, its stages' outputs, its durable states.
+
+A slot is what a lease is held on. Its holder reads the requests stream and its
+stages' output streams under the slot's consumer name, so whoever serves the slot
+next (this process after a restart, or a survivor after a takeover) reads the same
+backlog. `start` first restores the slot's durable states into a fresh core
+(nothing is submitted again), then reads: a restart and a takeover are one path.
+
+A request's entry is acknowledged only once its state is registered, in the batch
+that writes that state; a stage output's, in the batch that records it. The core
+hands each user output over synchronously (`sink`), so a state change, the outputs
+it causes and its acknowledgement always share one batch of the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import TypeAdapter
+from redis.exceptions import RedisError
+
+from omni_runtime import keys
+from omni_runtime.core.orchestrator import Orchestrator
+from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.types import OrchOutput, ReqState, forward_previous_data
+from omni_runtime.messages import AbortMsg, ClientCommand, DurableRequest, RequestMsg
+from omni_runtime.metrics import Metrics
+from omni_runtime.observe.timings import RequestTimer
+from omni_runtime.pipeline import PipelineConfig, resolve_entry
+from omni_runtime.redis_io.leases import Leases
+from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
+from omni_runtime.redis_io.outbox import ClientOutbox
+from omni_runtime.redis_io.request_store import RequestStore, to_state
+from omni_runtime.redis_io.stage_client import RedisStageClient
+from omni_runtime.redis_io.streams import GroupReader, ensure_group
+from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.settings import Settings
+from omni_runtime.tracing import Tracer
+
+log = logging.getLogger(__name__)
+
+
+def build_orchestrator(
+    pipeline: PipelineConfig,
+    stages: Any,
+    default_deadline_s: float | None = None,
+    metrics: Metrics | None = None,
+) -> Orchestrator:
+    """The orchestrator class of the pipeline's mode, with its forward function."""
+    forward = (
+        resolve_entry(pipeline.forward, pipeline.source_dir)
+        if pipeline.forward
+        else forward_previous_data
+    )
+    cls = StreamingOrchestrator if pipeline.mode == "streaming" else Orchestrator
+    return cls(stages, pipeline.final_stage_ids, forward, default_deadline_s, metrics)
+
+
+@dataclass
+class Shared:
+    """What every slot of one process shares: one client, one writer, one lease set."""
+
+    pipeline: PipelineConfig
+    settings: Settings
+    client: aioredis.Redis
+    writer: StreamWriter
+    leases: Leases
+    metrics: Metrics
+    timer: RequestTimer
+    stage_watch: StageWatch
+    tracer: Tracer | None = None
+    recheck_stages: Callable[[], Awaitable[None]] | None = None
+    """Look at the stages' heartbeats again now (a replica may have beaten since)."""
+
+
+class SlotService:
+    def __init__(self, shared: Shared, slot: int, home: bool) -> None:
+        s, p = shared.settings, shared.pipeline
+        self.shared = shared
+        self.slot = slot
+        self.home = home
+        """The process's own slot reads new requests; a slot taken over only its backlog."""
+        self.names = names = s.names
+        backoff = s.backoff(bounded=True)
+        self.stages = [
+            RedisStageClient(
+                shared.client,
+                shared.writer,
+                sid,
+                names,
+                read_count=s.read_count,
+                block_ms=s.block_ms,
+                max_message_bytes=s.max_message_bytes,
+                streaming=p.mode == "streaming" and sid > 0,
+                tracer=shared.tracer,
+                metrics=shared.metrics,
+                backoff=backoff,
+                slot=slot,
+                fence=shared.leases,
+            )
+            for sid in range(p.last_stage + 1)
+        ]
+        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
+        self.core.sink = self._deliver
+        self.core.on_change = self._changed
+        self.requests: GroupReader[RequestMsg | AbortMsg] = GroupReader(
+            shared.client,
+            names.requests,
+            keys.ORCHESTRATOR_GROUP,
+            keys.orchestrator_consumer(slot),
+            TypeAdapter(ClientCommand),
+            max_bytes=s.max_message_bytes,
+            dead_letters=names.dead_letters,
+            metrics=shared.metrics,
+            backoff=backoff,
+        )
+        self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s)
+        self.client_of = self.outbox.client_of
+        """request id → client id, for the requests in flight."""
+        self.store = RequestStore(
+            shared.writer, names, slot, self._describe, enabled=s.durable_requests
+        )
+        self.deadline_at: dict[str, float] = {}
+        self._entry_of: dict[str, bytes] = {}
+        """request id → its requests-stream entry, acknowledged once its state is registered."""
+        self.backlog_done = False
+        self._stopping = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+
+    def streams(self) -> list[str]:
+        return [self.names.requests, *(st.out_stream for st in self.stages)]
+
+    @property
+    def idle(self) -> bool:
+        """Nothing left to finish: a slot taken over may be given back."""
+        return self.backlog_done and not self.core.request_states and not self._entry_of
+
+    async def start(self) -> int:
+        """Restore the slot's durable states, then serve; the number of requests restored."""
+        for stream in self.streams():
+            await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
+        restored = await self._restore()
+        await self.core.start()
+        self._reader = asyncio.create_task(self._read_requests(), name=f"requests-{self.slot}")
+        return restored
+
+    async def stop(self) -> None:
+        """Stop reading (between two reads), then stop the core."""
+        self._stopping.set()
+        if self._reader is not None:
+            s = self.shared.settings
+            await asyncio.wait([self._reader], timeout=s.block_ms / 1000 + 5.0)
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for stage in self.stages:
+            await stage.quiesce()
+        await self.core.shutdown()
+
+    async def _restore(self) -> int:
+        s = self.shared.settings
+        if not s.durable_requests:
+            return 0
+        docs = await self.store.load(self.shared.client, s.max_message_bytes)
+        now = time.time()
+        for doc in docs:
+            rid = doc.request_id
+            left = None if doc.deadline_at is None else doc.deadline_at - now
+            if not self.core.restore_request(rid, to_state(doc), left):
+                continue
+            self.outbox.restore(rid, doc.client_id, doc.out_seq)
+            if doc.deadline_at is not None:
+                self.deadline_at[rid] = doc.deadline_at
+            for sid, seq in doc.stage_seq.items():
+                if 0 <= sid < len(self.stages):
+                    self.stages[sid].restore(rid, seq)
+            self.shared.timer.started(rid)
+        if docs:
+            log.warning("slot %d: %d requests in flight restored", self.slot, len(docs))
+        return len(docs)
+
+    def _describe(self, rid: str, state: ReqState) -> DurableRequest | None:
+        client_id = self.client_of.get(rid)
+        if client_id is None:
+            return None
+        sequential = self.shared.pipeline.mode == "sequential"
+        last = self.core.last_stage
+        kept = {
+            sid: data
+            for sid, data in state.stage_data.items()
+            if sequential and sid < last and sid not in state.finished
+        }
+        return DurableRequest(
+            request_id=rid,
+            client_id=client_id,
+            prompt=state.prompt,
+            deadline_at=self.deadline_at.get(rid),
+            submitted=sorted(state.submitted),
+            finished=sorted(state.finished),
+            stage_data=kept,
+            stage_seq={
+                st.stage_id: st.handled_seq[rid] for st in self.stages if rid in st.handled_seq
+            },
+            out_seq=self.outbox.next_seq(rid),
+        )
+
+    def _changed(self, rid: str, state: ReqState | None) -> None:
+        self.store.changed(rid, state)
+        if state is None:
+            self.deadline_at.pop(rid, None)
+        entry = self._entry_of.pop(rid, None)
+        if entry is not None:  # registered (or refused): the request entry is handled
+            self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
+
+    def _deliver(self, out: OrchOutput) -> None:
+        entry = self._entry_of.pop(out.request_id, None)
+        if entry is not None:  # refused before it was registered (a duplicate id)
+            self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
+        self.outbox.send(out)
+        self.shared.timer.output(out.request_id, out.data, out.finished, out.error)
+
+    async def _read_requests(self) -> None:
+        s, shared = self.shared.settings, self.shared
+        while not self._stopping.is_set():
+            if not await shared.leases.hold():
+                return  # deposed: never read (and so take) another entry
+            if self.home:
+                batch = await self.requests.read(s.read_count, s.block_ms)
+            else:  # a slot taken over reads its backlog, never new requests
+                backlog = await self.requests.read_backlog(s.read_count)
+                if backlog is None:
+                    self.backlog_done = True
+                    return
+                batch = backlog
+            self.backlog_done |= not self.requests.cursor.in_backlog
+            if batch and shared.stage_watch.down and shared.recheck_stages is not None:
+                with contextlib.suppress(RedisError):
+                    await shared.recheck_stages()
+            for entry_id, cmd in batch:
+                await self._take(entry_id, cmd)
+
+    async def _take(self, entry_id: bytes, cmd: RequestMsg | AbortMsg) -> None:
+        core, outbox, writer = self.core, self.outbox, self.shared.writer
+        if isinstance(cmd, AbortMsg):
+            await core.abort_request(cmd.request_id, cmd.reason)
+        elif cmd.request_id in self.client_of:
+            if self.client_of[cmd.request_id] != cmd.client_id:
+                outbox.refuse(cmd.request_id, cmd.client_id, "duplicate request id")
+            # else read again (a lost reply, a retried write): it is in flight
+        elif self.shared.stage_watch.down:
+            error = no_live_worker(min(self.shared.stage_watch.down))
+            self.shared.metrics.inc("omni_requests_refused_total", reason=error)
+            outbox.refuse(cmd.request_id, cmd.client_id, error)
+        else:
+            rid = cmd.request_id
+            if self.shared.tracer is not None:
+                self.shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
+            self.client_of[rid] = cmd.client_id
+            deadline_s = cmd.deadline_s or self.shared.settings.deadline_s
+            self.deadline_at[rid] = time.time() + deadline_s
+            self._entry_of[rid] = entry_id
+            self.shared.timer.started(rid)
+            await core.add_request(rid, cmd.prompt, cmd.deadline_s)
+            return  # acknowledged with the batch that writes its state
+        writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)

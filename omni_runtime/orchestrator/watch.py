@@ -1,0 +1,115 @@
+"""What an orchestrator process watches once per heartbeat interval, over every slot it serves.
+
+It beats the orchestrator heartbeat (clients wait for one), notices Redis coming
+back empty (every request in flight lost its state: each ends with one error at
+once), stages with no live worker (their requests fail) and clients gone away
+(their requests are aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from omni_runtime import keys
+from omni_runtime.messages import REDIS_LOST_STATE
+from omni_runtime.orchestrator.slot import Shared, SlotService
+from omni_runtime.redis_io.liveness import (
+    Absence,
+    StateEpoch,
+    no_live_worker,
+    stage_has_live_replica,
+)
+from omni_runtime.redis_io.streams import ensure_group
+
+log = logging.getLogger(__name__)
+
+
+class Watch:
+    def __init__(self, shared: Shared, slots: Callable[[], list[SlotService]]) -> None:
+        self.shared = shared
+        self.slots = slots
+        self.names = shared.settings.names
+        ttl_s = shared.settings.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
+        self._clients_absent = Absence(ttl_s)
+        self._epoch = StateEpoch(shared.client, self.names.epoch)
+
+    async def once(self, now: float) -> None:
+        """One look: beat, Redis restarts, stages, clients (raises `RedisError`)."""
+        s = self.shared.settings
+        client = self.shared.client
+        await client.set(
+            self.names.orchestrator_heartbeat(), self.shared.pipeline.name, px=s.heartbeat_ttl_ms
+        )
+        if await self._epoch.lost():
+            await self.redis_restarted(now)
+        await self.stages(now)
+        await self.clients(now)
+
+    async def redis_restarted(self, now: float) -> None:
+        """Redis came back empty: every request in flight lost its inputs and outputs. End
+        each with one error at once (none waits for its deadline); groups are recreated."""
+        slots = self.slots()
+        log.error(
+            "Redis restarted empty: ending %d requests in flight",
+            sum(len(slot.client_of) for slot in slots),
+        )
+        self.shared.metrics.inc("omni_redis_restarts_total")
+        self._clients_absent.reset()
+        self.shared.stage_watch.restarted(now)
+        for slot in slots:
+            for stream in slot.streams():
+                await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
+            for rid in list(slot.client_of):
+                self.shared.metrics.inc("omni_aborts_total", reason="redis restarted")
+                await slot.core.abort_request(rid, REDIS_LOST_STATE)
+
+    async def stages(self, now: float) -> None:
+        shared = self.shared
+        count = shared.pipeline.last_stage + 1
+        live = [
+            (sid, await stage_has_live_replica(shared.client, self.names, sid))
+            for sid in range(count)
+        ]
+        new, back = shared.stage_watch.update(live, now)
+        for sid in sorted(back):
+            log.warning("stage %d has a live worker again", sid)
+        for sid in sorted(new):
+            log.error("stage %d has no live worker: failing its requests", sid)
+            shared.metrics.inc("omni_stage_down_total", stage=sid)
+            for slot in self.slots():
+                states = slot.core.request_states
+                for rid in list(slot.client_of):
+                    state = states.get(rid)
+                    if state is None or sid not in state.finished:
+                        shared.metrics.inc("omni_aborts_total", reason="no live worker")
+                        await slot.core.abort_request(rid, no_live_worker(sid))
+
+    async def clients(self, now: float) -> None:
+        """Abort the requests of clients gone for longer than the heartbeat TTL: a key
+        missing once may just be Redis back empty before the client beat again."""
+        slots = self.slots()
+        client_ids = sorted({cid for slot in slots for cid in slot.client_of.values()})
+        if not client_ids and not len(self._clients_absent):
+            return
+        async with self.shared.client.pipeline(transaction=False) as pipe:
+            for cid in client_ids:
+                pipe.exists(self.names.client_heartbeat(cid))
+            alive = await pipe.execute()
+        present = {cid: bool(ok) for cid, ok in zip(client_ids, alive, strict=True)}
+        gone = self._clients_absent.update(present, now)
+        for slot in slots:
+            for rid, cid in list(slot.client_of.items()):
+                if cid in gone:
+                    self.shared.metrics.inc("omni_aborts_total", reason="client went away")
+                    await slot.core.abort_request(rid, "client went away")
+
+
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep, but wake at once on shutdown: loops end between commands, never inside one."""
+    try:
+        async with asyncio.timeout(seconds):
+            await stopping.wait()
+    except TimeoutError:
+        pass

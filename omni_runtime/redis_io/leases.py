@@ -1,0 +1,176 @@
+"""Orchestrator slots: leases that say who serves which slot, and the fence writes pass.
+
+A slot (0, 1, 2, …) is a lease key holding one process's token with a TTL. Whoever
+holds it reads the slot's consumer backlog and owns its requests. The lease is kept
+by one check-and-set transaction per round (WATCH, compare the tokens, PEXPIRE), so
+a process never extends a lease another has taken. A key that vanished (it lapsed,
+or Redis came back empty) is taken back if nobody took it meanwhile.
+
+The fence is time: a refresh round that kept every lease, started at t, proves them
+held until t + TTL at least. Writes and reads pass `hold()` only before
+t + TTL * `FRESH_FRACTION`; a stalled process (SIGSTOP, a long pause) therefore
+waits for its next round on waking, and gives up for good once a round finds a
+lease taken: nothing it queued while deposed reaches Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from omni_runtime import keys
+from omni_runtime.errors import FatalError
+
+log = logging.getLogger(__name__)
+
+FRESH_FRACTION = 0.75
+"""Share of the TTL after a round's start during which the leases count as held."""
+MAX_SLOTS = 1024
+
+
+class LeaseLost(FatalError):
+    """Another process holds a slot this one believed its own."""
+
+
+class Leases:
+    """The slots this process holds (`held`), their renewal, and its write fence."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        names: keys.Names,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.names = names
+        self.ttl_s = ttl_s
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.clock = clock
+        self.token = uuid.uuid4().hex
+        self.held: set[int] = set()
+        self.lost = False
+        self._kept_at = float("-inf")
+        """Start of the last round that kept every held lease."""
+        self._changed = asyncio.Event()
+
+    @property
+    def age_s(self) -> float:
+        return self.clock() - self._kept_at
+
+    def fresh(self) -> bool:
+        return not self.lost and self.age_s < self.ttl_s * FRESH_FRACTION
+
+    async def hold(self) -> bool:
+        """Wait until the leases are known fresh (True), or lost (False)."""
+        while not self.fresh():
+            if self.lost:
+                return False
+            self._changed.clear()
+            await self._changed.wait()
+        return True
+
+    async def take_lowest_free(self) -> int:
+        """The lowest slot nobody holds, taken: a process's home slot."""
+        for slot in itertools.count():
+            if slot >= MAX_SLOTS:
+                raise RuntimeError(f"no free orchestrator slot below {MAX_SLOTS}")
+            if await self.take(slot):
+                return slot
+        raise AssertionError("unreachable")
+
+    async def take(self, slot: int) -> bool:
+        """SET NX: True if the slot is now this process's."""
+        started = self.clock()
+        if not await self.client.set(
+            self.names.orchestrator_lease(slot), self.token, nx=True, px=self.ttl_ms
+        ):
+            return False
+        await self.client.sadd(self.names.orchestrator_slots, str(slot))
+        if not self.held:
+            self._kept_at = started
+        self.held.add(slot)
+        self._changed.set()
+        return True
+
+    async def refresh(self) -> None:
+        """One renewal round over every held slot; raises `LeaseLost` (and fences for
+        good) if one is held by another. A Redis error leaves the fence closing on time."""
+        if not self.held:
+            return
+        started = self.clock()
+        slots = sorted(self.held)
+        lease_keys = [self.names.orchestrator_lease(s) for s in slots]
+        for _attempt in range(3):
+            try:
+                async with self.client.pipeline(transaction=True) as pipe:
+                    await pipe.watch(*lease_keys)
+                    values = [await pipe.get(k) for k in lease_keys]
+                    taken = [s for s, v in zip(slots, values, strict=True) if not self._mine(v)]
+                    if taken:
+                        self._lose(taken)
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    for key, value in zip(lease_keys, values, strict=True):
+                        if value is None:  # lapsed or Redis lost it: nobody took it since
+                            pipe.set(key, self.token, px=self.ttl_ms)
+                        else:
+                            pipe.pexpire(key, self.ttl_ms)
+                    await pipe.execute()
+                self._kept_at = started
+                self._changed.set()
+                return
+            except WatchError:
+                continue  # a key changed between WATCH and EXEC: look again
+        log.warning("lease renewal kept racing; retrying next round")
+
+    def _mine(self, value: bytes | str | None) -> bool:
+        if value is None:
+            return True
+        text = value.decode() if isinstance(value, bytes) else value
+        return text == self.token
+
+    def _lose(self, slots: list[int]) -> None:
+        self.lost = True
+        self._changed.set()
+        raise LeaseLost(f"orchestrator slot(s) {slots} taken over by another process")
+
+    async def release(self, slot: int) -> None:
+        """Give a slot up (compare and delete): its next holder takes it at once."""
+        self.held.discard(slot)
+        key = self.names.orchestrator_lease(slot)
+        async with self.client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                if self._mine(await pipe.get(key)):
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.delete(key)
+                    await pipe.execute()
+            except WatchError:
+                pass  # it changed hands meanwhile: not ours to delete
+
+    async def lapsed(self) -> list[int]:
+        """Known slots with no lease and not held here: candidates for a takeover."""
+        members = await self.client.smembers(self.names.orchestrator_slots)
+        slots = sorted(int(m) for m in members if int(m) not in self.held)
+        if not slots:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for s in slots:
+                pipe.exists(self.names.orchestrator_lease(s))
+            present = await pipe.execute()
+        return [s for s, ok in zip(slots, present, strict=True) if not ok]
+
+    async def others_alive(self) -> bool:
+        """Whether another process holds any slot (so shared keys are not ours to clear)."""
+        members = await self.client.smembers(self.names.orchestrator_slots)
+        slots = [int(m) for m in members if int(m) not in self.held]
+        if not slots:
+            return False
+        return bool(await self.client.exists(*(self.names.orchestrator_lease(s) for s in slots)))
