@@ -169,10 +169,20 @@ class Names:
         """Held (a token, with a TTL) by the orchestrator serving `slot`."""
         return f"{self.prefix}orch:lease:{slot}"
 
+    def orchestrator_generation(self, slot: int) -> str:
+        """Counts the takes of `slot` (no TTL): a holder whose lease vanished may take it
+        back only if nobody took it in between (the count is still the one it got)."""
+        return f"{self.prefix}orch:gen:{slot}"
+
     @property
     def orchestrator_slots(self) -> str:
-        """A set of every slot ever taken: what the live orchestrators watch for lapses."""
+        """A hash, every slot ever taken → its last holder's token: what live orchestrators
+        watch for lapses, and whose connections a takeover closes."""
         return f"{self.prefix}orch:slots"
+
+    def orchestrator_connection(self, token: str) -> str:
+        """The client name of an orchestrator process's connections (CLIENT SETNAME)."""
+        return f"{self.prefix}orch:{token}"
 
     def orchestrator_requests(self, slot: int) -> str:
         """A set of the ids of the requests in flight that `slot` owns (durable states)."""

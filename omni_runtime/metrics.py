@@ -39,6 +39,7 @@ COUNTERS: Mapping[str, str] = {
     "omni_takeovers_total": "Inputs claimed from a replica whose heartbeat expired.",
     "omni_deposed_requests_total": "Requests a stalled replica gave up: another claimed them.",
     "omni_fenced_outputs_total": "Outputs not published: their input was claimed by another.",
+    "omni_orchestrator_takeovers_total": "Orchestrator slots taken over after their lease lapsed.",
     "omni_stage_outputs_total": "Outputs a stage published, by stage.",
     "omni_stage_errors_total": "Stage code failures, by stage.",
     "omni_deadline_exceeded_total": "Requests ended because they outlived their deadline.",

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from redis.exceptions import RedisError
 
@@ -77,6 +78,8 @@ class OrchestratorService:
             self.client, s.stream_maxlen, None, metrics=self.metrics, backoff=s.backoff(True)
         )
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
+        # every connection carries the name a takeover closes them by (CLIENT KILL)
+        self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
         self.writer.fence = self.leases
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
@@ -142,7 +145,10 @@ class OrchestratorService:
             ended = asyncio.create_task(stop.wait())
             await asyncio.wait([ended, *loops], return_when=asyncio.FIRST_COMPLETED)
             ended.cancel()
+            crashed = [t for t in loops if t.done() and not t.cancelled() and t.exception()]
             await self._shut_down(loops)
+            if crashed:  # a loop died: fail loudly (a supervisor restarts the process)
+                raise cast(BaseException, crashed[0].exception())
         finally:
             writer_task.cancel()
             await asyncio.gather(writer_task, return_exceptions=True)
@@ -184,10 +190,7 @@ class OrchestratorService:
         while not self._stopping.is_set():
             try:
                 await self.leases.refresh()
-                if self.leases.held:
-                    await self.client.sadd(
-                        self.names.orchestrator_slots, *map(str, self.leases.held)
-                    )
+                await self.leases.keep_registered()
                 await self._take_over_lapsed()
                 await self._give_back_idle()
             except LeaseLost as e:
@@ -203,7 +206,12 @@ class OrchestratorService:
             noticed = time.monotonic()
             if not await self._worth_taking(slot) or not await self.leases.take(slot):
                 continue
-            served = await self._serve(slot, home=False)
+            try:
+                served = await self._serve(slot, home=False)
+            except (RedisError, OSError):  # give it back for the next round (or another)
+                log.exception("taking over orchestrator slot %d failed", slot)
+                await self._drop_slot(slot)
+                continue
             restored = len(served.core.request_states)
             took_s = time.monotonic() - noticed
             self.takeovers.append((slot, restored, took_s))
@@ -233,12 +241,16 @@ class OrchestratorService:
         for slot, served in list(self.slots.items()):
             if served is self.home or not served.idle:
                 continue
+            await self._drop_slot(slot)
+            log.info("orchestrator slot %d finished and given back", slot)
+
+    async def _drop_slot(self, slot: int) -> None:
+        served = self.slots.pop(slot, None)
+        if served is not None:
             await served.stop()
             await self.writer.written()  # its last states (deletions) are in Redis
             served.store.detach()
-            del self.slots[slot]
-            await self.leases.release(slot)
-            log.info("orchestrator slot %d finished and given back", slot)
+        await self.leases.release(slot)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()

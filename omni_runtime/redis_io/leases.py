@@ -4,7 +4,17 @@ A slot (0, 1, 2, …) is a lease key holding one process's token with a TTL. Who
 holds it reads the slot's consumer backlog and owns its requests. The lease is kept
 by one check-and-set transaction per round (WATCH, compare the tokens, PEXPIRE), so
 a process never extends a lease another has taken. A key that vanished (it lapsed,
-or Redis came back empty) is taken back if nobody took it meanwhile.
+or Redis came back empty) is taken back only if nobody took it meanwhile: every take
+counts up the slot's generation, and the holder's own count must still be there (or
+none at all: Redis lost everything, and the process's requests end as after any
+empty restart). A slot served by another and given back is lost to its old holder.
+
+Time alone cannot stop a batch that passed the fence just before its process
+stalled: it would go out on waking. So a takeover also closes the previous holder's
+connections (CLIENT KILL by the name every orchestrator connection carries) before
+reading the slot's state: what that holder sent before is in Redis, what it sends
+after fails, and its retry meets the fence. Where the ACL user may not kill clients,
+the takeover logs it once and relies on the time fence alone.
 
 The fence is time: a refresh round that kept every lease, started at t, proves them
 held until t + TTL at least. Writes and reads pass `hold()` only before
@@ -23,7 +33,7 @@ import uuid
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 
 from omni_runtime import keys
 from omni_runtime.errors import FatalError
@@ -55,7 +65,12 @@ class Leases:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.clock = clock
         self.token = uuid.uuid4().hex
+        self.client_name = names.orchestrator_connection(self.token)
+        """Set on every connection of the process's client (`CLIENT SETNAME`)."""
+        self._kill_refused = False
         self.held: set[int] = set()
+        self.generation: dict[int, int] = {}
+        """slot → the generation this process's take of it got."""
         self.lost = False
         self._kept_at = float("-inf")
         """Start of the last round that kept every held lease."""
@@ -89,11 +104,17 @@ class Leases:
     async def take(self, slot: int) -> bool:
         """SET NX: True if the slot is now this process's."""
         started = self.clock()
+        registry = self.names.orchestrator_slots
+        previous = await self.client.hget(registry, str(slot))
         if not await self.client.set(
             self.names.orchestrator_lease(slot), self.token, nx=True, px=self.ttl_ms
         ):
             return False
-        await self.client.sadd(self.names.orchestrator_slots, str(slot))
+        gen_key = self.names.orchestrator_generation(slot)
+        self.generation[slot] = int(await self.client.incr(gen_key))
+        await self.client.hset(registry, str(slot), self.token)
+        if previous is not None and not self._mine(previous):
+            await self._disconnect(previous.decode() if isinstance(previous, bytes) else previous)
         if not self.held:
             self._kept_at = started
         self.held.add(slot)
@@ -108,20 +129,31 @@ class Leases:
         started = self.clock()
         slots = sorted(self.held)
         lease_keys = [self.names.orchestrator_lease(s) for s in slots]
+        gen_keys = [self.names.orchestrator_generation(s) for s in slots]
         for _attempt in range(3):
             try:
                 async with self.client.pipeline(transaction=True) as pipe:
-                    await pipe.watch(*lease_keys)
+                    await pipe.watch(*lease_keys, *gen_keys)
                     values = [await pipe.get(k) for k in lease_keys]
-                    taken = [s for s, v in zip(slots, values, strict=True) if not self._mine(v)]
+                    gens = [await pipe.get(k) for k in gen_keys]
+                    taken = [
+                        s
+                        for s, v, g in zip(slots, values, gens, strict=True)
+                        if not self._mine(v)
+                        or (v is None and g is not None and int(g) != self.generation[s])
+                    ]
                     if taken:
                         self._lose(taken)
                     pipe.multi()  # type: ignore[no-untyped-call]
-                    for key, value in zip(lease_keys, values, strict=True):
-                        if value is None:  # lapsed or Redis lost it: nobody took it since
-                            pipe.set(key, self.token, px=self.ttl_ms)
-                        else:
+                    for slot, key, value, gen in zip(slots, lease_keys, values, gens, strict=True):
+                        if value is not None:
                             pipe.pexpire(key, self.ttl_ms)
+                            continue
+                        pipe.set(key, self.token, px=self.ttl_ms)  # lapsed: nobody took it since
+                        if gen is None:  # Redis lost its data: the count starts again here
+                            pipe.set(
+                                self.names.orchestrator_generation(slot), self.generation[slot]
+                            )
                     await pipe.execute()
                 self._kept_at = started
                 self._changed.set()
@@ -131,6 +163,7 @@ class Leases:
         log.warning("lease renewal kept racing; retrying next round")
 
     def _mine(self, value: bytes | str | None) -> bool:
+        """The lease holds this process's token, or none (lapsed)."""
         if value is None:
             return True
         text = value.decode() if isinstance(value, bytes) else value
@@ -144,6 +177,7 @@ class Leases:
     async def release(self, slot: int) -> None:
         """Give a slot up (compare and delete): its next holder takes it at once."""
         self.held.discard(slot)
+        self.generation.pop(slot, None)
         key = self.names.orchestrator_lease(slot)
         async with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -155,9 +189,29 @@ class Leases:
             except WatchError:
                 pass  # it changed hands meanwhile: not ours to delete
 
+    async def _disconnect(self, token: str) -> None:
+        """Close every connection of the process that held a slot before (see above)."""
+        name = self.names.orchestrator_connection(token)
+        try:
+            for conn in await self.client.client_list():
+                if conn.get("name") == name:
+                    await self.client.client_kill_filter(_id=conn["id"])
+        except RedisError as e:
+            if not self._kill_refused:
+                log.warning("cannot close a deposed orchestrator's connections: %r", e)
+            self._kill_refused = True
+
+    async def keep_registered(self) -> None:
+        """Name the held slots in the registry again (Redis may have lost it)."""
+        if self.held:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for slot in self.held:
+                    pipe.hset(self.names.orchestrator_slots, str(slot), self.token)
+                await pipe.execute()
+
     async def lapsed(self) -> list[int]:
         """Known slots with no lease and not held here: candidates for a takeover."""
-        members = await self.client.smembers(self.names.orchestrator_slots)
+        members = await self.client.hkeys(self.names.orchestrator_slots)
         slots = sorted(int(m) for m in members if int(m) not in self.held)
         if not slots:
             return []
@@ -169,7 +223,7 @@ class Leases:
 
     async def others_alive(self) -> bool:
         """Whether another process holds any slot (so shared keys are not ours to clear)."""
-        members = await self.client.smembers(self.names.orchestrator_slots)
+        members = await self.client.hkeys(self.names.orchestrator_slots)
         slots = [int(m) for m in members if int(m) not in self.held]
         if not slots:
             return False

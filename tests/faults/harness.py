@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
@@ -70,7 +71,16 @@ def header() -> str:
 class FaultDeployment:
     """One pipeline variant as OS processes in its own namespace, with handles to hurt them."""
 
-    def __init__(self, redis_url: str, tmp_path: Path, base: str, **changes: Any) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        tmp_path: Path,
+        base: str,
+        *,
+        orchestrators: int = 1,
+        env: dict[str, str] | None = None,
+        **changes: Any,
+    ) -> None:
         raw = yaml.safe_load((WORKERS / base).read_text())
         for key, value in changes.items():
             if key == "stages":
@@ -84,15 +94,28 @@ class FaultDeployment:
         self.path.write_text(yaml.safe_dump(raw))
         self.pipeline = load_pipeline(self.path)
         self.settings = Settings(redis_url=redis_url, namespace=self.namespace, block_ms=50)
-        env = child_env(
-            redis_url, {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "32"}
-        )
-        self.group = ProcessGroup(self.path, self.pipeline, env)
+        extra = {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "32"}
+        self.env = child_env(redis_url, {**extra, **(env or {})})
+        self.group = ProcessGroup(self.path, self.pipeline, self.env)
         self.redis = redis.Redis.from_url(redis_url)
+        self.orchestrators = orchestrators
 
     def __enter__(self) -> FaultDeployment:
         self.group.start()
+        for i in range(1, self.orchestrators):
+            self.spawn_orchestrator(f"orchestrator-{i}")
         return self
+
+    def spawn_orchestrator(self, name: str) -> None:
+        """One more orchestrator process (it takes the lowest free slot)."""
+        base = [sys.executable, "-m", "omni_runtime.cli", "orchestrator"]
+        self.group._spawn(name, [*base, "--pipeline", str(self.path), "--mode", self.pipeline.mode])
+
+    def exit_code(self, pid: int) -> int | None:
+        for _name, proc, _f in self.group.procs:
+            if proc.pid == pid:
+                return proc.poll()
+        raise LookupError(pid)
 
     def __exit__(self, *exc: object) -> None:
         self.group.stop()
@@ -131,12 +154,14 @@ class FaultDeployment:
         return int(self.redis.info("memory")["used_memory"])
 
     def leftover_keys(self) -> list[str]:
-        """Keys of this namespace other than live processes' heartbeats and stats, and the
-        (empty) streams' groups."""
+        """Keys of this namespace other than live processes' heartbeats and stats, orchestrator
+        leases and the slot registry, and the (empty) streams' groups."""
         left = []
         for key in self.redis.scan_iter(f"{self.namespace}:*"):
             name = key.decode()
-            if ":hb:" in name or ":stats:" in name:  # a live process's, with a TTL
+            if ":hb:" in name or ":stats:" in name or ":orch:lease:" in name:  # live, with a TTL
+                continue
+            if ":orch:gen:" in name or name.endswith(":orch:slots"):  # one per slot ever used
                 continue
             if self.redis.type(key) == b"stream" and self.redis.xlen(key) == 0:
                 continue
