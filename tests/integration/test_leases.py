@@ -1,0 +1,113 @@
+"""Orchestrator leases and the write fence, over fakeredis with a hand-driven clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import fakeredis
+import pytest
+
+from omni_runtime.keys import Names
+from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.leases import LeaseLost, Leases
+from omni_runtime.redis_io.writer import StreamWriter
+
+pytestmark = pytest.mark.timeout(30)
+
+NAMES = Names("t")
+TTL_S = 2.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def redis() -> fakeredis.FakeAsyncRedis:
+    return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+
+
+async def test_each_process_takes_the_lowest_free_slot(redis: fakeredis.FakeAsyncRedis) -> None:
+    a, b = Leases(redis, NAMES, TTL_S), Leases(redis, NAMES, TTL_S)
+    assert await a.take_lowest_free() == 0
+    assert await b.take_lowest_free() == 1
+    assert await redis.get(NAMES.orchestrator_lease(0)) == a.token.encode()
+    assert 0 < await redis.pttl(NAMES.orchestrator_lease(1)) <= TTL_S * 1000
+    assert await a.lapsed() == [] and await b.others_alive()
+
+
+async def test_a_taken_lease_deposes_its_old_holder_for_good(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    clock = Clock()
+    a = Leases(redis, NAMES, TTL_S, clock=clock)
+    b = Leases(redis, NAMES, TTL_S)
+    await a.take(0)
+    assert await a.hold()
+    await redis.delete(NAMES.orchestrator_lease(0))  # lapsed while `a` stalled
+    assert await b.lapsed() == [0]
+    assert await b.take(0)
+    with pytest.raises(LeaseLost):
+        await a.refresh()
+    assert not a.fresh() and not await a.hold()
+    assert await redis.get(NAMES.orchestrator_lease(0)) == b.token.encode()
+
+
+async def test_a_slot_served_by_another_and_given_back_is_not_taken_back(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    a, b = Leases(redis, NAMES, TTL_S), Leases(redis, NAMES, TTL_S)
+    await a.take(0)
+    await redis.delete(NAMES.orchestrator_lease(0))
+    await b.take(0)
+    await b.release(0)  # served and given back: the key is gone again
+    with pytest.raises(LeaseLost):
+        await a.refresh()
+    assert await redis.get(NAMES.orchestrator_lease(0)) is None
+
+
+async def test_a_lapsed_lease_nobody_took_is_kept(redis: fakeredis.FakeAsyncRedis) -> None:
+    a = Leases(redis, NAMES, TTL_S)
+    await a.take(0)
+    await redis.delete(NAMES.orchestrator_lease(0))
+    await a.refresh()
+    assert await redis.get(NAMES.orchestrator_lease(0)) == a.token.encode()
+    await redis.flushall()  # Redis came back empty: the generation is gone too
+    await a.refresh()
+    assert await redis.get(NAMES.orchestrator_lease(0)) == a.token.encode()
+
+
+async def test_the_writer_holds_while_the_lease_is_stale_and_refuses_once_lost(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    clock = Clock()
+    a = Leases(redis, NAMES, TTL_S, clock=clock)
+    await a.take(0)
+    metrics = Metrics()
+    writer = StreamWriter(redis, 1000, metrics=metrics)
+    writer.fence = a
+    task = asyncio.create_task(writer.run())
+    writer.xadd("s", {"m": b"1"})
+    await writer.written()
+    assert await redis.xlen("s") == 1
+    clock.now += TTL_S  # stalled past the fence: the next batch waits
+    writer.xadd("s", {"m": b"2"})
+    held = asyncio.create_task(writer.written())
+    await asyncio.sleep(0.05)
+    assert not held.done() and await redis.xlen("s") == 1
+    await a.refresh()  # kept after all: it goes out
+    assert await held and await redis.xlen("s") == 2
+    clock.now += TTL_S
+    writer.xadd("s", {"m": b"3"})
+    refused = asyncio.create_task(writer.written())
+    await redis.set(NAMES.orchestrator_lease(0), "someone else")
+    with pytest.raises(LeaseLost):
+        await a.refresh()
+    assert await refused is False
+    assert await redis.xlen("s") == 2 and writer.dropped_writes == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,163 @@
+"""Orchestrator slots over fakeredis: durable request states as they change, and a new
+orchestrator resuming exactly what a stopped one left in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, cast
+
+import fakeredis
+import pytest
+
+from omni_runtime import codec
+from omni_runtime.client import OmniClient
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.messages import DurableRequest
+from omni_runtime.orchestrator_proc import OrchestratorService
+from omni_runtime.pipeline import PipelineConfig, load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.settings import Settings
+from omni_runtime.worker.proc import StageWorker
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKERS = Path(__file__).resolve().parents[2] / "workers"
+SLOW_MS = 400
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def clients(server: fakeredis.FakeServer) -> RedisClients:
+    return RedisClients(
+        sync=lambda: fakeredis.FakeRedis(server=server),
+        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+    )
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+
+
+def slow_seed() -> PipelineConfig:
+    """The seed pipeline with stage 1 slow, so requests stay in flight a while."""
+    p = load_pipeline(WORKERS / "seed.yaml")
+    stage1 = p.stages[1].model_copy(update={"options": {"delay_ms": SLOW_MS}})
+    return p.model_copy(update={"stages": [p.stages[0], stage1, p.stages[2]]})
+
+
+class Workers:
+    def __init__(self, pipeline: PipelineConfig, settings: Settings, clients: RedisClients):
+        self.workers = [
+            StageWorker(pipeline, s.id, settings, clients, worker_id=f"w{s.id}")
+            for s in pipeline.stages
+        ]
+        self.threads = [threading.Thread(target=w.run, daemon=True) for w in self.workers]
+
+    def __enter__(self) -> Workers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for w in self.workers:
+            w.stop()
+        for t in self.threads:
+            t.join(10)
+
+
+async def start(service: OrchestratorService) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.wait_for(service.ready.wait(), 20)
+    return stop, task
+
+
+def expected(prompt: str) -> list[tuple[int, Any, bool]]:
+    words = prompt.split()
+    return [(0, w, False) for w in words] + [
+        (2, f"wav:{w.upper()}", i == len(words) - 1) for i, w in enumerate(words)
+    ]
+
+
+async def collect(client: OmniClient, rid: str) -> list[tuple[int, Any, bool]]:
+    outs: list[OrchOutput] = [o async for o in client.stream(rid, timeout_s=20)]
+    assert all(o.error is None for o in outs), outs
+    return [(o.stage_id, o.data, o.finished) for o in outs]
+
+
+async def test_a_request_state_follows_the_request_and_goes_with_it(
+    settings: Settings, clients: RedisClients
+) -> None:
+    pipeline = slow_seed()
+    names = settings.names
+    raw = clients.aio()
+    service = OrchestratorService(pipeline, settings, clients)
+    with Workers(pipeline, settings, clients):
+        stop, task = await start(service)
+        async with OmniClient(settings, clients) as client:
+            await client.wait_ready([0, 1, 2], timeout_s=20)
+            await client.submit("hi there", request_id="r1")
+            result = asyncio.create_task(collect(client, "r1"))
+            key = names.request_state("r1")
+            doc: DurableRequest | None = None
+            while doc is None or 1 not in doc.submitted:  # stage 1 (slow) is running now
+                await asyncio.sleep(0.01)
+                blob = await raw.get(key)
+                doc = (
+                    None if blob is None else codec.decode_model(cast(bytes, blob), DurableRequest)
+                )
+            assert doc.client_id == client.client_id and doc.prompt == "hi there"
+            assert (doc.submitted, doc.finished) == ([0, 1], [0])
+            assert doc.out_seq == 2 and doc.stage_seq == {0: 2}  # stage 0's two outputs
+            assert doc.stage_data == {}  # stage 0 was forwarded: nothing left to keep
+            assert doc.deadline_at is not None
+            assert await raw.smembers(names.orchestrator_requests(0)) == {b"r1"}
+            assert await result == expected("hi there")
+            await wait_for(lambda: service.orchestrator.request_states == {})
+            await service.writer.written()
+            assert await raw.get(key) is None
+            assert await raw.exists(names.orchestrator_requests(0)) == 0
+        stop.set()
+        await task
+    await raw.aclose()
+
+
+async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
+    settings: Settings, clients: RedisClients
+) -> None:
+    pipeline = slow_seed()
+    raw = clients.aio()
+    prompts = {f"q{i}": f"a{i} b{i} c{i}" for i in range(6)}
+    first = OrchestratorService(pipeline, settings, clients)
+    with Workers(pipeline, settings, clients):
+        stop, task = await start(first)
+        async with OmniClient(settings, clients) as client:
+            await client.wait_ready([0, 1, 2], timeout_s=20)
+            for rid, prompt in prompts.items():
+                await client.submit(prompt, request_id=rid)
+            results = {rid: asyncio.create_task(collect(client, rid)) for rid in prompts}
+            index = settings.names.orchestrator_requests(0)
+            while await raw.scard(index) < len(prompts):
+                await asyncio.sleep(0.01)
+            stop.set()  # every request in flight: stage 1 holds them
+            await task
+            assert not any(r.done() for r in results.values())
+            second = OrchestratorService(pipeline, settings, clients)
+            stop2, task2 = await start(second)
+            assert second.leases.held == {0}  # the slot given back is this one's home
+            for rid, prompt in prompts.items():
+                assert await results[rid] == expected(prompt), rid
+            assert client.dropped_outputs == 0
+            await wait_for(lambda: second.orchestrator.request_states == {})
+            assert second.orchestrator.dropped_outputs == 0
+            stop2.set()
+            await task2
+    await raw.aclose()
