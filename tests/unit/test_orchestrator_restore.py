@@ -1,0 +1,76 @@
+"""The core's hooks for a durable shell: restoring a request routed before, the output
+sink, and the change hook (SPEC §3 routing unchanged)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omni_runtime import Orchestrator, OrchOutput, StageOutput
+from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.types import ReqState
+from tests.fakes import identity_forward, prefix_wav
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_a_restored_request_resumes_where_it_was_and_submits_nothing_again() -> None:
+    stages = [InMemoryStage(), InMemoryStage(), InMemoryStage(prefix_wav)]
+    async with Orchestrator(stages, {0, 2}, identity_forward) as orch:
+        state = ReqState(prompt="hi there", submitted={0, 1}, finished={0})
+        assert orch.restore_request("r1", state, deadline_s=30)
+        assert not orch.restore_request("r1", ReqState(prompt="x"), None)  # live already
+        stages[1].emit(StageOutput("r1", ["HI", "THERE"], True))
+        outs = [await orch.next_output(timeout=10) for _ in range(2)]
+        assert outs == [
+            OrchOutput("r1", 2, "wav:HI", False),
+            OrchOutput("r1", 2, "wav:THERE", True),
+        ]
+        assert stages[0].submitted == [] and stages[1].submitted == []
+        assert stages[2].submitted == [("r1", [["HI", "THERE"]])]
+        assert orch.request_states == {} and orch.dropped_outputs == 0
+
+
+async def test_a_restored_request_past_its_deadline_ends_with_one_error() -> None:
+    stages = [InMemoryStage(), InMemoryStage()]
+    async with StreamingOrchestrator(stages, {1}, identity_forward) as orch:
+        orch.restore_request("r1", ReqState(prompt="p", submitted={0, 1}), deadline_s=-1.0)
+        out = await orch.next_output(timeout=10)
+        assert out == OrchOutput("r1", 1, None, True, error="deadline exceeded")
+        assert orch.request_states == {}
+
+
+async def test_the_sink_and_the_change_hook_see_every_output_and_state_change() -> None:
+    stages = [InMemoryStage(), InMemoryStage()]
+    orch = Orchestrator(stages, {0, 1}, identity_forward)
+    seen: list[OrchOutput] = []
+    changes: list[tuple[str, bool, frozenset[int]]] = []
+    orch.sink = seen.append
+
+    def changed(rid: str, state: ReqState | None) -> None:
+        changes.append(
+            (rid, state is not None, frozenset(state.finished) if state else frozenset())
+        )
+
+    orch.on_change = changed
+    async with orch:
+        await orch.add_request("r1", "p")
+        while not stages[0].submitted:
+            await asyncio.sleep(0.001)
+        stages[0].emit(StageOutput("r1", "a", True))
+        while not stages[1].submitted:
+            await asyncio.sleep(0.001)
+        stages[1].emit(StageOutput("r1", "b", True))
+        while len(seen) < 2:
+            await asyncio.sleep(0.001)
+    assert seen == [OrchOutput("r1", 0, "a", False), OrchOutput("r1", 1, "b", True)]
+    assert changes == [
+        ("r1", True, frozenset()),  # registered
+        ("r1", True, frozenset({0})),  # stage 0 finished (then stage 1 submitted)
+        ("r1", True, frozenset({0, 1})),  # stage 1 finished
+        ("r1", False, frozenset()),  # ended
+    ]
+    with pytest.raises(TimeoutError):
+        await orch.next_output(timeout=0.01)  # nothing went to the queue
