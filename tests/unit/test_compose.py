@@ -37,7 +37,12 @@ ENV_PREFIX = "OMNI_"
 ENVIRONMENTS = {
     "defaults": {},
     "streaming": {"PIPELINE_MODE": "streaming"},
-    "scaled": {"THINKER_REPLICAS": "2", "TALKER_REPLICAS": "3", "CODE2WAV_REPLICAS": "4"},
+    "scaled": {
+        "THINKER_REPLICAS": "2",
+        "TALKER_REPLICAS": "3",
+        "CODE2WAV_REPLICAS": "4",
+        "ORCHESTRATOR_REPLICAS": "2",
+    },
 }
 
 
@@ -202,12 +207,13 @@ def test_every_referenced_pipeline_file_exists_and_loads(env: dict[str, str]) ->
             assert pipeline.mode == args.mode
 
 
-def test_there_is_exactly_one_orchestrator_with_one_replica() -> None:
+def test_there_is_one_orchestrator_service_scaled_by_orchestrator_replicas() -> None:
     compose = load_compose(ENVIRONMENTS["scaled"])
     orchestrators = [n for n, a in cli_args(compose).items() if a.command == "orchestrator"]
     assert len(orchestrators) == 1, orchestrators
     deploy = services(compose)[orchestrators[0]].get("deploy", {})
-    assert int(deploy.get("replicas", 1)) == 1
+    assert int(deploy.get("replicas", 1)) == 2
+    assert int(services(load_compose())[orchestrators[0]]["deploy"]["replicas"]) == 1
 
 
 def test_there_is_exactly_one_worker_service_per_stage_named_after_it() -> None:
