@@ -30,7 +30,7 @@ from omni_runtime import keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import OrchOutput, ReqState, forward_previous_data
-from omni_runtime.messages import AbortMsg, ClientCommand, DurableRequest, RequestMsg
+from omni_runtime.messages import WIRE_VERSION, AbortMsg, ClientCommand, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
@@ -185,30 +185,37 @@ class SlotService:
             log.warning("slot %d: %d requests in flight restored", self.slot, len(docs))
         return len(docs)
 
-    def _describe(self, rid: str, state: ReqState) -> DurableRequest | None:
+    def _describe(self, rid: str, state: ReqState) -> dict[str, Any] | None:
+        """The request's `DurableRequest` as a plain dict: built on every hop, so without
+        the model's validation (it is validated when loaded)."""
         client_id = self.client_of.get(rid)
         if client_id is None:
             return None
-        sequential = self.shared.pipeline.mode == "sequential"
         last = self.core.last_stage
-        kept = {
-            sid: data
-            for sid, data in state.stage_data.items()
-            if sequential and sid < last and sid not in state.finished
-        }
-        return DurableRequest(
-            request_id=rid,
-            client_id=client_id,
-            prompt=state.prompt,
-            deadline_at=self.deadline_at.get(rid),
-            submitted=sorted(state.submitted),
-            finished=sorted(state.finished),
-            stage_data=kept,
-            stage_seq={
+        kept = (
+            {
+                sid: data
+                for sid, data in state.stage_data.items()
+                if sid < last and sid not in state.finished
+            }
+            if self.shared.pipeline.mode == "sequential"
+            else {}
+        )
+        return {
+            "v": WIRE_VERSION,
+            "type": "request_state",
+            "request_id": rid,
+            "client_id": client_id,
+            "prompt": state.prompt,
+            "deadline_at": self.deadline_at.get(rid),
+            "submitted": sorted(state.submitted),
+            "finished": sorted(state.finished),
+            "stage_data": kept,
+            "stage_seq": {
                 st.stage_id: st.handled_seq[rid] for st in self.stages if rid in st.handled_seq
             },
-            out_seq=self.outbox.next_seq(rid),
-        )
+            "out_seq": self.outbox.next_seq(rid),
+        }
 
     def _changed(self, rid: str, state: ReqState | None) -> None:
         self.store.changed(rid, state)

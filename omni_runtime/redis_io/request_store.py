@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 GRACE_S = 60.0
 """A state outlives its request's deadline by this long (a takeover then ends it)."""
 
-Describe = Callable[[str, ReqState], DurableRequest | None]
+Describe = Callable[[str, ReqState], dict[str, Any] | None]
+"""A request's `DurableRequest` fields (None: do not keep it)."""
 
 
 class RequestStore:
@@ -53,6 +55,8 @@ class RequestStore:
         self.enabled = enabled
         self.clock = clock
         self._dirty: dict[str, ReqState | None] = {}
+        self._indexed: set[str] = set()
+        """Requests already named in the index: later writes are one SET each."""
         if enabled:
             writer.sources.append(self.ops)
 
@@ -68,6 +72,7 @@ class RequestStore:
     def detach(self) -> None:
         """This slot is given up: nothing more of it is written."""
         self._dirty.clear()
+        self._indexed.clear()
         if self.ops in self.writer.sources:
             self.writer.sources.remove(self.ops)
 
@@ -78,17 +83,20 @@ class RequestStore:
             key = self.names.request_state(rid)
             doc = None if state is None else self.describe(rid, state)
             if doc is None:
+                self._indexed.discard(rid)
                 out.append(Forget(key, self.index, rid))
                 continue
             ttl_ms = None
-            if doc.deadline_at is not None:
-                ttl_ms = max(1, int((doc.deadline_at - self.clock() + GRACE_S) * 1000))
+            if doc["deadline_at"] is not None:
+                ttl_ms = max(1, int((doc["deadline_at"] - self.clock() + GRACE_S) * 1000))
             try:
-                value = codec.encode_model(doc)
+                value = codec.encode(doc)
             except CodecError as e:  # its data cannot be kept: it still runs, not durably
                 log.error("request state not saved: %s", e, extra={"request_id": rid})
                 continue
-            out.append(Put(key, value, ttl_ms, self.index, rid))
+            index = None if rid in self._indexed else self.index
+            self._indexed.add(rid)
+            out.append(Put(key, value, ttl_ms, index, rid))
         return out
 
     async def load(self, client: aioredis.Redis, max_bytes: int) -> list[DurableRequest]:
@@ -117,6 +125,7 @@ class RequestStore:
                 stale.append(rid)
                 continue
             found.append(doc)
+            self._indexed.add(rid)
         if stale:
             await client.srem(self.index, *stale)
         return found

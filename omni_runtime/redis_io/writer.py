@@ -71,12 +71,12 @@ class Expire:
 
 @dataclass(frozen=True, slots=True)
 class Put:
-    """SET `key` (PX `ttl_ms`) and SADD `member` to the `index` set."""
+    """SET `key` (PX `ttl_ms`) and SADD `member` to the `index` set (None: it is there)."""
 
     key: str
     value: bytes
     ttl_ms: int | None
-    index: str
+    index: str | None
     member: str
 
 
@@ -112,7 +112,8 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
     for op in ops:  # states after the entries they record, before the acks they allow
         if isinstance(op, Put):
             pipe.set(op.key, op.value, px=op.ttl_ms)
-            pipe.sadd(op.index, op.member)
+            if op.index is not None:
+                pipe.sadd(op.index, op.member)
         elif isinstance(op, Forget):
             pipe.delete(op.key)
             pipe.srem(op.index, op.member)

@@ -1,0 +1,131 @@
+"""Requests/s of the seed pipeline with 2 orchestrators vs 1, and orchestrator CPU per request.
+
+Two deployments of `workers/seed.yaml` (its stages are CPU-light: word splits and
+string prefixes) side by side on one Redis, in namespaces of their own: one with
+one orchestrator, one with two (started as `omni-runtime orchestrator` twice).
+Repetitions alternate between them, so both see the same machine; the idle one
+costs little. Load: two client processes (`benchmarks.roles.client`) sharing
+concurrency C, N requests of "hi there" (outputs checked). requests/s = N /
+(first submit -> last finished output), median over repetitions. CPU per request
+= CPU seconds of the orchestrator processes (summed) / N; every process's share
+of a core is in the notes, so the next bottleneck can be read off.
+
+Ratio: the 2-orchestrator rate / the 1-orchestrator rate, same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+from dataclasses import dataclass
+
+from benchmarks.harness import scenario
+from benchmarks.harness.cpu import MACHINE, OTHER, CpuSampler
+from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, start_clients
+from benchmarks.harness.procs import SEED_EXPECT as EXPECT
+from benchmarks.harness.procs import SEED_PROMPT as PROMPT
+from benchmarks.harness.redis import server_pid
+from benchmarks.harness.report import Row, ratio
+from benchmarks.harness.stats import p50_p99_ms, spread
+
+TARGET_RATIO = 1.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    reps: int
+    requests: int
+    warmup: int
+    concurrency: int
+
+
+FULL = Sizes(reps=5, requests=2000, warmup=300, concurrency=256)
+QUICK = Sizes(reps=2, requests=400, warmup=100, concurrency=128)
+
+
+def deployment(ctx: scenario.Context, orchestrators: int) -> Deployment:
+    d = Deployment(ctx.redis_url, SEED, f"orch{orchestrators}").start()
+    base = [sys.executable, "-m", "omni_runtime.cli", "orchestrator"]
+    for i in range(1, orchestrators):
+        d.group._spawn(f"orchestrator-{i}", [*base, "--pipeline", str(SEED), "--mode", d.mode])
+    return d
+
+
+def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
+    deps = {n: deployment(ctx, n) for n in (1, 2)}
+    clients: dict[int, list[RoleProc]] = {}
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    cpu_per_req: dict[int, list[float]] = {1: [], 2: []}
+    util: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    latencies: dict[int, list[int]] = {1: [], 2: []}
+    errors: dict[int, list[str]] = {1: [], 2: []}
+    try:
+        for n, d in deps.items():
+            clients[n] = start_clients(d, ctx.log_dir, 2)
+            load(clients[n], d, sizes.warmup, 64, "warm", PROMPT, EXPECT)
+        redis_pid = server_pid(ctx.redis_url)
+        for rep in range(sizes.reps):
+            for n, d in deps.items():
+                pids = {name: pid for name, pid in d.pids().items()}
+                pids |= {f"client{i}": c.pid for i, c in enumerate(clients[n])}
+                if redis_pid is not None:
+                    pids["redis-server"] = redis_pid
+                sampler = CpuSampler(pids)
+                gc.collect()
+                sampler.start()
+                results = load(clients[n], d, sizes.requests, sizes.concurrency, f"o{n}r{rep}",
+                               PROMPT, EXPECT)  # fmt: skip
+                cpu_s = sampler.stop()
+                t0 = min(res["t_start_ns"] for res in results)
+                wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
+                done = sum(len(res["latencies_ns"]) for res in results)
+                rates[n].append(done / wall_s)
+                orch_s = sum(v for name, v in cpu_s.items() if name.startswith("orchestrator"))
+                cpu_per_req[n].append(orch_s / max(1, done) * 1e3)
+                util[n].append({name: v / wall_s for name, v in cpu_s.items()})
+                for res in results:
+                    latencies[n].extend(res["latencies_ns"])
+                    errors[n].extend(res["errors"])
+    finally:
+        for cs in clients.values():
+            for c in cs:
+                c.stop()
+        for d in deps.values():
+            d.stop()
+    rows = [make_row(sizes, n, rates[n], cpu_per_req[n], util[n], latencies[n], errors[n])
+            for n in (1, 2)]  # fmt: skip
+    one, two = rows
+    two.baseline, two.baseline_value = one.config, one.value
+    two.ratio, two.ratio_of = ratio(two.value, one.value), "rate"
+    two.target = f"rate ratio >= {TARGET_RATIO:g}x"
+    two.met = two.ratio is not None and two.ratio >= TARGET_RATIO and not errors[2]
+    return rows
+
+
+def make_row(
+    sizes: Sizes, n: int, rates: list[float], cpu_ms: list[float],
+    util: list[dict[str, float]], latencies: list[int], errors: list[str],
+) -> Row:  # fmt: skip
+    value, lo, hi = spread(rates)
+    cpu = {name: statistics.median(u.get(name, 0.0) for u in util) for name in util[0]}
+    per_req = statistics.median(cpu_ms)
+    notes = [
+        f"{sizes.requests} requests/rep x {sizes.reps} reps, 2 clients, c={sizes.concurrency}",
+        f"orchestrator CPU per request: {per_req:.3f} ms (sum over its processes)",
+        "CPU, % of one core (median of reps): "
+        + ", ".join(f"{k} {100 * v:.0f}%" for k, v in cpu.items() if k not in (MACHINE, OTHER))
+        + f"; other {100 * cpu.get(OTHER, 0):.0f}%, machine {100 * cpu.get(MACHINE, 0):.0f}%",
+    ]
+    if errors:
+        notes.append(f"{len(errors)} failed or wrong requests, e.g. {errors[0]}")
+    p50, p99 = p50_p99_ms(latencies)
+    return Row(
+        "orchestrators", f"{n} orchestrator{'s' * (n > 1)}", "requests/s", "/s",
+        value, lo, hi, p50, p99, notes=notes,
+        details={"orchestrator_cpu_ms_per_request": per_req, "cpu_fraction_of_core": cpu},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(scenario.main("orchestrators", __doc__, run, FULL, QUICK))
