@@ -46,9 +46,9 @@ def settings() -> Settings:
     return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
 
 
-def slow_seed() -> PipelineConfig:
+def slow_seed(mode: str = "sequential") -> PipelineConfig:
     """The seed pipeline with stage 1 slow, so requests stay in flight a while."""
-    p = load_pipeline(WORKERS / "seed.yaml")
+    p = load_pipeline(WORKERS / "seed.yaml", mode=mode)
     stage1 = p.stages[1].model_copy(update={"options": {"delay_ms": SLOW_MS}})
     return p.model_copy(update={"stages": [p.stages[0], stage1, p.stages[2]]})
 
@@ -130,10 +130,11 @@ async def test_a_request_state_follows_the_request_and_goes_with_it(
     await raw.aclose()
 
 
+@pytest.mark.parametrize("mode", ["sequential", "streaming"])
 async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
-    settings: Settings, clients: RedisClients
+    settings: Settings, clients: RedisClients, mode: str
 ) -> None:
-    pipeline = slow_seed()
+    pipeline = slow_seed(mode)
     raw = clients.aio()
     prompts = {f"q{i}": f"a{i} b{i} c{i}" for i in range(6)}
     first = OrchestratorService(pipeline, settings, clients)
