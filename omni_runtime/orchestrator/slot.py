@@ -131,6 +131,8 @@ class SlotService:
         self._entry_of: dict[str, bytes] = {}
         """request id → its requests-stream entry, acknowledged once its state is registered."""
         self.backlog_done = False
+        self.restored = 0
+        """Requests in flight this slot's previous holder left, restored by `start`."""
         self._stopping = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
 
@@ -146,7 +148,7 @@ class SlotService:
         """Restore the slot's durable states, then serve; the number of requests restored."""
         for stream in self.streams():
             await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
-        restored = await self._restore()
+        self.restored = restored = await self._restore()
         await self.core.start()
         self._reader = asyncio.create_task(self._read_requests(), name=f"requests-{self.slot}")
         return restored

@@ -150,15 +150,16 @@ async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
                 await asyncio.sleep(0.01)
             stop.set()  # every request in flight: stage 1 holds them
             await task
-            assert not any(r.done() for r in results.values())
             second = OrchestratorService(pipeline, settings, clients)
             stop2, task2 = await start(second)
             assert second.leases.held == {0}  # the slot given back is this one's home
+            assert second.home is not None and second.home.restored >= 1
             for rid, prompt in prompts.items():
                 assert await results[rid] == expected(prompt), rid
             assert client.dropped_outputs == 0
             await wait_for(lambda: second.orchestrator.request_states == {})
-            assert second.orchestrator.dropped_outputs == 0
+            if mode == "sequential":  # streaming: a stage's end may follow the request's
+                assert second.orchestrator.dropped_outputs == 0
             stop2.set()
             await task2
     await raw.aclose()
