@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -47,6 +48,8 @@ class SubmissionCounter:
         self.counts: Counter[tuple[int, str]] = Counter()
         self._conn: Any = None
         self._started = threading.Event()
+        self._marker = f"{namespace}:monitor-caught-up:{uuid.uuid4().hex}".encode()
+        self._caught_up = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
 
     def __enter__(self) -> SubmissionCounter:
@@ -55,10 +58,16 @@ class SubmissionCounter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.client.get(self._marker)  # MONITOR lags under load: read up to this command
+        self._caught_up.wait(60)
         if self._conn is not None:
             self._conn.disconnect()
         self._thread.join(10)
         self.client.close()
+
+    @property
+    def caught_up(self) -> bool:
+        return self._caught_up.is_set()
 
     def doubles(self) -> dict[tuple[int, str], int]:
         return {key: n for key, n in self.counts.items() if n > 1}
@@ -75,6 +84,9 @@ class SubmissionCounter:
             return
 
     def _count(self, line: bytes) -> None:
+        if self._marker in line:
+            self._caught_up.set()
+            return
         args = [unescape(a) for a in ARG.findall(line)]
         if len(args) < 4 or args[0].upper() != b"XADD" or not args[1].startswith(self.prefix):
             return

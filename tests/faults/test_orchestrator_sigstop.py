@@ -64,6 +64,7 @@ async def test_sigstop_of_an_orchestrator_past_its_lease_repeats_nothing(
             await asyncio.sleep(0.05)
         exit_code = d.exit_code(stalled)
         log = d.group.tail("orchestrator", 15)
+    assert submissions.caught_up, "MONITOR did not catch up"
     doubles = submissions.doubles()
     print(
         "\n" + header() + "\n" + report.line() + f"  submissions={sum(submissions.counts.values())}"
