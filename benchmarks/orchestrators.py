@@ -10,7 +10,9 @@ concurrency C, N requests of "hi there" (outputs checked). requests/s = N /
 = CPU seconds of the orchestrator processes (summed) / N; every process's share
 of a core is in the notes, so the next bottleneck can be read off.
 
-Ratio: the 2-orchestrator rate / the 1-orchestrator rate, same run.
+Ratio: the 2-orchestrator rate / the 1-orchestrator rate, same run. A third
+deployment, one orchestrator with `OMNI_DURABLE_REQUESTS` off, shows what durable
+request state costs in orchestrator CPU.
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ FULL = Sizes(reps=5, requests=2000, warmup=300, concurrency=256)
 QUICK = Sizes(reps=2, requests=400, warmup=100, concurrency=128)
 
 
-def deployment(ctx: scenario.Context, orchestrators: int) -> Deployment:
-    d = Deployment(ctx.redis_url, SEED, f"orch{orchestrators}").start()
+CONFIGS = {"1 orchestrator": (1, True), "2 orchestrators": (2, True),
+           "1 orchestrator, not durable": (1, False)}  # fmt: skip
+
+
+def deployment(ctx: scenario.Context, orchestrators: int, durable: bool) -> Deployment:
+    env = {"OMNI_DURABLE_REQUESTS": str(durable).lower()}
+    d = Deployment(ctx.redis_url, SEED, f"orch{orchestrators}", extra_env=env).start()
     base = [sys.executable, "-m", "omni_runtime.cli", "orchestrator"]
     for i in range(1, orchestrators):
         d.group._spawn(f"orchestrator-{i}", [*base, "--pipeline", str(SEED), "--mode", d.mode])
@@ -53,13 +60,13 @@ def deployment(ctx: scenario.Context, orchestrators: int) -> Deployment:
 
 
 def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
-    deps = {n: deployment(ctx, n) for n in (1, 2)}
-    clients: dict[int, list[RoleProc]] = {}
-    rates: dict[int, list[float]] = {1: [], 2: []}
-    cpu_per_req: dict[int, list[float]] = {1: [], 2: []}
-    util: dict[int, list[dict[str, float]]] = {1: [], 2: []}
-    latencies: dict[int, list[int]] = {1: [], 2: []}
-    errors: dict[int, list[str]] = {1: [], 2: []}
+    deps = {c: deployment(ctx, n, durable) for c, (n, durable) in CONFIGS.items()}
+    clients: dict[str, list[RoleProc]] = {}
+    rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    cpu_per_req: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    util: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
+    latencies: dict[str, list[int]] = {c: [] for c in CONFIGS}
+    errors: dict[str, list[str]] = {c: [] for c in CONFIGS}
     try:
         for n, d in deps.items():
             clients[n] = start_clients(d, ctx.log_dir, 2)
@@ -74,8 +81,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 sampler = CpuSampler(pids)
                 gc.collect()
                 sampler.start()
-                results = load(clients[n], d, sizes.requests, sizes.concurrency, f"o{n}r{rep}",
-                               PROMPT, EXPECT)  # fmt: skip
+                results = load(clients[n], d, sizes.requests, sizes.concurrency,
+                               f"o{rep}", PROMPT, EXPECT)  # fmt: skip
                 cpu_s = sampler.stop()
                 t0 = min(res["t_start_ns"] for res in results)
                 wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
@@ -93,18 +100,20 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 c.stop()
         for d in deps.values():
             d.stop()
-    rows = [make_row(sizes, n, rates[n], cpu_per_req[n], util[n], latencies[n], errors[n])
-            for n in (1, 2)]  # fmt: skip
-    one, two = rows
+    rows = [make_row(sizes, c, rates[c], cpu_per_req[c], util[c], latencies[c], errors[c])
+            for c in CONFIGS]  # fmt: skip
+    one, two, plain = rows
+    one.baseline, one.baseline_value = plain.config, plain.value
+    one.ratio, one.ratio_of = ratio(one.value, plain.value), "rate"
     two.baseline, two.baseline_value = one.config, one.value
     two.ratio, two.ratio_of = ratio(two.value, one.value), "rate"
     two.target = f"rate ratio >= {TARGET_RATIO:g}x"
-    two.met = two.ratio is not None and two.ratio >= TARGET_RATIO and not errors[2]
+    two.met = two.ratio is not None and two.ratio >= TARGET_RATIO and not errors[two.config]
     return rows
 
 
 def make_row(
-    sizes: Sizes, n: int, rates: list[float], cpu_ms: list[float],
+    sizes: Sizes, config: str, rates: list[float], cpu_ms: list[float],
     util: list[dict[str, float]], latencies: list[int], errors: list[str],
 ) -> Row:  # fmt: skip
     value, lo, hi = spread(rates)
@@ -121,7 +130,7 @@ def make_row(
         notes.append(f"{len(errors)} failed or wrong requests, e.g. {errors[0]}")
     p50, p99 = p50_p99_ms(latencies)
     return Row(
-        "orchestrators", f"{n} orchestrator{'s' * (n > 1)}", "requests/s", "/s",
+        "orchestrators", config, "requests/s", "/s",
         value, lo, hi, p50, p99, notes=notes,
         details={"orchestrator_cpu_ms_per_request": per_req, "cpu_fraction_of_core": cpu},
     )  # fmt: skip

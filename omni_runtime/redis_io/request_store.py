@@ -83,8 +83,9 @@ class RequestStore:
             key = self.names.request_state(rid)
             doc = None if state is None else self.describe(rid, state)
             if doc is None:
-                self._indexed.discard(rid)
-                out.append(Forget(key, self.index, rid))
+                if rid in self._indexed:  # never written (it ended within one batch): no-op
+                    self._indexed.discard(rid)
+                    out.append(Forget(key, self.index, rid))
                 continue
             ttl_ms = None
             if doc["deadline_at"] is not None:
