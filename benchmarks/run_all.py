@@ -38,6 +38,8 @@ SCENARIOS = (
     "core_adapter",
     "throughput",
     "hops",
+    "durability",
+    "orchestrators",
     "handoff",
     "ttfp",
     "idle_cpu",
