@@ -165,20 +165,26 @@ class Names:
     def client_heartbeat(self, client_id: str) -> str:
         return self.heartbeat(f"client:{client_id}")
 
+    @property
+    def _orchestrators(self) -> str:
+        """The leases, take counters and registry share one tag: one lease round is one
+        transaction over them all."""
+        return f"{self.prefix}orch:{hash_tag('slots')}"
+
     def orchestrator_lease(self, slot: int) -> str:
         """Held (a token, with a TTL) by the orchestrator serving `slot`."""
-        return f"{self.prefix}orch:lease:{slot}"
+        return f"{self._orchestrators}:lease:{slot}"
 
     def orchestrator_generation(self, slot: int) -> str:
         """Counts the takes of `slot` (no TTL): a holder whose lease vanished may take it
         back only if nobody took it in between (the count is still the one it got)."""
-        return f"{self.prefix}orch:gen:{slot}"
+        return f"{self._orchestrators}:gen:{slot}"
 
     @property
     def orchestrator_slots(self) -> str:
         """A hash, every slot ever taken → its last holder's token: what live orchestrators
         watch for lapses, and whose connections a takeover closes."""
-        return f"{self.prefix}orch:slots"
+        return f"{self._orchestrators}:registry"
 
     def orchestrator_connection(self, token: str) -> str:
         """The client name of an orchestrator process's connections (CLIENT SETNAME)."""

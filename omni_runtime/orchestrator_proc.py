@@ -32,7 +32,7 @@ from omni_runtime.orchestrator import slot as slot_mod
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.leases import LeaseLost, Leases
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.stage_client import RedisStageClient
@@ -78,8 +78,10 @@ class OrchestratorService:
             self.client, s.stream_maxlen, None, metrics=self.metrics, backoff=s.backoff(True)
         )
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
-        # every connection carries the name a takeover closes them by (CLIENT KILL)
-        self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
+        if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
+            self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
+        else:  # one pool per node: the time fence alone (docs/operations.md)
+            self.leases.can_disconnect = False
         self.writer.fence = self.leases
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)

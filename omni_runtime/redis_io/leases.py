@@ -68,6 +68,8 @@ class Leases:
         self.client_name = names.orchestrator_connection(self.token)
         """Set on every connection of the process's client (`CLIENT SETNAME`)."""
         self._kill_refused = False
+        self.can_disconnect = True
+        """False where connections cannot be named (a cluster client): time fence only."""
         self.held: set[int] = set()
         self.generation: dict[int, int] = {}
         """slot → the generation this process's take of it got."""
@@ -192,6 +194,8 @@ class Leases:
     async def _disconnect(self, token: str) -> None:
         """Close every connection of the process that held a slot before (see above)."""
         name = self.names.orchestrator_connection(token)
+        if not self.can_disconnect:
+            return
         try:
             for conn in await self.client.client_list():
                 if conn.get("name") == name:

@@ -159,9 +159,9 @@ class FaultDeployment:
         left = []
         for key in self.redis.scan_iter(f"{self.namespace}:*"):
             name = key.decode()
-            if ":hb:" in name or ":stats:" in name or ":orch:lease:" in name:  # live, with a TTL
+            if ":hb:" in name or ":stats:" in name or ":lease:" in name:  # live, with a TTL
                 continue
-            if ":orch:gen:" in name or name.endswith(":orch:slots"):  # one per slot ever used
+            if ":gen:" in name or name.endswith(":registry"):  # one per slot ever used
                 continue
             if self.redis.type(key) == b"stream" and self.redis.xlen(key) == 0:
                 continue
