@@ -25,7 +25,9 @@ from redis.exceptions import RedisError
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.types import Stage
+from omni_runtime.messages import AbortMsg, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator import slot as slot_mod
@@ -36,6 +38,7 @@ from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.leases import LeaseLost, Leases
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.stage_client import RedisStageClient
+from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
@@ -113,6 +116,13 @@ class OrchestratorService:
         return self.home.core
 
     @property
+    def requests(self) -> GroupReader[RequestMsg | AbortMsg]:
+        """The requests reader of this process's own slot."""
+        if self.home is None:
+            raise RuntimeError("the orchestrator is not running")
+        return self.home.requests
+
+    @property
     def stages(self) -> list[RedisStageClient]:
         return [] if self.home is None else self.home.stages
 
@@ -127,7 +137,10 @@ class OrchestratorService:
         obs = start_observability(
             self.settings, self.metrics, "orchestrator", self.clients.sync, poll_streams=True
         )
-        self.tracer = self.writer.tracer = self.shared.tracer = obs.tracer
+        switch = TraceSwitch(obs.tracer, obs.on_demand, self._trace_with)
+        self.shared.begin_trace = switch.begin
+        if switch.on_demand is not None:
+            self.shared.traced = switch.on_demand.requests
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")
         try:
@@ -163,6 +176,8 @@ class OrchestratorService:
         """Stop the loops and slots, write what was queued, give the slots back (a live
         process takes over their requests in flight at once)."""
         self._stopping.set()
+        for served in self.slots.values():
+            served.stop_reading()  # at once: a request a cut read got stays pending
         await asyncio.wait(loops, timeout=self.settings.block_ms / 1000 + 5.0)
         for task in loops:
             task.cancel()
@@ -179,6 +194,13 @@ class OrchestratorService:
                 await self.leases.release(slot)
             if not await self.leases.others_alive():
                 await self.client.delete(self.names.orchestrator_heartbeat())
+
+    def _trace_with(self, tracer: Tracer | None) -> None:
+        """Every component stamps through this tracer (process-wide, or on demand)."""
+        self.tracer = self.writer.tracer = self.shared.tracer = tracer
+        for served in self.slots.values():
+            for stage in served.stages:
+                stage.tracer = tracer
 
     async def _serve(self, slot: int, home: bool) -> SlotService:
         served = SlotService(self.shared, slot, home)

@@ -32,6 +32,7 @@ from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import OrchOutput, ReqState, forward_previous_data
 from omni_runtime.messages import WIRE_VERSION, AbortMsg, ClientCommand, RequestMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
 from omni_runtime.redis_io.leases import Leases
@@ -78,6 +79,10 @@ class Shared:
     tracer: Tracer | None = None
     recheck_stages: Callable[[], Awaitable[None]] | None = None
     """Look at the stages' heartbeats again now (a replica may have beaten since)."""
+    begin_trace: Callable[[str], None] | None = None
+    """A request flagged `trace` arrived: stamp it from here on (`observe/on_demand.py`)."""
+    traced: set[str] | frozenset[str] = frozenset()
+    """The requests traced on demand: their stage inputs carry the flag."""
 
 
 class SlotService:
@@ -107,6 +112,8 @@ class SlotService:
             )
             for sid in range(p.last_stage + 1)
         ]
+        for stage in self.stages:
+            stage.traced = shared.traced
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
         self.core.sink = self._deliver
         self.core.on_change = self._changed
@@ -153,9 +160,15 @@ class SlotService:
         self._reader = asyncio.create_task(self._read_requests(), name=f"requests-{self.slot}")
         return restored
 
-    async def stop(self) -> None:
-        """Stop reading (between two reads), then stop the core."""
+    def stop_reading(self) -> None:
+        """Read no more requests; the read in progress is cut short (what it was delivered
+        stays pending: the slot's next holder reads it as backlog)."""
         self._stopping.set()
+        self.requests.interrupt()
+
+    async def stop(self) -> None:
+        """Stop reading requests, then the stages' readers and the core."""
+        self.stop_reading()
         if self._reader is not None:
             s = self.shared.settings
             await asyncio.wait([self._reader], timeout=s.block_ms / 1000 + 5.0)
@@ -232,6 +245,8 @@ class SlotService:
         if entry is not None:  # refused before it was registered (a duplicate id)
             self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
         self.outbox.send(out)
+        if out.finished and self.shared.tracer is not None:
+            self.shared.tracer.stamp(FINISHED, out.request_id)
         self.shared.timer.output(out.request_id, out.data, out.finished, out.error)
 
     async def _read_requests(self) -> None:
@@ -268,6 +283,8 @@ class SlotService:
             outbox.refuse(cmd.request_id, cmd.client_id, error)
         else:
             rid = cmd.request_id
+            if cmd.trace and self.shared.begin_trace is not None:
+                self.shared.begin_trace(rid)  # traced on demand: this process stamps it too
             if self.shared.tracer is not None:
                 self.shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
             self.client_of[rid] = cmd.client_id
