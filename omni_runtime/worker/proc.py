@@ -1,10 +1,9 @@
 """A stage worker process: the shell around a `WorkerCore`.
 
-The shell alone owns Redis clients and starts threads: input (reads, validates),
-control (aborts), heartbeat (status, takeovers of dead replicas), output (publishes
-to each request's owner) and, in streaming mode, the ChunkAdapter's. Its scheduler
-loop never blocks on Redis: hand the core what the threads delivered, step the
-engine, carry out the core's actions (writes, chunk saves, discards), sleep until woken.
+The shell alone owns Redis clients and starts threads: input, control (aborts), heartbeat
+(status, takeovers of dead replicas), output (to each request's owner) and, in streaming
+mode, the ChunkAdapter's. Its loop never blocks on Redis: hand the core what the threads
+delivered, step the engine, carry out the core's actions, sleep until woken.
 """
 
 from __future__ import annotations
