@@ -35,6 +35,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
+from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
 from omni_runtime.redis_io.outbox import ClientOutbox
@@ -257,7 +258,7 @@ class SlotService:
             if self.home:
                 batch = await self.requests.read(s.read_count, s.block_ms)
             else:  # a slot taken over reads its backlog, never new requests
-                backlog = await self.requests.read_backlog(s.read_count)
+                backlog = await read_backlog(self.requests, s.read_count)
                 if backlog is None:
                     self.backlog_done = True
                     return

@@ -259,13 +259,6 @@ class GroupReader(_ReaderBase[M]):
             entries = await self._fetch(count, block_ms)  # backlog done: the new entries now
         return await self.accept(entries) if entries else []
 
-    async def read_backlog(self, count: int) -> list[tuple[bytes, M]] | None:
-        """This consumer's pending entries only (never new ones); None once walked."""
-        if not self.cursor.in_backlog:
-            return None
-        entries = await self._fetch(count, 1)  # a pending read never blocks
-        return await self.accept(entries) if entries else []
-
     async def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
         try:
             reply: object = await self._interrupt.run(
