@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.cluster
 import yaml
 
 from omni_runtime.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
@@ -56,14 +58,14 @@ class FaultReport:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
         mem = f"{self.memory_before // 1024}->{self.memory_after // 1024}"
         return (
-            f"{self.scenario:<28} {self.ok:>6} {self.failed:>6} {self.wrong:>5} {self.lost:>5} "
+            f"{self.scenario:<44} {self.ok:>6} {self.failed:>6} {self.wrong:>5} {self.lost:>5} "
             f"{self.duplicated:>4} {rec:>10} {self.leftover_keys:>8} {mem:>14}"
         )
 
 
 def header() -> str:
     return (
-        f"{'scenario':<28} {'ok':>6} {'failed':>6} {'wrong':>5} {'lost':>5} {'dup':>4} "
+        f"{'scenario':<44} {'ok':>6} {'failed':>6} {'wrong':>5} {'lost':>5} {'dup':>4} "
         f"{'recovery_s':>10} {'leftover':>8} {'mem_kb':>14}"
     )
 
@@ -97,7 +99,8 @@ class FaultDeployment:
         extra = {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "32"}
         self.env = child_env(redis_url, {**extra, **(env or {})})
         self.group = ProcessGroup(self.path, self.pipeline, self.env)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.clients = RedisClients.from_url(redis_url)
+        self.redis = self.clients.sync()  # a cluster client on a cluster
         self.orchestrators = orchestrators
 
     def __enter__(self) -> FaultDeployment:
@@ -151,6 +154,10 @@ class FaultDeployment:
         return docs
 
     def used_memory(self) -> int:
+        """Summed over the primaries on a cluster."""
+        if isinstance(self.redis, redis.cluster.RedisCluster):
+            per_node = self.redis.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+            return sum(int(info["used_memory"]) for info in per_node.values())
         return int(self.redis.info("memory")["used_memory"])
 
     def leftover_keys(self) -> list[str]:

@@ -1,5 +1,6 @@
-"""One of two orchestrators SIGKILLed under load: the survivor takes its slot over when
-the lease lapses and finishes its requests; nothing lost, no final twice."""
+"""One of two orchestrators SIGKILLed under load, on a redis-server and on a 3-master Redis
+Cluster: the survivor takes its slot over when the lease lapses and finishes its requests;
+nothing lost, no final twice."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.backends import REAL_REDIS_FIXTURES
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import ENV, LEASE_TTL_S, TakeoverClock, leases, wait_for_slots
 
@@ -18,12 +20,13 @@ TAKEOVER_BOUND_S = 3.0
 """From the lease's lapse to the survivor holding the slot."""
 
 
+@pytest.mark.parametrize("server", ["redis-server", "redis-cluster"])
 async def test_sigkill_of_one_of_two_orchestrators_loses_and_repeats_nothing(
-    redis_url: str, tmp_path: Path
+    server: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     n, concurrency = (2000, 200) if FULL else (300, 50)
     with FaultDeployment(
-        redis_url,
+        request.getfixturevalue(REAL_REDIS_FIXTURES[server]),
         tmp_path,
         "seed.yaml",
         orchestrators=2,
@@ -43,7 +46,7 @@ async def test_sigkill_of_one_of_two_orchestrators_loses_and_repeats_nothing(
         prompts = {f"k{i}": f"a{i} b{i}" for i in range(n)}
         report = await run_load(
             d,
-            "orchestrator SIGKILL (1 of 2)",
+            f"orchestrator SIGKILL (1 of 2), {server}",
             prompts,
             seed_final_2,
             concurrency,
