@@ -277,13 +277,21 @@ class OrchestratorService:
         await self.leases.release(slot)
 
     async def _watch(self) -> None:
+        """A full look once per heartbeat interval; in between, while requests are in
+        flight, the stages every quarter interval (a dead stage fails them sooner)."""
         loop = asyncio.get_running_loop()
+        interval = self.settings.heartbeat_interval_s
         while not self._stopping.is_set():
             try:
                 await self.watch.once(loop.time())
+                next_look = loop.time() + interval
+                while (left := next_look - loop.time()) > 0 and not self._stopping.is_set():
+                    await pause(self._stopping, min(left, interval / 4))
+                    if self.watch.busy() and next_look - loop.time() > interval / 8:
+                        await self.watch.stages(loop.time())
             except RedisError as e:
                 log.warning("watching heartbeats failed: %r", e)
-            await pause(self._stopping, self.settings.heartbeat_interval_s)
+                await pause(self._stopping, interval)
 
     async def _recheck_stages(self) -> None:
         await self.watch.stages(asyncio.get_running_loop().time())

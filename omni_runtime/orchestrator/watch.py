@@ -47,6 +47,10 @@ class Watch:
         await self.stages(now)
         await self.clients(now)
 
+    def busy(self) -> bool:
+        """Whether any slot served here has requests in flight."""
+        return any(slot.client_of for slot in self.slots())
+
     async def redis_restarted(self, now: float) -> None:
         """Redis came back empty: every request in flight lost its inputs and outputs. End
         each with one error at once (none waits for its deadline); groups are recreated."""
