@@ -4,7 +4,6 @@ nothing lost, no final twice."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from pathlib import Path
 
@@ -60,4 +59,3 @@ async def test_sigkill_of_one_of_two_orchestrators_loses_and_repeats_nothing(
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
     assert took is not None and took <= TAKEOVER_BOUND_S, took
     assert report.recovery_s is not None and report.recovery_s <= LEASE_TTL_S + 10, report
-    await asyncio.sleep(0)

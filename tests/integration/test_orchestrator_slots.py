@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -108,7 +109,9 @@ async def test_a_request_state_follows_the_request_and_goes_with_it(
             result = asyncio.create_task(collect(client, "r1"))
             key = names.request_state("r1")
             doc: DurableRequest | None = None
+            deadline = time.monotonic() + 20
             while doc is None or 1 not in doc.submitted:  # stage 1 (slow) is running now
+                assert time.monotonic() < deadline, "stage 1 never submitted"
                 await asyncio.sleep(0.01)
                 blob = await raw.get(key)
                 doc = (
@@ -146,7 +149,9 @@ async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
                 await client.submit(prompt, request_id=rid)
             results = {rid: asyncio.create_task(collect(client, rid)) for rid in prompts}
             index = settings.names.orchestrator_requests(0)
+            deadline = time.monotonic() + 20
             while await raw.scard(index) < len(prompts):
+                assert time.monotonic() < deadline, "not every request was registered"
                 await asyncio.sleep(0.01)
             stop.set()  # every request in flight: stage 1 holds them
             await task

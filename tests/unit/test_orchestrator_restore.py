@@ -3,8 +3,6 @@ sink, and the change hook (SPEC §3 routing unchanged)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
@@ -12,6 +10,7 @@ from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
 from tests.fakes import identity_forward, prefix_wav
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,14 +56,11 @@ async def test_the_sink_and_the_change_hook_see_every_output_and_state_change() 
     orch.on_change = changed
     async with orch:
         await orch.add_request("r1", "p")
-        while not stages[0].submitted:
-            await asyncio.sleep(0.001)
+        await wait_for(lambda: bool(stages[0].submitted))
         stages[0].emit(StageOutput("r1", "a", True))
-        while not stages[1].submitted:
-            await asyncio.sleep(0.001)
+        await wait_for(lambda: bool(stages[1].submitted))
         stages[1].emit(StageOutput("r1", "b", True))
-        while len(seen) < 2:
-            await asyncio.sleep(0.001)
+        await wait_for(lambda: len(seen) >= 2)
     assert seen == [OrchOutput("r1", 0, "a", False), OrchOutput("r1", 1, "b", True)]
     assert changes == [
         ("r1", True, frozenset()),  # registered
