@@ -21,21 +21,17 @@ from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.errors import (
-    CodecError,
-    RequestTimeoutError,
-    StartupTimeoutError,
-    TransportError,
-)
+from omni_runtime.errors import CodecError, RequestTimeoutError, StartupTimeoutError, TransportError
 from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.inbox import Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
-from omni_runtime.redis_io.streams import DeadLetters, entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.streams import DeadLetters, entry_fields, stream_reply
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, tracer_for
@@ -279,20 +275,20 @@ class OmniClient:
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:
-            msg = parse_entry(fields, OrchOutputMsg, self.settings.max_message_bytes)
+            msgs = parse_entries(fields, OrchOutputMsg, self.settings.max_message_bytes)
         except CodecError as e:
             self.metrics.inc("omni_malformed_entries_total", stream=self.out_stream)
             await self._dead.send(self.out_stream, None, entry_id, str(e), fields)
             return
-        error = self.inbox.deliver(msg, asyncio.get_running_loop().time())
-        if error is not None:
-            log.error(
-                "request %r ended by the client: %s",
-                msg.request_id,
-                error,
-                extra={"request_id": msg.request_id},
-            )
-            self._abort_upstream(msg.request_id, error)
+        now = asyncio.get_running_loop().time()
+        for msg in msgs:
+            error = self.inbox.deliver(msg, now)
+            if error is not None:
+                rid = msg.request_id
+                log.error(
+                    "request %r ended by the client: %s", rid, error, extra={"request_id": rid}
+                )
+                self._abort_upstream(rid, error)
 
     def _abort_upstream(self, request_id: str, reason: str) -> None:
         """The client gave up on the request: free the pipeline of its work."""

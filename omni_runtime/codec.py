@@ -27,6 +27,7 @@ import math
 import re
 import struct
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgpack
@@ -100,6 +101,19 @@ def decode(
         raise
     except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+def encode_batch(encoded: Sequence[bytes]) -> bytes:
+    """A msgpack array of messages already encoded one by one: one entry carries several
+    without decoding or encoding them again (an array header, then the bytes as they are)."""
+    n = len(encoded)
+    if n < 16:
+        header = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        header = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + n.to_bytes(4, "big")
+    return header + b"".join(encoded)
 
 
 def encode_model(model: BaseModel) -> bytes:

@@ -190,13 +190,10 @@ class Names:
         """The client name of an orchestrator process's connections (CLIENT SETNAME)."""
         return f"{self.prefix}orch:{token}"
 
-    def orchestrator_requests(self, slot: int) -> str:
-        """A set of the ids of the requests in flight that `slot` owns (durable states)."""
-        return f"{self.prefix}orch:reqs:{slot}"
-
-    def request_state(self, request_id: str) -> str:
-        """A request's durable routing state (msgpack), expiring with its deadline."""
-        return f"{self.prefix}req:{request_id}"
+    def orchestrator_states(self, slot: int) -> str:
+        """A hash: request id → durable routing state (msgpack) of each request in flight
+        that `slot` owns; it expires 60 s after the latest deadline it holds."""
+        return f"{self.prefix}orch:states:{slot}"
 
     @property
     def epoch(self) -> str:

@@ -249,7 +249,7 @@ class OrchestratorService:
 
     async def _worth_taking(self, slot: int) -> bool:
         """A lapsed slot matters if it owns requests or has requests read but not handled."""
-        if await self.client.scard(self.names.orchestrator_requests(slot)):
+        if await self.client.hlen(self.names.orchestrator_states(slot)):
             return True
         pending = await self.client.xpending_range(
             self.names.requests,

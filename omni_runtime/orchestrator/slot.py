@@ -129,7 +129,7 @@ class SlotService:
             metrics=shared.metrics,
             backoff=backoff,
         )
-        self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s)
+        self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of
         """request id → client id, for the requests in flight."""
         self.store = RequestStore(

@@ -1,7 +1,8 @@
 """The format of a control-plane stream entry, and the pure half of reading a stream.
 
 Every entry is exactly one field, `keys.PAYLOAD_FIELD`, holding a msgpack wire
-message that names its `type`. Nothing here does I/O: `streams` wraps it in
+message that names its `type`, or an array of them (a batch: several messages for
+one reader in one entry, see `codec.encode_batch`). Nothing here does I/O: `streams` wraps it in
 readers and the dead-letter path (import from there).
 """
 
@@ -45,15 +46,36 @@ def adapter_of(model: type[M] | TypeAdapter[M]) -> TypeAdapter[M]:
 def parse_entry(
     fields: Mapping[bytes, bytes], model: type[M] | TypeAdapter[M], max_bytes: int
 ) -> M:
-    """Validate one entry into `model`; anything else raises `CodecError` saying why."""
+    """Validate one entry of one message into `model`; else raise `CodecError` saying why."""
+    obj = _payload(fields, max_bytes)
+    if isinstance(obj, list):
+        raise CodecError("expected one message, got a batch")
+    return _validate(obj, adapter_of(model))
+
+
+def parse_entries(
+    fields: Mapping[bytes, bytes], model: type[M] | TypeAdapter[M], max_bytes: int
+) -> list[M]:
+    """Validate an entry of one message or a batch of them; one bad message fails it whole."""
+    obj = _payload(fields, max_bytes)
+    adapter = adapter_of(model)
+    if isinstance(obj, list):
+        return [_validate(one, adapter) for one in obj]
+    return [_validate(obj, adapter)]
+
+
+def _payload(fields: Mapping[bytes, bytes], max_bytes: int) -> Any:
     raw = fields.get(_PAYLOAD)
     if raw is None or len(fields) != 1:
         raise CodecError(f"entry must have exactly the field {keys.PAYLOAD_FIELD!r}")
-    obj = codec.decode(raw, max_bytes=max_bytes)
+    return codec.decode(raw, max_bytes=max_bytes)
+
+
+def _validate(obj: Any, adapter: TypeAdapter[M]) -> M:
     if not isinstance(obj, dict) or "type" not in obj:
         raise CodecError("message must be a map with a 'type' field")
     try:
-        return adapter_of(model).validate_python(obj)
+        return adapter.validate_python(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""

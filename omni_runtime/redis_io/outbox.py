@@ -1,18 +1,21 @@
 """Where the orchestrator process's outputs go: each request's client stream, numbered.
 
 Every output of a request carries the next `seq` (0, 1, 2, …), so the client can
-drop repeats and notice a gap (SPEC §6). Both maps follow the requests in flight:
+drop repeats and notice a gap (SPEC §6). Outputs for one client that leave in the same
+round trip share one stream entry (a batch), up to `max_message_bytes`. Each message
+is encoded from a plain dict, without a model: every field comes from state the
+orchestrator already validated (`OrchOutputMsg` is what the client validates it as). Both maps follow the requests in flight:
 an entry is made when the request is read and dropped with its final output.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import OrchOutputMsg
-from omni_runtime.redis_io.entries import entry_fields
+from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.redis_io.writer import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -21,10 +24,13 @@ log = logging.getLogger(__name__)
 class ClientOutbox:
     """Numbers and writes each `OrchOutput` to the stream of the client that asked."""
 
-    def __init__(self, writer: StreamWriter, names: keys.Names, stream_ttl_s: int) -> None:
+    def __init__(
+        self, writer: StreamWriter, names: keys.Names, stream_ttl_s: int, max_message_bytes: int
+    ) -> None:
         self.writer = writer
         self.names = names
         self.stream_ttl_s = stream_ttl_s
+        self.max_message_bytes = max_message_bytes
         self.client_of: dict[str, str] = {}
         """request id → client id, for the requests in flight."""
         self._seq: dict[str, int] = {}
@@ -53,24 +59,33 @@ class ClientOutbox:
         if client_id is None:
             log.warning("output for %r has no client; dropped", rid, extra={"request_id": rid})
             return
-        msg = OrchOutputMsg(
-            request_id=rid,
-            stage_id=out.stage_id,
-            data=out.data,
-            finished=out.finished,
-            error=out.error,
-            seq=seq,
-        )
-        self._write(client_id, msg)
+        self._write(client_id, rid, out.stage_id, out.data, out.finished, out.error, seq)
 
     def refuse(self, request_id: str, client_id: str, error: str) -> None:
         """Answer a request that will not run with its one error final (seq 0)."""
-        msg = OrchOutputMsg(
-            request_id=request_id, stage_id=0, data=None, finished=True, error=error, seq=0
-        )
-        self._write(client_id, msg)
+        self._write(client_id, request_id, 0, None, True, error, 0)
 
-    def _write(self, client_id: str, msg: OrchOutputMsg) -> None:
+    def _write(
+        self,
+        client_id: str,
+        request_id: str,
+        stage_id: int,
+        data: Any,
+        finished: bool,
+        error: str | None,
+        seq: int,
+    ) -> None:
+        msg = {
+            "v": WIRE_VERSION,
+            "type": "orch_output",
+            "request_id": request_id,
+            "stage_id": stage_id,
+            "data": data,
+            "finished": finished,
+            "error": error,
+            "seq": seq,
+        }
         stream = self.names.client_out(client_id)
-        self.writer.xadd(stream, entry_fields(msg))
+        fields = {keys.PAYLOAD_FIELD: codec.encode(msg)}
+        self.writer.xadd(stream, fields, merge_up_to=self.max_message_bytes)
         self.writer.expire(stream, self.stream_ttl_s)

@@ -1,13 +1,17 @@
-"""Durable request states: one key per request in flight, indexed by its owner's slot.
+"""Durable request states: one hash per orchestrator slot, a field per request in flight.
 
 The orchestrator marks a request dirty whenever its routing state changes; as the
-writer takes its next batch it asks `ops()` for one SET (with a TTL: the time left
-to the deadline plus a grace, so a late takeover still ends it with its error) per
-dirty request, or one DEL for a request that ended. The writer puts those after the
-stream entries they record (stage inputs, client outputs) and before the
-acknowledgements they allow, in the same pipeline: the cost per hop is a few
-commands more in a round trip that was made anyway, and a state never claims what
-Redis does not have. Coalesced: a request changed twice between batches is written once.
+writer takes its next batch it asks `ops()` for one HSET carrying every dirty
+request's state and one HDEL of every request that ended: two commands per batch
+however many requests it touched. The writer puts those after the stream entries
+they record (stage inputs, client outputs) and before the acknowledgements they
+allow, in the same pipeline, so a state never claims what Redis does not have.
+Coalesced: a request changed twice between batches is written once.
+
+Expiry: a state records its deadline; the hash expires 60 s after the latest
+deadline it holds (PEXPIREAT, moved only forward), and a state whose deadline is
+that long past when the slot is loaded is dropped unread, as a key of its own
+with that TTL would have expired.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -24,7 +28,8 @@ from omni_runtime import codec, keys
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import DurableRequest
-from omni_runtime.redis_io.writer import Forget, Op, Put, StreamWriter
+from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, Op
+from omni_runtime.redis_io.writer import StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +55,19 @@ class RequestStore:
         self.writer = writer
         self.names = names
         self.slot = slot
-        self.index = names.orchestrator_requests(slot)
+        self.key = names.orchestrator_states(slot)
         self.describe = describe
         self.enabled = enabled
         self.clock = clock
         self._dirty: dict[str, ReqState | None] = {}
-        self._indexed: set[str] = set()
-        """Requests already named in the index: later writes are one SET each."""
+        self._stored: set[str] = set()
+        """Requests with a field in the hash."""
+        self._expiry_ms = 0
+        """The latest expiry its states need, ms since the epoch (0: none yet)."""
+        self._forever = False
+        """The hash was made persistent: a state in it has no deadline."""
+        self._set = (0, False)
+        """(`_expiry_ms`, `_forever`) as last written: the expiry is written when it moved."""
         if enabled:
             writer.sources.append(self.ops)
 
@@ -64,7 +75,7 @@ class RequestStore:
         return len(self._dirty)
 
     def changed(self, request_id: str, state: ReqState | None) -> None:
-        """`state` None: the request ended (its key goes)."""
+        """`state` None: the request ended (its field goes)."""
         if self.enabled:
             self._dirty[request_id] = state
             self.writer.wake()
@@ -72,63 +83,70 @@ class RequestStore:
     def detach(self) -> None:
         """This slot is given up: nothing more of it is written."""
         self._dirty.clear()
-        self._indexed.clear()
+        self._stored.clear()
         if self.ops in self.writer.sources:
             self.writer.sources.remove(self.ops)
 
     def ops(self) -> list[Op]:
         dirty, self._dirty = self._dirty, {}
-        out: list[Op] = []
+        puts: dict[str, bytes] = {}
+        drops: list[str] = []
         for rid, state in dirty.items():
-            key = self.names.request_state(rid)
             doc = None if state is None else self.describe(rid, state)
             if doc is None:
-                if rid in self._indexed:  # never written (it ended within one batch): no-op
-                    self._indexed.discard(rid)
-                    out.append(Forget(key, self.index, rid))
+                if rid in self._stored:  # else never written (it ended within one batch)
+                    self._stored.discard(rid)
+                    drops.append(rid)
                 continue
-            ttl_ms = None
-            if doc["deadline_at"] is not None:
-                ttl_ms = max(1, int((doc["deadline_at"] - self.clock() + GRACE_S) * 1000))
             try:
-                value = codec.encode(doc)
+                puts[rid] = codec.encode(doc)
             except CodecError as e:  # its data cannot be kept: it still runs, not durably
                 log.error("request state not saved: %s", e, extra={"request_id": rid})
                 continue
-            index = None if rid in self._indexed else self.index
-            self._indexed.add(rid)
-            out.append(Put(key, value, ttl_ms, index, rid))
+            self._stored.add(rid)
+            self._extend(doc["deadline_at"])
+        out: list[Op] = []
+        if puts:
+            out.append(HashPut(self.key, puts))
+        if drops:
+            out.append(HashDrop(self.key, drops))
+        if not self._stored:  # the hash went with its last field, and its expiry with it
+            self._expiry_ms, self._forever, self._set = 0, False, (0, False)
+        elif puts and self._set != (self._expiry_ms, self._forever):
+            self._set = (self._expiry_ms, self._forever)
+            out.append(ExpireAt(self.key, None if self._forever else self._expiry_ms))
         return out
 
+    def _extend(self, deadline_at: float | None) -> None:
+        if deadline_at is None:
+            self._forever = True
+        else:
+            self._expiry_ms = max(self._expiry_ms, int((deadline_at + GRACE_S) * 1000))
+
     async def load(self, client: aioredis.Redis, max_bytes: int) -> list[DurableRequest]:
-        """Every state the slot's index names; entries whose key is gone or unreadable are
-        dropped from the index (a lapsed key: its request's deadline passed long ago)."""
-        members = sorted(
-            m.decode() if isinstance(m, bytes) else str(m)
-            for m in await client.smembers(self.index)
-        )
-        if not members:
-            return []
-        async with client.pipeline(transaction=False) as pipe:
-            for rid in members:
-                pipe.get(self.names.request_state(rid))
-            values = await pipe.execute()
+        """Every state in the slot's hash; unreadable ones and those whose deadline passed
+        more than `GRACE_S` ago are dropped from it."""
+        fields = cast("dict[bytes, bytes]", await client.hgetall(self.key))
         found: list[DurableRequest] = []
         stale: list[str] = []
-        for rid, raw in zip(members, values, strict=True):
-            if raw is None:
-                stale.append(rid)
-                continue
+        now = self.clock()
+        for raw_id, raw in sorted(fields.items()):
+            rid = raw_id.decode()
             try:
                 doc = codec.decode_model(raw, DurableRequest, max_bytes=max_bytes)
             except (CodecError, ValidationError) as e:
                 log.error("unreadable request state dropped: %s", e, extra={"request_id": rid})
                 stale.append(rid)
                 continue
+            if doc.deadline_at is not None and doc.deadline_at + GRACE_S < now:
+                stale.append(rid)
+                continue
             found.append(doc)
-            self._indexed.add(rid)
+            self._stored.add(rid)
+            self._extend(doc.deadline_at)
+        self._set = (self._expiry_ms, self._forever) if found else (0, False)
         if stale:
-            await client.srem(self.index, *stale)
+            await client.hdel(self.key, *stale)
         return found
 
 

@@ -5,6 +5,8 @@ pipeline: one round trip per message would cap a process at a few thousand
 messages per second on loopback. A batch that keeps failing is retried with the
 bounded `Backoff`, then given up, counted and reported (`written()` → False).
 
+The operations and how a batch of them becomes one pipeline: `write_ops`.
+
 An orchestrator adds two things: `sources` give, as a batch is taken, the durable
 request states changed since the last one (written after the entries they follow and
 before the acknowledgements that depend on them), and a `fence` holds every batch
@@ -15,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from redis.typing import EncodableT, FieldT
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.write_ops import (
+    Expire,
+    Op,
+    XAck,
+    XAdd,
+    fill_pipeline,
+)
 from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -34,105 +40,10 @@ DEFAULT_ATTEMPTS = 20
 """Writes always give up at last: a scheduler must never retry forever."""
 
 
-def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
-    """`fields`, unchanged, as the type redis-py's `xadd` declares.
-
-    The stub asks for a `dict[FieldT, EncodableT]`; dict is invariant, so it rejects our
-    `dict[str, ...]` although every str key is a `FieldT` and xadd only reads the items.
-    """
-    return cast("dict[FieldT, EncodableT]", fields)
-
-
-@dataclass(frozen=True, slots=True)
-class XAdd:
-    stream: str
-    fields: dict[str, Any]
-    maxlen: int
-    urgent: bool = False
-    max_age_s: float | None = None
-    """Trim by age instead (MINID): for a broadcast stream no group acknowledges."""
-
-
-@dataclass(frozen=True, slots=True)
-class XAck:
-    stream: str
-    group: str
-    entry_id: bytes
-    delete: bool = False
-    """XDEL the entry right after its XACK: a handled entry is never read again, so it
-    need not stay in memory until MAXLEN trims it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Expire:
-    key: str
-    ttl_s: int
-
-
-@dataclass(frozen=True, slots=True)
-class Put:
-    """SET `key` (PX `ttl_ms`) and SADD `member` to the `index` set (None: it is there)."""
-
-    key: str
-    value: bytes
-    ttl_ms: int | None
-    index: str | None
-    member: str
-
-
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """DEL `key` and SREM `member` from the `index` set."""
-
-    key: str
-    index: str
-    member: str
-
-
-Op = XAdd | XAck | Expire | Put | Forget
-
-
 class Fence(Protocol):
     async def hold(self) -> bool:
         """Wait until writing is safe: True, or False once it never will be again."""
         ...
-
-
-def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
-    """Urgent XADDs first, then the others in order; then one XACK per stream with all its
-    ids (and one XDEL of those to delete) and one EXPIRE per key, after the writes they
-    follow (never an ack before its consequences)."""
-    adds = [op for op in ops if isinstance(op, XAdd)]
-    for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
-        if add.max_age_s is None:
-            pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
-        else:
-            minid = int((time.time() - add.max_age_s) * 1000)
-            pipe.xadd(add.stream, xadd_fields(add.fields), minid=minid, approximate=False)
-    for op in ops:  # states after the entries they record, before the acks they allow
-        if isinstance(op, Put):
-            pipe.set(op.key, op.value, px=op.ttl_ms)
-            if op.index is not None:
-                pipe.sadd(op.index, op.member)
-        elif isinstance(op, Forget):
-            pipe.delete(op.key)
-            pipe.srem(op.index, op.member)
-    acks: dict[tuple[str, str], list[bytes]] = {}
-    deletes: dict[str, list[bytes]] = {}
-    expires: dict[str, int] = {}
-    for op in ops:
-        if isinstance(op, XAck):
-            acks.setdefault((op.stream, op.group), []).append(op.entry_id)
-            if op.delete:
-                deletes.setdefault(op.stream, []).append(op.entry_id)
-        elif isinstance(op, Expire):
-            expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
-    for (stream, group), ids in acks.items():
-        pipe.xack(stream, group, *ids)
-    for stream, ids in deletes.items():
-        pipe.xdel(stream, *ids)
-    for key, ttl_s in expires.items():
-        pipe.expire(key, ttl_s)
 
 
 class StreamWriter:
@@ -179,6 +90,7 @@ class StreamWriter:
         urgent: bool = False,
         trace: tuple[str, int] | None = None,
         max_age_s: float | None = None,
+        merge_up_to: int = 0,
     ) -> None:
         """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
         latency should not wait behind the outputs being delivered to clients. `trace`
@@ -186,7 +98,7 @@ class StreamWriter:
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
         self._urgent_queued |= urgent
-        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s))
+        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s, merge_up_to))
 
     def xack(self, stream: str, group: str, entry_id: bytes, delete: bool = False) -> None:
         """`delete`: also XDEL it (a stream read by one group only)."""

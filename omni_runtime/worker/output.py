@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from omni_runtime import keys
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import Fence
 

@@ -26,7 +26,7 @@ from omni_runtime.messages import OrchOutputMsg, RequestMsg
 from omni_runtime.orchestrator_proc import OrchestratorService
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
 from tests.e2e.serving import ROOT
 from tests.waiting import wait_for, wait_until

@@ -13,7 +13,7 @@ from omni_runtime.core.types import OrchOutput
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

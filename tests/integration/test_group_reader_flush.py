@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.streams import GroupReader, ensure_group, entry_fields
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)

@@ -16,7 +16,7 @@ from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, stream_reply
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for

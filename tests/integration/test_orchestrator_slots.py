@@ -107,13 +107,13 @@ async def test_a_request_state_follows_the_request_and_goes_with_it(
             await client.wait_ready([0, 1, 2], timeout_s=20)
             await client.submit("hi there", request_id="r1")
             result = asyncio.create_task(collect(client, "r1"))
-            key = names.request_state("r1")
+            key = names.orchestrator_states(0)
             doc: DurableRequest | None = None
             deadline = time.monotonic() + 20
             while doc is None or 1 not in doc.submitted:  # stage 1 (slow) is running now
                 assert time.monotonic() < deadline, "stage 1 never submitted"
                 await asyncio.sleep(0.01)
-                blob = await raw.get(key)
+                blob = await raw.hget(key, "r1")
                 doc = (
                     None if blob is None else codec.decode_model(cast(bytes, blob), DurableRequest)
                 )
@@ -122,12 +122,12 @@ async def test_a_request_state_follows_the_request_and_goes_with_it(
             assert doc.out_seq == 2 and doc.stage_seq == {0: 2}  # stage 0's two outputs
             assert doc.stage_data == {}  # stage 0 was forwarded: nothing left to keep
             assert doc.deadline_at is not None
-            assert await raw.smembers(names.orchestrator_requests(0)) == {b"r1"}
+            assert await raw.hkeys(key) == [b"r1"]
+            assert 0 < await raw.pttl(key) <= (doc.deadline_at + 61 - time.time()) * 1000
             assert await result == expected("hi there")
             await wait_for(lambda: service.orchestrator.request_states == {})
             await service.writer.written()
-            assert await raw.get(key) is None
-            assert await raw.exists(names.orchestrator_requests(0)) == 0
+            assert await raw.exists(key) == 0  # the hash went with its last state
         stop.set()
         await task
     await raw.aclose()
@@ -148,9 +148,9 @@ async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
             for rid, prompt in prompts.items():
                 await client.submit(prompt, request_id=rid)
             results = {rid: asyncio.create_task(collect(client, rid)) for rid in prompts}
-            index = settings.names.orchestrator_requests(0)
+            states = settings.names.orchestrator_states(0)
             deadline = time.monotonic() + 20
-            while await raw.scard(index) < len(prompts):
+            while await raw.hlen(states) < len(prompts):
                 assert time.monotonic() < deadline, "not every request was registered"
                 await asyncio.sleep(0.01)
             stop.set()  # every request in flight: stage 1 holds them

@@ -8,10 +8,12 @@ import pytest
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.messages import OrchOutputMsg
+from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.liveness import Absence, StageWatch, StateEpoch
 from omni_runtime.redis_io.outbox import ClientOutbox
-from omni_runtime.redis_io.streams import parse_entry, stream_reply
-from omni_runtime.redis_io.writer import StreamWriter, XAck, fill_pipeline
+from omni_runtime.redis_io.streams import stream_reply
+from omni_runtime.redis_io.write_ops import XAck, fill_pipeline
+from omni_runtime.redis_io.writer import StreamWriter
 
 
 def test_absence_is_gone_only_after_a_whole_ttl_missing() -> None:
@@ -49,7 +51,7 @@ async def test_outbox_numbers_each_requests_outputs_from_0() -> None:
     r = fakeredis.FakeAsyncRedis()
     writer = StreamWriter(r, 1000)
     names = keys.Names("t")
-    box = ClientOutbox(writer, names, 60)
+    box = ClientOutbox(writer, names, 60, 1 << 20)
     box.client_of.update({"a": "c1", "b": "c1"})
     for o in [
         OrchOutput("a", 0, 1, False),
@@ -64,7 +66,10 @@ async def test_outbox_numbers_each_requests_outputs_from_0() -> None:
     await writer._write(writer._ops)
     reply = await r.xread({names.client_out("c1"): "0-0"})
     msgs = [
-        parse_entry(f, OrchOutputMsg, 1 << 20) for _s, es in stream_reply(reply) for _i, f in es
+        msg
+        for _s, es in stream_reply(reply)
+        for _i, f in es
+        for msg in parse_entries(f, OrchOutputMsg, 1 << 20)
     ]
     assert [(m.request_id, m.seq, m.finished) for m in msgs] == [
         ("a", 0, False),

@@ -9,9 +9,20 @@ import fakeredis
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from omni_runtime import codec, keys
+from omni_runtime.errors import CodecError
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.writer import Expire, StreamWriter, XAck, XAdd, fill_pipeline
+from omni_runtime.redis_io.entries import parse_entries, parse_entry
+from omni_runtime.redis_io.write_ops import (
+    BATCH_HEADER_BYTES,
+    Expire,
+    XAck,
+    XAdd,
+    fill_pipeline,
+    merged,
+)
+from omni_runtime.redis_io.writer import StreamWriter
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -105,3 +116,34 @@ async def test_an_add_with_a_max_age_trims_older_entries(fake_server: fakeredis.
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
+
+
+def test_mergeable_adds_share_an_entry_per_stream_in_order_up_to_the_byte_limit() -> None:
+    def out(stream: str, i: int, limit: int = 1 << 20) -> XAdd:
+        msg = {"type": "orch_output", "i": i, "pad": "x" * 40}
+        return XAdd(stream, {keys.PAYLOAD_FIELD: codec.encode(msg)}, 10, merge_up_to=limit)
+
+    plain = XAdd("stage", {keys.PAYLOAD_FIELD: codec.encode({"type": "t"})}, 10)
+    adds = merged([out("a", 0), plain, out("b", 1), out("a", 2), out("a", 3)])
+    assert [a.stream for a in adds] == ["a", "stage", "b"]
+    assert [m["i"] for m in parse_entries(_fields(adds[0]), dict, 1 << 20)] == [0, 2, 3]
+    assert [m["i"] for m in parse_entries(_fields(adds[2]), dict, 1 << 20)] == [1]
+    assert adds[1] is plain
+    one = len(out("c", 0).fields[keys.PAYLOAD_FIELD])
+    limit = 2 * one + BATCH_HEADER_BYTES  # two fit in a batch, the third starts another
+    small = merged([out("c", i, limit) for i in range(5)])
+    sizes = [len(parse_entries(_fields(a), dict, limit)) for a in small]
+    assert sizes == [2, 2, 1]
+    assert all(len(a.fields[keys.PAYLOAD_FIELD]) <= limit for a in small)
+
+
+def test_a_batch_of_messages_is_refused_where_one_message_is_expected() -> None:
+    batch = codec.encode_batch([codec.encode({"type": "x"})] * 2)
+    with pytest.raises(CodecError, match="batch"):
+        parse_entry({keys.PAYLOAD_FIELD.encode(): batch}, dict, 1 << 20)
+    with pytest.raises(CodecError, match="'type'"):
+        parse_entries({keys.PAYLOAD_FIELD.encode(): codec.encode_batch([b"\x01"])}, dict, 99)
+
+
+def _fields(add: XAdd) -> dict[bytes, bytes]:
+    return {k.encode(): v for k, v in add.fields.items()}

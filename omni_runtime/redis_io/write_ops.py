@@ -1,0 +1,153 @@
+"""The writer's typed operations, and how one batch of them becomes one pipeline.
+
+Pure: builds commands on a pipeline it is given, never sends them (`writer` does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis.typing import EncodableT, FieldT
+
+from omni_runtime import codec, keys
+
+PAYLOAD = keys.PAYLOAD_FIELD
+BATCH_HEADER_BYTES = 5
+"""The most a batch adds to its messages' bytes (a msgpack array header)."""
+
+
+def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
+    """`fields`, unchanged, as the type redis-py's `xadd` declares.
+
+    The stub asks for a `dict[FieldT, EncodableT]`; dict is invariant, so it rejects our
+    `dict[str, ...]` although every str key is a `FieldT` and xadd only reads the items.
+    """
+    return cast("dict[FieldT, EncodableT]", fields)
+
+
+@dataclass(frozen=True, slots=True)
+class XAdd:
+    stream: str
+    fields: dict[str, Any]
+    maxlen: int
+    urgent: bool = False
+    max_age_s: float | None = None
+    """Trim by age instead (MINID): for a broadcast stream no group acknowledges."""
+    merge_up_to: int = 0
+    """If > 0: may share one entry (a batch, `codec.encode_batch`) with the next ones of
+    its stream in the same pipeline, up to this many payload bytes. For a stream whose
+    reader takes batches and acknowledges nothing (a client's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class XAck:
+    stream: str
+    group: str
+    entry_id: bytes
+    delete: bool = False
+    """XDEL the entry right after its XACK: a handled entry is never read again, so it
+    need not stay in memory until MAXLEN trims it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    key: str
+    ttl_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class HashPut:
+    """HSET every field of `fields` into hash `key`: many requests' states, one command."""
+
+    key: str
+    fields: dict[str, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class HashDrop:
+    """HDEL `fields` from hash `key` (the hash goes with its last field)."""
+
+    key: str
+    fields: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpireAt:
+    """PEXPIREAT `key` `at_ms`, or PERSIST it when `at_ms` is None."""
+
+    key: str
+    at_ms: int | None
+
+
+Op = XAdd | XAck | Expire | HashPut | HashDrop | ExpireAt
+
+
+def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
+    """Urgent XADDs first, then the others in order; then one XACK per stream with all its
+    ids (and one XDEL of those to delete) and one EXPIRE per key, after the writes they
+    follow (never an ack before its consequences)."""
+    adds = merged([op for op in ops if isinstance(op, XAdd)])
+    for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
+        if add.max_age_s is None:
+            pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
+        else:
+            minid = int((time.time() - add.max_age_s) * 1000)
+            pipe.xadd(add.stream, xadd_fields(add.fields), minid=minid, approximate=False)
+    for op in ops:  # states after the entries they record, before the acks they allow
+        if isinstance(op, HashPut):
+            pipe.hset(op.key, mapping=op.fields)
+        elif isinstance(op, HashDrop):
+            pipe.hdel(op.key, *op.fields)
+        elif isinstance(op, ExpireAt):
+            if op.at_ms is None:
+                pipe.persist(op.key)
+            else:
+                pipe.pexpireat(op.key, op.at_ms)
+    acks: dict[tuple[str, str], list[bytes]] = {}
+    deletes: dict[str, list[bytes]] = {}
+    expires: dict[str, int] = {}
+    for op in ops:
+        if isinstance(op, XAck):
+            acks.setdefault((op.stream, op.group), []).append(op.entry_id)
+            if op.delete:
+                deletes.setdefault(op.stream, []).append(op.entry_id)
+        elif isinstance(op, Expire):
+            expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
+    for (stream, group), ids in acks.items():
+        pipe.xack(stream, group, *ids)
+    for stream, ids in deletes.items():
+        pipe.xdel(stream, *ids)
+    for key, ttl_s in expires.items():
+        pipe.expire(key, ttl_s)
+
+
+def merged(adds: list[XAdd]) -> list[XAdd]:
+    """`adds` with the mergeable entries of each stream gathered into batch entries, in
+    order within their stream, each batch at most `merge_up_to` payload bytes: a client
+    that gets the outputs of many requests costs one XADD per round trip, not one each."""
+    batches: dict[str, list[XAdd]] = {}
+    sizes: dict[str, int] = {}
+    out: list[XAdd | list[XAdd]] = []
+    for add in adds:
+        if not add.merge_up_to:
+            out.append(add)
+            continue
+        size = len(add.fields[PAYLOAD])
+        batch = batches.get(add.stream)
+        if batch is None or sizes[add.stream] + size > add.merge_up_to - BATCH_HEADER_BYTES:
+            batches[add.stream] = batch = []
+            sizes[add.stream] = 0
+            out.append(batch)
+        batch.append(add)
+        sizes[add.stream] += size
+    return [one if isinstance(one, XAdd) else _batch_entry(one) for one in out]
+
+
+def _batch_entry(adds: list[XAdd]) -> XAdd:
+    if len(adds) == 1:
+        return adds[0]
+    first = adds[0]
+    payload = codec.encode_batch([add.fields[PAYLOAD] for add in adds])
+    return XAdd(first.stream, {PAYLOAD: payload}, first.maxlen, first.urgent, first.max_age_s)
