@@ -103,6 +103,10 @@ def decode(
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
 
 
+BATCH_HEADER_BYTES: Final = 5
+"""The most a batch adds to its messages' bytes (a msgpack array header)."""
+
+
 def encode_batch(encoded: Sequence[bytes]) -> bytes:
     """A msgpack array of messages already encoded one by one: one entry carries several
     without decoding or encoding them again (an array header, then the bytes as they are)."""
@@ -114,6 +118,23 @@ def encode_batch(encoded: Sequence[bytes]) -> bytes:
     else:
         header = b"\xdd" + n.to_bytes(4, "big")
     return header + b"".join(encoded)
+
+
+def pack_batches(encoded: Sequence[bytes], max_bytes: int) -> list[bytes]:
+    """Consecutive encoded messages as few payloads as fit in `max_bytes` each, in order:
+    a batch (`encode_batch`) of several, or a lone message as it is."""
+    out: list[bytes] = []
+    group: list[bytes] = []
+    size = 0
+    for one in encoded:
+        if group and size + len(one) > max_bytes - BATCH_HEADER_BYTES:
+            out.append(group[0] if len(group) == 1 else encode_batch(group))
+            group, size = [], 0
+        group.append(one)
+        size += len(one)
+    if group:
+        out.append(group[0] if len(group) == 1 else encode_batch(group))
+    return out
 
 
 def encode_model(model: BaseModel) -> bytes:

@@ -113,9 +113,14 @@ class BacklogCursor:
 
 
 class SortedEntries(Generic[M]):
-    """One batch split into the valid, the malformed (with why) and the trimmed ones."""
+    """One read split into the valid, the malformed (with why) and the trimmed entries.
 
-    def __init__(self, entries: Sequence[Entry], adapter: TypeAdapter[M], max_bytes: int) -> None:
+    `batches`: an entry may carry several messages; each is in `good` with its entry's id.
+    """
+
+    def __init__(
+        self, entries: Sequence[Entry], adapter: TypeAdapter[M], max_bytes: int, batches: bool
+    ) -> None:
         self.good: list[tuple[bytes, M]] = []
         self.bad: list[tuple[bytes, Mapping[bytes, bytes], str]] = []
         self.trimmed: list[bytes] = []
@@ -124,6 +129,10 @@ class SortedEntries(Generic[M]):
                 self.trimmed.append(entry_id)
                 continue
             try:
-                self.good.append((entry_id, parse_entry(fields, adapter, max_bytes)))
+                if batches:
+                    msgs = parse_entries(fields, adapter, max_bytes)
+                    self.good.extend((entry_id, msg) for msg in msgs)
+                else:
+                    self.good.append((entry_id, parse_entry(fields, adapter, max_bytes)))
             except CodecError as e:
                 self.bad.append((entry_id, fields, str(e)))

@@ -2,8 +2,11 @@
 
 `submit` queues an XADD on the stage's input stream through the process's one
 `StreamWriter`; `get_output` reads the stage's output stream with the kit's
-`GroupReader` (backlog first, malformed entries dead-lettered). An entry is
-acknowledged only once the orchestrator handled its output (`output_handled`).
+`GroupReader` (backlog first, malformed entries dead-lettered). An entry may carry
+several outputs (a worker batches each round trip's); it is acknowledged only once
+the orchestrator handled every output in it (`output_handled`). Inputs are encoded
+from plain dicts, without a model: every field is the orchestrator's own (the worker
+validates them as `StageInputMsg`).
 
 One client serves one orchestrator slot: its inputs name the slot as their owner,
 so workers answer on the slot's own output stream, read with the slot's consumer
@@ -19,9 +22,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.core.types import StageFailure, StageOutput
-from omni_runtime.messages import AbortMsg, StageInputMsg, StageOutputMsg
+from omni_runtime.messages import WIRE_VERSION, AbortMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
@@ -110,10 +113,13 @@ class RedisStageClient:
             metrics=self.metrics,
             backoff=backoff,
         )
+        self.reader.batches = True
         self.seq = SeqFilter()
         self.handled_seq: dict[str, int] = {}
         self._entry_of: dict[int, tuple[bytes, str, int]] = {}
         """id(output) → (entry, request, seq), from `get_output` to `output_handled`."""
+        self._unhandled: dict[bytes, int] = {}
+        """entry → its outputs not handled yet: acknowledged when none is left."""
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -130,14 +136,16 @@ class RedisStageClient:
         if self.tracer is not None:
             self.tracer.stamp("input_submitted", request_id, self.stage_id)
         trace = request_id in self.traced
-        msg = StageInputMsg(
-            request_id=request_id,
-            data=data,
-            streaming=self.streaming,
-            trace=trace,
-            owner=self.slot,
-        )
-        fields = entry_fields(msg)  # bad data raises here
+        msg = {
+            "v": WIRE_VERSION,
+            "type": "stage_input",
+            "request_id": request_id,
+            "trace": trace,
+            "data": data,
+            "streaming": self.streaming,
+            "owner": self.slot,
+        }
+        fields = {keys.PAYLOAD_FIELD: codec.encode(msg)}  # bad data raises here
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 
     async def abort(self, request_id: str) -> None:
@@ -194,15 +202,21 @@ class RedisStageClient:
         entry_id, rid, seq = entry
         if rid in self.seq:  # still live (an ended request forgot its seqs)
             self.handled_seq[rid] = max(seq + 1, self.handled_seq.get(rid, 0))
-        self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
+        left = self._unhandled.pop(entry_id, 1) - 1
+        if left > 0:
+            self._unhandled[entry_id] = left
+        else:
+            self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
     def _accept(self, batch: list[tuple[bytes, StageOutputMsg]]) -> list[StageOutput]:
         outputs: list[StageOutput] = []
+        taken: dict[bytes, int] = {}  # entry → its outputs accepted now (repeats are not)
         for entry_id, msg in batch:
+            taken.setdefault(entry_id, 0)
             if not self.seq.accept(msg):
                 self.metrics.inc("omni_duplicate_outputs_total", stage=self.stage_id)
-                self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
                 continue
+            taken[entry_id] += 1
             data = (
                 StageFailure(f"stage {self.stage_id} failed: {msg.error}")
                 if msg.error
@@ -213,4 +227,9 @@ class RedisStageClient:
             outputs.append(out)
             if self.tracer is not None:
                 self.tracer.stamp("output_read", msg.request_id, self.stage_id, self.reader.read_ns)
+        for entry_id, n in taken.items():
+            if n:
+                self._unhandled[entry_id] = self._unhandled.get(entry_id, 0) + n
+            else:  # nothing in it to handle: done with now
+                self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
         return outputs

@@ -125,6 +125,8 @@ class _ReaderBase(Generic[M]):
         self.metrics = metrics or Metrics()
         self.cursor = BacklogCursor(backlog_first)
         self.read_ns = 0
+        self.batches = False
+        """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
         self._adapter = adapter_of(model)
         self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
 
@@ -145,7 +147,7 @@ class _ReaderBase(Generic[M]):
         return entries
 
     def _sort(self, entries: Sequence[Entry]) -> SortedEntries[M]:
-        batch = SortedEntries(entries, self._adapter, self.max_bytes)
+        batch = SortedEntries(entries, self._adapter, self.max_bytes, self.batches)
         if batch.bad:
             self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
         return batch

@@ -6,7 +6,7 @@ Pure: builds commands on a pipeline it is given, never sends them (`writer` does
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from redis.typing import EncodableT, FieldT
@@ -14,8 +14,6 @@ from redis.typing import EncodableT, FieldT
 from omni_runtime import codec, keys
 
 PAYLOAD = keys.PAYLOAD_FIELD
-BATCH_HEADER_BYTES = 5
-"""The most a batch adds to its messages' bytes (a msgpack array header)."""
 
 
 def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
@@ -124,30 +122,27 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
 
 
 def merged(adds: list[XAdd]) -> list[XAdd]:
-    """`adds` with the mergeable entries of each stream gathered into batch entries, in
-    order within their stream, each batch at most `merge_up_to` payload bytes: a client
-    that gets the outputs of many requests costs one XADD per round trip, not one each."""
-    batches: dict[str, list[XAdd]] = {}
-    sizes: dict[str, int] = {}
-    out: list[XAdd | list[XAdd]] = []
+    """`adds` with each stream's mergeable entries gathered into batch entries, in order,
+    each at most `merge_up_to` payload bytes, where the stream's first one was: a client
+    that gets the outputs of many requests costs one XADD per round trip, not one each.
+    (A stream's entries are either all mergeable or none.)"""
+    order: list[XAdd | str] = []
+    mergeable: dict[str, list[XAdd]] = {}
     for add in adds:
         if not add.merge_up_to:
-            out.append(add)
+            order.append(add)
+        elif add.stream in mergeable:
+            mergeable[add.stream].append(add)
+        else:
+            mergeable[add.stream] = [add]
+            order.append(add.stream)
+    out: list[XAdd] = []
+    for item in order:
+        if isinstance(item, XAdd):
+            out.append(item)
             continue
-        size = len(add.fields[PAYLOAD])
-        batch = batches.get(add.stream)
-        if batch is None or sizes[add.stream] + size > add.merge_up_to - BATCH_HEADER_BYTES:
-            batches[add.stream] = batch = []
-            sizes[add.stream] = 0
-            out.append(batch)
-        batch.append(add)
-        sizes[add.stream] += size
-    return [one if isinstance(one, XAdd) else _batch_entry(one) for one in out]
-
-
-def _batch_entry(adds: list[XAdd]) -> XAdd:
-    if len(adds) == 1:
-        return adds[0]
-    first = adds[0]
-    payload = codec.encode_batch([add.fields[PAYLOAD] for add in adds])
-    return XAdd(first.stream, {PAYLOAD: payload}, first.maxlen, first.urgent, first.max_age_s)
+        group = mergeable[item]
+        first = group[0]
+        payloads = codec.pack_batches([add.fields[PAYLOAD] for add in group], first.merge_up_to)
+        out.extend(replace(first, fields={PAYLOAD: p}, merge_up_to=0) for p in payloads)
+    return out

@@ -8,7 +8,9 @@ later outputs of those requests are skipped until their error output comes throu
 (a request must never end "successfully" with a chunk missing).
 
 Each request's outputs go to the output stream of the orchestrator slot that owns it
-(`StageInputMsg.owner`, recorded by `route` as its input is handed to the core).
+(`StageInputMsg.owner`, recorded by `route` as its input is handed to the core). The
+outputs of one round trip for one stream share entries (`codec.pack_batches`, up to
+`max_batch_bytes` each): one XADD per stream and round trip, however many requests.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.write_ops import xadd_fields
@@ -53,8 +55,11 @@ class OutputThread:
         metrics: Metrics,
         fence: Fence | None = None,
         slot_stream: Callable[[int], str] | None = None,
+        max_batch_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.client = client
+        self.max_batch_bytes = max_batch_bytes
+        """What the orchestrator accepts in one entry (`Settings.max_message_bytes`)."""
         self.fence = fence
         self.out_stream = out_stream
         self.slot_stream = slot_stream or (lambda _slot: out_stream)
@@ -183,12 +188,19 @@ class OutputThread:
 
     def _write(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
         policy = self.backoff()
+        by_stream: dict[str, list[bytes]] = {}
+        for out in outputs:
+            by_stream.setdefault(self._stream_of(out), []).append(out.payload)
+        entries = [
+            (stream, payload)
+            for stream, payloads in by_stream.items()
+            for payload in codec.pack_batches(payloads, self.max_batch_bytes)
+        ]
         while True:
             try:
                 with self.client.pipeline(transaction=False) as pipe:
-                    for out in outputs:
-                        fields = xadd_fields({keys.PAYLOAD_FIELD: out.payload})
-                        stream = self._stream_of(out)
+                    for stream, payload in entries:
+                        fields = xadd_fields({keys.PAYLOAD_FIELD: payload})
                         pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
                     ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
                     if ack_ids:  # handled: acknowledged and deleted, so memory comes back

@@ -104,8 +104,7 @@ class StageWorker:
             reports_outputs=not self.sends_chunks or stage_id in pipeline.final_stage_ids,
         )
         self._connector: RedisConnector | None = None
-        self.adapter: ChunkAdapter | None = None
-        """Streaming mode only; built in `run` (its threads start with it)."""
+        self.adapter: ChunkAdapter | None = None  # streaming only: built (and started) in `run`
         reader = functools.partial(
             SyncGroupReader[StageInputMsg],
             self._client,
@@ -160,6 +159,7 @@ class StageWorker:
             metrics=self.metrics,
             fence=self._guard.fence,
             slot_stream=functools.partial(self.names.stage_out, stage_id),
+            max_batch_bytes=s.max_message_bytes,
         )
 
     def run(self) -> None:

@@ -194,6 +194,31 @@ async def test_repeated_seq_is_dropped_even_after_finished(redis_harness: RedisH
     assert len(harness.stage.seq) == 0  # memory follows live requests
 
 
+async def test_an_entry_of_several_outputs_is_acknowledged_when_all_were_handled(
+    redis_harness: RedisHarness,
+) -> None:
+    harness = redis_harness
+    msgs = [
+        StageOutputMsg(request_id="r1", data="a", finished=False, seq=0),
+        StageOutputMsg(request_id="r2", data="x", finished=True, seq=0),
+        StageOutputMsg(request_id="r1", data="b", finished=True, seq=1),
+    ]
+    batch = codec.encode_batch([codec.encode_model(m) for m in msgs])
+    await harness.client.xadd(NAMES.stage_out(SID), {keys.PAYLOAD_FIELD: batch})
+    await harness.emit("r1", "a", seq=0)  # a repeat, alone in its entry: done with at once
+    got = await outputs(harness, 3)
+    assert triples(got) == [("r1", "a", False), ("r2", "x", True), ("r1", "b", True)]
+    await harness.writer.flushed()
+    assert await harness.unacked() == 1
+    for out in got[:2]:
+        harness.stage.output_handled(out)
+        await harness.writer.flushed()
+        assert await harness.unacked() == 1  # one output of the entry is still in flight
+    harness.stage.output_handled(got[2])
+    await harness.writer.flushed()
+    assert await harness.unacked() == 0
+
+
 async def test_error_output_passes_whatever_its_seq(redis_harness: RedisHarness) -> None:
     harness = redis_harness
     await harness.emit("r1", "a", seq=0)

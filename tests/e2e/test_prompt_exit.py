@@ -25,7 +25,7 @@ from omni_runtime.launcher import child_env
 from omni_runtime.messages import OrchOutputMsg, RequestMsg
 from omni_runtime.orchestrator_proc import OrchestratorService
 from omni_runtime.pipeline import load_pipeline
-from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
+from omni_runtime.redis_io.entries import entry_fields, parse_entries, stream_reply
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
 from tests.e2e.serving import ROOT
@@ -156,7 +156,7 @@ async def test_a_request_whose_read_was_cut_short_is_served_after_a_restart(
         for _stream, entries in stream_reply(reply):
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                outputs.append(parse_entry(fields, OrchOutputMsg, s.max_message_bytes))
+                outputs.extend(parse_entries(fields, OrchOutputMsg, s.max_message_bytes))
     assert [o.request_id for o in outputs] == ["cut-short"] * len(outputs)
     assert all(o.error is None for o in outputs), outputs
     by_stage = {k: [o.data for o in outputs if o.stage_id == k] for k in (0, 2)}

@@ -15,7 +15,6 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
 from omni_runtime.redis_io.write_ops import (
-    BATCH_HEADER_BYTES,
     Expire,
     XAck,
     XAdd,
@@ -130,7 +129,7 @@ def test_mergeable_adds_share_an_entry_per_stream_in_order_up_to_the_byte_limit(
     assert [m["i"] for m in parse_entries(_fields(adds[2]), dict, 1 << 20)] == [1]
     assert adds[1] is plain
     one = len(out("c", 0).fields[keys.PAYLOAD_FIELD])
-    limit = 2 * one + BATCH_HEADER_BYTES  # two fit in a batch, the third starts another
+    limit = 2 * one + codec.BATCH_HEADER_BYTES  # two fit in a batch, the third starts another
     small = merged([out("c", i, limit) for i in range(5)])
     sizes = [len(parse_entries(_fields(a), dict, limit)) for a in small]
     assert sizes == [2, 2, 1]

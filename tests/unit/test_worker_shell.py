@@ -12,6 +12,7 @@ import redis
 from omni_runtime import codec, keys
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
 from omni_runtime.worker.actions import Input, Outgoing
@@ -48,8 +49,9 @@ class FlakyPipe:
         pass
 
     def xadd(self, stream: str, fields: dict[str, bytes], **_kw: Any) -> None:
-        msg = codec.decode_model(fields[keys.PAYLOAD_FIELD], StageOutputMsg)
-        self.ops.append(("xadd", (msg.request_id, msg.seq, msg.error)))
+        entry = {k.encode(): v for k, v in fields.items()}
+        for msg in parse_entries(entry, StageOutputMsg, 1 << 20):  # one round trip's batch
+            self.ops.append(("xadd", (msg.request_id, msg.seq, msg.error)))
 
     def xack(self, stream: str, group: str, *ids: bytes) -> None:
         self.ops.extend(("xack", i) for i in ids)
