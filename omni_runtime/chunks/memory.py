@@ -13,8 +13,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from omni_runtime import keys
-from omni_runtime.chunks.transport import Fetched, PutItem
+from omni_runtime.chunks.transport import Fetched, PutItem, route_and_id
 
 
 class _Store:
@@ -42,7 +41,7 @@ class MemoryConnector:
         self._store: _Store = share._store if share is not None else _Store()
         self._cv = threading.Condition()
         self._subscribed: set[str] = set()
-        self._woken: set[str] = set()
+        self._woken: dict[str, int] = {}
         self._kicked = False
         with self._store.lock:
             self._store.views.append(self)
@@ -82,13 +81,14 @@ class MemoryConnector:
     def unsubscribe(self, route_ids: Sequence[str]) -> None:
         with self._cv:
             self._subscribed.difference_update(route_ids)
-            self._woken.difference_update(route_ids)
+            for route_id in route_ids:
+                self._woken.pop(route_id, None)
 
-    def wait_for_puts(self, timeout_s: float) -> set[str]:
+    def wait_for_puts(self, timeout_s: float) -> dict[str, int]:
         with self._cv:
             if not self._woken and not self._kicked and timeout_s > 0:
                 self._cv.wait(timeout_s)
-            woken, self._woken, self._kicked = self._woken, set(), False
+            woken, self._woken, self._kicked = self._woken, {}, False
         return woken
 
     def wake(self) -> None:
@@ -120,14 +120,17 @@ class MemoryConnector:
                 self._store.values[key] = obj
                 self._store.puts.append(key)
             views = list(self._store.views)
-        routes = {keys.route_of_chunk_key(key) for key, _obj in items}
+        put = [route_and_id(key) for key, _obj in items]
         for view in views:
-            view._seen(routes)
+            view._seen(put)
 
-    def _seen(self, route_ids: Iterable[str]) -> None:
+    def _seen(self, put: Iterable[tuple[str, int]]) -> None:
         """A put on the store (any view, any thread): wake our wait if we listen."""
         with self._cv:
-            hit = self._subscribed.intersection(route_ids)
+            hit = False
+            for route_id, chunk_id in put:
+                if route_id in self._subscribed:
+                    self._woken[route_id] = max(chunk_id, self._woken.get(route_id, -1))
+                    hit = True
             if hit:
-                self._woken |= hit
                 self._cv.notify_all()

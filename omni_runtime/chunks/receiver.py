@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from omni_runtime import keys
 from omni_runtime.chunks.transport import ChunkTransport
-from omni_runtime.core.chunk_book import Chunk, Poll, RecvBook
+from omni_runtime.core.chunk_book import Chunk
+from omni_runtime.core.recv_book import Poll, RecvBook
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 
@@ -161,12 +162,12 @@ class ChunkReceiver:
     def _wait(self, timeout_s: float) -> None:
         self._woken(self.transport.wait_for_puts(timeout_s))
 
-    def _woken(self, route_ids: set[str]) -> None:
-        rids = set()
-        for route in route_ids:
+    def _woken(self, reported: dict[str, int]) -> None:
+        rids = {}
+        for route, upto in reported.items():
             rid, stage = keys.split_route_id(route)
             if stage == self.src_stage_id:
-                rids.add(rid)
+                rids[rid] = upto
         if rids:
             with self._cv:
                 self._book.woken(rids)
@@ -215,20 +216,13 @@ class ChunkReceiver:
                 keys.chunk_key(rid, src, chunk_id),
                 extra={"request_id": rid},
             )
-        if done.received:
-            self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
-            if self.on_ready is not None:
-                self.on_ready()
-                time.sleep(0)  # let the woken scheduler take the GIL before the next round
-        elif self.transport.signals_puts:
+        if not done.received:
+            if not self.transport.signals_puts:
+                self.transport.wait_for_puts(NO_PROGRESS_SLEEP_S)
             return
-        else:
-            self.transport.wait_for_puts(NO_PROGRESS_SLEEP_S)
-            return
-        with self._cv:
-            parked = self._book.has_parked()
-        if self.transport.signals_puts and parked:
-            self._woken(self.transport.wait_for_puts(0.0))
+        self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
+        if self.on_ready is not None:
+            self.on_ready()
 
     def _sweep(self, request_id: str, first: int) -> None:
         """Delete a discarded request's unread chunks, page by page while pages are full."""

@@ -13,11 +13,9 @@ GETDELs and UNLINKs beside the LPOP of the wake-ups (see docs/cluster.md).
 
 The tricks stay inside: read-ahead in one MGET, wake-ups on a notify list with
 small values inline (`redis_wakeups`), a route cache, deletes of inline-served
-keys riding the next round trip.
-
-Errors: Redis failures raise `TransportError` (puts retry first, with the
-`Backoff` given); a value that fails to decode or exceeds `max_bytes` is a
-`MalformedChunk` in `fetch` and a `CodecError` in `get`.
+keys riding the next round trip. Errors: Redis failures raise `TransportError`
+(puts retry first, with the `Backoff` given); a value that fails to decode or
+exceeds `max_bytes` is a `MalformedChunk` in `fetch` and a `CodecError` in `get`.
 """
 
 from __future__ import annotations
@@ -171,8 +169,7 @@ class RedisConnector:
                     replies = pipe.execute()
             except RedisError as e:
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
-            for name in owed:
-                self._inbox.unlink.pop(name, None)
+            self._inbox.paid(owed)
             fetched = replies[-1 - len(missing) : -1] if self._cluster else replies[-3]
             raws.update(zip(missing, fetched, strict=True))
             self._inbox.read(n for n, raw in zip(missing, fetched, strict=True) if raw is not None)
@@ -213,31 +210,34 @@ class RedisConnector:
         except RedisError as e:
             raise TransportError(f"unsubscribing {len(route_ids)} route(s) failed: {e}") from e
 
-    def wait_for_puts(self, timeout_s: float) -> set[str]:
-        """Read the notify list, waiting up to `timeout_s`. A zero wait costs no round trip
-        when `fetch` just read the list or the BLPOP in flight can be polled; deletes owed
-        are sent when there is time to wait, or once `OWED_MAX` piled up."""
+    def wait_for_puts(self, timeout_s: float) -> dict[str, int]:
+        """Read the notify list, waiting up to `timeout_s`: no round trip for a zero wait
+        when `fetch` just read the list or the BLPOP in flight can be polled. Owed deletes
+        ride the packet that starts a BLPOP (alone on a cluster, or past `OWED_MAX`)."""
         fresh, self._fresh = self._fresh, False
         if self._inbox.woken:
             return self._inbox.take_woken()
         owed = list(self._inbox.unlink)
         if timeout_s <= 0 and len(owed) < OWED_MAX:
             if fresh:
-                return set()
-            owed = []
+                return {}
+            owed = [] if self._cluster else owed
         try:
-            if owed:
+            if owed and (self._cluster or len(owed) >= OWED_MAX):
                 self.client.unlink(*owed)
+                self._inbox.paid(owed)
+                owed = []
             end = time.monotonic() + timeout_s
             while True:
-                elements, kicked = self._waiter.wait(max(0.0, end - time.monotonic()))
+                elements, kicked, sent = self._waiter.wait(max(0.0, end - time.monotonic()), owed)
+                if sent:
+                    self._inbox.paid(owed)
+                    owed = []
                 self._inbox.take(elements)
                 if self._inbox.woken or kicked or time.monotonic() >= end:
                     break
         except RedisError as e:
             raise TransportError(f"waiting for chunk wake-ups failed: {e}") from e
-        for name in owed:
-            self._inbox.unlink.pop(name, None)
         return self._inbox.take_woken()
 
     def wake(self) -> None:

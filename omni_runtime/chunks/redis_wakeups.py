@@ -24,6 +24,7 @@ from redis.client import Pipeline
 from redis.connection import Connection, ConnectionPool
 
 from omni_runtime import keys
+from omni_runtime.chunks.transport import route_and_id
 from omni_runtime.redis_io.clients import pool_for_key
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ class WakeupInbox:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.woken: set[str] = set()
+        self.woken: dict[str, int] = {}
+        """Routes with puts reported since last taken, and the highest chunk id of each."""
         self._inline: dict[str, bytes] = {}
         self._read: dict[str, None] = {}
         """Keys read from Redis lately (bounded): a wake-up arriving after them is stale."""
@@ -138,13 +140,14 @@ class WakeupInbox:
             key, value = _parse_wakeup(element)
             if key is None:
                 continue
-            self.woken.add(keys.route_of_chunk_key(key))
             name = keys.stored_chunk_key(key, self.prefix)
             if name in self.unlink:  # put again since we served it: keep the new value
                 del self.unlink[name]
             elif name in self._read:  # the wake-up of a value already read: stale
                 del self._read[name]
                 continue
+            route, chunk_id = route_and_id(key)
+            self.woken[route] = max(chunk_id, self.woken.get(route, -1))
             if value:
                 self._inline[name] = value
                 if len(self._inline) > MAX_HELD:
@@ -164,8 +167,13 @@ class WakeupInbox:
         while len(self._read) > MAX_HELD:
             self._read.pop(next(iter(self._read)))
 
-    def take_woken(self) -> set[str]:
-        woken, self.woken = self.woken, set()
+    def paid(self, names: Iterable[str]) -> None:
+        """These owed deletes were sent."""
+        for name in names:
+            self.unlink.pop(name, None)
+
+    def take_woken(self) -> dict[str, int]:
+        woken, self.woken = self.woken, {}
         return woken
 
 
@@ -189,6 +197,8 @@ class NotifyWaiter:
         """The pool of the server holding the notify list (a cluster node's, on a cluster)."""
         self._sock: socket.socket | None = None
         self._in_flight = False
+        self._skip = 0
+        """Replies ahead of the BLPOP's still to be read (the UNLINK sent with it)."""
 
     def kick(self) -> None:
         self._kicked.set()  # before looking at the pair: `wait` checks it after making one
@@ -197,18 +207,23 @@ class NotifyWaiter:
             with contextlib.suppress(OSError):  # full or closed: a kick is pending anyway
                 pair[1].send(b"\0")
 
-    def wait(self, timeout_s: float) -> tuple[list[bytes], bool]:
-        """(wake-up elements, kicked); raises `RedisError` (the connection is dropped)."""
+    def wait(self, timeout_s: float, unlink: Sequence[str] = ()) -> tuple[list[bytes], bool, bool]:
+        """(wake-up elements, kicked, whether `unlink` was sent): the keys are deleted in the
+        packet that starts a new BLPOP, if one starts; raises `RedisError` (the connection
+        is dropped)."""
+        sent = False
         try:
             conn = self._connection()
             if conn is None:
-                return self._slice(0.0 if self._kicked.is_set() else timeout_s), self._drain()
+                timeout_s = 0.0 if self._kicked.is_set() else timeout_s
+                return self._slice(timeout_s, unlink), self._drain(), bool(unlink)
             if not self._in_flight:
                 blpop = ("BLPOP", self.notify_key, BLOCK_S)
                 lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
-                packed = conn.pack_commands([blpop, lpop])  # type: ignore[no-untyped-call]
+                cmds = [("UNLINK", *unlink), blpop, lpop] if unlink else [blpop, lpop]
+                packed = conn.pack_commands(cmds)  # type: ignore[no-untyped-call]
                 conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
-                self._in_flight = True
+                self._in_flight, self._skip, sent = True, int(bool(unlink)), bool(unlink)
             if self._pair is None:
                 self._pair = socket.socketpair()
                 for end in self._pair:
@@ -216,14 +231,17 @@ class NotifyWaiter:
             sock = self._sock
             if sock is not None and not self._kicked.is_set() and not conn.can_read(timeout=0):
                 select.select([sock, self._pair[0]], [], [], timeout_s)
-            if not conn.can_read(timeout=0):
-                return [], self._drain()
+            while self._skip and conn.can_read(timeout=0):  # the UNLINK's reply comes first
+                conn.read_response()
+                self._skip -= 1
+            if self._skip or not conn.can_read(timeout=0):
+                return [], self._drain(), sent
             popped, rest = conn.read_response(), conn.read_response()
             self._in_flight = False
         except redis.RedisError:
             self._drop()
             raise
-        return [*([popped[1]] if popped else []), *(rest or [])], self._drain()
+        return [*([popped[1]] if popped else []), *(rest or [])], self._drain(), sent
 
     def close(self) -> None:
         self._drop()
@@ -243,8 +261,10 @@ class NotifyWaiter:
             self._conn, self._sock = conn, sock
         return self._conn
 
-    def _slice(self, timeout_s: float) -> list[bytes]:
+    def _slice(self, timeout_s: float, unlink: Sequence[str]) -> list[bytes]:
         with self.client.pipeline(transaction=False) as pipe:
+            if unlink:
+                pipe.unlink(*unlink)
             if timeout_s > 0:
                 pipe.blpop([self.notify_key], timeout=min(timeout_s, SLICE_S))
             pipe.lpop(self.notify_key, WAKEUP_BATCH)
@@ -266,4 +286,4 @@ class NotifyWaiter:
             self._conn.disconnect()  # type: ignore[no-untyped-call]
             if self._pool is not None:
                 self._pool.release(self._conn)
-            self._conn, self._in_flight = None, False
+            self._conn, self._in_flight, self._skip = None, False, 0

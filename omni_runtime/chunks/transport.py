@@ -23,12 +23,19 @@ __all__ = [
     "MalformedChunk",
     "PollingTransport",
     "PutItem",
+    "route_and_id",
 ]
 
 PutItem = tuple[str, Any, bool]
 """(key, value, last of its route): a transport may forget a route after its last put."""
 Fetched = Any
 """A value read, `None` (not there yet), or a `MalformedChunk` (read, consumed, unusable)."""
+
+
+def route_and_id(key: str) -> tuple[str, int]:
+    """`<req>_<stage>_<id>` → (`<req>_<stage>`, id); a key without a numeric id reports -1."""
+    route, _, chunk_id = key.rpartition("_")
+    return route, int(chunk_id) if chunk_id.isdigit() else -1
 
 
 class ChunkRejected(Exception):
@@ -67,8 +74,9 @@ class ChunkTransport(Protocol):
 
     def unsubscribe(self, route_ids: Sequence[str]) -> None: ...
 
-    def wait_for_puts(self, timeout_s: float) -> set[str]:
-        """Block up to `timeout_s` (or until `wake`) for puts; the routes put since last time."""
+    def wait_for_puts(self, timeout_s: float) -> dict[str, int]:
+        """Block up to `timeout_s` (or until `wake`) for puts; the routes put since last
+        time, each with the highest chunk id put (so the reader reads up to it, no further)."""
         ...
 
     def wake(self) -> None:
@@ -106,10 +114,10 @@ class PollingTransport:
     def unsubscribe(self, route_ids: Sequence[str]) -> None:
         """See `subscribe`."""
 
-    def wait_for_puts(self, timeout_s: float) -> set[str]:
+    def wait_for_puts(self, timeout_s: float) -> dict[str, int]:
         if self._kick.wait(timeout_s):
             self._kick.clear()
-        return set()
+        return {}
 
     def wake(self) -> None:
         self._kick.set()

@@ -76,7 +76,7 @@ class Recording:
     def unsubscribe(self, route_ids: Sequence[str]) -> None:
         self.inner.unsubscribe(route_ids)
 
-    def wait_for_puts(self, timeout_s: float) -> set[str]:
+    def wait_for_puts(self, timeout_s: float) -> dict[str, int]:
         return self.inner.wait_for_puts(timeout_s)
 
     def wake(self) -> None:

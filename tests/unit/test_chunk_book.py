@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_runtime.core.chunk_book import Poll, RecvBook, SendBook, Staged
+from omni_runtime.core.chunk_book import SendBook, Staged
+from omni_runtime.core.recv_book import Poll, RecvBook
 
 
 def put_all(book: SendBook, ok: bool = True) -> list[tuple[str, int, Any]]:
@@ -119,10 +120,43 @@ def test_recv_commits_in_order_reads_ahead_when_hot_and_parks_when_idle() -> Non
     batch = recv_round(book, {("r", 1): chunk, ("r", 2): chunk})
     assert [(p.next_id, p.depth) for p in batch] == [(1, 4)]  # hot: read ahead
     assert book.take_ready() == {"r": [chunk] * 3}
+    assert book.take_round() == [] and book.has_parked()  # the row ended: nothing more yet
+    book.woken({"r": 3, "unknown": 5})
+    assert [(p.next_id, p.depth, p.reported) for p in book.take_round()] == [(3, 1, True)]
+
+
+def test_recv_reads_exactly_what_was_reported_then_parks() -> None:
+    book = RecvBook(read_ahead=8, parks=True)
+    book.register("r")
+    chunk = {"data": 0, "finished": False}
     recv_round(book, {})
+    assert book.has_parked()
+    book.woken({"r": 1})
+    batch = recv_round(book, {("r", 0): chunk, ("r", 1): chunk})
+    assert [(p.next_id, p.depth) for p in batch] == [(0, 2)]
+    assert book.take_round() == [] and book.has_parked()  # no read past what was reported
+    book.woken({"r": 0})  # a stale report: already read
+    assert book.take_round() == []
+    book.woken({"r": 2})
+    batch = book.take_round()
+    book.woken({"r": 3})  # reported while the read was under way
+    book.commit(batch, [chunk])
+    assert [(p.next_id, p.depth) for p in book.take_round()] == [(3, 1)]
+    assert book.take_ready() == {"r": [chunk] * 3}
+
+
+def test_recv_a_reported_chunk_that_is_not_there_parks_and_the_sweep_reads_ahead() -> None:
+    book = RecvBook(read_ahead=4, parks=True)
+    book.register("r")
+    recv_round(book, {})
+    book.woken({"r": 0})
+    recv_round(book, {})  # reported, yet absent (expired, deleted): no polling in a loop
     assert book.take_round() == [] and book.has_parked()
-    book.woken({"r", "unknown"})
-    assert [p.next_id for p in book.take_round()] == [3]
+    chunk = {"data": 0, "finished": False}
+    book.unpark_all()  # the safety net reads as a backlog: one id, then a full row ahead
+    assert [p.depth for p in recv_round(book, {("r", 0): chunk})] == [1]
+    assert [(p.next_id, p.depth) for p in recv_round(book, {})] == [(1, 4)]
+    assert book.take_round() == []
 
 
 def test_recv_token_check_makes_cleanup_a_barrier() -> None:
