@@ -25,6 +25,7 @@ from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, s
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
 from omni_runtime.worker.actions import Input
+from omni_runtime.worker.unblock import OwnConnection
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ IDLE_READ_BLOCK_MS = 250
 idle worker wakes (CPU) and how long a stopping thread may take to notice."""
 SLOT_WAIT_S = 0.1
 """With no free slot, the input thread re-checks its stop flag this often."""
+UNBLOCK_EVERY_S = 0.05
+"""While joining a reading thread, its read is ended again this often (until it is out)."""
 
 T = TypeVar("T")
 
@@ -94,21 +97,30 @@ class Slots:
 
 
 class _Loop:
-    """A daemon thread running `_run` until `request_stop()`."""
+    """A daemon thread running `_run` until `request_stop()`; a reading one blocks on its
+    own connection (`own`), whose read `request_stop` and `join` end."""
 
     def __init__(self, name: str, stop: threading.Event | None = None) -> None:
         self._stop = stop or threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.own: OwnConnection | None = None
 
     def start(self) -> None:
         self._thread.start()
 
     def request_stop(self) -> None:
         self._stop.set()
+        if self.own is not None:
+            self.own.unblock()
 
     def join(self, timeout_s: float) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        end = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < end:
+            if self.own is not None:  # again: a read may have begun just after the last
+                self.own.unblock()
+            self._thread.join(min(UNBLOCK_EVERY_S, max(0.0, end - time.monotonic())))
+        if self.own is not None and not self._thread.is_alive():
+            self.own.close()
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -142,18 +154,24 @@ class InputThread(_Loop):
         self.tracer = tracer
         self.on_demand: Tracer | None = None
 
+    def start(self) -> None:
+        self.own = OwnConnection(self.reader.client, "input-reader")
+        self.reader.client = self.own.client  # this thread alone reads and acks with it
+        super().start()
+
     def request_stop(self) -> None:
         super().request_stop()
         self.slots.give_back(0)
 
     def _run(self) -> None:
+        block_ms = self.own.block_ms(self.block_ms) if self.own is not None else self.block_ms
         while not self._stop.is_set():
             n = self.slots.take_up_to(self.read_count, SLOT_WAIT_S)
             if n == 0:
                 continue
             got: list[tuple[bytes, StageInputMsg]] = []
             try:
-                got = self.reader.read(n, self.block_ms)
+                got = self.reader.read(n, block_ms)
             finally:
                 self.slots.give_back(n - len(got))
             if not got:
@@ -191,13 +209,16 @@ class ControlThread(_Loop):
         # Entries of bytes: our clients never use decode_responses (redis-py's stub allows str).
         last = cast("list[Entry]", self.client.xrevrange(self.stream, count=1))
         self._last_id = last[0][0] if last else b"0-0"
+        self.own = OwnConnection(self.client, "control-reader")
         super().start()
 
     def _run(self) -> None:
+        own = self.own or OwnConnection(self.client, "control-reader")
+        block_ms = own.block_ms(self.block_ms)
         while not self._stop.is_set():
             try:
-                reply = self.client.xread(
-                    {self.stream: self._last_id}, count=self.read_count, block=self.block_ms
+                reply = own.client.xread(
+                    {self.stream: self._last_id}, count=self.read_count, block=block_ms
                 )
                 self.backoff.succeeded()
             except RedisError as e:

@@ -1,10 +1,8 @@
-"""A stage worker process: the shell around a `WorkerCore`.
-
-The shell alone owns Redis clients and starts threads: input, control (aborts), heartbeat
-(status, takeovers of dead replicas), output (to each request's owner) and, in streaming
-mode, the ChunkAdapter's. Its loop never blocks on Redis: hand the core what the threads
-delivered, step the engine, carry out the core's actions, sleep until woken.
-"""
+"""A stage worker process: the shell around a `WorkerCore`. The shell alone owns Redis
+clients and starts threads: input, control (aborts), heartbeat (status, takeovers of dead
+replicas), output (to each request's owner) and, in streaming mode, the ChunkAdapter's. Its
+loop never blocks on Redis: hand the core what the threads delivered, step the engine,
+carry out the core's actions, sleep until woken."""
 
 from __future__ import annotations
 
@@ -224,6 +222,8 @@ class StageWorker:
         while True:
             now = time.monotonic()
             if self._stop.is_set():
+                if drain_deadline is None:  # end the input read now: a draining worker reads none
+                    self._input.request_stop()
                 drain_deadline = drain_deadline or now + DRAIN_S
                 if not self.core.in_flight or now > drain_deadline or self._stop_now:
                     return

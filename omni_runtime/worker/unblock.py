@@ -1,0 +1,74 @@
+"""Long blocking reads that a stop still ends at once: an idle worker barely wakes.
+
+A reading thread (inputs, aborts) blocks on a connection of its own. Its blocking
+read may then last seconds, since the read returns the moment an entry arrives,
+and stopping the thread ends it with `CLIENT UNBLOCK` (the read returns empty, as
+on a timeout) instead of waiting it out. Where that cannot be had — a Redis
+Cluster client, a client without real sockets, a user the ACL denies `CLIENT` —
+the thread keeps the shared client and short reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+
+import redis
+from redis.connection import AbstractConnection
+from redis.exceptions import RedisError
+
+from omni_runtime.redis_io.clients import is_cluster
+
+log = logging.getLogger(__name__)
+
+IDLE_BLOCK_MS = 5_000
+"""Blocking-read timeout of a thread whose read can be ended from outside."""
+
+
+class OwnConnection:
+    """The client a reading thread reads with, and how another thread ends its read."""
+
+    def __init__(self, client: redis.Redis, name: str) -> None:
+        self.shared = client
+        self.client = client
+        """What the reading thread uses: its own connection when its read can be ended."""
+        self._id: int | None = None
+        if is_cluster(client):
+            return
+        own: redis.Redis | None = None
+        try:
+            own = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+            conn = own.connection
+            if conn is None or not isinstance(getattr(conn, "_sock", None), socket.socket):
+                own.close()
+                return
+            self._connected(conn)
+            self.shared.client_unblock(self._id or 0)  # allowed? (nothing blocked: a no-op)
+            conn.register_connect_callback(self._connected)  # type: ignore[no-untyped-call]
+        except RedisError as e:
+            log.info("%s keeps short blocking reads (%s)", name, e)
+            self._id = None
+            if own is not None:
+                own.close()
+            return
+        self.client = own
+
+    def block_ms(self, short_ms: int) -> int:
+        """How long the thread's blocking read may last."""
+        return IDLE_BLOCK_MS if self._id is not None else short_ms
+
+    def unblock(self) -> None:
+        """From any thread: end the read in progress, if any (it returns empty)."""
+        if self._id is not None:
+            with contextlib.suppress(RedisError):
+                self.shared.client_unblock(self._id)
+
+    def close(self) -> None:
+        if self.client is not self.shared:
+            self.client.close()
+
+    def _connected(self, conn: AbstractConnection) -> None:
+        """On every (re)connection: learn the connection's id, which changes with it."""
+        conn.send_command("CLIENT", "ID")  # type: ignore[no-untyped-call]
+        self._id = int(conn.read_response())
