@@ -22,8 +22,10 @@ from omni_runtime.redis_io.clients import is_cluster
 
 log = logging.getLogger(__name__)
 
-IDLE_BLOCK_MS = 5_000
-"""Blocking-read timeout of a thread whose read can be ended from outside."""
+IDLE_BLOCK_MS = 4_000
+"""Blocking-read timeout of a thread whose read can be ended from outside (a second short
+of redis-py's default socket timeout, which would otherwise cut the read as a failure)."""
+TIMEOUT_MARGIN_MS = 1_000
 
 
 class OwnConnection:
@@ -53,10 +55,14 @@ class OwnConnection:
                 own.close()
             return
         self.client = own
+        timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self._long_ms = IDLE_BLOCK_MS
+        if timeout_s is not None:
+            self._long_ms = min(IDLE_BLOCK_MS, int(timeout_s * 1000) - TIMEOUT_MARGIN_MS)
 
     def block_ms(self, short_ms: int) -> int:
         """How long the thread's blocking read may last."""
-        return IDLE_BLOCK_MS if self._id is not None else short_ms
+        return max(short_ms, self._long_ms) if self._id is not None else short_ms
 
     def unblock(self) -> None:
         """From any thread: end the read in progress, if any (it returns empty)."""

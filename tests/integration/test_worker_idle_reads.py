@@ -143,3 +143,12 @@ def test_a_user_denied_client_commands_keeps_short_reads(redis_url: str) -> None
     finally:
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_a_read_ends_before_the_socket_timeout_would_cut_it(redis_url: str) -> None:
+    client = sync_client(redis_url, socket_timeout=2.0)
+    own = OwnConnection(client, "test")
+    assert own.block_ms(250) == 1000  # a second short of the 2 s socket timeout
+    assert own.client.xread({f"idle-{uuid.uuid4().hex[:8]}": "0-0"}, block=own.block_ms(250)) == []
+    own.close()
+    client.close()
