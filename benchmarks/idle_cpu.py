@@ -24,6 +24,8 @@ from omni_runtime.client import OmniClient
 
 OMNI = ROOT / "workers" / "omni.yaml"
 TARGET_PCT = 1.0
+WORKER_TARGET_PCT = 0.5
+"""An idle worker: its reads block for seconds (ended at once on stop), it beats once a second."""
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,14 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     rows = []
     for mode, name, pct in measured:
         is_redis = name == "redis-server"
+        target = TARGET_PCT if name == "orchestrator" else WORKER_TARGET_PCT
         rows.append(Row(
             "idle_cpu", name if is_redis else f"{mode}: {name}", "% of one core", "%", pct,
             baseline="" if is_redis else "idle redis-server",
             baseline_value=None if is_redis else redis_pct,
             ratio=None if is_redis else ratio(pct, redis_pct), ratio_of="" if is_redis else "CPU",
-            target="" if is_redis else f"<= {TARGET_PCT:g} %",
-            met=None if is_redis else pct <= TARGET_PCT,
+            target="" if is_redis else f"<= {target:g} %",
+            met=None if is_redis else pct <= target,
             notes=[f"{sizes.window_s:g} s window, no request in flight"] if is_redis else [],
         ))  # fmt: skip
     return rows
