@@ -6,14 +6,14 @@ chunk nobody reads expires. Keys handed in are the bare `<req>_<stage>_<id>`
 strings; the namespace prefix and the request's hash tag are applied here
 (`keys.stored_chunk_key`).
 
-On a Redis Cluster nothing may span slots and a batch spans requests, so round
-trips keep their shape, not their atomicity: puts are one non-transactional
-pipeline (SETs are idempotent: a retry re-puts the batch), a read is per-key
-GETDELs and UNLINKs beside the LPOP of the wake-ups (see docs/cluster.md).
+On a Redis Cluster nothing may span slots and a batch spans requests, so round trips
+keep their shape, not their atomicity: puts are one non-transactional pipeline (SETs are
+idempotent: a retry re-puts the batch), a read is per-key GETDELs and UNLINKs beside
+the LPOP of the wake-ups (see docs/cluster.md).
 
-The tricks stay inside: read-ahead in one MGET, wake-ups on a notify list with
-small values inline (`redis_wakeups`), a route cache, deletes of inline-served
-keys riding the next round trip. Errors: Redis failures raise `TransportError`
+The tricks stay inside: read-ahead in one MGET, wake-ups on a notify list with small
+values inline (`redis_wakeups`), a route cache, puts packed by hand (`redis_packed`),
+deletes of inline-served keys riding the next round trip. Errors: Redis failures raise `TransportError`
 (puts retry first, with the `Backoff` given); a value that fails to decode or
 exceeds `max_bytes` is a `MalformedChunk` in `fetch` and a `CodecError` in `get`.
 """
@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
+from omni_runtime.chunks.redis_packed import put_pipe
 from omni_runtime.chunks.redis_wakeups import (
     WAKEUP_BATCH,
     Encoded,
@@ -56,9 +57,8 @@ PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
 
 
 class RedisConnector:
-    """`put` / consume-once `get`, and the `ChunkTransport` surface, on one sync client.
-
-    One receiving adapter per instance (it owns one notify list); any number of senders.
+    """`put` / consume-once `get`, and the `ChunkTransport` surface, on one sync client;
+    one receiving adapter per instance (it owns one notify list), any number of senders.
     """
 
     max_batch = 64
@@ -261,11 +261,11 @@ class RedisConnector:
         backoff = dataclasses.replace(self.retry, failures=0)
         while True:
             try:
-                with self.client.pipeline(transaction=transaction) as pipe:
-                    for name, value, _route in encoded:
-                        pipe.set(name, value, ex=self.ttl_s)
-                    unknown = self._sender.queue(pipe, encoded)
-                    replies = pipe.execute()
+                pipe = put_pipe(self.client, transaction, self._cluster)
+                for name, value, _route in encoded:
+                    pipe.set(name, value, ex=self.ttl_s)
+                unknown = self._sender.queue(pipe, encoded)
+                replies = pipe.execute()
                 self._sender.wake_found(self.client, encoded, unknown, replies)
                 return
             except RedisError as e:

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
-from redis.client import Pipeline
 from redis.connection import Connection, ConnectionPool
 
 from omni_runtime import keys
+from omni_runtime.chunks.redis_packed import PutPipe
 from omni_runtime.chunks.transport import route_and_id
 from omni_runtime.redis_io.clients import pool_for_key
 
@@ -65,7 +65,7 @@ class WakeupSender:
         self._lock = threading.Lock()
         self._routes: dict[str, str] = {}
 
-    def queue(self, pipe: Pipeline, encoded: list[Encoded]) -> list[str]:
+    def queue(self, pipe: PutPipe, encoded: list[Encoded]) -> list[str]:
         """Queue on `pipe` (after its SETs) the wake-ups of the routes known, and a GET of
         the route key of the others; return those others, whose GETs end the replies."""
         route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))

@@ -16,6 +16,7 @@ from redis.connection import PythonRespSerializer
 
 from omni_runtime import keys
 from omni_runtime.chunks import RedisConnector
+from omni_runtime.chunks.redis_packed import PackedPipe
 from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.redis_io.backoff import Backoff
 
@@ -100,6 +101,16 @@ def fail_commands(
         pipe.execute = execute
         return pipe
 
+    real_packed = PackedPipe.execute
+
+    def packed_execute(pipe: PackedPipe) -> list[Any]:  # the put's own packed round trip
+        if any(str(c[0]).upper() == command for c in pipe.commands):
+            calls[0] += 1
+            if calls[0] <= times:
+                raise redis.exceptions.ConnectionError(f"injected failure {calls[0]}")
+        return real_packed(pipe)
+
+    monkeypatch.setattr(PackedPipe, "execute", packed_execute)
     monkeypatch.setattr(conn.client, "execute_command", flaky)
     monkeypatch.setattr(conn.client, "pipeline", pipeline)
     return calls
