@@ -16,7 +16,7 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.entries import entry_fields
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
-from omni_runtime.redis_io.writer import xadd_fields
+from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
