@@ -3,7 +3,9 @@ a real redis-server: namespace prefix, TTL, retries with the Backoff given, erro
 
 from __future__ import annotations
 
+import functools
 import socket
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,11 +16,12 @@ import pytest
 import redis
 from redis.connection import PythonRespSerializer
 
-from omni_runtime import keys
+from omni_runtime import ChunkAdapter, keys
 from omni_runtime.chunks import RedisConnector
 from omni_runtime.chunks.redis_packed import PackedPipe
 from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.redis_io.backoff import Backoff
+from tests.waiting import wait_until
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
 NOT_PICKLE_NOT_MSGPACK = b"\xc1\xc1 this is not msgpack \xc1"
@@ -235,3 +238,41 @@ def test_unreachable_server_is_a_transport_error() -> None:
                 conn.get("r1_0_0")
             with pytest.raises(TransportError):
                 conn.fetch(["r1_0_0"])
+
+
+def test_a_chunk_that_came_with_its_wakeup_costs_the_receiver_no_read(redis_url: str) -> None:
+    """One chunk at a time, each handed over before the next is saved: the receiver reads
+    (MGET, GETDEL) only when it registers, never once per chunk; and every chunk's key is
+    deleted once the last went."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    admin = redis.Redis.from_url(redis_url)
+    sender = RedisConnector.from_url(redis_url, prefix=prefix)
+    receiver = RedisConnector.from_url(redis_url, prefix=prefix)
+    snd, rcv = ChunkAdapter(sender, stage_id=0), ChunkAdapter(receiver, stage_id=1)
+
+    def reads() -> int:
+        stats = admin.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("mget", "getdel"))
+
+    try:
+        rcv.load_async("q")
+        wait_until(lambda: admin.exists(keys.chunk_route_key("q_0", prefix)) == 1)
+        before = reads()
+        got: list[Any] = []
+
+        def handed_over(n: int) -> bool:
+            got.extend(rcv.poll_ready().get("q", []))
+            return len(got) > n
+
+        for i in range(20):
+            snd.save_async("q", i, is_final=i == 19)
+            wait_until(functools.partial(handed_over, i))
+        assert [c["data"] for c in got] == list(range(20))
+        assert reads() - before <= 2  # at most one read-ahead after the first chunk
+        wait_until(lambda: not list(admin.scan_iter(match=f"{prefix}{{q}}*")))
+    finally:
+        snd.stop()
+        rcv.stop()
+        sender.close()
+        receiver.close()
+        admin.close()
