@@ -49,6 +49,9 @@ def can_fork() -> bool:
 
 def preload(modules: Iterable[str] = PRELOAD) -> None:
     """Import what the children run (a missing optional module is the child's business)."""
+    from omni_runtime.cli.startup import import_redis
+
+    import_redis()
     for name in modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

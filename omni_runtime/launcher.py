@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,16 +39,39 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def local_redis(url: str | None, startup_timeout_s: float) -> Iterator[tuple[str, str]]:
     """Yield `(url, how)`: the given URL, a private redis-server, or an embedded server."""
+    with starting_redis(url, startup_timeout_s) as ready:
+        yield ready()
+
+
+@contextlib.contextmanager
+def starting_redis(
+    url: str | None, startup_timeout_s: float
+) -> Iterator[Callable[[], tuple[str, str]]]:
+    """`local_redis` in two steps: a private redis-server is launched on entry, and the
+    function yielded waits until it answers and returns `(url, how)`. In between the
+    caller does the rest of its start-up (imports, forks) while the server starts."""
     if url is not None:
-        yield url, "configured"
+        yield lambda: (url, "configured")
         return
     if redis_server_binary() is not None:
-        with RedisServer(timeout_s=startup_timeout_s) as server:
-            yield server.url, f"redis-server on port {server.port}"
+        server = RedisServer(timeout_s=startup_timeout_s).launch()
+        try:
+
+            def ready() -> tuple[str, str]:
+                server.wait_ready()
+                return server.url, f"redis-server on port {server.port}"
+
+            yield ready
+        finally:
+            server.stop()
         return
-    with embedded_redis() as url:
-        wait_for_ping(url, startup_timeout_s)
-        yield url, "embedded fakeredis server"
+    with embedded_redis() as embedded:
+
+        def ready_embedded() -> tuple[str, str]:
+            wait_for_ping(embedded, startup_timeout_s)
+            return embedded, "embedded fakeredis server"
+
+        yield ready_embedded
 
 
 @contextlib.contextmanager

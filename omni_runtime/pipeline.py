@@ -111,11 +111,16 @@ class PipelineConfig(BaseModel):
         return self.stages[stage_id]
 
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML has it: ~10x faster than the pure-Python one, and
+every process of a pipeline reads the file at start-up."""
+
+
 def load_pipeline(path: str | Path, mode: str | None = None) -> PipelineConfig:
     """Read and validate a pipeline file; errors name the file and the field path."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read pipeline file: {e}") from e
     except yaml.YAMLError as e:

@@ -15,14 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from typing import IO, TYPE_CHECKING
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-from omni_runtime.redis_io.clients import CLUSTER_SLOTS, cluster_info
+
+if TYPE_CHECKING:
+    import redis
 
 CLUSTER_BUS_OFFSET = 10000
 """A cluster node also listens on its port + this (the cluster bus)."""
@@ -37,6 +35,10 @@ def free_port() -> int:
 
 def ping(url: str, timeout_s: float = 0.5) -> bool:
     """One PING without retries; False (not an exception) while nothing answers."""
+    import redis  # here: `launch` starts a server before the process has imported redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     client = redis.Redis.from_url(
         url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
     )
@@ -97,32 +99,47 @@ class RedisServer:
         return None if self.proc is None else self.proc.pid
 
     def start(self, attempts: int = 3) -> RedisServer:
+        return self.launch().wait_ready(attempts)
+
+    def launch(self) -> RedisServer:
+        """Start the server on a free port and return at once: the caller does its other
+        start-up work (imports, forks) while the server starts, then calls `wait_ready`."""
         if self.binary is None:
             raise FatalError("no redis-server on PATH (install it, or set OMNI_REDIS_SERVER)")
+        self.port = self.pick_port()
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args]
+        out: IO[bytes] | int = subprocess.DEVNULL
+        if self.log_path is not None:
+            out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
+        try:
+            # Its own session: a Ctrl-C in the terminal must not kill it before the
+            # processes using it have stopped (whoever started it stops it, last).
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as e:
+            raise FatalError(f"cannot start {self.binary}: {e}") from e
+        finally:
+            if not isinstance(out, int):
+                out.close()
+        return self
+
+    def wait_ready(self, attempts: int = 3) -> RedisServer:
+        """Return once the launched server answers PING; if it died at start (its port
+        taken in between), launch it again on another port, `attempts` launches in all."""
         error = ""
-        for _ in range(attempts):
-            self.port = self.pick_port()
-            cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-            cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args]
-            out: IO[bytes] | int = subprocess.DEVNULL
-            if self.log_path is not None:
-                out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps its own copy)
-            try:
-                # Its own session: a Ctrl-C in the terminal must not kill it before the
-                # processes using it have stopped (whoever started it stops it, last).
-                self.proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            except OSError as e:
-                raise FatalError(f"cannot start {self.binary}: {e}") from e
-            finally:
-                if not isinstance(out, int):
-                    out.close()
+        for attempt in range(attempts):
+            if self.proc is None or attempt > 0:
+                self.launch()
+            assert self.proc is not None
             deadline = time.monotonic() + self.timeout_s
+            delay = 0.002  # a server starts in ~10 ms: poll often at first, then back off
             while self.proc.poll() is None and time.monotonic() < deadline:
                 if ping(self.url):
                     return self
-                time.sleep(0.02)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
             error = f"exit code {self.proc.poll()}" if self.proc.poll() is not None else "no PING"
             self.stop()
         raise StartupTimeoutError(
@@ -221,8 +238,12 @@ class RedisCluster:
         return self
 
     def _form(self) -> None:
+        import redis
+
         clients = [redis.Redis.from_url(url, socket_timeout=self.timeout_s) for url in self.urls]
         try:
+            from omni_runtime.redis_io.clients import CLUSTER_SLOTS
+
             per_node = -(-CLUSTER_SLOTS // self.masters)
             for i, client in enumerate(clients):
                 slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
@@ -244,6 +265,8 @@ class RedisCluster:
                 client.close()
 
     def _ready(self, client: redis.Redis) -> bool:
+        from omni_runtime.redis_io.clients import CLUSTER_SLOTS, cluster_info
+
         fields = cluster_info(client)
         return (
             fields.get("cluster_state") == "ok"

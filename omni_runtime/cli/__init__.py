@@ -9,7 +9,6 @@ import os
 import sys
 
 from pydantic_settings import CliSettingsSource
-from redis.exceptions import RedisError
 
 from omni_runtime import __version__
 from omni_runtime.cli.commands import (
@@ -23,6 +22,7 @@ from omni_runtime.cli.commands import (
     cmd_trace,
     cmd_worker,
 )
+from omni_runtime.cli.startup import import_redis
 from omni_runtime.errors import OmniError
 from omni_runtime.logs import configure_logging
 from omni_runtime.settings import Settings
@@ -199,9 +199,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _is_redis_error(e: BaseException) -> bool:
+    exceptions = sys.modules.get("redis.exceptions")  # not imported: cannot be one
+    return exceptions is not None and isinstance(e, exceptions.RedisError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging("DEBUG" if args.verbose else args.log_level, args.log_format)
+    if args.command != "run":  # `run` imports it once its redis-server is launched
+        import_redis()
     try:
         return int(args.func(args))
     except OmniError as e:
@@ -213,15 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except RedisError as e:
-        print(
-            f"omni-runtime: error: Redis: {e} (check OMNI_REDIS_URL / --redis-url)", file=sys.stderr
-        )
-        return 2
     except BrokenPipeError:  # `submit ... | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except Exception as e:
+        if not _is_redis_error(e):
+            raise
+        print(
+            f"omni-runtime: error: Redis: {e} (check OMNI_REDIS_URL / --redis-url)", file=sys.stderr
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
 

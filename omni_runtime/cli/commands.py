@@ -123,18 +123,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from omni_runtime.launcher import ProcessGroup, child_env, local_redis
-    from omni_runtime.redis_io.clients import RedisClients
+    """Its start-up overlaps: the redis-server starts while this process imports and
+    checks what its children need, and they are forked from it (`forked`)."""
+    from omni_runtime.cli.startup import import_redis
+    from omni_runtime.forked import preload
+    from omni_runtime.launcher import ProcessGroup, child_env, starting_redis
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
     prompt = read_prompt(args.prompt, args.prompt_file)
     check_wav_path(args.wav)
-    check_stage_options(pipeline, range(pipeline.last_stage + 1))
     printer = OutputPrinter()
-    if settings.redis_url is not None:  # unusable: one line now, not one per process later
-        RedisClients.from_settings(settings)
-    with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
+    with starting_redis(settings.redis_url, settings.startup_timeout_s) as redis_ready:
+        import_redis()
+        if settings.redis_url is not None:  # unusable: one line now, not one per process later
+            from omni_runtime.redis_io.clients import RedisClients
+
+            RedisClients.from_settings(settings)
+        check_stage_options(pipeline, range(pipeline.last_stage + 1))
+        preload()
+        url, how = redis_ready()
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
         env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
         group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True)
@@ -148,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             failed = False
             raise
-        finally:  # the processes stop before the Redis they use (`local_redis` exits after)
+        finally:  # the processes stop before the Redis they use (`starting_redis` exits after)
             kept = group.stop(keep_failed_logs=True, failed=failed)
             if kept is not None:
                 print(f"logs kept in {kept}", file=sys.stderr, flush=True)
