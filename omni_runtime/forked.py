@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -72,16 +73,26 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """The exit code; `subprocess.TimeoutExpired` after `timeout` seconds."""
+        """The exit code; `subprocess.TimeoutExpired` after `timeout` seconds. Woken by the
+        exit itself (a pidfd, Linux >= 5.3), not by polling; elsewhere it polls."""
         import subprocess
 
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        pidfd = _pidfd(self.pid) if self.poll() is None else None
+        try:
+            while (code := self.poll()) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+                if pidfd is not None:
+                    select.select([pidfd], [], [], left)
+                else:
+                    time.sleep(delay if left is None else min(delay, left))
+                    delay = min(delay * 2, 0.02)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         return code
 
     def send_signal(self, sig: int) -> None:
@@ -93,6 +104,14 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor readable once `pid` has exited, or None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, an old kernel, or already reaped
+        return None
 
 
 def fork_main(

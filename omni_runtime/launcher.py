@@ -26,7 +26,7 @@ from typing import IO, Any
 from omni_runtime.errors import FatalError
 from omni_runtime.forked import ForkedProcess, can_fork, fork_main, preload
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_server import RedisCluster as RedisCluster
+from omni_runtime.redis_cluster import RedisCluster as RedisCluster
 from omni_runtime.redis_server import RedisServer as RedisServer
 from omni_runtime.redis_server import free_port as free_port
 from omni_runtime.redis_server import ping as ping
@@ -62,8 +62,8 @@ def starting_redis(
                 return server.url, f"redis-server on port {server.port}"
 
             yield ready
-        finally:
-            server.stop()
+        finally:  # nothing to keep: no need to wait for its cron to act on a SIGTERM
+            server.stop(now=True)
         return
     with embedded_redis() as embedded:
 

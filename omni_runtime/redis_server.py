@@ -1,8 +1,8 @@
-"""Private Redis servers for local runs, tests, benchmarks and CI: one server, or a cluster.
+"""Private Redis servers for local runs, tests, benchmarks and CI.
 
-`RedisServer` is a `redis-server` on a free loopback port; `RedisCluster` is three
-(or more) of them in cluster mode with every slot assigned, the smallest real Redis
-Cluster. Nothing is downloaded: the binary is `$OMNI_REDIS_SERVER` or the one on PATH.
+`RedisServer` is a `redis-server` on a free loopback port (`redis_cluster` makes a
+cluster of them). Nothing is downloaded: the binary is `$OMNI_REDIS_SERVER` or the one
+on PATH.
 """
 
 from __future__ import annotations
@@ -11,19 +11,12 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-
-if TYPE_CHECKING:
-    import redis
-
-CLUSTER_BUS_OFFSET = 10000
-"""A cluster node also listens on its port + this (the cluster bus)."""
 
 
 def free_port() -> int:
@@ -46,6 +39,19 @@ def ping(url: str, timeout_s: float = 0.5) -> bool:
         return bool(client.ping())
     except redis.exceptions.RedisError:
         return False
+    finally:
+        client.close()
+
+
+def shutdown_now(url: str, timeout_s: float = 0.5) -> None:
+    """`SHUTDOWN NOSAVE`, best effort: the server exits as it answers (no reply comes)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.shutdown(nosave=True)
+    except redis.exceptions.RedisError:
+        pass  # the connection closing under it is the expected answer
     finally:
         client.close()
 
@@ -152,11 +158,16 @@ class RedisServer:
             return ""
         return self.log_path.read_text(errors="replace")[-chars:]
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, SIGKILL after `timeout_s`; always reaped. Idempotent."""
+    def stop(self, timeout_s: float = 5.0, *, now: bool = False) -> None:
+        """SIGTERM, SIGKILL after `timeout_s`; always reaped. Idempotent.
+
+        `now`: first ask it for `SHUTDOWN NOSAVE`, done at once, where a SIGTERM waits for
+        the server's next cron tick (up to 100 ms): for a server with nothing to keep."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        if now and proc.poll() is None:
+            shutdown_now(self.url)
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -166,124 +177,6 @@ class RedisServer:
         proc.wait()
 
     def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def cluster_node_port() -> int:
-    """A free port whose cluster bus port (+10000) is free and valid too."""
-    while True:
-        port = free_port()
-        if port + CLUSTER_BUS_OFFSET > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
-            except OSError:
-                continue
-        return port
-
-
-class RedisCluster:
-    """A private Redis Cluster: `masters` `redis-server --cluster-enabled yes` nodes, no replicas.
-
-    Slots are split evenly (CLUSTER ADDSLOTS), the nodes meet (CLUSTER MEET), and
-    `start()` returns once every node reports `cluster_state:ok` and knows the others:
-    what `redis-cli --cluster create ... --cluster-replicas 0` does, without needing
-    redis-cli. `url` is the first node's; any node's URL reaches the whole cluster.
-    """
-
-    def __init__(
-        self, masters: int = 3, binary: str | None = None, timeout_s: float = 20.0
-    ) -> None:
-        if masters < 1:
-            raise FatalError(f"a cluster needs at least one master, got {masters}")
-        self.masters = masters
-        self.binary = binary
-        self.timeout_s = timeout_s
-        self.nodes: list[RedisServer] = []
-        self.dir: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return self.nodes[0].url
-
-    @property
-    def urls(self) -> list[str]:
-        return [node.url for node in self.nodes]
-
-    def start(self) -> RedisCluster:
-        self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-cluster-"))
-        try:
-            for i in range(self.masters):
-                node_dir = self.dir / f"node{i}"
-                node_dir.mkdir()
-                conf = str(node_dir / "nodes.conf")
-                args = ["--cluster-enabled", "yes", "--dir", str(node_dir)]
-                args += ["--cluster-config-file", conf, "--cluster-node-timeout", "5000"]
-                node = RedisServer(
-                    self.binary,
-                    node_dir / "redis.log",
-                    self.timeout_s,
-                    tuple(args),
-                    cluster_node_port,
-                )
-                self.nodes.append(node.start())
-            self._form()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _form(self) -> None:
-        import redis
-
-        clients = [redis.Redis.from_url(url, socket_timeout=self.timeout_s) for url in self.urls]
-        try:
-            from omni_runtime.redis_io.clients import CLUSTER_SLOTS
-
-            per_node = -(-CLUSTER_SLOTS // self.masters)
-            for i, client in enumerate(clients):
-                slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
-                client.execute_command("CLUSTER ADDSLOTS", *slots)  # type: ignore[no-untyped-call]
-            for node in self.nodes[1:]:
-                clients[0].execute_command(  # type: ignore[no-untyped-call]
-                    "CLUSTER MEET", "127.0.0.1", node.port
-                )
-            deadline = time.monotonic() + self.timeout_s
-            while not all(self._ready(c) for c in clients):
-                if time.monotonic() > deadline:
-                    raise StartupTimeoutError(
-                        f"Redis Cluster on ports {[n.port for n in self.nodes]} did not reach "
-                        f"cluster_state:ok within {self.timeout_s:g}s"
-                    )
-                time.sleep(0.05)
-        finally:
-            for client in clients:
-                client.close()
-
-    def _ready(self, client: redis.Redis) -> bool:
-        from omni_runtime.redis_io.clients import CLUSTER_SLOTS, cluster_info
-
-        fields = cluster_info(client)
-        return (
-            fields.get("cluster_state") == "ok"
-            and fields.get("cluster_known_nodes") == str(self.masters)
-            and fields.get("cluster_slots_ok") == str(CLUSTER_SLOTS)
-        )
-
-    def stop(self) -> None:
-        """Stop every node and delete their directory. Idempotent."""
-        for node in self.nodes:
-            node.stop()
-        self.nodes = []
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-    def __enter__(self) -> RedisCluster:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

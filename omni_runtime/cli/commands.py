@@ -124,7 +124,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Its start-up overlaps: the redis-server starts while this process imports and
-    checks what its children need, and they are forked from it (`forked`)."""
+    checks what its children need, and they are forked from it (`forked`). Once every
+    process has stopped it leaves at once (`exit_now`), after a Ctrl-C as well."""
+    try:
+        code = _run(args)
+    except KeyboardInterrupt:
+        code = 130
+    exit_now(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     from omni_runtime.cli.startup import import_redis
     from omni_runtime.forked import preload
     from omni_runtime.launcher import ProcessGroup, child_env, starting_redis

@@ -18,9 +18,9 @@ from omni_runtime.errors import FatalError
 from omni_runtime.launcher import RedisServer, free_port
 from omni_runtime.observe import redis_stats
 from omni_runtime.ops.status import collect_status
+from omni_runtime.redis_cluster import cluster_node_port
 from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
 from omni_runtime.redis_io.liveness import stage_has_live_replica
-from omni_runtime.redis_server import cluster_node_port
 from tests.e2e.test_cli import SEED, SEED_OUTPUTS, cli, cli_env, describe, outputs
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
