@@ -22,7 +22,7 @@ from omni_runtime.cli.commands import (
     cmd_trace,
     cmd_worker,
 )
-from omni_runtime.cli.startup import import_redis
+from omni_runtime.cli.startup import document_fields, import_redis
 from omni_runtime.errors import OmniError
 from omni_runtime.logs import configure_logging
 from omni_runtime.settings import Settings
@@ -107,6 +107,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
         if only is not None and name != only:
             return p
+        document_fields(Settings)
         source: CliSettingsSource[Settings] = CliSettingsSource(
             Settings,
             root_parser=p,
