@@ -43,6 +43,7 @@ SCENARIOS = (
     "handoff",
     "ttfp",
     "idle_cpu",
+    "startup",
 )
 TIMEOUT_S = {True: 300.0, False: 1200.0}
 """Longest run of one scenario, quick / full."""

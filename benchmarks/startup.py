@@ -11,9 +11,12 @@ lines as they arrive:
   request still streams -> every process gone.
 
 The phases of start-up, from what `run` prints: launch -> its `pipeline ... on ...` line
-(interpreter, imports, Redis started); -> the submit (every stage ready: forks and the
-ready handshake; the first output line gives its time since the submit); -> the first
-output. Baseline: a bare `python -c pass` of the same interpreter, same run.
+(interpreter, imports, the stage code checked, Redis answering); -> the submit (forks,
+every stage ready; the first output line gives its time since the submit); -> the first
+output. Python runs with its defaults (bytecode cache on: `PYTHONDONTWRITEBYTECODE` is
+dropped; one uncounted run per demo writes the cache if missing). Baseline: a bare
+`python -c pass` of the same interpreter, same run. The load average is in the notes: on
+a busy machine every figure grows with it. `--redis-url` is not used: `run` starts its own.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Run:
     first_s: float = float("nan")
     last_s: float = float("nan")
     gone_s: float = float("nan")
+    code: int | None = None
     stages: list[str] = field(default_factory=list)
 
 
@@ -70,6 +74,7 @@ def command() -> list[str]:
 def env() -> dict[str, str]:
     """This checkout importable first; no configured Redis (`run` starts its own)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    e.pop("PYTHONDONTWRITEBYTECODE", None)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
     return e
 
@@ -134,7 +139,7 @@ def once(demo: str, prompt: str, interrupt: bool) -> Run:
                         os.killpg(proc.pid, signal.SIGINT)
                 r.last_s = now
                 r.stages.append(line.split(b"stage ", 1)[1].split(b":", 1)[0].decode())
-        code = proc.wait(DEADLINE_S)
+        code = r.code = proc.wait(DEADLINE_S)
         r.gone_s = wait_gone(pids, t0)
     finally:
         if proc.poll() is None:
@@ -157,22 +162,32 @@ def ms_of(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:.0f} ms"
 
 
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} {five:.1f} {fifteen:.1f} (1, 5, 15 min)"
+
+
 def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     base = statistics.median(bare_interpreter_s() for _ in range(sizes.repeats))
     rows = []
     for demo in DEMOS:
+        once(demo, PROMPT, interrupt=False)  # warm-up: bytecode and file caches
+        before = load()
         runs = [once(demo, PROMPT, interrupt=False) for _ in range(sizes.repeats)]
+        # Ctrl-C mid-request: the omni demo streams the long prompt for seconds
         stops = [once(demo, LONG_PROMPT, interrupt=True) for _ in range(sizes.repeats)]
         phases = (
             f"phases (median): launch -> `pipeline` line {ms_of([r.header_s for r in runs])} "
-            f"(interpreter, imports, Redis), -> submit {ms_of([r.submit_s for r in runs])} "
-            f"(forks, every stage ready), -> first output {ms_of([r.first_s for r in runs])}"
+            f"(interpreter, imports, stage code, Redis), -> submit "
+            f"{ms_of([r.submit_s for r in runs])} (forks, every stage ready), -> first output "
+            f"{ms_of([r.first_s for r in runs])}; {before}, after: {load()}"
         )
         measured: list[tuple[str, str, list[float], list[str]]] = [
             ("start-up", "launch -> first output", [r.first_s for r in runs], [phases]),
             ("shutdown", "last output -> all exited", [r.gone_s - r.last_s for r in runs], []),
-            ("Ctrl-C", "SIGINT -> all exited", [r.gone_s - r.first_s for r in stops], []),
-        ]
+            ("Ctrl-C", "SIGINT -> all exited", [r.gone_s - r.first_s for r in stops],
+             [f"{sum(r.code == 130 for r in stops)} of {len(stops)} interrupted mid-request"]),
+        ]  # fmt: skip
         for what, metric, values, notes in measured:
             value, lo, hi = spread(values)
             rows.append(Row(
