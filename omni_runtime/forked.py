@@ -49,13 +49,17 @@ def can_fork() -> bool:
 
 
 def preload(modules: Iterable[str] = PRELOAD) -> None:
-    """Import what the children run (a missing optional module is the child's business)."""
+    """Import what the children run (a missing optional module is the child's business),
+    and build the command lines they parse."""
+    from omni_runtime.cli import parser_for
     from omni_runtime.cli.startup import import_redis
 
     import_redis()
     for name in modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    for command in ("orchestrator", "worker"):
+        parser_for(command)
 
 
 class ForkedProcess:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import omni_runtime
+from omni_runtime.cli import parse_args, parser_for
+from omni_runtime.cli.commands import settings_of
 from omni_runtime.cli.startup import document_fields
 from omni_runtime.forked import ForkedProcess
 from omni_runtime.launcher import redis_server_binary
@@ -112,3 +114,18 @@ def test_a_launched_redis_server_is_awaited_then_shut_down_at_once(tmp_path: Pat
     assert proc.poll() is not None
     assert not ping(server.url)
     assert "User requested shutdown" in server.log_tail()  # SHUTDOWN, not a SIGTERM
+
+
+def test_a_parser_built_once_parses_each_command_line_and_environment_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv = ["worker", "--pipeline", "workers/seed.yaml", "--stage", "1"]
+    first = parse_args([*argv, "--deadline-s", "7"])
+    assert parser_for("worker") is parser_for("worker")
+    monkeypatch.setenv("OMNI_DEADLINE_S", "9")
+    monkeypatch.setenv("OMNI_NAMESPACE", "elsewhere")
+    second = parse_args(argv)  # same parser: nothing of the first parse carries over
+    assert (first.stage, second.stage) == (1, 1)
+    assert settings_of(first).deadline_s == 7.0  # a flag wins over the environment
+    assert settings_of(second).deadline_s == 9.0  # the environment of now, not of the build
+    assert settings_of(second).namespace == "elsewhere"
