@@ -269,7 +269,7 @@ class NotifyWaiter:
                 pipe.blpop([self.notify_key], timeout=min(timeout_s, SLICE_S))
             pipe.lpop(self.notify_key, WAKEUP_BATCH)
             replies = pipe.execute()
-        popped = replies[0] if timeout_s > 0 else None
+        popped = replies[1 if unlink else 0] if timeout_s > 0 else None  # after UNLINK's count
         return [*([popped[1]] if popped else []), *(replies[-1] or [])]
 
     def _drain(self) -> bool:
