@@ -113,8 +113,9 @@ class SlotService:
             )
             for sid in range(p.last_stage + 1)
         ]
-        for stage in self.stages:
+        for stage in self.stages:  # an idle slot's reads wait as long as its lease allows
             stage.traced = shared.traced
+            stage.reader.block_budget = shared.leases.read_block_ms
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
         self.core.sink = self._deliver
         self.core.on_change = self._changed
@@ -128,6 +129,7 @@ class SlotService:
             dead_letters=names.dead_letters,
             metrics=shared.metrics,
             backoff=backoff,
+            block_budget=shared.leases.read_block_ms,
         )
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of

@@ -85,6 +85,17 @@ class Leases:
     def fresh(self) -> bool:
         return not self.lost and self.age_s < self.ttl_s * FRESH_FRACTION
 
+    def read_block_ms(self) -> int:
+        """How long a blocking read may wait: until the fence closes, at least 1 ms.
+
+        A read issued while the leases are fresh then never outlives them, so an
+        idle holder's readers wake once per renewal or two, not every `block_ms`,
+        and a read never takes an entry after its slot could have been taken over.
+        Every read waiting now ends at the same moment: one wake for them all.
+        """
+        left_s = self.ttl_s * FRESH_FRACTION - self.age_s
+        return max(1, int(left_s * 1000))
+
     async def hold(self) -> bool:
         """Wait until the leases are known fresh (True), or lost (False)."""
         while not self.fresh():
@@ -123,21 +134,24 @@ class Leases:
         self._changed.set()
         return True
 
-    async def refresh(self) -> None:
-        """One renewal round over every held slot; raises `LeaseLost` (and fences for
-        good) if one is held by another. A Redis error leaves the fence closing on time."""
+    async def refresh(self) -> set[int] | None:
+        """One renewal round over every held slot, which also names them in the registry
+        again (Redis may have lost it): the slots the registry knows, None if none held.
+        Raises `LeaseLost` (and fences for good) if one is held by another. A Redis error
+        leaves the fence closing on time. Three round trips: WATCH, MGET, the transaction."""
         if not self.held:
-            return
+            return None
         started = self.clock()
         slots = sorted(self.held)
         lease_keys = [self.names.orchestrator_lease(s) for s in slots]
         gen_keys = [self.names.orchestrator_generation(s) for s in slots]
+        registry = self.names.orchestrator_slots
         for _attempt in range(3):
             try:
                 async with self.client.pipeline(transaction=True) as pipe:
                     await pipe.watch(*lease_keys, *gen_keys)
-                    values = [await pipe.get(k) for k in lease_keys]
-                    gens = [await pipe.get(k) for k in gen_keys]
+                    got = await pipe.mget(*lease_keys, *gen_keys)
+                    values, gens = got[: len(slots)], got[len(slots) :]
                     taken = [
                         s
                         for s, v, g in zip(slots, values, gens, strict=True)
@@ -148,6 +162,7 @@ class Leases:
                         self._lose(taken)
                     pipe.multi()  # type: ignore[no-untyped-call]
                     for slot, key, value, gen in zip(slots, lease_keys, values, gens, strict=True):
+                        pipe.hset(registry, str(slot), self.token)
                         if value is not None:
                             pipe.pexpire(key, self.ttl_ms)
                             continue
@@ -156,13 +171,15 @@ class Leases:
                             pipe.set(
                                 self.names.orchestrator_generation(slot), self.generation[slot]
                             )
-                    await pipe.execute()
+                    pipe.hkeys(registry)
+                    replies = await pipe.execute()
                 self._kept_at = started
                 self._changed.set()
-                return
+                return {int(m) for m in replies[-1]}
             except WatchError:
                 continue  # a key changed between WATCH and EXEC: look again
         log.warning("lease renewal kept racing; retrying next round")
+        return None
 
     def _mine(self, value: bytes | str | None) -> bool:
         """The lease holds this process's token, or none (lapsed)."""
@@ -205,18 +222,12 @@ class Leases:
                 log.warning("cannot close a deposed orchestrator's connections: %r", e)
             self._kill_refused = True
 
-    async def keep_registered(self) -> None:
-        """Name the held slots in the registry again (Redis may have lost it)."""
-        if self.held:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for slot in self.held:
-                    pipe.hset(self.names.orchestrator_slots, str(slot), self.token)
-                await pipe.execute()
-
-    async def lapsed(self) -> list[int]:
-        """Known slots with no lease and not held here: candidates for a takeover."""
-        members = await self.client.hkeys(self.names.orchestrator_slots)
-        slots = sorted(int(m) for m in members if int(m) not in self.held)
+    async def lapsed(self, known: set[int] | None = None) -> list[int]:
+        """Known slots with no lease and not held here: candidates for a takeover.
+        `known`: the registry's slots if just read (`refresh`), else read here."""
+        if known is None:
+            known = {int(m) for m in await self.client.hkeys(self.names.orchestrator_slots)}
+        slots = sorted(s for s in known if s not in self.held)
         if not slots:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
