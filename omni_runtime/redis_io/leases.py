@@ -2,8 +2,10 @@
 
 A slot (0, 1, 2, …) is a lease key holding one process's token with a TTL. Whoever
 holds it reads the slot's consumer backlog and owns its requests. The lease is kept
-by one check-and-set transaction per round (WATCH, compare the tokens, PEXPIRE), so
-a process never extends a lease another has taken. A key that vanished (it lapsed,
+by one transaction per round that reads and extends it (its reply proves it held;
+a lease found another's deposes this process), and is set again only by a
+check-and-set transaction (WATCH, compare, SET), so a process never takes back a
+lease another has taken. A key that vanished (it lapsed,
 or Redis came back empty) is taken back only if nobody took it meanwhile: every take
 counts up the slot's generation, and the holder's own count must still be there (or
 none at all: Redis lost everything, and the process's requests end as after any
@@ -135,13 +137,39 @@ class Leases:
         return True
 
     async def refresh(self) -> set[int] | None:
-        """One renewal round over every held slot, which also names them in the registry
-        again (Redis may have lost it): the slots the registry knows, None if none held.
-        Raises `LeaseLost` (and fences for good) if one is held by another. A Redis error
-        leaves the fence closing on time. Three round trips: WATCH, MGET, the transaction."""
+        """One renewal round over every held slot: the slots the registry knows, None if
+        none held. Raises `LeaseLost` (and fences for good) if one is held by another. A
+        Redis error leaves the fence closing on time.
+
+        One round trip while every lease is there: a transaction reads each lease and
+        extends it at once, so its reply proves them ours (a lease found to be another's
+        was extended too, as its holder does every round; this process stops). A lease
+        found gone, or the registry missing one, takes the careful round (`_refresh_watched`).
+        """
         if not self.held:
             return None
         started = self.clock()
+        slots = sorted(self.held)
+        async with self.client.pipeline(transaction=True) as pipe:
+            for slot in slots:
+                pipe.get(self.names.orchestrator_lease(slot))
+                pipe.pexpire(self.names.orchestrator_lease(slot), self.ttl_ms)
+            pipe.hkeys(self.names.orchestrator_slots)
+            replies = await pipe.execute()
+        values, known = replies[0:-1:2], {int(m) for m in replies[-1]}
+        taken = [s for s, v in zip(slots, values, strict=True) if not self._mine(v)]
+        if taken:
+            self._lose(taken)
+        if any(v is None for v in values) or not known >= self.held:
+            return await self._refresh_watched(started)
+        self._kept_at = started
+        self._changed.set()
+        return known
+
+    async def _refresh_watched(self, started: float) -> set[int] | None:
+        """The check-and-set round (WATCH, MGET, the transaction) that may set a lapsed
+        lease again, if nobody took it meanwhile, and names the held slots in the
+        registry again (Redis may have lost it)."""
         slots = sorted(self.held)
         lease_keys = [self.names.orchestrator_lease(s) for s in slots]
         gen_keys = [self.names.orchestrator_generation(s) for s in slots]
