@@ -17,20 +17,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from typing import cast
 
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.core.types import Stage
 from omni_runtime.messages import AbortMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.orchestrator import slot as slot_mod
+from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
@@ -46,16 +44,6 @@ from omni_runtime.tracing import Tracer
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 2.0
-
-
-def build_orchestrator(
-    pipeline: PipelineConfig,
-    stages: Sequence[Stage],
-    default_deadline_s: float | None = None,
-    metrics: Metrics | None = None,
-) -> Orchestrator:
-    """The orchestrator class of the pipeline's mode, with its forward function."""
-    return slot_mod.build_orchestrator(pipeline, stages, default_deadline_s, metrics)
 
 
 class OrchestratorService:

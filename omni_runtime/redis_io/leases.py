@@ -96,7 +96,7 @@ class Leases:
         Every read waiting now ends at the same moment: one wake for them all.
         """
         left_s = self.ttl_s * FRESH_FRACTION - self.age_s
-        return max(1, int(left_s * 1000))
+        return max(1, int(left_s * 1000)) if left_s > 0 else 1
 
     async def hold(self) -> bool:
         """Wait until the leases are known fresh (True), or lost (False)."""
