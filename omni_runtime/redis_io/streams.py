@@ -1,10 +1,8 @@
 """Reading the control plane: one consumer-group reader, strict entries, one dead-letter path.
 
-A malformed entry is logged, counted, moved to the dead-letter stream and
-acknowledged, never handed to the caller and never fatal (SPEC §5). The async
-flavour serves the orchestrator and clients, the sync one the worker's threads;
-both share the pure half in `entries` and the write half in `dead_letters`.
-
+A malformed entry is logged, counted, dead-lettered and acknowledged, never handed
+to the caller and never fatal (SPEC §5). The async flavour serves the orchestrator and
+clients, the sync one the worker's threads; both share `entries` and `dead_letters`.
 API (stable):
 
 * `GroupReader(client, stream, group, consumer, model, *, max_bytes, dead_letters,
