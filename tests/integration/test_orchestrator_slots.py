@@ -197,7 +197,7 @@ async def test_an_idle_slot_reads_long_one_in_flight_short_neither_past_the_fenc
     served.client_of["r1"] = "c1"
     assert budgets() == [20] * 4
     served.client_of.clear()
-    long_idle = settings.model_copy(update={"orchestrator_idle_block_ms": 60_000})
+    long_idle = settings.model_copy(update={"orchestrator_idle_block_ms": 4_000})
     service.shared.settings = long_idle
     fence_ms = long_idle.orchestrator_lease_ttl_s * 0.75 * 1000
     assert all(3000 < ms <= fence_ms for ms in budgets())
