@@ -17,20 +17,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from typing import cast
 
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.core.types import Stage
 from omni_runtime.messages import AbortMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.orchestrator import slot as slot_mod
+from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
@@ -46,16 +44,6 @@ from omni_runtime.tracing import Tracer
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 2.0
-
-
-def build_orchestrator(
-    pipeline: PipelineConfig,
-    stages: Sequence[Stage],
-    default_deadline_s: float | None = None,
-    metrics: Metrics | None = None,
-) -> Orchestrator:
-    """The orchestrator class of the pipeline's mode, with its forward function."""
-    return slot_mod.build_orchestrator(pipeline, stages, default_deadline_s, metrics)
 
 
 class OrchestratorService:
@@ -213,9 +201,7 @@ class OrchestratorService:
         interval = self.settings.orchestrator_lease_ttl_s / 4
         while not self._stopping.is_set():
             try:
-                await self.leases.refresh()
-                await self.leases.keep_registered()
-                await self._take_over_lapsed()
+                await self._take_over_lapsed(await self.leases.refresh())
                 await self._give_back_idle()
             except LeaseLost as e:
                 log.error("deposed: %s; stopping", e)
@@ -225,8 +211,8 @@ class OrchestratorService:
                 log.warning("renewing the orchestrator leases failed: %r", e)
             await pause(self._stopping, interval)
 
-    async def _take_over_lapsed(self) -> None:
-        for slot in await self.leases.lapsed():
+    async def _take_over_lapsed(self, known: set[int] | None) -> None:
+        for slot in await self.leases.lapsed(known):
             noticed = time.monotonic()
             if not await self._worth_taking(slot) or not await self.leases.take(slot):
                 continue
@@ -278,7 +264,8 @@ class OrchestratorService:
 
     async def _watch(self) -> None:
         """A full look once per heartbeat interval; in between, while requests are in
-        flight, the stages every quarter interval (a dead stage fails them sooner)."""
+        flight, the stages every quarter interval (a dead stage fails them sooner).
+        Idle, one wake per interval: nothing in flight waits on the stages."""
         loop = asyncio.get_running_loop()
         interval = self.settings.heartbeat_interval_s
         while not self._stopping.is_set():
@@ -286,7 +273,9 @@ class OrchestratorService:
                 await self.watch.once(loop.time())
                 next_look = loop.time() + interval
                 while (left := next_look - loop.time()) > 0 and not self._stopping.is_set():
-                    await pause(self._stopping, min(left, interval / 4))
+                    await pause(
+                        self._stopping, min(left, interval / 4) if self.watch.busy() else left
+                    )
                     if self.watch.busy() and next_look - loop.time() > interval / 8:
                         await self.watch.stages(loop.time())
             except RedisError as e:

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     )
     """An orchestrator renews its slot's lease every quarter of this; a slot whose lease
     lapsed is taken over by a live orchestrator, which finishes its requests."""
+    orchestrator_idle_block_ms: Annotated[int, Field(gt=0, le=4_000)] = 4_000
+    """How long an orchestrator's reads block while its slot has nothing in flight (never
+    past its lease fence, ¾ of the lease TTL): an idle orchestrator wakes seldom. At most
+    a second short of redis-py's 5 s socket timeout. With requests in flight, `block_ms`."""
     durable_requests: bool = True
     """Keep each request's routing state in Redis, so a takeover or restart resumes it.
     Off: a dead orchestrator's requests in flight end on their clients' timeouts."""

@@ -75,3 +75,22 @@ class CpuSampler:
 def _cpu(pid: int) -> float | None:
     ns = proc_cpu_ns(pid)
     return ns / 1e9 if ns is not None else proc_cpu_s(pid)
+
+
+def proc_wakes(pid: int) -> int | None:
+    """Times the process's threads went to sleep and were woken (voluntary context
+    switches, summed over `task/*/status`), or None if it is gone."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that just exited
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total if tasks else None

@@ -27,14 +27,13 @@ from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
-from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.core.streaming import StreamingOrchestrator
-from omni_runtime.core.types import OrchOutput, ReqState, forward_previous_data
+from omni_runtime.core.types import OrchOutput, ReqState
 from omni_runtime.messages import WIRE_VERSION, AbortMsg, ClientCommand, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.pipeline import PipelineConfig, resolve_entry
+from omni_runtime.orchestrator.build import build_orchestrator
+from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
@@ -47,22 +46,6 @@ from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
-
-
-def build_orchestrator(
-    pipeline: PipelineConfig,
-    stages: Any,
-    default_deadline_s: float | None = None,
-    metrics: Metrics | None = None,
-) -> Orchestrator:
-    """The orchestrator class of the pipeline's mode, with its forward function."""
-    forward = (
-        resolve_entry(pipeline.forward, pipeline.source_dir)
-        if pipeline.forward
-        else forward_previous_data
-    )
-    cls = StreamingOrchestrator if pipeline.mode == "streaming" else Orchestrator
-    return cls(stages, pipeline.final_stage_ids, forward, default_deadline_s, metrics)
 
 
 @dataclass
@@ -115,6 +98,7 @@ class SlotService:
         ]
         for stage in self.stages:
             stage.traced = shared.traced
+            stage.reader.block_budget = self._block_ms
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
         self.core.sink = self._deliver
         self.core.on_change = self._changed
@@ -128,6 +112,7 @@ class SlotService:
             dead_letters=names.dead_letters,
             metrics=shared.metrics,
             backoff=backoff,
+            block_budget=self._block_ms,
         )
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of
@@ -143,6 +128,13 @@ class SlotService:
         """Requests in flight this slot's previous holder left, restored by `start`."""
         self._stopping = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
+
+    def _block_ms(self) -> int:
+        """How long a read of this slot may block: `block_ms` with requests in flight; idle,
+        `orchestrator_idle_block_ms` (an idle slot wakes seldom). Never past the lease fence."""
+        s = self.shared.settings
+        most = s.block_ms if self.client_of else s.orchestrator_idle_block_ms
+        return min(most, self.shared.leases.read_block_ms())
 
     def streams(self) -> list[str]:
         return [self.names.requests, *(st.out_stream for st in self.stages)]

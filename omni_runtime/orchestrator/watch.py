@@ -11,16 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from omni_runtime import keys
 from omni_runtime.messages import REDIS_LOST_STATE
 from omni_runtime.orchestrator.slot import Shared, SlotService
-from omni_runtime.redis_io.liveness import (
-    Absence,
-    StateEpoch,
-    no_live_worker,
-    stage_has_live_replica,
-)
+from omni_runtime.redis_io.liveness import Absence, Replicas, StateEpoch, no_live_worker
 from omni_runtime.redis_io.streams import ensure_group
 
 log = logging.getLogger(__name__)
@@ -34,18 +30,29 @@ class Watch:
         ttl_s = shared.settings.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
         self._clients_absent = Absence(ttl_s)
         self._epoch = StateEpoch(shared.client, self.names.epoch)
+        self.replicas = Replicas(shared.client, self.names, shared.pipeline.last_stage + 1)
 
     async def once(self, now: float) -> None:
-        """One look: beat, Redis restarts, stages, clients (raises `RedisError`)."""
+        """One look: beat, Redis restarts, stages, clients (raises `RedisError`). One
+        round trip while every stage keeps its known replica."""
         s = self.shared.settings
-        client = self.shared.client
-        await client.set(
-            self.names.orchestrator_heartbeat(), self.shared.pipeline.name, px=s.heartbeat_ttl_ms
-        )
-        if await self._epoch.lost():
+        client_ids = sorted({cid for slot in self.slots() for cid in slot.client_of.values()})
+        async with self.shared.client.pipeline(transaction=False) as pipe:
+            pipe.set(
+                self.names.orchestrator_heartbeat(),
+                self.shared.pipeline.name,
+                px=s.heartbeat_ttl_ms,
+            )
+            pipe.get(self.names.epoch)
+            queued = self.replicas.queue(pipe)
+            for cid in client_ids:
+                pipe.exists(self.names.client_heartbeat(cid))
+            replies = await pipe.execute()
+        if await self._epoch.lost_given(replies[1]):
             await self.redis_restarted(now)
-        await self.stages(now)
-        await self.clients(now)
+        stage_replies = replies[2 : 2 + len(queued)]
+        await self._stages_are(await self.replicas.settle(queued, stage_replies), now)
+        await self._clients_are(client_ids, replies[2 + len(queued) :], now)
 
     def busy(self) -> bool:
         """Whether any slot served here has requests in flight."""
@@ -70,12 +77,10 @@ class Watch:
                 await slot.core.abort_request(rid, REDIS_LOST_STATE)
 
     async def stages(self, now: float) -> None:
+        await self._stages_are(await self.replicas.look(), now)
+
+    async def _stages_are(self, live: list[tuple[int, bool]], now: float) -> None:
         shared = self.shared
-        count = shared.pipeline.last_stage + 1
-        live = [
-            (sid, await stage_has_live_replica(shared.client, self.names, sid))
-            for sid in range(count)
-        ]
         new, back = shared.stage_watch.update(live, now)
         for sid in sorted(back):
             log.warning("stage %d has a live worker again", sid)
@@ -90,20 +95,14 @@ class Watch:
                         shared.metrics.inc("omni_aborts_total", reason="no live worker")
                         await slot.core.abort_request(rid, no_live_worker(sid))
 
-    async def clients(self, now: float) -> None:
+    async def _clients_are(self, client_ids: list[str], alive: list[Any], now: float) -> None:
         """Abort the requests of clients gone for longer than the heartbeat TTL: a key
         missing once may just be Redis back empty before the client beat again."""
-        slots = self.slots()
-        client_ids = sorted({cid for slot in slots for cid in slot.client_of.values()})
-        if not client_ids and not len(self._clients_absent):
-            return
-        async with self.shared.client.pipeline(transaction=False) as pipe:
-            for cid in client_ids:
-                pipe.exists(self.names.client_heartbeat(cid))
-            alive = await pipe.execute()
         present = {cid: bool(ok) for cid, ok in zip(client_ids, alive, strict=True)}
         gone = self._clients_absent.update(present, now)
-        for slot in slots:
+        if not gone:
+            return
+        for slot in self.slots():
             for rid, cid in list(slot.client_of.items()):
                 if cid in gone:
                     self.shared.metrics.inc("omni_aborts_total", reason="client went away")

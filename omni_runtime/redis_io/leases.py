@@ -2,8 +2,10 @@
 
 A slot (0, 1, 2, …) is a lease key holding one process's token with a TTL. Whoever
 holds it reads the slot's consumer backlog and owns its requests. The lease is kept
-by one check-and-set transaction per round (WATCH, compare the tokens, PEXPIRE), so
-a process never extends a lease another has taken. A key that vanished (it lapsed,
+by one transaction per round that reads and extends it (its reply proves it held;
+a lease found another's deposes this process), and is set again only by a
+check-and-set transaction (WATCH, compare, SET), so a process never takes back a
+lease another has taken. A key that vanished (it lapsed,
 or Redis came back empty) is taken back only if nobody took it meanwhile: every take
 counts up the slot's generation, and the holder's own count must still be there (or
 none at all: Redis lost everything, and the process's requests end as after any
@@ -85,6 +87,17 @@ class Leases:
     def fresh(self) -> bool:
         return not self.lost and self.age_s < self.ttl_s * FRESH_FRACTION
 
+    def read_block_ms(self) -> int:
+        """How long a blocking read may wait: until the fence closes, at least 1 ms.
+
+        A read issued while the leases are fresh then never outlives them, so an
+        idle holder's readers wake once per renewal or two, not every `block_ms`,
+        and a read never takes an entry after its slot could have been taken over.
+        Every read waiting now ends at the same moment: one wake for them all.
+        """
+        left_s = self.ttl_s * FRESH_FRACTION - self.age_s
+        return max(1, int(left_s * 1000)) if left_s > 0 else 1
+
     async def hold(self) -> bool:
         """Wait until the leases are known fresh (True), or lost (False)."""
         while not self.fresh():
@@ -123,21 +136,50 @@ class Leases:
         self._changed.set()
         return True
 
-    async def refresh(self) -> None:
-        """One renewal round over every held slot; raises `LeaseLost` (and fences for
-        good) if one is held by another. A Redis error leaves the fence closing on time."""
+    async def refresh(self) -> set[int] | None:
+        """One renewal round over every held slot: the slots the registry knows, None if
+        none held. Raises `LeaseLost` (and fences for good) if one is held by another. A
+        Redis error leaves the fence closing on time.
+
+        One round trip while every lease is there: a transaction reads each lease and
+        extends it at once, so its reply proves them ours (a lease found to be another's
+        was extended too, as its holder does every round; this process stops). A lease
+        found gone, or the registry missing one, takes the careful round (`_refresh_watched`).
+        """
         if not self.held:
-            return
+            return None
         started = self.clock()
+        slots = sorted(self.held)
+        async with self.client.pipeline(transaction=True) as pipe:
+            for slot in slots:
+                pipe.get(self.names.orchestrator_lease(slot))
+                pipe.pexpire(self.names.orchestrator_lease(slot), self.ttl_ms)
+            pipe.hkeys(self.names.orchestrator_slots)
+            replies = await pipe.execute()
+        values, known = replies[0:-1:2], {int(m) for m in replies[-1]}
+        taken = [s for s, v in zip(slots, values, strict=True) if not self._mine(v)]
+        if taken:
+            self._lose(taken)
+        if any(v is None for v in values) or not known >= self.held:
+            return await self._refresh_watched(started)
+        self._kept_at = started
+        self._changed.set()
+        return known
+
+    async def _refresh_watched(self, started: float) -> set[int] | None:
+        """The check-and-set round (WATCH, MGET, the transaction) that may set a lapsed
+        lease again, if nobody took it meanwhile, and names the held slots in the
+        registry again (Redis may have lost it)."""
         slots = sorted(self.held)
         lease_keys = [self.names.orchestrator_lease(s) for s in slots]
         gen_keys = [self.names.orchestrator_generation(s) for s in slots]
+        registry = self.names.orchestrator_slots
         for _attempt in range(3):
             try:
                 async with self.client.pipeline(transaction=True) as pipe:
                     await pipe.watch(*lease_keys, *gen_keys)
-                    values = [await pipe.get(k) for k in lease_keys]
-                    gens = [await pipe.get(k) for k in gen_keys]
+                    got = await pipe.mget(*lease_keys, *gen_keys)
+                    values, gens = got[: len(slots)], got[len(slots) :]
                     taken = [
                         s
                         for s, v, g in zip(slots, values, gens, strict=True)
@@ -148,6 +190,7 @@ class Leases:
                         self._lose(taken)
                     pipe.multi()  # type: ignore[no-untyped-call]
                     for slot, key, value, gen in zip(slots, lease_keys, values, gens, strict=True):
+                        pipe.hset(registry, str(slot), self.token)
                         if value is not None:
                             pipe.pexpire(key, self.ttl_ms)
                             continue
@@ -156,13 +199,15 @@ class Leases:
                             pipe.set(
                                 self.names.orchestrator_generation(slot), self.generation[slot]
                             )
-                    await pipe.execute()
+                    pipe.hkeys(registry)
+                    replies = await pipe.execute()
                 self._kept_at = started
                 self._changed.set()
-                return
+                return {int(m) for m in replies[-1]}
             except WatchError:
                 continue  # a key changed between WATCH and EXEC: look again
         log.warning("lease renewal kept racing; retrying next round")
+        return None
 
     def _mine(self, value: bytes | str | None) -> bool:
         """The lease holds this process's token, or none (lapsed)."""
@@ -205,18 +250,12 @@ class Leases:
                 log.warning("cannot close a deposed orchestrator's connections: %r", e)
             self._kill_refused = True
 
-    async def keep_registered(self) -> None:
-        """Name the held slots in the registry again (Redis may have lost it)."""
-        if self.held:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for slot in self.held:
-                    pipe.hset(self.names.orchestrator_slots, str(slot), self.token)
-                await pipe.execute()
-
-    async def lapsed(self) -> list[int]:
-        """Known slots with no lease and not held here: candidates for a takeover."""
-        members = await self.client.hkeys(self.names.orchestrator_slots)
-        slots = sorted(int(m) for m in members if int(m) not in self.held)
+    async def lapsed(self, known: set[int] | None = None) -> list[int]:
+        """Known slots with no lease and not held here: candidates for a takeover.
+        `known`: the registry's slots if just read (`refresh`), else read here."""
+        if known is None:
+            known = {int(m) for m in await self.client.hkeys(self.names.orchestrator_slots)}
+        slots = sorted(s for s in known if s not in self.held)
         if not slots:
             return []
         async with self.client.pipeline(transaction=False) as pipe:

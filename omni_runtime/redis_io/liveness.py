@@ -10,23 +10,70 @@ vanishing (`StateEpoch`), so the runtime can tell "state lost" apart from
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from omni_runtime import keys
 
 
-async def stage_has_live_replica(client: aioredis.Redis, names: keys.Names, stage_id: int) -> bool:
-    """Whether any worker of `stage_id` beats its heartbeat (`<ns>:hb:stage:<k>:*`).
+async def live_heartbeat(client: aioredis.Redis, names: keys.Names, stage_id: int) -> str | None:
+    """The key of one worker of `stage_id` that beats its heartbeat (`<ns>:hb:stage:<k>:*`).
 
     The one place stage replicas are discovered: a key present means a beat younger
     than its TTL. On a Redis Cluster the client is a cluster client, whose SCAN walks
     every primary: a heartbeat lives on the shard of its own slot.
     """
-    async for _key in client.scan_iter(names.heartbeat_pattern(stage_id), count=1000):
-        return True
-    return False
+    async for key in client.scan_iter(names.heartbeat_pattern(stage_id), count=1000):
+        return key.decode() if isinstance(key, bytes) else str(key)
+    return None
+
+
+async def stage_has_live_replica(client: aioredis.Redis, names: keys.Names, stage_id: int) -> bool:
+    """Whether any worker of `stage_id` beats its heartbeat (see `live_heartbeat`)."""
+    return await live_heartbeat(client, names, stage_id) is not None
+
+
+class Replicas:
+    """Which stages have a live worker, looked at often and cheaply.
+
+    A SCAN walks the whole keyspace (every primary of a cluster): too dear once a
+    second. So one heartbeat key found per stage is remembered and looked at with
+    EXISTS, pipelined with the caller's other commands; only a stage whose key is
+    gone is scanned again, to find another replica or learn it has none.
+    """
+
+    def __init__(self, client: aioredis.Redis, names: keys.Names, stages: int) -> None:
+        self.client = client
+        self.names = names
+        self.known: dict[int, str | None] = dict.fromkeys(range(stages))
+
+    def queue(self, pipe: Any) -> list[tuple[int, str]]:
+        """Queue one EXISTS per known key on `pipe`; what was queued, for `settle`."""
+        queued = [(sid, key) for sid, key in sorted(self.known.items()) if key is not None]
+        for _sid, key in queued:
+            pipe.exists(key)
+        return queued
+
+    async def settle(
+        self, queued: list[tuple[int, str]], replies: Sequence[Any]
+    ) -> list[tuple[int, bool]]:
+        """(stage, live) for every stage, from `queue`'s replies (SCAN where a key is gone)."""
+        alive = {sid for (sid, _key), ok in zip(queued, replies, strict=True) if ok}
+        live = []
+        for sid in sorted(self.known):
+            if sid not in alive:
+                self.known[sid] = await live_heartbeat(self.client, self.names, sid)
+            live.append((sid, self.known[sid] is not None))
+        return live
+
+    async def look(self) -> list[tuple[int, bool]]:
+        """(stage, live) for every stage, in one round trip while every stage's key holds."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            queued = self.queue(pipe)
+            replies = await pipe.execute() if queued else []
+        return await self.settle(queued, replies)
 
 
 class StateEpoch:
@@ -45,7 +92,10 @@ class StateEpoch:
 
     async def lost(self) -> bool:
         """True once per loss of Redis's data seen by this process (never on first look)."""
-        seen = await self.client.get(self.key)
+        return await self.lost_given(await self.client.get(self.key))
+
+    async def lost_given(self, seen: bytes | str | None) -> bool:
+        """`lost`, given the key's value just read (in the caller's pipeline)."""
         if seen is None:
             await self.client.set(self.key, uuid.uuid4().hex, nx=True)
             seen = await self.client.get(self.key)

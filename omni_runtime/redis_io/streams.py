@@ -1,26 +1,23 @@
 """Reading the control plane: one consumer-group reader, strict entries, one dead-letter path.
 
-A malformed entry is logged, counted, moved to the dead-letter stream and
-acknowledged, never handed to the caller and never fatal (SPEC §5). The async
-flavour serves the orchestrator and clients, the sync one the worker's threads;
-both share the pure half in `entries` and the write half in `dead_letters`.
-
+A malformed entry is logged, counted, dead-lettered and acknowledged, never handed
+to the caller and never fatal (SPEC §5). The async flavour serves the orchestrator and
+clients, the sync one the worker's threads; both share `entries` and `dead_letters`.
 API (stable):
 
 * `GroupReader(client, stream, group, consumer, model, *, max_bytes, dead_letters,
-  metrics=None, backoff=None, backlog_first=True)` over a `redis.asyncio` client;
+  metrics=None, backoff=None, backlog_first=True, block_budget=None)` over a
+  `redis.asyncio` client (`block_budget`: a callable, ms, overriding each read's block);
   `SyncGroupReader(...)`, the same over a `redis.Redis`, also takes `stop=` (a
-  `threading.Event` that cuts a back-off wait short). `model` is a pydantic model
-  class or a `TypeAdapter` (a discriminated union); `dead_letters` is the dead-letter
-  stream's name (`Names.dead_letters`); `backoff` is the policy template
-  (`Settings.backoff(bounded=True)`): reads retry forever with its delays, writes give
-  up after its `max_attempts`.
+  `threading.Event` that cuts a back-off wait short). `model`: a pydantic model class
+  or a `TypeAdapter`; `dead_letters`: `Names.dead_letters`; `backoff`: the policy
+  (`Settings.backoff(bounded=True)`): reads retry forever, writes `max_attempts` times.
   - `[await] read(count, block_ms) -> list[(entry_id: bytes, msg)]`: this consumer's
     own pending backlog from id 0 first (what a previous run read but never
     acknowledged), then new entries with `>`; after a failed read the backlog again
-    (a reply lost with its connection left its entries pending, never read). `[]` on timeout, or after a failed
-    XREADGROUP once its back-off delay passed, so callers loop and check their stop
-    flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
+    (a reply lost with its connection left its entries pending). `[]` on timeout, or
+    after a failed XREADGROUP once its back-off delay passed, so callers loop and check
+    their stop flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
   - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short at
     once (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
@@ -44,7 +41,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Generic, TypeVar
 
@@ -237,11 +234,13 @@ class GroupReader(_ReaderBase[M]):
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
         backlog_first: bool = True,
+        block_budget: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
         self.client = client
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()
+        self.block_budget = block_budget
 
     @property
     def reading(self) -> bool:
@@ -255,6 +254,7 @@ class GroupReader(_ReaderBase[M]):
         self.cursor = BacklogCursor(True)
 
     async def read(self, count: int, block_ms: int) -> list[tuple[bytes, M]]:
+        block_ms = block_ms if self.block_budget is None else self.block_budget()
         walking = self.cursor.in_backlog
         entries = await self._fetch(count, block_ms)
         if walking and entries == [] and not self.cursor.in_backlog:

@@ -48,7 +48,12 @@ def fake_redis_clients() -> RedisClients:
 
 
 def fast_settings() -> Settings:
-    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+    return Settings(
+        redis_url="redis://unused",
+        block_ms=20,
+        orchestrator_idle_block_ms=20,  # fakeredis goes on with a cancelled blocking read
+        heartbeat_interval_s=0.2,
+    )
 
 
 def gateway_for(cluster: InProcessCluster, **serve: Any) -> Gateway:

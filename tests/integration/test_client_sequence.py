@@ -29,7 +29,13 @@ def fake_clients() -> RedisClients:
 
 
 def settings(**changes: Any) -> Settings:
-    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2, **changes)
+    return Settings(
+        redis_url="redis://unused",
+        block_ms=20,
+        orchestrator_idle_block_ms=20,  # fakeredis goes on with a cancelled blocking read
+        heartbeat_interval_s=0.2,
+        **changes,
+    )
 
 
 def out(rid: str, seq: int, data: Any, finished: bool = False) -> dict[str, bytes]:

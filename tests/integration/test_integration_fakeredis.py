@@ -41,7 +41,12 @@ def fake_clients(server: fakeredis.FakeServer) -> RedisClients:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+    return Settings(
+        redis_url="redis://unused",
+        block_ms=20,
+        orchestrator_idle_block_ms=20,  # fakeredis goes on with a cancelled blocking read
+        heartbeat_interval_s=0.2,
+    )
 
 
 def seed(**update: Any) -> PipelineConfig:

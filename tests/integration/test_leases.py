@@ -111,3 +111,34 @@ async def test_the_writer_holds_while_the_lease_is_stale_and_refuses_once_lost(
     assert await redis.xlen("s") == 2 and writer.dropped_writes == 1
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_round_renews_and_names_every_slot_the_registry_knows(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    a, b = Leases(redis, NAMES, TTL_S), Leases(redis, NAMES, TTL_S)
+    await a.take(0)
+    await b.take(1)
+    await redis.pexpire(NAMES.orchestrator_lease(0), 100)
+    assert await a.refresh() == {0, 1}
+    assert await redis.pttl(NAMES.orchestrator_lease(0)) > 100
+    await redis.delete(NAMES.orchestrator_slots)  # lost (Redis came back with less)
+    assert await a.refresh() == {0}
+    assert await redis.hget(NAMES.orchestrator_slots, "0") == a.token.encode()
+    assert await a.lapsed(await a.refresh()) == []
+
+
+async def test_reads_block_no_longer_than_the_fence_stays_open(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    """A read issued while the leases are fresh ends before the slot could be taken."""
+    clock = Clock()
+    a = Leases(redis, NAMES, TTL_S, clock=clock)
+    await a.take(0)
+    assert a.read_block_ms() == int(TTL_S * 0.75 * 1000)
+    clock.now += TTL_S / 2
+    assert a.read_block_ms() == int(TTL_S * 0.25 * 1000)
+    clock.now += TTL_S  # stale: the caller's `hold()` waits; a read never blocks forever (0)
+    assert a.read_block_ms() == 1
+    await a.refresh()
+    assert a.read_block_ms() == int(TTL_S * 0.75 * 1000)

@@ -16,9 +16,11 @@ from omni_runtime import codec
 from omni_runtime.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.messages import DurableRequest
+from omni_runtime.orchestrator.slot import SlotService
 from omni_runtime.orchestrator_proc import OrchestratorService
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.settings import Settings
 from omni_runtime.worker.proc import StageWorker
 from tests.waiting import wait_for
@@ -44,7 +46,12 @@ def clients(server: fakeredis.FakeServer) -> RedisClients:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2)
+    return Settings(
+        redis_url="redis://unused",
+        block_ms=20,
+        orchestrator_idle_block_ms=20,  # fakeredis goes on with a cancelled blocking read
+        heartbeat_interval_s=0.2,
+    )
 
 
 def slow_seed(mode: str = "sequential") -> PipelineConfig:
@@ -168,3 +175,30 @@ async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
             stop2.set()
             await task2
     await raw.aclose()
+
+
+async def test_an_idle_slot_reads_long_one_in_flight_short_neither_past_the_fence(
+    clients: RedisClients,
+) -> None:
+    """Reads of a slot with nothing in flight block long (an idle orchestrator wakes
+    seldom); with requests in flight, `block_ms`; never past the lease fence."""
+    settings = Settings(redis_url="redis://unused", block_ms=20, orchestrator_idle_block_ms=3000)
+    service = OrchestratorService(slow_seed(), settings, clients)
+    served = SlotService(service.shared, 0, home=True)
+    readers: list[GroupReader[Any]] = [served.requests, *(st.reader for st in served.stages)]
+
+    def budgets() -> list[int]:
+        return [r.block_budget() for r in readers if r.block_budget is not None]
+
+    assert not service.leases.fresh()
+    assert budgets() == [1] * 4  # never kept: the caller's `hold()` waits, a read barely
+    assert await service.leases.take(0)
+    assert budgets() == [3000] * 4
+    served.client_of["r1"] = "c1"
+    assert budgets() == [20] * 4
+    served.client_of.clear()
+    long_idle = settings.model_copy(update={"orchestrator_idle_block_ms": 4_000})
+    service.shared.settings = long_idle
+    fence_ms = long_idle.orchestrator_lease_ttl_s * 0.75 * 1000
+    assert all(3000 < ms <= fence_ms for ms in budgets())
+    await service.client.aclose()

@@ -26,7 +26,11 @@ async def test_every_hand_off_of_a_request_is_stamped_in_order(tmp_path: Path) -
     )
     trace = tmp_path / "trace.log"
     settings = Settings(
-        redis_url="redis://unused", block_ms=20, heartbeat_interval_s=0.2, trace_file=trace
+        redis_url="redis://unused",
+        block_ms=20,
+        orchestrator_idle_block_ms=20,  # fakeredis goes on with a cancelled blocking read
+        heartbeat_interval_s=0.2,
+        trace_file=trace,
     )
     async with InProcessCluster(load_pipeline(WORKERS / "seed.yaml"), settings, clients) as c:
         outs = await c.run("hi there")
