@@ -200,9 +200,12 @@ class OmniClient:
         clock = asyncio.get_running_loop().time
         try:
             while True:
+                # A timer only when waiting: under load the next output is often there.
+                out = None if pending.queue.empty() else pending.queue.get_nowait()
                 try:
-                    async with asyncio.timeout(timeout_s):
-                        out = await pending.queue.get()
+                    if out is None:
+                        async with asyncio.timeout(timeout_s):
+                            out = await pending.queue.get()
                 except TimeoutError:
                     raise RequestTimeoutError(
                         f"no output for request {request_id!r} within {timeout_s:g}s "
