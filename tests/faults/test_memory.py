@@ -1,9 +1,11 @@
-"""Bounded memory in Redis: after a load of omni requests, used_memory is back within 10 %
-of its baseline (live heartbeats included), since every handled entry of the streams the
-orchestrator reads is deleted with its acknowledgement and client streams are deleted."""
+"""Bounded memory in Redis: after a load of omni requests, used_memory less the connections'
+buffers is back within 10 % of its baseline (live heartbeats included) once Redis gave the
+buffers' peaks back, since every handled entry of the streams the orchestrator reads is
+deleted with its acknowledgement and client streams are deleted."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.faults.harness import FULL, FaultDeployment, header, run_load
+from tests.waiting import wait_for
 from workers.omni import tokenize
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.redis_server]
@@ -61,27 +64,41 @@ async def test_redis_memory_returns_to_its_baseline_after_a_load(
         warm = {f"warm{i}": f"Warm up {i}." for i in range(concurrency)}
         await run_load(d, "warm-up", warm, OmniOutputs, concurrency)
         prompts = {f"mem{i}": f"Hello there, request {i}!" for i in range(n)}
+        before = data_memory(d)
         report = await run_load(d, "memory (omni)", prompts, OmniOutputs, concurrency)
         names = d.settings.names
         ours = [names.requests, *(names.stage_out(k) for k in range(3))]
         left_in_ours = {s: int(d.redis.xlen(s)) for s in ours}
-        worker_inputs = {
-            names.stage_in(k): int(d.redis.memory_usage(names.stage_in(k), samples=0) or 0)
-            for k in range(3)
-        }
-        # connections' query and reply buffers: what the live processes are saying, not data
-        buffers = int(d.redis.info("memory")["mem_clients_normal"])
-    workers_share = sum(worker_inputs.values())
+        # The worker's input streams are acknowledged, not yet deleted, on the worker's side.
+        workers_share = sum(
+            int(d.redis.memory_usage(names.stage_in(k), samples=0) or 0) for k in range(3)
+        )
+        seen: list[int] = []
+
+        def back_to_baseline() -> bool:
+            seen.append(data_memory(d) - workers_share)
+            return seen[-1] <= 1.1 * before
+
+        # Redis gives idle connections' peak buffers back in its own cron, within seconds.
+        with contextlib.suppress(AssertionError):  # past the deadline: the assert says how far
+            await wait_for(back_to_baseline, deadline_s=15)
     print(
         "\n"
         + header()
         + "\n"
         + report.line()
-        + f"  worker input streams {workers_share // 1024} kB, connection buffers "
-        + f"{buffers // 1024} kB"
+        + f"  without connection buffers {before // 1024}->{seen[0] // 1024} kB right after,"
+        + f" {seen[-1] // 1024} kB after {len(seen)} looks; worker input streams"
+        + f" {workers_share // 1024} kB"
     )
     assert (report.ok, report.wrong, report.lost) == (n, 0, 0), report
     assert left_in_ours == dict.fromkeys(ours, 0)
-    # The worker's input streams are acknowledged, not yet deleted, on the worker's side.
-    data_after = report.memory_after - buffers - workers_share
-    assert data_after <= 1.1 * report.memory_before, report
+    assert seen[-1] <= 1.1 * before, (before, seen[-1], report)
+
+
+def data_memory(d: FaultDeployment) -> int:
+    """used_memory less the connections' query and reply buffers, from one INFO snapshot:
+    buffers grow and shrink with what the live processes are saying (and Redis shrinks
+    them lazily), not with what is kept."""
+    info = d.redis.info("memory")
+    return int(info["used_memory"]) - int(info["mem_clients_normal"])
