@@ -25,21 +25,15 @@ import redis.cluster
 from omni_runtime.errors import OmniError
 from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
 from tests.backends import REAL_REDIS_FIXTURES
+from tests.services import unavailable
 
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "OMNI_TEST_CLUSTER_URL"
 SERVER_START_TIMEOUT_S = 10.0
 
 
-def _under_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
-
-
 def _unavailable(reason: str) -> NoReturn:
-    """Fail under CI=true (a required service is missing), skip otherwise."""
-    if _under_ci():
-        pytest.fail(f"{reason}; a redis-server is required under CI=true", pytrace=False)
-    pytest.skip(reason)
+    unavailable(reason, "a redis-server")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ without them the test is skipped, except under CI=true where it fails.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import NoReturn
 import pytest
 
 from tests.e2e.serving import ROOT, ServeProcess
+from tests.services import unavailable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,10 +25,7 @@ PROMPT = "Hello from the playground, streaming text and audio!"
 
 
 def _unavailable(reason: str) -> NoReturn:
-    """Like conftest's: fail under CI=true (CI must install Chromium), skip elsewhere."""
-    if os.environ.get("CI", "").strip().lower() in {"true", "1"}:
-        pytest.fail(f"{reason}; Chromium is required under CI=true", pytrace=False)
-    pytest.skip(reason)
+    unavailable(reason, "Chromium")
 
 
 @pytest.fixture

@@ -97,8 +97,8 @@ async def test_the_writer_holds_while_the_lease_is_stale_and_refuses_once_lost(
     clock.now += TTL_S  # stalled past the fence: the next batch waits
     writer.xadd("s", {"m": b"2"})
     held = asyncio.create_task(writer.written())
-    await asyncio.sleep(0.05)
-    assert not held.done() and await redis.xlen("s") == 1
+    done, _ = await asyncio.wait({held}, timeout=0.05)  # held back: not written meanwhile
+    assert not done and await redis.xlen("s") == 1
     await a.refresh()  # kept after all: it goes out
     assert await held and await redis.xlen("s") == 2
     clock.now += TTL_S
