@@ -33,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from omni_runtime.errors import FatalError
+from omni_runtime.redis_io.packing import SmallFirstPacker, small_first_async
 
 if TYPE_CHECKING:
     from omni_runtime.settings import Settings
@@ -142,10 +143,8 @@ def check_namespace(client: redis.Redis, namespace: str, url: str) -> None:
 
 
 def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redis.Redis:
-    """A sync client for `url` whose commands are packed by redis-py's Python packer.
-
-    hiredis's packer copies each argument into a fresh mmap'd buffer and is ~5x
-    slower for MiB-size values; audio and tensor chunks are exactly those.
+    """A sync client for `url` whose commands are packed by `packing.SmallFirstPacker`
+    (hiredis for small commands, redis-py's Python packer for MiB-size values).
     `redis_kwargs` go to the pool (e.g. `retry=`); closing the client closes it.
     With `cluster`, a `redis.cluster.RedisCluster` (its own pools per node; redis-py's
     default packer, since the cluster client takes no packer).
@@ -158,17 +157,28 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
     pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
     # Built from the pool's own encoder so str arguments are encoded as the URL says
     # (`encoding=`); the pool hands this one stateless packer to every connection.
-    pool.connection_kwargs["command_packer"] = PythonRespSerializer(
-        PACKER_BUFFER_CUTOFF, pool.get_encoder().encode
-    )
+    encoder = pool.get_encoder()
+    packer = SmallFirstPacker if _is_utf8(encoder) else PythonRespSerializer
+    pool.connection_kwargs["command_packer"] = packer(PACKER_BUFFER_CUTOFF, encoder.encode)
     return redis.Redis.from_pool(pool)
 
 
 def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
-    """An asyncio client for `url` (a cluster one with `cluster`; it connects lazily)."""
+    """An asyncio client for `url` (a cluster one with `cluster`; it connects lazily), its
+    commands packed as `sync_client`'s are."""
     if cluster:
         return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
-    return aioredis.Redis.from_url(url)
+    client = aioredis.Redis.from_url(url)
+    pool = client.connection_pool
+    if _is_utf8(pool.get_encoder()):  # type: ignore[no-untyped-call] # hiredis encodes str as UTF-8, strictly
+        pool.connection_class = small_first_async(pool.connection_class)
+    return client
+
+
+def _is_utf8(encoder: Any) -> bool:
+    return bool(
+        encoder.encoding.lower().replace("-", "") == "utf8" and encoder.encoding_errors == "strict"
+    )
 
 
 def pool_for_key(client: redis.Redis, key: str) -> ConnectionPool:

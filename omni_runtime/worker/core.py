@@ -17,7 +17,7 @@ from typing import Any
 from omni_runtime import codec
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.messages import StageOutputMsg
+from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepFailed
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
@@ -228,11 +228,8 @@ class WorkerCore:
             return  # aborted or failed meanwhile
         is_error = out.error is not None
         ends = out.finished or is_error
-        msg = StageOutputMsg(
-            request_id=rid, data=out.data, finished=out.finished, error=out.error, seq=req.seq
-        )
-        try:
-            payload = codec.encode_model(msg)
+        try:  # even a chunk the orchestrator will not see: what cannot travel fails here
+            payload = _encode_output(rid, out.data, out.finished, out.error, req.seq)
             if len(payload) > self.max_message_bytes:  # the reader would refuse it
                 raise CodecError(f"{len(payload)} bytes > OMNI_MAX_MESSAGE_BYTES")
         except CodecError as e:
@@ -247,8 +244,7 @@ class WorkerCore:
             if not ends:
                 req.seq += 1
                 return
-            msg = StageOutputMsg(request_id=rid, data=None, finished=True, seq=req.seq)
-            payload = codec.encode_model(msg)
+            payload = _encode_output(rid, None, True, None, req.seq)
         ack = req.entry_id if ends else None
         self._actions.outputs.append(Outgoing(rid, req.seq, payload, ends, is_error, ack))
         req.seq += 1
@@ -256,8 +252,7 @@ class WorkerCore:
             self._end(rid, failed=is_error)
 
     def _publish_error(self, rid: str, error: str, seq: int, ack: bytes | None) -> None:
-        msg = StageOutputMsg(request_id=rid, data=None, finished=True, error=error, seq=seq)
-        payload = codec.encode_model(msg)
+        payload = _encode_output(rid, None, True, error, seq)
         self._actions.outputs.append(Outgoing(rid, seq, payload, True, True, ack))
 
     def _fail(self, rid: str, error: str, abort_engine: bool = True) -> None:
@@ -288,3 +283,9 @@ class WorkerCore:
     def _engine_error(self, method: str, e: Exception) -> str:
         log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)
         return f"{self.stage_name} {method}() raised {type(e).__name__}: {e}"
+
+
+def _encode_output(rid: str, data: Any, finished: bool, error: str | None, seq: int) -> bytes:
+    """A `StageOutputMsg`'s wire bytes from a dict: no model per chunk (the reader validates)."""
+    msg = {"v": WIRE_VERSION, "type": "stage_output", "request_id": rid, "data": data}
+    return codec.encode(msg | {"finished": finished, "error": error, "seq": seq})
