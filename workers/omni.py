@@ -1,14 +1,20 @@
 """An omni-style demo: thinker (text tokens) → talker (codec codes) → code2wav (audio).
 
-The "models" are stand-ins (sleeps and sines) but the shapes are real: two generator
-stages and one batching step engine. Every stage reads its input through `with_last` or
-`ChunkStream`, so sequential and streaming mode give identical final outputs.
+The "models" are stand-ins (sleeps and sines) but the shapes are real. `workers/omni.yaml`
+runs three batching step engines, as a served omni model batches its requests:
+`Thinker` and `Talker` make one token for every running request per decode step,
+`Code2Wav` synthesises every request's new codes in one step. The generators `thinker`
+and `talker` make the same outputs one request per thread (a stage can be written
+either way). Every stage reads its input through `with_last` or `ChunkStream`, so
+sequential and streaming mode give identical final outputs.
 
 Pacing, as `workers/omni.yaml` sets it (a GPU-served omni model's speeds):
 
-* thinker: `token_delay_ms` per token (20 ms: 50 tokens/s, an LLM's decode rate);
+* thinker: `token_delay_ms` per decode step, one token per request (20 ms: 50 tokens/s,
+  an LLM's decode rate);
 * talker: `code_delay_ms` per codec code, each code `frame_ms` of audio (2 ms per
-  20 ms: the talker makes speech 10x faster than real time);
+  20 ms: the talker makes speech 10x faster than real time); a step lasts as long as
+  its longest token's codes take;
 * code2wav: a step takes the longest audio it makes for one request divided by
   `real_time_factor` (50: a batched vocoder, 50x faster than real time).
 
@@ -83,6 +89,92 @@ def talker(data: Iterable[Any], code_delay_ms: float = 2) -> Iterator[Any]:
         _sleep_ms(code_delay_ms * len(codes))
         chunk = {"token": str(tok), "codes": codes}
         yield Final(chunk) if last else chunk
+
+
+class Thinker:
+    """Stage 0 as a served LLM runs it (continuous batching): each `step` is one decode step
+    of `token_delay_ms` that gives every running request its next token. Same outputs as
+    `thinker`; one engine loop instead of a thread per request."""
+
+    def __init__(self, token_delay_ms: float = 20) -> None:
+        self.token_delay_ms = token_delay_ms
+        self._lock = threading.Lock()
+        self._reqs: dict[str, list[str]] = {}
+        """Each running request's tokens still to come, last first (popped from the end)."""
+
+    def add_request(self, request_id: str, data: Any) -> None:
+        tokens = tokenize(str(data)) if data is not None else []
+        with self._lock:
+            self._reqs[request_id] = tokens[::-1]
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._reqs.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._reqs)
+
+    def step(self) -> list[EngineOutput]:
+        _sleep_ms(self.token_delay_ms)  # the decode step, for the whole batch at once
+        outputs = []
+        with self._lock:
+            for rid, left in list(self._reqs.items()):
+                tok = left.pop() if left else None
+                outputs.append(EngineOutput(rid, tok, not left))
+                if not left:
+                    del self._reqs[rid]
+        return outputs
+
+
+class Talker:
+    """Stage 1 batched the same way: a step takes one upstream token of every request that
+    has one and lasts `code_delay_ms` per code of the longest token in the batch. Same
+    outputs as `talker` (`None` tokens skipped; an input that closes after its last chunk
+    went out ends with a `None`)."""
+
+    def __init__(self, code_delay_ms: float = 2) -> None:
+        self.code_delay_ms = code_delay_ms
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Request] = {}
+
+    def add_request(self, request_id: str, data: Any) -> None:
+        stream = data if isinstance(data, ChunkStream) else ChunkStream(data or (), closed=True)
+        with self._lock:
+            self._reqs[request_id] = _Request(stream)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._reqs.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return any(_next_token(r) for r in self._reqs.values())
+
+    def step(self) -> list[EngineOutput]:
+        batch: list[tuple[str, str | None, bool]] = []
+        with self._lock:
+            for rid, r in list(self._reqs.items()):
+                if not _next_token(r):
+                    continue
+                tok = r.pending.pop(0) if r.pending else None
+                last = r.ended and not r.pending
+                batch.append((rid, tok, last))
+                if last:
+                    del self._reqs[rid]
+        chunks = [(rid, None if t is None else {"token": t, "codes": token_codes(t)}, last)
+                  for rid, t, last in batch]  # fmt: skip
+        longest = max((len(c["codes"]) for _r, c, _l in chunks if c is not None), default=0)
+        _sleep_ms(self.code_delay_ms * longest)
+        return [EngineOutput(rid, c, last) for rid, c, last in chunks]
+
+
+def _next_token(r: _Request) -> bool:
+    """Take new input (dropping `None` tokens); True if a token or the end is due."""
+    closed = r.stream.closed  # read before take: closed then means nothing more will come
+    r.pending.extend(str(t) for t in r.stream.take() if t is not None)
+    r.ended = r.ended or closed
+    return bool(r.pending) or r.ended
 
 
 @dataclass

@@ -18,7 +18,7 @@ import workers.omni as omni_mod
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.stage_api import ChunkStream, EngineOutput, Final
 from omni_runtime.wav import write_wav
-from workers.omni import CODEBOOK_SIZE, Code2Wav, talker, thinker, token_codes
+from workers.omni import CODEBOOK_SIZE, Code2Wav, Talker, Thinker, talker, thinker, token_codes
 from workers.seed import prefix_wav, split_words, upper_all
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
@@ -83,8 +83,8 @@ def test_pipeline_files_load() -> None:
     assert (seed.mode, seed.final_stage_ids, seed.forward) == ("sequential", [0, 2], None)
     omni = load_pipeline(WORKERS / "omni.yaml")
     assert [s.entry for s in omni.stages] == [
-        "workers.omni:thinker",
-        "workers.omni:talker",
+        "workers.omni:Thinker",
+        "workers.omni:Talker",
         "workers.omni:Code2Wav",
     ]
 
@@ -110,6 +110,51 @@ def test_talker_deterministic() -> None:
     # crc32, not the salted hash(): the same in every process, forever
     assert token_codes("Hi") == token_codes("Hi") != token_codes("hi")
     assert run_stage(talker([None], code_delay_ms=0)) == [(None, True)]
+
+
+def engine_outputs(engine: Thinker | Talker) -> dict[str, list[tuple[Any, bool]]]:
+    """(data, finished) per request, stepping until the engine has no work."""
+    out: dict[str, list[tuple[Any, bool]]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append((o.data, o.finished))
+    return out
+
+
+def test_batched_thinker_gives_every_request_one_token_a_step_as_the_generator_does() -> None:
+    eng = Thinker(token_delay_ms=0)
+    eng.add_request("a", "Hello, world!")
+    eng.add_request("b", "Hi")
+    eng.add_request("empty", "")
+    assert [o.request_id for o in eng.step()] == ["a", "b", "empty"]  # one decode step
+    eng.add_request("late", "x y")
+    eng.abort("b")
+    rest = engine_outputs(eng)
+    assert rest["a"] == run_stage(thinker("Hello, world!", token_delay_ms=0))[1:]
+    assert rest["late"] == run_stage(thinker("x y", token_delay_ms=0))
+    assert "b" not in rest and "empty" not in rest
+
+
+def test_batched_talker_matches_the_generator_in_both_modes() -> None:
+    tokens = ["Hello", ",", None, "world", "!"]
+    seq, streamed = Talker(code_delay_ms=0), Talker(code_delay_ms=0)
+    seq.add_request("r", tokens)
+    stream = ChunkStream()
+    streamed.add_request("r", stream)
+    assert not streamed.has_work()
+    stream.extend(tokens[:2], closed=False)
+    first = streamed.step()
+    assert [(o.data["token"], o.finished) for o in first] == [("Hello", False)]
+    stream.extend(tokens[2:], closed=True)
+    want = run_stage(talker(tokens, code_delay_ms=0))
+    assert engine_outputs(seq)["r"] == want
+    assert [(o.data, o.finished) for o in first] + engine_outputs(streamed)["r"] == want
+    late = Talker(code_delay_ms=0)  # the input closes after its last token went out
+    stream = ChunkStream(["a"])
+    late.add_request("r", stream)
+    assert [(o.data["token"], o.finished) for o in late.step()] == [("a", False)]
+    stream.extend([], closed=True)
+    assert engine_outputs(late)["r"] == [(None, True)]
 
 
 # --- omni: Code2Wav ----------------------------------------------------------------------
