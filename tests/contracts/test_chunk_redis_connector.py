@@ -14,13 +14,13 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
-from redis.connection import PythonRespSerializer
 
 from omni_runtime import ChunkAdapter, keys
 from omni_runtime.chunks import RedisConnector
 from omni_runtime.chunks.redis_packed import PackedPipe
 from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.packing import SmallFirstPacker
 from tests.waiting import wait_until
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)
@@ -215,17 +215,22 @@ def test_a_decoding_client_is_rejected(fake_server: fakeredis.FakeServer) -> Non
 
 
 @pytest.mark.redis_server
-def test_from_url_packs_commands_with_the_python_packer(redis_url: str) -> None:
+def test_from_url_packs_small_commands_with_hiredis_and_big_values_in_python(
+    redis_url: str,
+) -> None:
     with RedisConnector.from_url(redis_url) as conn:
         pool = conn.client.connection_pool
-        assert isinstance(pool.connection_kwargs["command_packer"], PythonRespSerializer)
+        assert isinstance(pool.connection_kwargs["command_packer"], SmallFirstPacker)
         connection = pool.get_connection()
         try:
-            assert isinstance(connection._command_packer, PythonRespSerializer)
+            assert isinstance(connection._command_packer, SmallFirstPacker)
         finally:
             pool.release(connection)
         conn.put("packed_0_0", {"data": memoryview(b"\x00" * 10_000), "finished": False})
         assert conn.get("packed_0_0") == {"data": b"\x00" * 10_000, "finished": False}
+        big = bytes(range(256)) * 8192  # 2 MiB: past SMALL_ARG_BYTES, the Python packer's
+        conn.put("packed_0_1", {"data": big, "finished": True})
+        assert conn.get("packed_0_1") == {"data": big, "finished": True}
 
 
 def test_unreachable_server_is_a_transport_error() -> None:
