@@ -6,11 +6,19 @@ every argument into a fresh buffer, ~5x slower than the Python packer for MiB-si
 values, which audio and tensor chunks are. So a command whose arguments are all small
 str/bytes/int/float goes to hiredis, anything else (big, memoryview, a type redis-py
 refuses with its own error) to redis-py's packer, unchanged.
+
+Replies: redis-py's asyncio connection reads every reply under its own `socket_timeout`
+timer (set and cancelled per command of a pipeline: ~10 % of an orchestrator's CPU).
+Inside `one_timeout`, a pipeline's replies share that one deadline instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from redis.asyncio.connection import AbstractConnection as AsyncConnection
@@ -57,8 +65,42 @@ class SmallFirstPacker:
         return [packed]
 
 
+_ONE_TIMEOUT: ContextVar[bool] = ContextVar("omni_one_timeout", default=False)
+
+
+@contextlib.asynccontextmanager
+async def one_timeout(seconds: float) -> AsyncIterator[None]:
+    """Every reply read in this block (this task) waits under one deadline of `seconds`,
+    not under a timer per reply; past it, `TimeoutError` as a read timeout would raise."""
+    token = _ONE_TIMEOUT.set(True)
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    finally:
+        _ONE_TIMEOUT.reset(token)
+
+
 class SmallFirstAsync:
-    """Mixed into an asyncio connection class: the same choice for `pack_command`."""
+    """Mixed into an asyncio connection class: the same choice for `pack_command`, and
+    replies read without a timer of their own inside `one_timeout`."""
+
+    async def read_response(
+        self,
+        disable_decoding: bool = False,
+        timeout: float | None = None,
+        *,
+        disconnect_on_error: bool = True,
+        push_request: bool | None = False,
+    ) -> Any:
+        if timeout is None and _ONE_TIMEOUT.get():
+            timeout = math.inf  # redis-py: read with no timer (the block's deadline holds)
+        return await AsyncConnection.read_response(
+            self,  # type: ignore[arg-type]
+            disable_decoding,
+            timeout,
+            disconnect_on_error=disconnect_on_error,
+            push_request=push_request,
+        )
 
     def pack_command(self, *args: Any) -> list[bytes]:
         packed = pack_small(args)

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.packing import one_timeout
 from omni_runtime.redis_io.write_ops import (
     Expire,
     Op,
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ATTEMPTS = 20
 """Writes always give up at last: a scheduler must never retry forever."""
+WRITE_TIMEOUT_S = 5.0
+"""All replies of one batch's pipeline within this (redis-py's default read timeout, once
+per pipeline instead of per reply); past it the batch counts as a failed attempt."""
 
 
 class Fence(Protocol):
@@ -179,11 +183,14 @@ class StreamWriter:
         policy = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
         while True:
             try:
-                async with self.client.pipeline(transaction=False) as pipe:
+                async with (
+                    one_timeout(WRITE_TIMEOUT_S),
+                    self.client.pipeline(transaction=False) as pipe,
+                ):
                     fill_pipeline(pipe, ops)
                     await pipe.execute()
                 return True
-            except RedisError as e:
+            except (RedisError, TimeoutError) as e:
                 delay = policy.failed()
                 if delay is None:
                     self._dropped(ops)
