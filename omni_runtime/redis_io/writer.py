@@ -25,6 +25,8 @@ from redis.exceptions import RedisError
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.packing import one_timeout
 from omni_runtime.redis_io.write_ops import (
     Expire,
@@ -71,6 +73,7 @@ class StreamWriter:
         self.sources: list[Callable[[], list[Op]]] = []
         """Called as each batch is taken: the ops that record state changed since."""
         self.fence: Fence | None = None
+        self._cluster = is_cluster(client)
         self._traced: list[tuple[str, int]] = []
         """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""
         self._ops: list[Op] = []
@@ -178,15 +181,18 @@ class StreamWriter:
             where = op.stream if isinstance(op, XAdd | XAck) else op.key
             self.metrics.inc("omni_dropped_writes_total", stream=where, source="writer")
 
+    def _pipeline(self) -> Any:
+        """Packed by hand on a single server; redis-py's pipeline on a cluster (it routes)."""
+        if self._cluster:
+            return self.client.pipeline(transaction=False)
+        return AsyncPackedPipe(self.client)
+
     async def _write(self, ops: list[Op]) -> bool:
         b = self.backoff
         policy = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
         while True:
             try:
-                async with (
-                    one_timeout(WRITE_TIMEOUT_S),
-                    self.client.pipeline(transaction=False) as pipe,
-                ):
+                async with one_timeout(WRITE_TIMEOUT_S), self._pipeline() as pipe:
                     fill_pipeline(pipe, ops)
                     await pipe.execute()
                 return True

@@ -7,6 +7,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from omni_runtime import codec, keys
@@ -14,8 +15,13 @@ from omni_runtime.errors import CodecError
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
+from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.write_ops import (
     Expire,
+    ExpireAt,
+    HashDrop,
+    HashPut,
+    Op,
     XAck,
     XAdd,
     fill_pipeline,
@@ -80,9 +86,12 @@ async def test_batch_is_written_and_callers_told(fake_server: fakeredis.FakeServ
 
 
 async def test_writes_are_given_up_after_bounded_attempts_counted_and_reported() -> None:
-    class Down:
-        def pipeline(self, **_k: Any) -> Any:
+    class DownPool:
+        async def get_connection(self) -> Any:
             raise RedisConnectionError("down")
+
+    class Down:
+        connection_pool = DownPool()
 
     metrics = Metrics()
     writer = StreamWriter(Down(), 100, metrics=metrics, backoff=Backoff(0.001, 0.002, 3))  # type: ignore[arg-type]
@@ -146,3 +155,35 @@ def test_a_batch_of_messages_is_refused_where_one_message_is_expected() -> None:
 
 def _fields(add: XAdd) -> dict[bytes, bytes]:
     return {k.encode(): v for k, v in add.fields.items()}
+
+
+async def test_the_packed_pipe_sends_what_redis_pys_pipeline_would() -> None:
+    """Same ops, same commands: the hand-packed round trip is only a cheaper way to send them."""
+    ops: list[Op] = [
+        XAdd("s", {"p": b"x"}, 100),
+        XAdd("in", {"p": b"y"}, 50, urgent=True),
+        XAdd("control", {"p": b"z"}, 100, max_age_s=60.0),
+        HashPut("states", {"r1": b"a", "r2": b"b"}),
+        HashDrop("states", ["r3"]),
+        ExpireAt("states", 123_456),
+        ExpireAt("other", None),
+        XAck("out", "g", b"1-0", delete=True),
+        Expire("s", 30),
+    ]
+    client = aioredis.Redis()  # never connects: only its pipeline's command stack is read
+    packed = AsyncPackedPipe(client)
+    fill_pipeline(packed, ops)
+    pipe = client.pipeline(transaction=False)
+    fill_pipeline(pipe, ops)
+    theirs = [args for args, _options in pipe.command_stack]
+    ours = packed.commands
+    minid = [i for i, cmd in enumerate(theirs) if "MINID" in cmd]  # a clock read on each side
+    for i in minid:
+        assert abs(int(ours[i][3]) - int(theirs[i][3])) < 1000  # ms
+        ours[i], theirs[i] = ours[i][:3] + ours[i][4:], theirs[i][:3] + theirs[i][4:]
+    assert [wire(c) for c in ours] == [wire(c) for c in theirs]
+
+
+def wire(command: tuple[Any, ...]) -> list[bytes]:
+    """Each argument as the bytes Redis receives."""
+    return [a if isinstance(a, bytes) else str(a).encode() for a in command]
