@@ -127,18 +127,24 @@ class Thinker:
         return outputs
 
 
-class Talker:
-    """Stage 1 batched the same way: a step takes one upstream token of every request that
-    has one and lasts `code_delay_ms` per code of the longest token in the batch. Same
-    outputs as `talker` (`None` tokens skipped; an input that closes after its last chunk
-    went out ends with a `None`)."""
+@dataclass
+class _Request:
+    stream: ChunkStream
+    pending: list[Any] = field(default_factory=list)
+    ended: bool = False
+    """Input closed and everything taken: the next step emits this request's last output."""
 
-    def __init__(self, code_delay_ms: float = 2) -> None:
-        self.code_delay_ms = code_delay_ms
+
+class _StreamedRequests:
+    """What the talker and code2wav share: each request's input as a `ChunkStream` (a
+    list in sequential mode is one already closed), all under one lock."""
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reqs: dict[str, _Request] = {}
 
     def add_request(self, request_id: str, data: Any) -> None:
+        """`data`: a list (sequential mode) or a ChunkStream (streaming mode) of chunks."""
         stream = data if isinstance(data, ChunkStream) else ChunkStream(data or (), closed=True)
         with self._lock:
             self._reqs[request_id] = _Request(stream)
@@ -149,13 +155,37 @@ class Talker:
 
     def has_work(self) -> bool:
         with self._lock:
-            return any(_next_token(r) for r in self._reqs.values())
+            return any(self._poll(r) for r in self._reqs.values())
+
+    def _poll(self, r: _Request) -> bool:
+        """Move new input into `pending`; True if the request has something to emit."""
+        closed = r.stream.closed  # read before take: closed then means nothing more will come
+        r.pending.extend(self._kept(r.stream.take()))
+        r.ended = r.ended or closed
+        return bool(r.pending) or r.ended
+
+    def _kept(self, chunks: list[Any]) -> list[Any]:
+        return chunks
+
+
+class Talker(_StreamedRequests):
+    """Stage 1 batched the same way: a step takes one upstream token of every request that
+    has one and lasts `code_delay_ms` per code of the longest token in the batch. Same
+    outputs as `talker` (`None` tokens skipped; an input that closes after its last chunk
+    went out ends with a `None`)."""
+
+    def __init__(self, code_delay_ms: float = 2) -> None:
+        super().__init__()
+        self.code_delay_ms = code_delay_ms
+
+    def _kept(self, chunks: list[Any]) -> list[Any]:
+        return [str(t) for t in chunks if t is not None]  # a `None` token: no output
 
     def step(self) -> list[EngineOutput]:
         batch: list[tuple[str, str | None, bool]] = []
         with self._lock:
             for rid, r in list(self._reqs.items()):
-                if not _next_token(r):
+                if not self._poll(r):
                     continue
                 tok = r.pending.pop(0) if r.pending else None
                 last = r.ended and not r.pending
@@ -169,23 +199,7 @@ class Talker:
         return [EngineOutput(rid, c, last) for rid, c, last in chunks]
 
 
-def _next_token(r: _Request) -> bool:
-    """Take new input (dropping `None` tokens); True if a token or the end is due."""
-    closed = r.stream.closed  # read before take: closed then means nothing more will come
-    r.pending.extend(str(t) for t in r.stream.take() if t is not None)
-    r.ended = r.ended or closed
-    return bool(r.pending) or r.ended
-
-
-@dataclass
-class _Request:
-    stream: ChunkStream
-    pending: list[Any] = field(default_factory=list)
-    ended: bool = False
-    """Input closed and everything taken: the next step emits this request's last output."""
-
-
-class Code2Wav:
+class Code2Wav(_StreamedRequests):
     """Stage 2: a step engine turning codes into PCM, all requests with new codes in one batch.
 
     Each code is a faded sine frame looked up in a table built once, so a step is one
@@ -208,22 +222,7 @@ class Code2Wav:
         self.frame_len = frame_len
         self.real_time_factor = real_time_factor
         self._table = _frame_table(sample_rate, frame_len)
-        self._lock = threading.Lock()
-        self._reqs: dict[str, _Request] = {}
-
-    def add_request(self, request_id: str, data: Any) -> None:
-        """`data`: a list (sequential mode) or a ChunkStream (streaming mode) of talker chunks."""
-        stream = data if isinstance(data, ChunkStream) else ChunkStream(data or (), closed=True)
-        with self._lock:
-            self._reqs[request_id] = _Request(stream)
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._reqs.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return any(self._poll(r) for r in self._reqs.values())
+        super().__init__()
 
     def step(self) -> list[EngineOutput]:
         outputs = self._step()
@@ -264,14 +263,6 @@ class Code2Wav:
                 if r.ended:
                     del self._reqs[rid]
             return outputs
-
-    @staticmethod
-    def _poll(r: _Request) -> bool:
-        """Move new input into `pending`; True if the request has something to emit."""
-        closed = r.stream.closed  # read before take: closed then means nothing more will come
-        r.pending.extend(r.stream.take())
-        r.ended = r.ended or closed
-        return bool(r.pending) or r.ended
 
 
 def _codes_of(chunk: Any) -> list[int]:
