@@ -35,6 +35,8 @@ from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
 from omni_runtime.redis_io.outbox import ClientOutbox
@@ -96,9 +98,14 @@ class SlotService:
             )
             for sid in range(p.last_stage + 1)
         ]
+        consumer = keys.orchestrator_consumer(slot)
+        joint = JointRead(shared.client, keys.ORCHESTRATOR_GROUP, consumer, self._block_ms)
+        joint_read = not is_cluster(shared.client)
         for stage in self.stages:
             stage.traced = shared.traced
             stage.reader.block_budget = self._block_ms
+            if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
+                joint.add(stage.reader)
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
         self.core.sink = self._deliver
         self.core.on_change = self._changed

@@ -175,7 +175,8 @@ class RedisStageClient:
 
     async def get_output(self) -> list[StageOutput]:
         while True:
-            if self._stopping or (self.fence is not None and not await self.fence.hold()):
+            stopped = self._stopping or self.reader.interrupted  # (a joint read's, too)
+            if stopped or (self.fence is not None and not await self.fence.hold()):
                 await asyncio.get_running_loop().create_future()  # parked until cancelled
             self._idle.clear()
             try:

@@ -18,8 +18,10 @@ API (stable):
     (a reply lost with its connection left its entries pending). `[]` on timeout, or
     after a failed XREADGROUP once its back-off delay passed, so callers loop and check
     their stop flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
-  - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short at
-    once (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
+  - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short
+    (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
+    On a single server it reads through a `joint_read.JointRead` (`joint`): its own, or
+    one shared with other streams of its group and consumer.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
     obtained otherwise (XCLAIM): malformed ones dead-lettered, trimmed ones acked.
   - `[await] ack(*entry_ids) -> bool`: XACK, bounded retries; False once given up.
@@ -52,6 +54,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.dead_letters import DEFAULT_BACKOFF, DeadLetters, SyncDeadLetters
 from omni_runtime.redis_io.entries import (
     BacklogCursor,
@@ -63,7 +66,9 @@ from omni_runtime.redis_io.entries import (
     parse_entry,
     stream_reply,
 )
+from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
+from omni_runtime.redis_io.joint_read import JointRead
 
 __all__ = [
     "BacklogCursor",
@@ -83,24 +88,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
-
-
-def ensure_group_sync(client: redis.Redis, stream: str, group: str) -> None:
-    """Create the group from id 0 so entries written before it existed are still read."""
-    try:
-        client.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
-
-
-async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
-    """`ensure_group_sync` for the event loop."""
-    try:
-        await client.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
 
 
 class _ReaderBase(Generic[M]):
@@ -124,10 +111,11 @@ class _ReaderBase(Generic[M]):
         self.read_ns = 0
         self.batches = False
         """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
+        self.joint: JointRead | None = None
         self._adapter = adapter_of(model)
         self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
 
-    def _read_failed(self, e: RedisError) -> float:
+    def read_failed(self, e: RedisError) -> float:
         # The failed XREADGROUP may have been executed and only its reply lost: those
         # entries are now pending for this consumer and `>` never returns them again.
         self.cursor = BacklogCursor(True)
@@ -137,9 +125,12 @@ class _ReaderBase(Generic[M]):
         return delay
 
     def _entries(self, reply: object) -> list[Entry]:
+        return self.took([entry for _s, batch in stream_reply(reply) for entry in batch])
+
+    def took(self, entries: list[Entry]) -> list[Entry]:
+        """A read of this stream returned `entries`: the cursor moves on."""
         self._read_policy.succeeded()
         self.read_ns = time.monotonic_ns()
-        entries = [entry for _s, batch in stream_reply(reply) for entry in batch]
         self.cursor.advance(entries)
         return entries
 
@@ -148,13 +139,6 @@ class _ReaderBase(Generic[M]):
         if batch.bad:
             self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
         return batch
-
-
-def _no_group(e: ResponseError) -> bool:
-    """The group or its stream vanished (Redis flushed: UNBLOCKED while blocked in the
-    read; fakeredis words a vanished stream its own way)."""
-    text = str(e)
-    return any(m in text for m in ("NOGROUP", "UNBLOCKED", "requires the key to exist"))
 
 
 class SyncGroupReader(_ReaderBase[M]):
@@ -193,13 +177,13 @@ class SyncGroupReader(_ReaderBase[M]):
                 self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
             )
         except ResponseError as e:
-            if not _no_group(e):
+            if not no_group(e):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
             ensure_group_sync(self.client, self.stream, self.group)
             return None
         except RedisError as e:
-            self._stop.wait(self._read_failed(e))
+            self._stop.wait(self.read_failed(e))
             return None
         return self._entries(reply)
 
@@ -241,17 +225,26 @@ class GroupReader(_ReaderBase[M]):
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()
         self.block_budget = block_budget
+        if not is_cluster(client):  # reads on a connection of its own, packed by hand
+            JointRead(client, group, consumer).add(self)
 
     @property
     def reading(self) -> bool:
         """An XREADGROUP of this reader is in progress (blocked, when nothing is new)."""
-        return self._interrupt.running
+        return self._interrupt.running if self.joint is None else self.joint.reading
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupt.interrupted or (self.joint is not None and self.joint.interrupted)
 
     def interrupt(self) -> None:
         """Shutdown: cut the blocking read in progress short; later reads return `[]`.
-        What the cut read was delivered stays pending, read again as backlog on restart."""
+        What the cut read was delivered stays pending, read again as backlog on restart.
+        A member of a joint read interrupts it for every member."""
         self._interrupt.interrupt()
         self.cursor = BacklogCursor(True)
+        if self.joint is not None:
+            self.joint.interrupt()
 
     async def read(self, count: int, block_ms: int) -> list[tuple[bytes, M]]:
         block_ms = block_ms if self.block_budget is None else self.block_budget()
@@ -262,6 +255,8 @@ class GroupReader(_ReaderBase[M]):
         return await self.accept(entries) if entries else []
 
     async def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
+        if self.joint is not None:
+            return await self.joint.fetch(self, count, block_ms)
         try:
             reply: object = await self._interrupt.run(
                 lambda: self.client.xreadgroup(
@@ -271,13 +266,13 @@ class GroupReader(_ReaderBase[M]):
         except ReadInterrupted:
             return None
         except ResponseError as e:
-            if not _no_group(e):
+            if not no_group(e):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
             await ensure_group(self.client, self.stream, self.group)
             return None
         except RedisError as e:
-            await asyncio.sleep(self._read_failed(e))
+            await asyncio.sleep(self.read_failed(e))
             return None
         return self._entries(reply)
 

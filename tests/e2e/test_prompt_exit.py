@@ -39,8 +39,9 @@ LONG_BLOCK_MS = 4_000
 reads just begun would take about this long."""
 STOP_BOUND_S = 2.0
 """Well under `LONG_BLOCK_MS`, and far above a cut read's few milliseconds."""
-READERS = 4
-"""The orchestrator's blocking readers of the seed pipeline: requests, one per stage."""
+READERS = 2
+"""The orchestrator's blocking reads on a single server: its requests, and one joint read
+of every stage's outputs (`redis_io/joint_read.py`)."""
 
 
 class Processes:
@@ -126,7 +127,7 @@ async def test_a_request_whose_read_was_cut_short_is_served_after_a_restart(
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     await asyncio.wait_for(service.ready.wait(), 60)
-    # Its only blocked clients (no worker runs yet): the requests reader and one per stage.
+    # Its only blocked clients (no worker runs yet): the requests and the stages' outputs.
     await wait_for(lambda: sync.info("clients")["blocked_clients"] == READERS, 30)
     assert service.requests.reading
 
