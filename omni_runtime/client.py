@@ -175,7 +175,8 @@ class OmniClient:
         if size > self.settings.max_message_bytes:
             raise CodecError(f"request of {size} bytes exceeds OMNI_MAX_MESSAGE_BYTES")
         self.inbox.open(request_id)
-        self._writer.xadd(self.names.requests, fields)  # concurrent submits share one pipeline
+        self._writer.xadd(self.names.requests, fields, urgent=True)
+        self._writer.send_now()  # at once with no round trip in flight, else in the next one
         if not await self._writer.written():
             self.inbox.requests.pop(request_id, None)
             raise TransportError(f"request {request_id!r} could not be sent to Redis")

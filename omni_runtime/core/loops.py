@@ -4,7 +4,8 @@
 three kinds of task (plus one for deadlines). Two optional hooks serve a process
 that keeps request state durable: `sink` takes each user output synchronously (so
 the state change and the output it causes reach the shell in one step, with no
-await between), `on_change` hears which request's state changed (None: it ended).
+await between), `on_change` hears which request's state changed (None: it ended),
+`step_done` hears that a step (an add, an output) is complete.
 `restore_request` registers a state saved earlier without submitting anything.
 """
 
@@ -61,6 +62,9 @@ class OrchestratorLoops:
         self.sink: OutputSink | None = None
         """Set: every user output goes here at once instead of `next_output`'s queue."""
         self.on_change: ChangeHook | None = None
+        self.step_done: Callable[[], None] | None = None
+        """Called after each add and each output handled: the state is whole again, so a
+        shell batching its writes may send what the step queued at once."""
         self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
         self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
@@ -138,6 +142,8 @@ class OrchestratorLoops:
             kind, request_id, payload = await self._req_q.get()
             if kind == "add":
                 await self._handle_add(request_id, payload)
+                if self.step_done is not None:
+                    self.step_done()
             else:
                 await self._handle_abort(request_id, payload)
 
@@ -170,6 +176,8 @@ class OrchestratorLoops:
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
                 managed.output_handled(out)
+            if self.step_done is not None:
+                self.step_done()
 
     # --- hooks -----------------------------------------------------------------
 

@@ -109,6 +109,7 @@ class SlotService:
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
         self.core.sink = self._deliver
         self.core.on_change = self._changed
+        self.core.step_done = shared.writer.send_now
         self.requests: GroupReader[RequestMsg | AbortMsg] = GroupReader(
             shared.client,
             names.requests,

@@ -4,8 +4,10 @@ A writer batch is tens to hundreds of commands whose replies it only checks for 
 and redis-py's pipeline spends more Python per command (its command stack, a retry
 wrapper, a response callback looked up per reply) than packing and parsing do. Only
 the commands `write_ops.fill_pipeline` queues, on a connection taken from the client's
-pool for the call. A failed call drops its connection (a half-read reply must not go
-back to the pool) and raises. Cluster clients keep redis-py's pipeline (it routes).
+pool for the call or one the caller holds; `send` alone writes them at once, from a
+plain function, and `replies` reads them later. A failed call drops its connection (a
+half-read reply must not be read again) and raises. Cluster clients keep redis-py's
+pipeline (it routes).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class AsyncPackedPipe:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self.commands: list[tuple[Any, ...]] = []
+        self._sent: list[tuple[Any, ...]] = []
 
     async def __aenter__(self) -> AsyncPackedPipe:
         return self
@@ -65,18 +68,36 @@ class AsyncPackedPipe:
     def expire(self, name: str, time: int) -> None:
         self.commands.append(("EXPIRE", name, time))
 
-    async def execute(self) -> list[Any]:
-        """Every reply, raw; an error reply raises (`ResponseError`), as redis-py's would."""
-        cmds, self.commands = self.commands, []
-        if not cmds:
+    async def execute(self, conn: Any = None) -> list[Any]:
+        """Every reply, raw; an error reply raises (`ResponseError`), as redis-py's would.
+        `conn`: a connection the caller holds (else one is taken from the pool for the call)."""
+        if not self.commands:
             return []
+        if conn is not None:
+            await conn.connect()
+            self.send(conn)
+            return await self.replies(conn)
         pool = self.client.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            await conn.send_packed_command(conn.pack_commands(cmds))
-            return [await conn.read_response() for _ in cmds]
+            self.send(conn)
+            return await self.replies(conn)
+        finally:
+            await pool.release(conn)
+
+    def send(self, conn: Any) -> None:
+        """Write the queued commands to `conn` (connected) now, without waiting: the socket
+        takes them at once, or the transport buffers them (drained by `replies`)."""
+        self._sent, self.commands = self.commands, []
+        # redis-py's own send is a coroutine only for its drain and timer; the write is not.
+        conn._writer.writelines(conn.pack_commands(self._sent))
+
+    async def replies(self, conn: Any) -> list[Any]:
+        """The replies of what `send` wrote; on any failure the connection is dropped (a
+        half-read reply must not be read as the next command's) and the error raised."""
+        try:
+            await conn._writer.drain()
+            return [await conn.read_response() for _ in self._sent]
         except BaseException:
             await conn.disconnect()
             raise
-        finally:
-            await pool.release(conn)
