@@ -231,6 +231,9 @@ class StreamWriter:
             except (RedisError, TimeoutError, OSError) as e:
                 log.warning("stream write failed, retrying: %r", e)
                 self.metrics.inc("omni_retries_total", source="writer")
+            if self.fence is not None and not await self.fence.hold():
+                self._dropped(batch.ops)  # deposed meanwhile (a stall): never written late
+                return self._settled(batch, False)
         return self._settled(batch, await self._guarded(batch.ops))
 
     async def _guarded(self, ops: list[Op]) -> bool:

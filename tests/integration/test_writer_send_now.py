@@ -65,3 +65,39 @@ async def test_a_deposed_writer_sends_nothing_at_once_nor_later(
     assert probe.xlen("in") == 0
     assert writer.dropped_writes == 1
     probe.close()
+
+
+class Switch:
+    """A fence that holds until told otherwise."""
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def fresh(self) -> bool:
+        return self.ok
+
+    async def hold(self) -> bool:
+        return self.ok
+
+
+async def test_a_batch_sent_ahead_whose_reply_is_lost_is_not_written_again_once_deposed(
+    writer: StreamWriter, redis_url: str
+) -> None:
+    """Sent at once, then the process stalls: its lease lapses, the connection is closed
+    by the slot's new holder before Redis ran the batch. On waking, the writer must not
+    write that batch again."""
+    probe = redis.Redis.from_url(redis_url)
+    fence = Switch()
+    writer.fence = fence
+    probe.client_pause(10_000, all=False)  # writes wait in Redis, unrun
+    try:
+        writer.xadd("in", {"m": b"1"}, urgent=True)
+        writer.send_now()
+        probe.client_kill_filter(_type="normal", skipme=True)  # the batch dies unrun
+        fence.ok = False  # and the lease is lost meanwhile
+    finally:
+        probe.client_unpause()
+    assert await writer.written() is False
+    assert probe.xlen("in") == 0
+    assert writer.dropped_writes == 1
+    probe.close()
