@@ -2,7 +2,9 @@
 
 Whatever accumulated while the previous round trip was in flight goes out as one
 pipeline: one round trip per message would cap a process at a few thousand
-messages per second on loopback. A batch that keeps failing is retried with the
+messages per second on loopback. With nothing in flight, a caller whose step queued
+an urgent entry may send the batch at once (`send_now`); the writer task then only
+reads its replies. A batch that keeps failing is retried with the
 bounded `Backoff`, then given up, counted and reported (`written()` → False).
 
 The operations and how a batch of them becomes one pipeline: `write_ops`.
@@ -65,7 +67,7 @@ class _Batch:
     done: list[asyncio.Future[bool]]
     traced: list[tuple[str, int]]
     pipe: AsyncPackedPipe | None = None
-    """Set once sent ahead by `_send_now` (its replies still to read)."""
+    """Set once sent ahead by `send_now` (its replies still to read)."""
 
 
 class StreamWriter:
@@ -121,9 +123,9 @@ class StreamWriter:
         merge_up_to: int = 0,
     ) -> None:
         """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
-        latency should not wait behind the outputs being delivered to clients, nor, with
-        no batch on its way, for the writer task's turn (`send_now`). `trace` (request id, stage id)
-        stamps when the pipeline carrying the entry starts and ends."""
+        latency should not wait behind the outputs being delivered to clients (nor, with
+        no batch on its way, for the writer task's turn: `send_now`). `trace` (request id,
+        stage id) stamps when the pipeline carrying the entry starts and ends."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
         self._urgent_queued |= urgent
@@ -221,8 +223,8 @@ class StreamWriter:
         return self._settled(batch, not refused and await self._guarded(batch.ops))
 
     async def _settle(self, batch: _Batch) -> bool:
-        """The replies of a batch `_send_now` sent; written again the usual way (bounded
-        retries) if that failed."""
+        """The replies of a batch `send_now` sent; if they fail, written again the usual way
+        (bounded retries), once the fence holds again."""
         if batch.pipe is not None:
             try:
                 async with one_timeout(WRITE_TIMEOUT_S):
