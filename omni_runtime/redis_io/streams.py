@@ -180,7 +180,10 @@ class SyncGroupReader(_ReaderBase[M]):
             if not no_group(e):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
-            ensure_group_sync(self.client, self.stream, self.group)
+            try:
+                ensure_group_sync(self.client, self.stream, self.group)
+            except RedisError as again:  # Redis went away again meanwhile: a failed read
+                self._stop.wait(self.read_failed(again))
             return None
         except RedisError as e:
             self._stop.wait(self.read_failed(e))
@@ -269,7 +272,10 @@ class GroupReader(_ReaderBase[M]):
             if not no_group(e):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
-            await ensure_group(self.client, self.stream, self.group)
+            try:
+                await ensure_group(self.client, self.stream, self.group)
+            except RedisError as again:  # Redis went away again meanwhile: a failed read
+                await asyncio.sleep(self.read_failed(again))
             return None
         except RedisError as e:
             await asyncio.sleep(self.read_failed(e))
