@@ -162,6 +162,10 @@ class Names:
     def stage_heartbeat(self, stage_id: int, worker_id: str) -> str:
         return self.heartbeat(f"stage:{stage_id}:{worker_id}")
 
+    def worker_connection(self, stage_id: int, worker_id: str) -> str:
+        """The client name every connection of a worker carries (a takeover closes them)."""
+        return f"{self.prefix}worker:{stage_id}:{worker_id}"
+
     def client_heartbeat(self, client_id: str) -> str:
         return self.heartbeat(f"client:{client_id}")
 

@@ -1,8 +1,7 @@
-"""A stage worker process: the shell around a `WorkerCore`. The shell alone owns Redis
-clients and starts threads: input, control (aborts), heartbeat (status, takeovers of dead
-replicas), output (to each request's owner) and, in streaming mode, the ChunkAdapter's. Its
-loop never blocks on Redis: hand the core what the threads delivered, step the engine,
-carry out the core's actions, sleep until woken."""
+"""A stage worker process: the shell around a `WorkerCore`; it alone owns Redis clients (their
+connections named for it) and threads: input, control, heartbeat (and takeovers), output and,
+streaming, the ChunkAdapter's. Its loop never blocks on Redis: hand the core what the threads
+delivered, step the engine, carry out the core's actions, sleep until woken."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ from omni_runtime.worker.io_threads import (
 )
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.takeover import Takeover
+from omni_runtime.worker.takeover import Takeover, name_connections
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,7 @@ class StageWorker:
         self._in_flight = 0
         """The core's count, published by the loop for other threads (one int store)."""
         self._client = self.clients.sync()
+        name_connections(self._client, self.names, stage_id, self.worker_id)
         self.engine = load_engine(
             self.stage, pipeline.source_dir, s.worker_max_concurrency, self._wake.set
         )

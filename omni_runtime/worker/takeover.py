@@ -4,6 +4,11 @@ A consumer of the stage's group whose heartbeat key expired holds inputs nobody
 will finish: they are claimed (XCLAIM) and run here. An input already delivered
 `max_deliveries` times is not run again (it may be what kills replicas): it is
 dead-lettered and its request ends with one error output.
+
+The dead replica's connections are closed first (CLIENT KILL by the name every worker
+connection carries, `name_connections`): one that only stalled (SIGSTOP) would otherwise
+land, on waking, a write that passed its fence just before the stall (`fence.py`);
+closed, that write fails, and its retry meets the fence.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import redis
+from redis.exceptions import RedisError
 from redis.typing import StreamIdT
 
 from omni_runtime import keys
 from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
 from omni_runtime.worker.actions import Input
@@ -26,6 +33,15 @@ log = logging.getLogger(__name__)
 
 CLAIM_PAGE = 100
 """Pending entries of one dead consumer claimed per heartbeat."""
+
+
+def name_connections(client: redis.Redis, names: keys.Names, stage_id: int, worker_id: str) -> None:
+    """Every connection `client` opens from now on carries this worker's name (a single
+    server: on a cluster the time fence alone guards a stalled replica's writes)."""
+    if not is_cluster(client):
+        client.connection_pool.connection_kwargs["client_name"] = names.worker_connection(
+            stage_id, worker_id
+        )
 
 
 class Takeover:
@@ -52,6 +68,7 @@ class Takeover:
         self.min_idle_ms = settings.heartbeat_ttl_ms
         self.metrics = metrics
         self.stream = reader.stream
+        self._can_disconnect = not is_cluster(client)
         self.dead_letters = SyncDeadLetters(
             client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
         )
@@ -74,6 +91,7 @@ class Takeover:
         if not rows:
             self.client.xgroup_delconsumer(self.stream, keys.WORKERS_GROUP, name)
             return
+        self._disconnect(name)
         ids: list[StreamIdT] = [row["message_id"] for row in rows]
         deliveries = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
         # Without justid XCLAIM returns entries, of bytes for our clients (the stub allows
@@ -115,6 +133,19 @@ class Takeover:
             inputs.append(Input(eid, msg, refused=error, taken_over=True))
         if inputs:
             self.deliver(inputs)
+
+    def _disconnect(self, name: str) -> None:
+        """Close the dead replica's connections (see the module's docstring)."""
+        if not self._can_disconnect:
+            return
+        wanted = self.names.worker_connection(self.stage_id, name)
+        try:
+            for conn in self.client.client_list():
+                if conn.get("name") == wanted:
+                    self.client.client_kill_filter(_id=conn["id"])
+        except RedisError as e:  # e.g. an ACL user without CLIENT KILL: the time fence alone
+            log.warning("cannot close the connections of dead replica %s: %r", name, e)
+            self._can_disconnect = False
 
 
 def _id(entry_id: object) -> bytes:
