@@ -6,7 +6,10 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync
 
 
 def split_words(_rid: str, prompt: str) -> Iterable[tuple[Any, bool]]:
@@ -46,3 +49,24 @@ class Gate:
             self.entered.set()
             assert self.release.wait(10)
         return snap
+
+
+class GroupMakerFailingOnce:
+    """Makes a consumer group as the runtime does, except that the first attempt fails as
+    if Redis went away again: patched over `ensure_group` / `ensure_group_sync`."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def _first_fails(self) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RedisConnectionError("Redis went away again")
+
+    async def ensure(self, client: Any, stream: str, group: str) -> None:
+        self._first_fails()
+        await ensure_group(client, stream, group)
+
+    def ensure_sync(self, client: Any, stream: str, group: str) -> None:
+        self._first_fails()
+        ensure_group_sync(client, stream, group)

@@ -5,16 +5,15 @@ The joint read has its own test (`test_joint_read.py`); these are the lone reade
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import fakeredis
 import pytest
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync
 from omni_runtime.redis_io.streams import GroupReader, SyncGroupReader, entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
+from tests.fakes import GroupMakerFailingOnce
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,21 +28,14 @@ def test_a_worker_reader_survives_a_failed_group_re_creation(
         fake_redis, "in", "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead"
     )
     assert reader.read(10, 10) == []  # backlog walked
-    failures: list[tuple[Any, ...]] = []
-
-    def failing_once(*args: Any) -> None:
-        if not failures:
-            failures.append(args)
-            raise RedisConnectionError("Redis went away again")
-        ensure_group_sync(*args)
-
-    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group_sync", failing_once)
+    maker = GroupMakerFailingOnce()
+    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group_sync", maker.ensure_sync)
     fake_redis.delete("in")
     fake_redis.xadd("in", ENTRY)  # the stream again, without its group
     end = time.monotonic() + 10
     while not (got := reader.read(10, 10)):
         assert time.monotonic() < end, "the reader never recovered"
-    assert [m.request_id for _e, m in got] == ["after"] and failures
+    assert [m.request_id for _e, m in got] == ["after"] and maker.failed
 
 
 async def test_a_lone_async_reader_survives_a_failed_group_re_creation(
@@ -54,19 +46,12 @@ async def test_a_lone_async_reader_survives_a_failed_group_re_creation(
     reader = GroupReader(client, "out", "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead")
     reader.joint = None  # the path a Redis Cluster takes (each stream read alone)
     assert await reader.read(10, 10) == []
-    failures: list[tuple[Any, ...]] = []
-
-    async def failing_once(*args: Any) -> None:
-        if not failures:
-            failures.append(args)
-            raise RedisConnectionError("Redis went away again")
-        await ensure_group(*args)
-
-    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group", failing_once)
+    maker = GroupMakerFailingOnce()
+    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group", maker.ensure)
     await client.delete("out")
     await client.xadd("out", ENTRY)
     end = time.monotonic() + 10
     while not (got := await reader.read(10, 10)):
         assert time.monotonic() < end, "the reader never recovered"
-    assert [m.request_id for _e, m in got] == ["after"] and failures
+    assert [m.request_id for _e, m in got] == ["after"] and maker.failed
     await client.aclose()

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.streams import GroupReader, ensure_group, entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
+from tests.fakes import GroupMakerFailingOnce
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -167,19 +167,12 @@ async def test_a_group_made_anew_while_redis_goes_away_again_is_a_failed_read(
     being made anew: the readers retry as after any failed read, none of them dies."""
     _joint, (r0, _r1, _r2) = await members(client)
     assert await r0.read(10, 50) == []  # backlogs walked, groups in use
-    failures: list[tuple[Any, ...]] = []
-
-    async def failing_once(*args: Any) -> None:
-        if not failures:
-            failures.append(args)
-            raise RedisConnectionError("Redis went away again")
-        await ensure_group(*args)
-
-    monkeypatch.setattr("omni_runtime.redis_io.joint_read.ensure_group", failing_once)
+    maker = GroupMakerFailingOnce()
+    monkeypatch.setattr("omni_runtime.redis_io.joint_read.ensure_group", maker.ensure)
     await client.delete(*STREAMS)  # the groups vanish with their streams
     await put(client, "out:0", "lost-group")  # a new stream, without the group
     # Made anew from the stream's start: the entry written meanwhile is read, once.
     assert await asyncio.wait_for(read_some(r0), 10) == ["lost-group"]
-    assert failures
+    assert maker.failed
     await put(client, "out:0", "after")
     assert await asyncio.wait_for(read_some(r0), 10) == ["after"]
