@@ -7,16 +7,15 @@ strings; the namespace prefix and the request's hash tag are applied here
 (`keys.stored_chunk_key`).
 
 On a Redis Cluster nothing may span slots and a batch spans requests, so round trips
-keep their shape, not their atomicity: puts are one non-transactional pipeline (SETs are
-idempotent: a retry re-puts the batch), a read is per-key GETDELs and UNLINKs beside
-the LPOP of the wake-ups (see docs/cluster.md).
-
-The tricks stay inside: read-ahead in one MGET, wake-ups on a notify list with small
-values inline (`redis_wakeups`), a route cache, puts packed by hand (`redis_packed`),
-deletes of inline-served keys riding the next round trip. Errors: Redis failures raise `TransportError`
-(puts retry first, with the `Backoff` given); a value that fails to decode or
-exceeds `max_bytes` is a `MalformedChunk` in `fetch` and a `CodecError` in `get`.
-"""
+keep their shape, not their atomicity: a put is the SETs' pipeline, then the wake-ups'
+(never before: an inline-served value's delete must not overtake its SET; SETs are
+idempotent, a retry re-puts the batch), a read is per-key GETDELs and UNLINKs beside
+the LPOP of the wake-ups (see docs/cluster.md). The tricks stay inside: read-ahead in
+one MGET, wake-ups on a notify list with small values inline (`redis_wakeups`), a route
+cache, puts packed by hand (`redis_packed`), deletes of inline-served keys riding the
+next round trip. Errors: Redis failures raise `TransportError` (puts retry first, with
+the `Backoff` given); a value that fails to decode or exceeds `max_bytes` is a
+`MalformedChunk` in `fetch` and a `CodecError` in `get`."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ PUT_RETRY = Backoff(initial_s=0.01, max_s=2.0, max_attempts=4)
 
 class RedisConnector:
     """`put` / consume-once `get`, and the `ChunkTransport` surface, on one sync client;
-    one receiving adapter per instance (it owns one notify list), any number of senders.
-    """
+    one receiving adapter per instance (it owns one notify list), any number of senders."""
 
     max_batch = 64
     signals_puts = True
@@ -97,9 +95,8 @@ class RedisConnector:
         """Connect to `url` (`redis://`, `rediss://`, `unix://`; ACL user/password in the URL),
         through `clients.sync_client` (`cluster`: a Redis Cluster client).
 
-        The connection does not retry itself: `retry` is the one put policy.
-        The connector owns the client and `close()` closes it.
-        """
+        The connection does not retry itself: `retry` is the one put policy. The connector
+        owns the client and `close()` closes it."""
         own = {k: kwargs.pop(k) for k in ("ttl_s", "prefix", "max_bytes", "retry") if k in kwargs}
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
         client = sync_client(url, cluster=cluster, **kwargs)
@@ -264,6 +261,9 @@ class RedisConnector:
                 pipe = put_pipe(self.client, transaction, self._cluster)
                 for name, value, _route in encoded:
                     pipe.set(name, value, ex=self.ttl_s)
+                if self._cluster:  # the SETs land first (see the module's docstring)
+                    pipe.execute()
+                    pipe = put_pipe(self.client, False, True)
                 unknown = self._sender.queue(pipe, encoded)
                 replies = pipe.execute()
                 self._sender.wake_found(self.client, encoded, unknown, replies)
