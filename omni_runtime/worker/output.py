@@ -11,6 +11,10 @@ Each request's outputs go to the output stream of the orchestrator slot that own
 (`StageInputMsg.owner`, recorded by `route` as its input is handed to the core). The
 outputs of one round trip for one stream share entries (`codec.pack_batches`, up to
 `max_batch_bytes` each): one XADD per stream and round trip, however many requests.
+
+When no write is in flight, `publish` sends a small batch from the loop itself on the
+thread's held connection (`output_io`), and the thread only reads its replies; a batch
+whose send or replies fail is written again by the thread, after the fence check.
 """
 
 from __future__ import annotations
@@ -18,24 +22,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime import codec, keys
+from omni_runtime import codec
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import Fence
+from omni_runtime.worker.output_io import LOOP_SEND_MAX_BYTES, HeldConnection, OutputBatch
+from omni_runtime.worker.output_routes import OwnerRoutes
 
 log = logging.getLogger(__name__)
 
 FENCE_POLL_S = 0.2
-ENDED_ROUTES = 10_000
-"""Owners of ended requests remembered, for an error output published after the end."""
 STOPPING_ATTEMPTS = 3
 """At shutdown a write is tried at most this often: a dead Redis must not hold the exit."""
 
@@ -62,10 +64,7 @@ class OutputThread:
         """What the orchestrator accepts in one entry (`Settings.max_message_bytes`)."""
         self.fence = fence
         self.out_stream = out_stream
-        self.slot_stream = slot_stream or (lambda _slot: out_stream)
-        """The output stream of an orchestrator slot (`Names.stage_out`)."""
-        self._owner: dict[str, int] = {}
-        self._ended: OrderedDict[str, int] = OrderedDict()
+        self.routes = OwnerRoutes(slot_stream or (lambda _slot: out_stream))
         self.in_stream = in_stream
         self.maxlen = maxlen
         self.backoff = backoff
@@ -78,6 +77,9 @@ class OutputThread:
         self._stop = False
         self._lost: set[str] = set()
         """Requests whose outputs were lost; only their error output goes out now."""
+        self._held = HeldConnection.for_client(client)
+        self._handed: OutputBatch | None = None
+        """A batch the loop took (and sent, if `sent`); the thread finishes it first."""
         self._thread = threading.Thread(target=self._run, name="output-writer", daemon=True)
 
     def start(self) -> None:
@@ -85,31 +87,55 @@ class OutputThread:
 
     def route(self, inputs: Sequence[Input]) -> None:
         """Record who owns each request, before any output of it is published."""
-        for inp in inputs:
-            self._owner[inp.msg.request_id] = inp.msg.owner
-
-    def _stream_of(self, out: Outgoing) -> str:
-        rid = out.request_id
-        slot = self._owner.pop(rid, None) if out.ends else self._owner.get(rid)
-        if slot is None:
-            slot = self._ended.get(rid, 0)
-        elif out.ends:
-            self._ended[rid] = slot
-            if len(self._ended) > ENDED_ROUTES:
-                self._ended.popitem(last=False)
-        return self.slot_stream(slot)
+        self.routes.record(inputs)
 
     def publish(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
-        """Queue for the next pipeline; returns at once."""
-        if outputs or acks:
-            with self._cv:
-                self._outputs.extend(outputs)
-                self._acks.extend(acks)
+        """Queue for the next round trip, or send it now if none is in flight; never waits
+        for Redis."""
+        if not (outputs or acks):
+            return
+        with self._cv:
+            self._outputs.extend(outputs)
+            self._acks.extend(acks)
+            ahead = bool(outputs) and self._may_send_ahead()
+            if ahead:  # the writer is woken once the batch is sent, to read its replies
+                taken, self._outputs = self._outputs, []
+                taken_acks, self._acks = self._acks, []
+                self._writing = True
+            else:
                 self._cv.notify_all()
-            if outputs:
-                # Hand the interpreter lock to the woken writer now: left to the switch
-                # interval (5 ms), a busy scheduler would hold every output back that long.
-                time.sleep(0)
+        if ahead:
+            self._send_ahead(taken, taken_acks)
+        elif outputs:
+            # Hand the interpreter lock to the woken writer now: left to the switch
+            # interval (5 ms), a busy scheduler would hold every output back that long.
+            time.sleep(0)
+
+    def _may_send_ahead(self) -> bool:
+        """Under `_cv`: the writer's turn is free and the fence open (else the thread waits)."""
+        held = self._held
+        return (
+            held is not None
+            and held.up
+            and not (self._writing or self._stop)
+            and (self.fence is None or self.fence.writable())
+        )
+
+    def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
+        """On the loop: route and send the batch; the thread reads the replies (or, if it
+        was too big or the send failed, writes it)."""
+        batch = self._batch(*self._skip_lost(outputs, acks))
+        held = self._held
+        if held is not None and batch.payload_bytes <= LOOP_SEND_MAX_BYTES:
+            commands = batch.pack(self.in_stream, self.maxlen)
+            try:
+                held.send(commands)
+                batch.sent = len(commands)
+            except RedisError as e:
+                log.debug("sending outputs from the loop failed, the writer retries: %r", e)
+        with self._cv:
+            self._handed = batch
+            self._cv.notify_all()
 
     def idle(self) -> bool:
         """Nothing queued and nothing being written."""
@@ -140,11 +166,26 @@ class OutputThread:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._held is not None:
+                self._held.close()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._outputs or self._acks or self._stop)
-                if not (self._outputs or self._acks):
+                self._cv.wait_for(lambda: self._outputs or self._acks or self._stop or self._handed)
+                handed, self._handed = self._handed, None
+                if handed is None and not (self._outputs or self._acks):
                     return
+            if handed is not None:
+                try:
+                    self._finish(handed)
+                finally:
+                    with self._cv:
+                        self._writing = False
+                continue
             if not self._fence_open():
                 return
             with self._cv:
@@ -152,10 +193,24 @@ class OutputThread:
                 acks, self._acks = self._acks, []
                 self._writing = True
             try:
-                self._write(*self._skip_lost(outputs, acks))
+                self._write(self._batch(*self._skip_lost(outputs, acks)))
             finally:
                 with self._cv:
                     self._writing = False
+
+    def _finish(self, batch: OutputBatch) -> None:
+        """A batch the loop took: read its replies, or write it (again) if they failed."""
+        if batch.sent and self._held is not None:
+            try:
+                self._held.replies(batch.sent)
+                return
+            except RedisError as e:
+                self.metrics.inc("omni_retries_total", stream=self.out_stream)
+                log.warning("outputs sent from the loop got no reply, writing again: %r", e)
+        if not self._fence_open():  # deposed while they were out: never written late
+            self.metrics.inc("omni_fenced_outputs_total", len(batch.outputs))
+            return
+        self._write(batch)
 
     def _fence_open(self) -> bool:
         """Wait while the fence is shut (this replica may have stalled past its TTL). At
@@ -186,32 +241,35 @@ class OutputThread:
                 acks.append(out.ack)  # its input is done with all the same
         return kept, acks
 
-    def _write(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
-        policy = self.backoff()
+    def _batch(self, outputs: list[Outgoing], acks: list[bytes]) -> OutputBatch:
         by_stream: dict[str, list[bytes]] = {}
         for out in outputs:
-            by_stream.setdefault(self._stream_of(out), []).append(out.payload)
+            by_stream.setdefault(self.routes.stream_of(out), []).append(out.payload)
         entries = [
             (stream, payload)
             for stream, payloads in by_stream.items()
             for payload in codec.pack_batches(payloads, self.max_batch_bytes)
         ]
+        ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
+        return OutputBatch(outputs, entries, ack_ids)
+
+    def _write(self, batch: OutputBatch) -> None:
+        policy = self.backoff()
         while True:
             try:
+                if self._held is not None:
+                    commands = batch.pack(self.in_stream, self.maxlen)
+                    self._held.send(commands)
+                    self._held.replies(len(commands))
+                    return
                 with self.client.pipeline(transaction=False) as pipe:
-                    for stream, payload in entries:
-                        fields = xadd_fields({keys.PAYLOAD_FIELD: payload})
-                        pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
-                    ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
-                    if ack_ids:  # handled: acknowledged and deleted, so memory comes back
-                        pipe.xack(self.in_stream, keys.WORKERS_GROUP, *ack_ids)
-                        pipe.xdel(self.in_stream, *ack_ids)
+                    batch.on_pipeline(pipe, self.in_stream, self.maxlen)
                     pipe.execute()
                 return
             except RedisError as e:
                 delay = policy.failed()
                 if delay is None or (self._stop and policy.failures >= STOPPING_ATTEMPTS):
-                    self._give_up(outputs, policy.failures, e)
+                    self._give_up(batch.outputs, policy.failures, e)
                     return
                 self.metrics.inc("omni_retries_total", stream=self.out_stream)
                 log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, e)
