@@ -32,6 +32,7 @@ from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.inbox import Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields, stream_reply
+from omni_runtime.redis_io.write_ops import XDel
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, tracer_for
@@ -273,9 +274,8 @@ class OmniClient:
                     self._last_id = entry_id
                     ids.append(entry_id)
                     await self._deliver(entry_id, fields)
-            if ids:  # read once: keep the stream short
-                with contextlib.suppress(RedisError):
-                    await self.redis.xdel(self.out_stream, *ids)
+            if ids:  # read once: keep the stream short (with the next writes, not waited on)
+                self._writer.queue(XDel(self.out_stream, ids))
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:

@@ -5,7 +5,7 @@ three kinds of task (plus one for deadlines). Two optional hooks serve a process
 that keeps request state durable: `sink` takes each user output synchronously (so
 the state change and the output it causes reach the shell in one step, with no
 await between), `on_change` hears which request's state changed (None: it ended),
-`step_done` hears that a step (an add, an output) is complete.
+`step_done` hears that the adds (or outputs) queued so far are all handled.
 `restore_request` registers a state saved earlier without submitting anything.
 """
 
@@ -63,8 +63,9 @@ class OrchestratorLoops:
         """Set: every user output goes here at once instead of `next_output`'s queue."""
         self.on_change: ChangeHook | None = None
         self.step_done: Callable[[], None] | None = None
-        """Called after each add and each output handled: the state is whole again, so a
-        shell batching its writes may send what the step queued at once."""
+        """Called once the adds (or the outputs) queued so far are handled: the state is
+        whole again, so a shell batching its writes may send what they queued at once, in
+        one batch (one per output of a burst would make the rest wait a round trip)."""
         self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
         self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
@@ -142,7 +143,7 @@ class OrchestratorLoops:
             kind, request_id, payload = await self._req_q.get()
             if kind == "add":
                 await self._handle_add(request_id, payload)
-                if self.step_done is not None:
+                if self.step_done is not None and self._req_q.empty():
                     self.step_done()
             else:
                 await self._handle_abort(request_id, payload)
@@ -176,7 +177,7 @@ class OrchestratorLoops:
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
                 managed.output_handled(out)
-            if self.step_done is not None:
+            if self.step_done is not None and self._ready_q.empty():
                 self.step_done()
 
     # --- hooks -----------------------------------------------------------------

@@ -50,6 +50,14 @@ class XAck:
 
 
 @dataclass(frozen=True, slots=True)
+class XDel:
+    """XDEL entries of a stream no group reads (a client's, once it read them)."""
+
+    stream: str
+    entry_ids: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
 class Expire:
     key: str
     ttl_s: int
@@ -79,7 +87,7 @@ class ExpireAt:
     at_ms: int | None
 
 
-Op = XAdd | XAck | Expire | HashPut | HashDrop | ExpireAt
+Op = XAdd | XAck | XDel | Expire | HashPut | HashDrop | ExpireAt
 
 
 def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
@@ -111,6 +119,8 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
             acks.setdefault((op.stream, op.group), []).append(op.entry_id)
             if op.delete:
                 deletes.setdefault(op.stream, []).append(op.entry_id)
+        elif isinstance(op, XDel):
+            deletes.setdefault(op.stream, []).extend(op.entry_ids)
         elif isinstance(op, Expire):
             expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
     for (stream, group), ids in acks.items():

@@ -1,13 +1,11 @@
 """The batching writer of the control plane: every XADD / XACK / EXPIRE of an asyncio process.
 
-Whatever accumulated while the previous round trip was in flight goes out as one
-pipeline: one round trip per message would cap a process at a few thousand
-messages per second on loopback. With nothing in flight, a caller whose step queued
-an urgent entry may send the batch at once (`send_now`); the writer task then only
-reads its replies. A batch that keeps failing is retried with the
-bounded `Backoff`, then given up, counted and reported (`written()` → False).
-
-The operations and how a batch of them becomes one pipeline: `write_ops`.
+Whatever accumulated while the previous round trip was in flight goes out as one pipeline:
+one round trip per message would cap a process at a few thousand messages per second on
+loopback. With nothing in flight, a caller whose step queued writes may send the batch at
+once (`send_now`); the writer task then only reads its replies. A batch that
+keeps failing is retried with the bounded `Backoff`, then given up, counted and reported
+(`written()` → False). The operations, and how a batch becomes one pipeline: `write_ops`.
 
 An orchestrator adds two things: `sources` give, as a batch is taken, the durable
 request states changed since the last one (written after the entries they follow and
@@ -36,6 +34,7 @@ from omni_runtime.redis_io.write_ops import (
     Op,
     XAck,
     XAdd,
+    XDel,
     fill_pipeline,
 )
 from omni_runtime.tracing import Tracer
@@ -97,7 +96,6 @@ class StreamWriter:
         self._ops: list[Op] = []
         self._done: list[asyncio.Future[bool]] = []
         """Resolved when the batch holding what was queued before them was written."""
-        self._urgent_queued = False
         self._conn: Any = None
         """The connection batches go out on (single server), held once the first batch made it."""
         self._sent: _Batch | None = None
@@ -123,32 +121,26 @@ class StreamWriter:
         merge_up_to: int = 0,
     ) -> None:
         """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
-        latency should not wait behind the outputs being delivered to clients (nor, with
-        no batch on its way, for the writer task's turn: `send_now`). `trace` (request id,
-        stage id) stamps when the pipeline carrying the entry starts and ends."""
+        latency should not wait behind the outputs being delivered to clients. `trace`
+        (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
-        self._urgent_queued |= urgent
-        self._queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s, merge_up_to))
+        self.queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s, merge_up_to))
 
     def xack(self, stream: str, group: str, entry_id: bytes, delete: bool = False) -> None:
         """`delete`: also XDEL it (a stream read by one group only)."""
-        self._queue(XAck(stream, group, entry_id, delete))
+        self.queue(XAck(stream, group, entry_id, delete))
 
     def expire(self, key: str, ttl_s: int) -> None:
-        self._queue(Expire(key, ttl_s))
-
-    @property
-    def urgent_pending(self) -> bool:
-        """Whether an urgent entry waits for the next pipeline."""
-        return self._urgent_queued
+        self.queue(Expire(key, ttl_s))
 
     def wake(self) -> None:
         """A source has something for the next batch."""
         self._idle.clear()
         self._pending.set()
 
-    def _queue(self, op: Op) -> None:
+    def queue(self, op: Op) -> None:
+        """Any write op for the next batch (`write_ops`); the methods above build the usual."""
         self._ops.append(op)
         self._idle.clear()
         self._pending.set()
@@ -183,12 +175,12 @@ class StreamWriter:
                 self._idle.set()
 
     def send_now(self) -> None:
-        """With an urgent entry queued and no batch on its way, send the batch now, from
-        the caller's step (one whose state changes are complete: the durable states go
-        with it): waiting for the writer task's turn, behind the readers' next reads, cost
-        a light-load hop ~0.2 ms here. The writer task reads the replies."""
+        """With writes queued and no batch on its way, send the batch now, from the
+        caller's step (one whose state changes are complete: the durable states go with
+        it): waiting for the writer task's turn, behind the readers' next reads, cost a
+        light-load hop ~0.2 ms here. The writer task reads the replies."""
         conn = self._conn
-        if not self._urgent_queued or self._busy or conn is None or not conn.is_connected:
+        if not self._ops or self._busy or conn is None or not conn.is_connected:
             return
         if self.fence is not None and not self.fence.fresh():
             return  # the writer task waits for the fence, as for any batch
@@ -208,7 +200,6 @@ class StreamWriter:
         ops, self._ops = self._ops, []
         for src in self.sources:
             ops.extend(src())
-        self._urgent_queued = False
         done, self._done = self._done, []
         traced, self._traced = self._traced, []
         return _Batch(ops, done, traced)
@@ -260,7 +251,7 @@ class StreamWriter:
 
     def _dropped(self, ops: list[Op]) -> None:
         for op in ops:
-            where = op.stream if isinstance(op, XAdd | XAck) else op.key
+            where = op.stream if isinstance(op, XAdd | XAck | XDel) else op.key
             self.metrics.inc("omni_dropped_writes_total", stream=where, source="writer")
 
     async def _execute(self, ops: list[Op]) -> None:

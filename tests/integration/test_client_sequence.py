@@ -126,3 +126,16 @@ def test_request_ids_sent_as_bytes_are_refused() -> None:
         bad = {**good, field: field.encode()}
         with pytest.raises(Exception, match=field):
             parse_entry({b"m": codec.encode(bad)}, RequestMsg, 1 << 20)
+
+
+async def test_what_the_client_read_leaves_its_stream_with_its_next_writes(
+    fake_clients: RedisClients,
+) -> None:
+    """Read once: the entries are deleted (so the stream stays short) by the writer's next
+    batch, not by a round trip the reading waits for."""
+    async with OmniClient(settings(), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        await send(client, out(rid, 0, "a"), out(rid, 1, "b", True))
+        assert [o.data for o in await outputs(client, rid)] == ["a", "b"]
+        await client._writer.flushed()
+        assert await client.redis.xlen(client.out_stream) == 0

@@ -1,5 +1,6 @@
-"""`StreamWriter.send_now`: with no batch on its way, an urgent entry (a stage's next input)
-leaves from the caller's own step, before the writer task's turn; never past the fence."""
+"""`StreamWriter.send_now`: with no batch on its way, what a step queued (a stage's next
+input, a client's output) leaves from the caller's own step, before the writer task's
+turn; never past the fence."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ async def test_an_urgent_entry_goes_out_from_the_callers_step(
     wait_until(lambda: probe.xlen("in") == 1, 5)
     assert await writer.written()
     assert probe.xlen("in") == 1  # once: the writer task only read the replies
+    probe.close()
+
+
+async def test_any_write_a_step_queued_goes_out_from_it(
+    writer: StreamWriter, redis_url: str
+) -> None:
+    """A client's output is not urgent (it goes behind a hop's input in a batch), but with
+    no batch on its way it need not wait for the writer task's turn either."""
+    probe = redis.Redis.from_url(redis_url)
+    writer.xadd("client", {"m": b"1"})
+    writer.send_now()
+    wait_until(lambda: probe.xlen("client") == 1, 5)
+    assert await writer.written()
+    assert probe.xlen("client") == 1
     probe.close()
 
 

@@ -70,3 +70,23 @@ async def test_the_sink_and_the_change_hook_see_every_output_and_state_change() 
     ]
     with pytest.raises(TimeoutError):
         await orch.next_output(timeout=0.01)  # nothing went to the queue
+
+
+async def test_step_done_is_heard_once_a_burst_of_outputs_is_all_handled() -> None:
+    """A shell sends what a step queued when it hears `step_done`: once per burst, so the
+    outputs read together leave together (one per output would hold the rest back)."""
+    stages = [InMemoryStage()]
+    orch = Orchestrator(stages, {0}, identity_forward)
+    seen: list[OrchOutput] = []
+    heard: list[int] = []
+    orch.sink = seen.append
+    orch.step_done = lambda: heard.append(len(seen))
+    async with orch:
+        await orch.add_request("r1", "p")
+        await wait_for(lambda: bool(stages[0].submitted))
+        assert heard == [0]  # the add, on its own
+        for i, word in enumerate(["a", "b", "c"]):  # read together, in one batch
+            stages[0].emit(StageOutput("r1", word, i == 2))
+        await wait_for(lambda: len(seen) == 3)
+        await wait_for(lambda: len(heard) == 2)
+    assert heard == [0, 3]
