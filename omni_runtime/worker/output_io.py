@@ -6,8 +6,8 @@ send a batch itself.
 
 Handing a batch to the output thread costs a thread wake and a hand-over of the
 interpreter lock before its first byte leaves (~0.1-0.3 ms on a busy 2-core machine, per
-stage of a request). When no write is in flight, the loop packs the batch and sends it
-on it, which costs it one `send` of a few KiB; the output thread then reads the replies.
+stage of a request). When no write is in flight, the loop packs a small batch and sends
+it on that connection itself (one `send` of a few KiB); the output thread reads the replies.
 Batches the thread writes itself go out on the same connection, packed by hand: redis-py's
 pipeline object costs more Python per call than the round trip (see `chunks/redis_packed`).
 
@@ -30,8 +30,10 @@ from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.worker.actions import Outgoing
 
-LOOP_SEND_MAX_BYTES = 64 * 1024
-"""Largest batch (payload bytes) the loop sends itself; bigger ones go to the thread."""
+LOOP_SEND_MAX_BYTES = 16 * 1024
+"""Largest batch (payload bytes) the loop sends itself; bigger ones go to the thread. A
+busy step engine's batches are big: packed on the thread, they overlap its next step
+(which releases the interpreter lock while a model computes) instead of delaying it."""
 
 Command = tuple[Any, ...]
 
