@@ -26,6 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 from omni_runtime.redis_io.entries import BacklogCursor, Entry
 from omni_runtime.redis_io.groups import ensure_group, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
+from omni_runtime.redis_io.raw_reads import stream_entries
 
 if TYPE_CHECKING:
     from omni_runtime.redis_io.streams import GroupReader
@@ -148,18 +149,4 @@ class JointRead:
         except BaseException:
             await conn.disconnect()  # a reply half read must not be read as the next one
             raise
-        return [(name, _entries(batch)) for name, batch in _streams(reply)]
-
-
-def _streams(reply: Any) -> Any:
-    """[(stream, entries)]: a RESP3 map or a RESP2 array of pairs (None: nothing new)."""
-    if reply is None:
-        return []
-    return reply.items() if isinstance(reply, dict) else reply
-
-
-def _entries(batch: list[list[Any]]) -> list[Entry]:
-    """[(id, fields)], fields as a dict (empty for a pending entry trimmed since)."""
-    return [
-        (entry_id, dict(zip(f[::2], f[1::2], strict=True)) if f else {}) for entry_id, f in batch
-    ]
+        return stream_entries(reply)

@@ -69,6 +69,7 @@ from omni_runtime.redis_io.entries import (
 from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.joint_read import JointRead
+from omni_runtime.redis_io.raw_reads import xreadgroup_sync
 
 __all__ = [
     "BacklogCursor",
@@ -124,9 +125,6 @@ class _ReaderBase(Generic[M]):
         self.metrics.inc("omni_retries_total", stream=self.stream)
         return delay
 
-    def _entries(self, reply: object) -> list[Entry]:
-        return self.took([entry for _s, batch in stream_reply(reply) for entry in batch])
-
     def took(self, entries: list[Entry]) -> list[Entry]:
         """A read of this stream returned `entries`: the cursor moves on."""
         self._read_policy.succeeded()
@@ -173,8 +171,9 @@ class SyncGroupReader(_ReaderBase[M]):
 
     def _fetch(self, count: int, block_ms: int) -> list[Entry] | None:
         try:
-            reply = self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: self.cursor.next_id}, count, block_ms
+            streams = {self.stream: self.cursor.next_id}
+            reply = xreadgroup_sync(
+                self.client, self.group, self.consumer, streams, count, block_ms
             )
         except ResponseError as e:
             if not no_group(e):
@@ -188,7 +187,7 @@ class SyncGroupReader(_ReaderBase[M]):
         except RedisError as e:
             self._stop.wait(self.read_failed(e))
             return None
-        return self._entries(reply)
+        return self.took([entry for _s, batch in reply for entry in batch])
 
     def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
@@ -280,7 +279,7 @@ class GroupReader(_ReaderBase[M]):
         except RedisError as e:
             await asyncio.sleep(self.read_failed(e))
             return None
-        return self._entries(reply)
+        return self.took([entry for _s, batch in stream_reply(reply) for entry in batch])
 
     async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)
