@@ -123,19 +123,26 @@ class OutputThread:
 
     def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
         """On the loop: route and send the batch; the thread reads the replies (or, if it
-        was too big or the send failed, writes it)."""
-        batch = self._batch(*self._skip_lost(outputs, acks))
-        held = self._held
-        if held is not None and batch.payload_bytes <= LOOP_SEND_MAX_BYTES:
-            commands = batch.pack(self.in_stream, self.maxlen)
-            try:
+        was too big or the send failed, writes it). Whatever happens, the turn is handed
+        back: a batch left with the loop would hold every later output."""
+        batch: OutputBatch | None = None
+        try:
+            batch = self._batch(*self._skip_lost(outputs, acks))
+            held = self._held
+            if held is not None and batch.payload_bytes <= LOOP_SEND_MAX_BYTES:
+                commands = batch.pack(self.in_stream, self.maxlen)
                 held.send(commands)
                 batch.sent = len(commands)
-            except RedisError as e:
-                log.debug("sending outputs from the loop failed, the writer retries: %r", e)
-        with self._cv:
-            self._handed = batch
-            self._cv.notify_all()
+        except Exception as e:  # the writer writes it its usual way
+            log.debug("sending outputs from the loop failed, the writer retries: %r", e)
+        finally:
+            with self._cv:
+                if batch is None:  # not even routed: back to the front of the queue
+                    self._outputs[:0], self._acks[:0] = outputs, acks
+                    self._writing = False
+                else:
+                    self._handed = batch
+                self._cv.notify_all()
 
     def idle(self) -> bool:
         """Nothing queued and nothing being written."""

@@ -141,3 +141,35 @@ def test_a_batch_whose_replies_fail_is_not_written_again_once_deposed(
     assert rids(probe) == ["warm"]
     assert writer.metrics.value("omni_fenced_outputs_total") == 1
     probe.close()
+
+
+class FailsOnce:
+    """Stands in for a method: raises `error` on the first call, then calls the real one."""
+
+    def __init__(self, real: Any, error: Exception) -> None:
+        self.real, self.error, self.calls = real, error, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error
+        return self.real(*args)
+
+
+@pytest.mark.parametrize("where", ["send", "routing"])
+def test_a_batch_the_loop_could_not_send_is_written_by_the_thread(
+    writer: Writer, where: str
+) -> None:
+    """Whatever goes wrong on the loop's side, the writer's turn is handed back: the
+    batch is written once, and the outputs after it flow as before."""
+    thread = writer.thread
+    if where == "send":
+        assert thread._held is not None
+        thread._held.send = FailsOnce(thread._held.send, RuntimeError("boom"))  # type: ignore[method-assign,assignment]
+    else:
+        thread._batch = FailsOnce(thread._batch, RuntimeError("boom"))  # type: ignore[method-assign,assignment]
+    thread.publish([final("a")], [])
+    wait_until(lambda: rids(writer.client) == ["warm", "a"], 5)
+    wait_until(thread.idle, 5)
+    thread.publish([final("b")], [])
+    wait_until(lambda: rids(writer.client) == ["warm", "a", "b"], 5)
