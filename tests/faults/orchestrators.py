@@ -42,6 +42,7 @@ class TakeoverClock:
     async def run(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         victim: int | None = None
+        polled = time.monotonic()
         while time.monotonic() < deadline:
             now_held = await asyncio.to_thread(leases, self.r, self.names)
             now = time.monotonic()
@@ -49,9 +50,14 @@ class TakeoverClock:
                 gone = [s for s in self.before if s not in now_held]
                 if gone:
                     victim, self.lapsed_at = gone[0], now
+                elif [s for s in self.before if now_held[s] != self.before[s]]:
+                    # lapsed and taken between two polls: the takeover took at most the gap
+                    self.lapsed_at, self.taken_at = polled, now
+                    return
             elif now_held.get(victim) not in (None, self.before[victim]):
                 self.taken_at = now
                 return
+            polled = now
             await asyncio.sleep(0.02)
 
     @property
