@@ -19,10 +19,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from omni_runtime import codec, keys
+from omni_runtime import codec, keys, wire_views
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError, RequestTimeoutError, StartupTimeoutError, TransportError
-from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, OrchOutputMsg, RequestMsg
+from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.pipeline import OutputsConfig
@@ -279,7 +279,7 @@ class OmniClient:
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:
-            msgs = parse_entries(fields, OrchOutputMsg, self.settings.max_message_bytes)
+            msgs = parse_entries(fields, wire_views.OrchOutputView, self.settings.max_message_bytes)
         except CodecError as e:
             self.metrics.inc("omni_malformed_entries_total", stream=self.out_stream)
             await self._dead.send(self.out_stream, None, entry_id, str(e), fields)

@@ -7,6 +7,8 @@ shape survive; numpy stays optional (it is imported only when an array is actual
 Type mapping (what ``decode(encode(x))`` gives back):
 
 * None, bool, int (-2**63 .. 2**64-1), float, str: unchanged.
+* datetime with a tzinfo: a msgpack timestamp, which decodes as a UTC datetime (naive
+  datetimes are refused: their instant is unknown).
 * bytes / bytearray / memoryview: ``bytes``. tuple / list: ``list`` (msgpack has one array type).
 * dict: ``dict``; keys should be str, int or bytes (other keys may not decode).
 * numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
@@ -18,6 +20,11 @@ Array ext payload (code ``NDARRAY_EXT_CODE``)::
 
 The pad keeps the decoded zero-copy view aligned for every dtype. ``decode`` is the door for
 untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
+
+Encoding is msgpack's (its ``default`` hook refuses what the mapping above does not
+name; msgspec's encoder would turn sets, dataclasses or UUIDs into something else
+silently). Decoding is msgspec's: the same objects, parsed 2-3x faster, which every
+message of every hop pays.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgpack
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from omni_runtime.errors import CodecError
@@ -46,6 +54,7 @@ __all__ = [
     "decode_model",
     "encode",
     "encode_model",
+    "typed_decoder",
     "warm_up",
 ]
 
@@ -74,7 +83,7 @@ def warm_up() -> None:
 def encode(obj: Any) -> bytes:
     """Serialize ``obj`` to msgpack; unsupported types raise CodecError naming the type."""
     try:
-        data: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+        data: bytes = msgpack.packb(obj, use_bin_type=True, datetime=True, default=_default)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError, BufferError) as e:
@@ -96,11 +105,17 @@ def decode(
     if max_bytes is not None and size > max_bytes:
         raise CodecError(f"message of {size} bytes exceeds the limit of {max_bytes} bytes")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+        return _DECODER.decode(data)
     except CodecError:
         raise
     except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+def typed_decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
+    """A decoder straight into `type_` (msgspec structs, lists of them), with the same
+    array ext as `decode`; it raises msgspec's errors, or CodecError for a bad array."""
+    return msgspec.msgpack.Decoder(type_, ext_hook=_ext_hook)
 
 
 BATCH_HEADER_BYTES: Final = 5
@@ -194,8 +209,11 @@ def _pack_array(arr: npt.NDArray[Any]) -> msgpack.ExtType:
     return msgpack.ExtType(NDARRAY_EXT_CODE, b"".join((prefix, raw)))
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    """Rebuild an array as a zero-copy, read-only view over ``data``; check every field."""
+def _ext_hook(code: int, view: memoryview) -> Any:
+    """Rebuild an array as a zero-copy, read-only view over a copy of the ext payload (the
+    ``view`` msgspec hands in points into the message at any offset: not aligned, and
+    writable when the message was); check every field."""
+    data = bytes(view)
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
     try:
@@ -206,7 +224,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     start = _pad_to(_HLEN.size + hlen)
     if start > len(data):
         raise CodecError("array ext: truncated header")
-    header = msgpack.unpackb(data[_HLEN.size : _HLEN.size + hlen], raw=False)
+    header = _HEADER_DECODER.decode(data[_HLEN.size : _HLEN.size + hlen])
     if not (isinstance(header, list) and len(header) == 2):
         raise CodecError("array ext: header is not [dtype, shape]")
     dtype_str, shape = header
@@ -225,3 +243,9 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if count * dt.itemsize != len(data) - start:
         raise CodecError("array ext: data length does not match dtype and shape")
     return np.frombuffer(memoryview(data)[start:], dtype=dt, count=count).reshape(shape)
+
+
+_DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+"""Any msgpack to Python objects; thread-safe, made once."""
+_HEADER_DECODER: Final = msgspec.msgpack.Decoder()
+"""An array ext's header, decoded from inside `_DECODER`'s hook."""

@@ -145,6 +145,8 @@ class HistogramValue:
 
 
 def _label_key(labels: Mapping[str, object]) -> LabelKey:
+    if not labels:  # most series of a hot path: no sort, no generator
+        return ()
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 

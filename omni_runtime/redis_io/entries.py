@@ -15,6 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
+from omni_runtime.wire_views import MODEL_OF, V, decode_views, is_view, view_of
 
 M = TypeVar("M")
 Entry = tuple[bytes, Mapping[bytes, bytes]]
@@ -56,6 +57,8 @@ def parse_entry(
     fields: Mapping[bytes, bytes], model: type[M] | TypeAdapter[M], max_bytes: int
 ) -> M:
     """Validate one entry of one message into `model`; else raise `CodecError` saying why."""
+    if is_view(model):
+        return _views(fields, cast("type[Any]", model), max_bytes, False)[0]  # type: ignore[no-any-return]
     obj = _payload(fields, max_bytes)
     if isinstance(obj, list):
         raise CodecError("expected one message, got a batch")
@@ -65,12 +68,29 @@ def parse_entry(
 def parse_entries(
     fields: Mapping[bytes, bytes], model: type[M] | TypeAdapter[M], max_bytes: int
 ) -> list[M]:
-    """Validate an entry of one message or a batch of them; one bad message fails it whole."""
+    """Validate an entry of one message or a batch of them; one bad message fails it whole.
+
+    `model` may be a pydantic model, a `TypeAdapter`, or a `wire_views` view (decoded in
+    one pass; what the view refuses, its model decides)."""
+    if is_view(model):
+        return _views(fields, cast("type[Any]", model), max_bytes, True)
     obj = _payload(fields, max_bytes)
     adapter = adapter_of(model)
     if isinstance(obj, list):
         return [_validate(one, adapter) for one in obj]
     return [_validate(obj, adapter)]
+
+
+def _views(fields: Mapping[bytes, bytes], view: type[V], max_bytes: int, batches: bool) -> list[V]:
+    raw = fields.get(_PAYLOAD)
+    if raw is not None and len(fields) == 1 and len(raw) <= max_bytes:
+        got = decode_views(raw, view, batches)
+        if got is not None:
+            return got
+    model = MODEL_OF[view]
+    if batches:
+        return [view_of(msg, view) for msg in parse_entries(fields, model, max_bytes)]
+    return [view_of(parse_entry(fields, model, max_bytes), view)]
 
 
 def _payload(fields: Mapping[bytes, bytes], max_bytes: int) -> Any:
@@ -128,7 +148,11 @@ class SortedEntries(Generic[M]):
     """
 
     def __init__(
-        self, entries: Sequence[Entry], adapter: TypeAdapter[M], max_bytes: int, batches: bool
+        self,
+        entries: Sequence[Entry],
+        model: type[M] | TypeAdapter[M],
+        max_bytes: int,
+        batches: bool,
     ) -> None:
         self.good: list[tuple[bytes, M]] = []
         self.bad: list[tuple[bytes, Mapping[bytes, bytes], str]] = []
@@ -139,9 +163,9 @@ class SortedEntries(Generic[M]):
                 continue
             try:
                 if batches:
-                    msgs = parse_entries(fields, adapter, max_bytes)
+                    msgs = parse_entries(fields, model, max_bytes)
                     self.good.extend((entry_id, msg) for msg in msgs)
                 else:
-                    self.good.append((entry_id, parse_entry(fields, adapter, max_bytes)))
+                    self.good.append((entry_id, parse_entry(fields, model, max_bytes)))
             except CodecError as e:
                 self.bad.append((entry_id, fields, str(e)))

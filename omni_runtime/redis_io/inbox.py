@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import OrchOutputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.wire_views import OrchOutputView
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Inbox:
         if pending is not None and not pending.ended:
             self._remember(request_id, now)
 
-    def deliver(self, msg: OrchOutputMsg, now: float) -> str | None:
+    def deliver(self, msg: OrchOutputView, now: float) -> str | None:
         """Queue `msg` for its request; the error to abort the request upstream with, if the
         client just ended it (a gap, or a full buffer)."""
         self._forget_old(now)

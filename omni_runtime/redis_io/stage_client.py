@@ -24,12 +24,13 @@ import redis.asyncio as aioredis
 
 from omni_runtime import codec, keys
 from omni_runtime.core.types import StageFailure, StageOutput
-from omni_runtime.messages import WIRE_VERSION, AbortMsg, StageOutputMsg
+from omni_runtime.messages import WIRE_VERSION, AbortMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import Fence, StreamWriter
 from omni_runtime.tracing import Tracer
+from omni_runtime.wire_views import StageOutputView
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class SeqFilter:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._next
 
-    def accept(self, msg: StageOutputMsg) -> bool:
+    def accept(self, msg: StageOutputView) -> bool:
         expected = self._next.get(msg.request_id, 0)
         if msg.seq < expected and msg.error is None:
             return False
@@ -107,7 +108,7 @@ class RedisStageClient:
             self.out_stream,
             keys.ORCHESTRATOR_GROUP,
             keys.orchestrator_consumer(slot),
-            StageOutputMsg,
+            StageOutputView,
             max_bytes=max_message_bytes,
             dead_letters=names.dead_letters,
             metrics=self.metrics,
@@ -209,7 +210,7 @@ class RedisStageClient:
         else:
             self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
-    def _accept(self, batch: list[tuple[bytes, StageOutputMsg]]) -> list[StageOutput]:
+    def _accept(self, batch: list[tuple[bytes, StageOutputView]]) -> list[StageOutput]:
         outputs: list[StageOutput] = []
         taken: dict[bytes, int] = {}  # entry → its outputs accepted now (repeats are not)
         for entry_id, msg in batch:

@@ -60,7 +60,6 @@ from omni_runtime.redis_io.entries import (
     BacklogCursor,
     Entry,
     SortedEntries,
-    adapter_of,
     dead_letter_fields,
     entry_fields,
     parse_entry,
@@ -113,7 +112,7 @@ class _ReaderBase(Generic[M]):
         self.batches = False
         """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
         self.joint: JointRead | None = None
-        self._adapter = adapter_of(model)
+        self._model = model
         self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
 
     def read_failed(self, e: RedisError) -> float:
@@ -133,7 +132,7 @@ class _ReaderBase(Generic[M]):
         return entries
 
     def _sort(self, entries: Sequence[Entry]) -> SortedEntries[M]:
-        batch = SortedEntries(entries, self._adapter, self.max_bytes, self.batches)
+        batch = SortedEntries(entries, self._model, self.max_bytes, self.batches)
         if batch.bad:
             self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
         return batch

@@ -11,6 +11,7 @@ from typing import Any
 
 from omni_runtime.messages import StageInputMsg
 from omni_runtime.stage_api import ChunkStream
+from omni_runtime.wire_views import StageInputView
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +19,8 @@ class Input:
     """A validated input and its stream entry; `refused`: why its request fails unrun."""
 
     entry_id: bytes
-    msg: StageInputMsg
+    msg: StageInputView | StageInputMsg
+    """As read (a view) or as built in-process (the model): the same fields."""
     refused: str | None = None
     taken_over: bool = False
     """Claimed from a dead replica (after any ownership snapshot that listed it as theirs)."""

@@ -19,11 +19,12 @@ import redis
 from redis.exceptions import RedisError
 
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import AbortMsg, StageInputMsg
+from omni_runtime.messages import AbortMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.unblock import OwnConnection
 
@@ -135,7 +136,7 @@ class InputThread(_Loop):
 
     def __init__(
         self,
-        reader: SyncGroupReader[StageInputMsg],
+        reader: SyncGroupReader[StageInputView],
         slots: Slots,
         deliver: Callable[[list[Input]], None],
         settings: Settings,
@@ -169,7 +170,7 @@ class InputThread(_Loop):
             n = self.slots.take_up_to(self.read_count, SLOT_WAIT_S)
             if n == 0:
                 continue
-            got: list[tuple[bytes, StageInputMsg]] = []
+            got: list[tuple[bytes, StageInputView]] = []
             try:
                 got = self.reader.read(n, block_ms)
             finally:

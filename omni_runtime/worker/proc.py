@@ -17,13 +17,13 @@ from typing import Any
 from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
-from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import ClosableEngine
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import load_engine
@@ -104,12 +104,12 @@ class StageWorker:
         self._connector: RedisConnector | None = None
         self.adapter: ChunkAdapter | None = None  # streaming only: built (and started) in `run`
         reader = functools.partial(
-            SyncGroupReader[StageInputMsg],
+            SyncGroupReader[StageInputView],
             self._client,
             self.in_stream,
             keys.WORKERS_GROUP,
             self.worker_id,
-            StageInputMsg,
+            StageInputView,
             max_bytes=s.max_message_bytes,
             dead_letters=self.names.dead_letters,
             metrics=self.metrics,

@@ -22,11 +22,11 @@ from redis.exceptions import RedisError
 from redis.typing import StreamIdT
 
 from omni_runtime import keys
-from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Takeover:
     def __init__(
         self,
         client: redis.Redis,
-        reader: SyncGroupReader[StageInputMsg],
+        reader: SyncGroupReader[StageInputView],
         deliver: Callable[[list[Input]], None],
         settings: Settings,
         *,

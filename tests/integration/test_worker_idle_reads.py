@@ -18,6 +18,7 @@ from omni_runtime.redis_io.entries import entry_fields
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.unblock import IDLE_BLOCK_MS, OwnConnection
@@ -38,7 +39,7 @@ def input_thread(client: redis.Redis, stream: str) -> tuple[InputThread, Handoff
     ensure_group_sync(client, stream, keys.WORKERS_GROUP)
     stop = threading.Event()
     reader = SyncGroupReader(
-        client, stream, keys.WORKERS_GROUP, "w1", StageInputMsg,
+        client, stream, keys.WORKERS_GROUP, "w1", StageInputView,
         max_bytes=SETTINGS.max_message_bytes, dead_letters=f"{stream}:dead", stop=stop,
     )  # fmt: skip
     got: Handoff[Input] = Handoff(threading.Event())

@@ -12,6 +12,7 @@ from omni_runtime.messages import StageInputMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.takeover import Takeover, name_connections
 
@@ -36,7 +37,7 @@ def test_a_takeover_closes_the_dead_replicas_connections_first(redis_url: str) -
     assert len(named(live, connection)) == 1  # its connection carries its name
     delivered: list[Input] = []
     reader = SyncGroupReader(
-        live, stream, keys.WORKERS_GROUP, "live-1", StageInputMsg,
+        live, stream, keys.WORKERS_GROUP, "live-1", StageInputView,
         max_bytes=1 << 20, dead_letters=names.dead_letters,
     )  # fmt: skip
     takeover = Takeover(

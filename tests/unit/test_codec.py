@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from typing import Any
 
 import msgpack
@@ -232,12 +233,27 @@ def test_bad_array_ext_header_raises_codec_error(wire: bytes) -> None:
 
 @pytest.mark.parametrize(
     "wire",
-    [b"", b"\xc1", b"\x92\x01", b"\x01\x02", b"\xa3ab", b"\xa2\xff\xfe", b"\x81\x90\x01"],
-    ids=["empty", "never_used", "truncated", "extra_data", "short_str", "bad_utf8", "list_key"],
+    [b"", b"\xc1", b"\x92\x01", b"\x01\x02", b"\xa3ab", b"\xa2\xff\xfe"],
+    ids=["empty", "never_used", "truncated", "extra_data", "short_str", "bad_utf8"],
 )
 def test_malformed_bytes_raise_exactly_codec_error(wire: bytes) -> None:
     with pytest.raises(CodecError):
         decode(wire)
+
+
+def test_array_map_key_decodes_as_a_tuple_and_encodes_back() -> None:
+    wire = b"\x81\x92\x01\x02\xa1x"  # {[1, 2]: "x"}: valid msgpack, a key Python can hash
+    assert decode(wire) == {(1, 2): "x"}
+    assert encode(decode(wire)) == wire
+
+
+def test_timestamps_decode_as_utc_datetimes_and_encode_back() -> None:
+    wire = bytes(msgpack.packb(msgpack.Timestamp(1_700_000_000, 5000)))
+    out = decode(wire)
+    assert out == datetime(2023, 11, 14, 22, 13, 20, 5, tzinfo=UTC)
+    assert encode(out) == wire
+    with pytest.raises(CodecError, match="datetime"):
+        encode(datetime(2023, 11, 14))  # naive: no instant to send
 
 
 def test_codec_error_chains_the_cause() -> None:

@@ -15,11 +15,12 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
+from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input, Outgoing
 from omni_runtime.worker.io_threads import Slots
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.takeover import Takeover
-from tests.unit.test_worker_core import inp, make, published
+from tests.unit.test_worker_core import make, published
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -149,7 +150,10 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
     names, stream = settings.names, settings.names.stage_in(1)
     client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
     for rid in ("often", "once"):
-        client.xadd(stream, {keys.PAYLOAD_FIELD: codec.encode_model(inp(rid).msg)})
+        client.xadd(
+            stream,
+            {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id=rid, data="x"))},
+        )
     client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "often"
     for _ in range(2):  # its replicas died on it: delivered 3 times
         client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: "0"})
@@ -161,7 +165,7 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
         stream,
         keys.WORKERS_GROUP,
         "me",
-        StageInputMsg,
+        StageInputView,
         max_bytes=1 << 20,
         dead_letters=names.dead_letters,
         metrics=metrics,

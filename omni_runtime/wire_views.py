@@ -1,0 +1,105 @@
+"""Read-side mirrors of the wire messages read most often, decoded and checked in one pass.
+
+Every request's stage outputs reach the orchestrator, its outputs its client, one
+message per chunk, and each stage's worker reads its input. Parsing each into its pydantic model (msgpack, then validation) cost
+~11 µs of CPU on a 2-core VM; msgspec decodes the same bytes straight into these
+structs, with the same checks, in ~1 µs.
+
+Each mirror is at least as strict as its model (`finished=1`, which the model would
+coerce, is refused here) and never stricter in what it lets through: whatever a
+mirror refuses, `redis_io.entries` hands to the model, which accepts it or says why.
+So a reader given a view accepts exactly the messages, values and errors its model
+would. `tests/unit/test_wire_views.py` holds each mirror to its model.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+from pydantic import BaseModel
+
+from omni_runtime import codec
+from omni_runtime.errors import CodecError
+from omni_runtime.messages import WIRE_VERSION, OrchOutputMsg, StageInputMsg, StageOutputMsg
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Seq = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _View(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    v: Literal[1] = WIRE_VERSION
+
+
+class StageInputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`messages.StageInputMsg`, as a stage's worker reads it."""
+
+    type: Literal["stage_input"]
+    request_id: RequestId
+    trace: bool = False
+    data: Any
+    streaming: bool = False
+    owner: Seq = 0
+
+
+class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`messages.StageOutputMsg`, as the orchestrator reads it."""
+
+    type: Literal["stage_output"]
+    request_id: RequestId
+    data: Any
+    finished: bool
+    error: str | None = None
+    seq: Seq = 0
+
+
+class OrchOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`messages.OrchOutputMsg`, as a client reads it."""
+
+    type: Literal["orch_output"]
+    request_id: RequestId
+    stage_id: int
+    data: Any
+    finished: bool
+    error: str | None = None
+    seq: Seq
+
+
+V = TypeVar("V", bound=_View)
+
+MODEL_OF: Final[dict[type[_View], type[BaseModel]]] = {
+    StageInputView: StageInputMsg,
+    StageOutputView: StageOutputMsg,
+    OrchOutputView: OrchOutputMsg,
+}
+"""Each view's model: the authority on whatever the view refuses."""
+
+
+def is_view(model: object) -> bool:
+    return model in MODEL_OF
+
+
+_DECODERS: dict[tuple[type[_View], bool], msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoder(view: type[_View], batches: bool) -> msgspec.msgpack.Decoder[Any]:
+    decoder = _DECODERS.get((view, batches))
+    if decoder is None:
+        decoder = codec.typed_decoder(view | list[view] if batches else view)  # type: ignore[valid-type]
+        _DECODERS[(view, batches)] = decoder
+    return decoder
+
+
+def decode_views(raw: bytes, view: type[V], batches: bool) -> list[V] | None:
+    """The message (or, with `batches`, the batch) in `raw` as views; None when the view
+    refuses it (the caller asks the model, for a coerced value or the reason)."""
+    try:
+        got = _decoder(view, batches).decode(raw)
+    except (msgspec.MsgspecError, CodecError):
+        return None
+    return got if isinstance(got, list) else [got]
+
+
+def view_of(msg: BaseModel, view: type[V]) -> V:
+    """A message its model accepted, as `view` (the slow path's result, same shape)."""
+    return view(**{name: getattr(msg, name) for name in view.__struct_fields__})
