@@ -53,6 +53,7 @@ __all__ = [
     "decode",
     "decode_model",
     "encode",
+    "encode_decoded",
     "encode_model",
     "typed_decoder",
     "warm_up",
@@ -89,6 +90,20 @@ def encode(obj: Any) -> bytes:
     except (TypeError, ValueError, OverflowError, BufferError) as e:
         raise CodecError(f"cannot encode: {e}") from e
     return data
+
+
+def encode_decoded(obj: Any) -> bytes:
+    """`encode` for a value built only of what `decode` returns (a read message's data, in
+    containers of the types in the mapping above): the same bytes, ~4x sooner, by msgspec.
+
+    Never for a value from user code: msgspec encodes sets, dataclasses, naive datetimes
+    and more, which `encode` refuses. Hand those to `encode`."""
+    try:
+        return _ENCODER.encode(obj)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError, BufferError) as e:
+        raise CodecError(f"cannot encode: {e}") from e
 
 
 def decode(
@@ -245,6 +260,13 @@ def _ext_hook(code: int, view: memoryview) -> Any:
     return np.frombuffer(memoryview(data)[start:], dtype=dt, count=count).reshape(shape)
 
 
+def _ext_default(obj: object) -> Any:
+    """`_default` for msgspec's encoder: an array as its ext, a numpy scalar as Python's."""
+    out = _default(obj)
+    return msgspec.msgpack.Ext(out.code, out.data) if isinstance(out, msgpack.ExtType) else out
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_ext_default)
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 """Any msgpack to Python objects; thread-safe, made once."""
 _HEADER_DECODER: Final = msgspec.msgpack.Decoder()

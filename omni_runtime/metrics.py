@@ -145,7 +145,10 @@ class HistogramValue:
 
 
 def _label_key(labels: Mapping[str, object]) -> LabelKey:
-    if not labels:  # most series of a hot path: no sort, no generator
+    if len(labels) == 1:  # the series of the hot paths: no sort, no generator
+        for name, value in labels.items():
+            return ((name, str(value)),)
+    if not labels:
         return ()
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 

@@ -99,7 +99,7 @@ class RequestStore:
                     drops.append(rid)
                 continue
             try:
-                puts[rid] = codec.encode(doc)
+                puts[rid] = codec.encode_decoded(doc)  # prompt and data as read
             except CodecError as e:  # its data cannot be kept: it still runs, not durably
                 log.error("request state not saved: %s", e, extra={"request_id": rid})
                 continue

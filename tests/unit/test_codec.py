@@ -24,6 +24,7 @@ from omni_runtime.codec import (
     decode,
     decode_model,
     encode,
+    encode_decoded,
     encode_model,
 )
 from omni_runtime.errors import CodecError
@@ -64,6 +65,28 @@ def same(a: Any, b: Any) -> bool:
 @given(values)
 def test_roundtrip_is_identity_for_supported_types(obj: Any) -> None:
     assert same(decode(encode(obj)), obj)
+
+
+read_values = st.recursive(
+    scalars
+    | st.datetimes(timezones=st.just(UTC))
+    | st.builds(np.array, st.lists(st.floats(allow_nan=False, width=32), max_size=6)),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(
+            st.text(max_size=8) | st.integers(-5, 300) | st.binary(max_size=3), children, max_size=5
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@SETTINGS
+@given(read_values)
+def test_encode_decoded_gives_encodes_bytes_for_whatever_decode_returns(obj: Any) -> None:
+    read = decode(encode(obj))
+    assert encode_decoded(read) == encode(read)
+    assert encode_decoded({"data": read, "seq": 1}) == encode({"data": read, "seq": 1})
 
 
 def test_tuples_decode_as_lists() -> None:
