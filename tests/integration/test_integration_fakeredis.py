@@ -232,6 +232,7 @@ async def test_a_stage_whose_upstream_goes_silent_fails_the_request_after_the_in
         assert re.search(r"no input from stage [01] within 0\.5s", outs[0].error), outs[0].error
 
 
+@pytest.mark.timeout(120)  # the waits below report a slow abort, not the file's timeout
 async def test_requests_of_a_client_that_vanished_are_aborted(
     fake_clients: RedisClients, settings: Settings
 ) -> None:
