@@ -10,7 +10,7 @@ Type mapping (what ``decode(encode(x))`` gives back):
 * datetime with a tzinfo: a msgpack timestamp, which decodes as a UTC datetime (naive
   datetimes are refused: their instant is unknown).
 * bytes / bytearray / memoryview: ``bytes``. tuple / list: ``list`` (msgpack has one array type).
-* dict: ``dict``; keys should be str, int or bytes (other keys may not decode).
+* dict: ``dict``; keys should be str, int or bytes (an array key decodes as a tuple).
 * numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
   are refused). numpy scalars: the equivalent Python scalar.
 
@@ -113,8 +113,8 @@ def decode(
 ) -> Any:
     """Parse msgpack bytes; oversize or malformed input of any kind raises CodecError.
 
-    Decoded arrays are read-only views over the ext payload that msgpack hands out (no copy
-    beyond the one msgpack itself makes while unpacking).
+    Decoded arrays are read-only views over one copy of their ext payload (the copy
+    msgpack's own unpacker made too), aligned whatever the message's layout.
     """
     size = data.nbytes if isinstance(data, memoryview) else len(data)
     if max_bytes is not None and size > max_bytes:

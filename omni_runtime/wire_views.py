@@ -1,15 +1,15 @@
 """Read-side mirrors of the wire messages read most often, decoded and checked in one pass.
 
-Every request's stage outputs reach the orchestrator, its outputs its client, one
-message per chunk, and each stage's worker reads its input. Parsing each into its pydantic model (msgpack, then validation) cost
-~11 µs of CPU on a 2-core VM; msgspec decodes the same bytes straight into these
-structs, with the same checks, in ~1 µs.
+Every request's stage outputs reach the orchestrator, its outputs its client, one message
+per chunk, and each stage's worker reads its input. Parsing each into its pydantic model
+(msgpack, then validation) cost ~11 µs of CPU on a 2-core VM; msgspec decodes the same
+bytes straight into these structs, with the same checks, in ~1 µs.
 
-Each mirror is at least as strict as its model (`finished=1`, which the model would
-coerce, is refused here) and never stricter in what it lets through: whatever a
-mirror refuses, `redis_io.entries` hands to the model, which accepts it or says why.
-So a reader given a view accepts exactly the messages, values and errors its model
-would. `tests/unit/test_wire_views.py` holds each mirror to its model.
+A mirror accepts a subset of what its model accepts: it refuses what the model would
+coerce (`finished=1`, taken as True). Whatever a mirror refuses, `redis_io.entries`
+hands to the model, which accepts it (coerced) or says why. So a reader given a view
+accepts exactly the messages, values and errors its model would.
+`tests/unit/test_wire_views.py` holds each mirror to its model.
 """
 
 from __future__ import annotations
