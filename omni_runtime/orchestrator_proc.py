@@ -23,7 +23,6 @@ from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.messages import AbortMsg, RequestMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
@@ -40,6 +39,7 @@ from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.wire_views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class OrchestratorService:
         return self.home.core
 
     @property
-    def requests(self) -> GroupReader[RequestMsg | AbortMsg]:
+    def requests(self) -> GroupReader[RequestView | AbortView]:
         """The requests reader of this process's own slot."""
         if self.home is None:
             raise RuntimeError("the orchestrator is not running")

@@ -20,15 +20,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
-from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput, ReqState
-from omni_runtime.messages import WIRE_VERSION, AbortMsg, ClientCommand, RequestMsg
+from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
@@ -46,6 +45,7 @@ from omni_runtime.redis_io.streams import GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,12 @@ class SlotService:
         self.core.sink = self._deliver
         self.core.on_change = self._changed
         self.core.step_done = shared.writer.send_now
-        self.requests: GroupReader[RequestMsg | AbortMsg] = GroupReader(
+        self.requests: GroupReader[RequestView | AbortView] = GroupReader(
             shared.client,
             names.requests,
             keys.ORCHESTRATOR_GROUP,
             keys.orchestrator_consumer(slot),
-            TypeAdapter(ClientCommand),
+            cast("type[RequestView | AbortView]", ClientCommandView),
             max_bytes=s.max_message_bytes,
             dead_letters=names.dead_letters,
             metrics=shared.metrics,
@@ -270,9 +270,9 @@ class SlotService:
             for entry_id, cmd in batch:
                 await self._take(entry_id, cmd)
 
-    async def _take(self, entry_id: bytes, cmd: RequestMsg | AbortMsg) -> None:
+    async def _take(self, entry_id: bytes, cmd: RequestView | AbortView) -> None:
         core, outbox, writer = self.core, self.outbox, self.shared.writer
-        if isinstance(cmd, AbortMsg):
+        if isinstance(cmd, AbortView):
             await core.abort_request(cmd.request_id, cmd.reason)
         elif cmd.request_id in self.client_of:
             if self.client_of[cmd.request_id] != cmd.client_id:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
-from omni_runtime.wire_views import MODEL_OF, V, decode_views, is_view, view_of
+from omni_runtime.wire_views import MODEL_OF, decode_views, is_view, view_of
 
 M = TypeVar("M")
 Entry = tuple[bytes, Mapping[bytes, bytes]]
@@ -81,7 +81,7 @@ def parse_entries(
     return [_validate(obj, adapter)]
 
 
-def _views(fields: Mapping[bytes, bytes], view: type[V], max_bytes: int, batches: bool) -> list[V]:
+def _views(fields: Mapping[bytes, bytes], view: Any, max_bytes: int, batches: bool) -> list[Any]:
     raw = fields.get(_PAYLOAD)
     if raw is not None and len(fields) == 1 and len(raw) <= max_bytes:
         got = decode_views(raw, view, batches)

@@ -17,16 +17,22 @@ from omni_runtime.errors import CodecError
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
 from omni_runtime.wire_views import (
     MODEL_OF,
+    AbortView,
+    ClientCommandView,
     OrchOutputView,
+    RequestView,
     StageInputView,
     StageOutputView,
     decode_views,
 )
 
 FIELD = keys.PAYLOAD_FIELD.encode()
-VIEWS = list(MODEL_OF)
+VIEWS = [view for view in MODEL_OF if isinstance(view, type)]
+"""The views of one message type (the requests stream's union is tested on its own)."""
 
-GOOD: dict[type[Any], dict[str, Any]] = {
+GOOD: dict[Any, dict[str, Any]] = {
+    RequestView: {"type": "request", "request_id": "r1", "client_id": "c1", "prompt": "hi"},
+    AbortView: {"type": "abort", "request_id": "r1", "reason": "gone"},
     StageInputView: {"type": "stage_input", "request_id": "r1", "data": "x", "owner": 1},
     StageOutputView: {"type": "stage_output", "request_id": "r1", "data": ["HI"], "finished": True},
     OrchOutputView: {
@@ -41,40 +47,39 @@ GOOD: dict[type[Any], dict[str, Any]] = {
 
 ODD_VALUES = [
     None, True, False, 0, 1, -1, 2**63, 1.0, 0.5, "", "x", "r" * 257, "true", b"r1",
-    [], ["a"], {}, {"k": 1}, "stage_output", "orch_output", "stage_input",
+    [], ["a"], {}, {"k": 1}, "stage_output", "orch_output", "stage_input", "request", "abort",
+    "c1\n", "a b", float("nan"), float("inf"), -0.5, 5,
 ]  # fmt: skip
 
 
-def read(view: type[Any], doc: Any, batches: bool) -> tuple[str, Any]:
-    """("ok", fields of each message) or ("error", the CodecError's text), view vs model."""
+def as_doc(msg: Any) -> tuple[str, dict[str, Any]]:
+    """A message read by a view or by its model, comparable: its kind and its fields."""
+    if isinstance(msg, BaseModel):
+        kind, names = type(msg).__name__.removesuffix("Msg"), set(type(msg).model_fields)
+    else:
+        kind, names = type(msg).__name__.removesuffix("View"), set(msg.__struct_fields__)
+    return kind, {n: getattr(msg, n) for n in sorted(names - {"type"})}
+
+
+def read(model: Any, doc: Any, batches: bool) -> str:
+    """repr of ("ok", each message as `as_doc`) or ("error", the CodecError's text): a repr,
+    so that a NaN read is equal to a NaN read."""
     fields = {FIELD: codec.encode(doc)}
     got: list[Any]
     try:
         if batches:
-            got = parse_entries(fields, view, 1 << 20)
+            got = parse_entries(fields, model, 1 << 20)
         else:
-            got = [parse_entry(fields, view, 1 << 20)]
+            got = [parse_entry(fields, model, 1 << 20)]
     except CodecError as e:
-        return "error", str(e)
-    return "ok", [{n: getattr(m, n) for n in view.__struct_fields__} for m in got]
-
-
-def read_model(model: type[BaseModel], view: type[Any], doc: Any, batches: bool) -> tuple[str, Any]:
-    fields = {FIELD: codec.encode(doc)}
-    try:
-        got = (
-            parse_entries(fields, model, 1 << 20)
-            if batches
-            else [parse_entry(fields, model, 1 << 20)]
-        )
-    except CodecError as e:
-        return "error", str(e)
-    return "ok", [{n: getattr(m, n) for n in view.__struct_fields__} for m in got]
+        return repr(("error", str(e)))
+    return repr(("ok", [as_doc(m) for m in got]))
 
 
 @pytest.mark.parametrize("view", VIEWS, ids=lambda v: v.__name__)
 def test_fields_and_defaults_are_the_models(view: type[Any]) -> None:
     model = MODEL_OF[view]
+    assert isinstance(model, type)
     assert set(view.__struct_fields__) == set(model.model_fields)
     blank = view(**GOOD[view])
     for name, info in model.model_fields.items():
@@ -94,7 +99,21 @@ def test_every_field_taking_odd_values_reads_as_the_model_reads_it(
         docs.append({k: v for k, v in GOOD[view].items() if k != name})
     docs.append({**GOOD[view], "extra": 1})
     for doc in docs:
-        assert read(view, doc, batches) == read_model(model, view, doc, batches), doc
+        assert read(view, doc, batches) == read(model, doc, batches), doc
+
+
+@pytest.mark.parametrize("kind", [RequestView, AbortView], ids=lambda v: v.__name__)
+def test_the_requests_streams_commands_read_as_their_union_model_reads_them(kind: Any) -> None:
+    model = MODEL_OF[ClientCommandView]
+    other = "abort" if kind is RequestView else "request"
+    docs: list[Any] = [GOOD[kind], [GOOD[kind]], "not a map", {"type": None}, {"type": "x"}]
+    for name in (*kind.__struct_fields__, "type"):
+        docs += [{**GOOD[kind], name: value} for value in ODD_VALUES]
+        docs.append({k: v for k, v in GOOD[kind].items() if k != name})
+    docs += [{**GOOD[kind], "extra": 1}, {**GOOD[kind], "type": other}]
+    for doc in docs:
+        assert read(ClientCommandView, doc, False) == read(model, doc, False), doc
+    assert read(ClientCommandView, GOOD[kind], False).startswith("('ok'")
 
 
 def test_a_lax_value_the_model_coerces_takes_the_models_path() -> None:
@@ -141,6 +160,4 @@ def test_any_map_reads_as_the_model_reads_it(
     view: type[Any], doc: dict[str, Any], batches: bool
 ) -> None:
     for candidate in ({**GOOD[view], **doc}, doc):
-        assert read(view, candidate, batches) == read_model(
-            MODEL_OF[view], view, candidate, batches
-        )
+        assert read(view, candidate, batches) == read(MODEL_OF[view], candidate, batches)
