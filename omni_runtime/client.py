@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys, wire_views
+from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError, RequestTimeoutError, StartupTimeoutError, TransportError
 from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, RequestMsg
@@ -115,14 +116,13 @@ class OmniClient:
                 async with asyncio.timeout(self.settings.block_ms / 1000 + 5):
                     await asyncio.shield(self._reader)
             except TimeoutError:
-                self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+                pass
+            await cancel_and_wait([self._reader])
             self._reader = None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2):
                     await self._writer.flushed()
-            self._writer_task.cancel()
-            await asyncio.gather(self._writer_task, return_exceptions=True)
+            await cancel_and_wait([self._writer_task])
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.out_stream, self._heartbeat_key)
         await self.redis.aclose()

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
+from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
@@ -153,8 +154,7 @@ class OrchestratorService:
             if crashed:  # a loop died: fail loudly (a supervisor restarts the process)
                 raise cast(BaseException, crashed[0].exception())
         finally:
-            writer_task.cancel()
-            await asyncio.gather(writer_task, return_exceptions=True)
+            await cancel_and_wait([writer_task])
             obs.close()
             await self.client.aclose()
         if self.deposed is not None:
@@ -167,9 +167,7 @@ class OrchestratorService:
         for served in self.slots.values():
             served.stop_reading()  # at once: a request a cut read got stays pending
         await asyncio.wait(loops, timeout=self.settings.block_ms / 1000 + 5.0)
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        await cancel_and_wait(loops)
         for served in self.slots.values():
             await served.stop()
         if self.deposed is not None:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from pydantic_settings import CliSettingsSource
 
 from omni_runtime.cli.console import OutputPrinter, check_wav_path, read_prompt, write_wav
+from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import ConfigError, OmniError
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
@@ -181,8 +182,7 @@ async def _watch(group: Any, work: Any) -> None:
         try:
             group.check_alive()
         except OmniError:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             raise
         await asyncio.wait({task}, timeout=0.2)
     task.result()

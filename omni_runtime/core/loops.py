@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from omni_runtime.core.deadlines import Deadlines
+from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import (
     CounterSink,
     ForwardFn,
@@ -92,9 +93,7 @@ class OrchestratorLoops:
     async def shutdown(self) -> None:
         """Cancel every task and wait for them, so none is destroyed while pending."""
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
     # --- public API ------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
+from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput, ReqState
 from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
@@ -173,8 +174,7 @@ class SlotService:
         if self._reader is not None:
             s = self.shared.settings
             await asyncio.wait([self._reader], timeout=s.block_ms / 1000 + 5.0)
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            await cancel_and_wait([self._reader])
         for stage in self.stages:
             await stage.quiesce()
         await self.core.shutdown()
