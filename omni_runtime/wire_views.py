@@ -14,7 +14,7 @@ accepts exactly the messages, values and errors its model would.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from pydantic import BaseModel, TypeAdapter
@@ -102,8 +102,6 @@ class OrchOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     error: str | None = None
     seq: Seq
 
-
-V = TypeVar("V", bound=_View)
 
 MODEL_OF: Final[dict[Any, type[BaseModel] | TypeAdapter[Any]]] = {
     ClientCommandView: TypeAdapter(ClientCommand),

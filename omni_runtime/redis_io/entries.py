@@ -58,7 +58,7 @@ def parse_entry(
 ) -> M:
     """Validate one entry of one message into `model`; else raise `CodecError` saying why."""
     if is_view(model):
-        return _views(fields, cast("type[Any]", model), max_bytes, False)[0]  # type: ignore[no-any-return]
+        return _views(fields, model, max_bytes, False)[0]  # type: ignore[no-any-return]
     obj = _payload(fields, max_bytes)
     if isinstance(obj, list):
         raise CodecError("expected one message, got a batch")
@@ -73,7 +73,7 @@ def parse_entries(
     `model` may be a pydantic model, a `TypeAdapter`, or a `wire_views` view (decoded in
     one pass; what the view refuses, its model decides)."""
     if is_view(model):
-        return _views(fields, cast("type[Any]", model), max_bytes, True)
+        return _views(fields, model, max_bytes, True)
     obj = _payload(fields, max_bytes)
     adapter = adapter_of(model)
     if isinstance(obj, list):

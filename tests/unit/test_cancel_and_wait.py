@@ -14,12 +14,14 @@ pytestmark = pytest.mark.timeout(30)
 
 async def test_a_task_that_swallows_one_cancellation_is_cancelled_again_until_it_ends() -> None:
     swallowed = 0
+    running = asyncio.Event()
 
     async def stubborn() -> None:
         nonlocal swallowed
+        running.set()
         while True:
             try:
-                await asyncio.sleep(1)
+                await asyncio.Event().wait()  # a command that never answers
             except asyncio.CancelledError:
                 swallowed += 1
                 if swallowed < 3:
@@ -27,7 +29,7 @@ async def test_a_task_that_swallows_one_cancellation_is_cancelled_again_until_it
                 raise
 
     task = asyncio.create_task(stubborn())
-    await asyncio.sleep(0)
+    await running.wait()
     assert await cancel_and_wait([task], timeout_s=5) == set()
     assert task.cancelled()
     assert swallowed == 3
@@ -35,21 +37,24 @@ async def test_a_task_that_swallows_one_cancellation_is_cancelled_again_until_it
 
 async def test_a_task_that_never_ends_is_returned_once_the_deadline_passed() -> None:
     deaf = True
+    running = asyncio.Event()
 
     async def ignores_cancels() -> None:
+        running.set()
         while deaf:
             try:
-                await asyncio.sleep(0.01)
+                await asyncio.Event().wait()
             except asyncio.CancelledError:
                 continue
 
     task = asyncio.create_task(ignores_cancels())
-    await asyncio.sleep(0)
+    await running.wait()
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert await cancel_and_wait([task], timeout_s=0.3) == {task}
     assert 0.3 <= loop.time() - started < 3
-    deaf = False  # it may end now: the test leaves nothing running
+    deaf = False  # it ends at its next cancel: the test leaves nothing running
+    task.cancel()
     await asyncio.wait([task], timeout=5)
     assert task.done()
 
@@ -59,6 +64,6 @@ async def test_what_an_ended_task_raised_is_retrieved() -> None:
         raise ValueError("boom")
 
     task = asyncio.create_task(fails())
-    await asyncio.sleep(0)
+    await asyncio.wait([task], timeout=5)
     assert await cancel_and_wait([task]) == set()
     assert isinstance(task.exception(), ValueError)
