@@ -4,7 +4,12 @@
 pacing (50 tokens/s, talker 10x and vocoder 50x faster than real time), both modes
 deployed at once as processes, each in its own namespace; load from one `OmniClient`
 here. Prompt: 50 distinct words (~6 s of audio). Closed loop: C tasks, each submitting
-its next request when the previous one finished. Per request, from just before
+its next request a random think time (uniform over two decode steps, 0-40 ms) after the
+previous one finished (the same draws in both modes). Without it the loop measures a phase lock, not the runtime: the
+thinker admits a request at its next 20 ms step, and in streaming mode a request ends a
+fixed path after a step, so every resubmission met the step clock at the same phase and
+streaming TTFT was one point of the [20, 40] ms admission window (deciles 37-43 ms)
+where sequential mode sampled all of it (24-51 ms). Per request, from just before
 `submit`: TTFT (first text token out of `OmniClient.stream`), TTFP (first stage-2
 output with audio samples), E2E (the finished output), and what a listener hears
 (`omni_runtime.playback`: playback starts with the first audio and runs in real time;
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +44,8 @@ MODES = ("sequential", "streaming")
 TEXT_STAGE, AUDIO_STAGE = 0, 2
 TOKENS = 50
 TOKEN_DELAY_S = 0.020
+THINK_MAX_S = 2 * TOKEN_DELAY_S
+"""A user's think time before each request: uniform in [0, this) (see the module's doc)."""
 RATE = 16000
 FRAME_SAMPLES = RATE * 20 // 1000  # code2wav: sample_rate x frame_ms, per letter of a token
 TARGET_TTFP = {1: 10.0, 32: 10.0, 64: 5.0}
@@ -131,12 +139,13 @@ async def closed_loop(d: Deployment, prompt: str, tokens: list[str], conc: int, 
     outputs = load_pipeline(OMNI).outputs  # the client observes omni_audio_gap_seconds too
     async with OmniClient(d.settings, outputs=outputs) as client:
 
-        async def user() -> None:
+        async def user(think: random.Random) -> None:
             while remaining[0] > 0:
                 remaining[0] -= 1
+                await asyncio.sleep(think.uniform(0.0, THINK_MAX_S))
                 await one_request(client, prompt, tokens, cell)
 
-        await asyncio.gather(*(user() for _ in range(conc)))
+        await asyncio.gather(*(user(random.Random(f"{conc}-{i}")) for i in range(conc)))
     return cell
 
 
