@@ -4,12 +4,13 @@
 pacing (50 tokens/s, talker 10x and vocoder 50x faster than real time), both modes
 deployed at once as processes, each in its own namespace; load from one `OmniClient`
 here. Prompt: 50 distinct words (~6 s of audio). Closed loop: C tasks, each submitting
-its next request a random think time (uniform over two decode steps, 0-40 ms) after the
-previous one finished (the same draws in both modes). Without it the loop measures a phase lock, not the runtime: the
-thinker admits a request at its next 20 ms step, and in streaming mode a request ends a
-fixed path after a step, so every resubmission met the step clock at the same phase and
-streaming TTFT was one point of the [20, 40] ms admission window (deciles 37-43 ms)
-where sequential mode sampled all of it (24-51 ms). Per request, from just before
+its next request a random think time (uniform over two decode steps, 0-40 ms, the same
+draws in both modes) after the previous one finished. Without it the loop measures a
+phase lock, not the runtime: the thinker admits a request at its next 20 ms step, and in
+streaming mode a request ends a fixed path after a step, so every resubmission met the
+step clock at the same phase and streaming TTFT was one point of the [20, 40] ms
+admission window (deciles 37-43 ms) where sequential mode sampled all of it (24-51 ms).
+Per request, from just before
 `submit`: TTFT (first text token out of `OmniClient.stream`), TTFP (first stage-2
 output with audio samples), E2E (the finished output), and what a listener hears
 (`omni_runtime.playback`: playback starts with the first audio and runs in real time;
