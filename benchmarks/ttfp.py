@@ -12,10 +12,10 @@ step clock at the same phase and streaming TTFT was one point of the [20, 40] ms
 admission window (deciles 37-43 ms) where sequential mode sampled all of it (24-51 ms).
 Per request, from just before `submit`: TTFT (first text token out of
 `OmniClient.stream`), TTFP (first stage-2 output with audio samples), E2E (the finished
-output), and what a listener hears (`omni_runtime.playback`: playback starts with the first audio and runs in real time;
-a chunk that comes after the audio before it played out is a gap). Every request is
-checked (the tokens in order, the number of audio samples). Cells of the two modes
-are interleaved per concurrency.
+output), and what a listener hears (`omni_runtime.playback`: playback starts with the
+first audio and runs in real time; a chunk that comes after the audio before it played
+out is a gap). Every request is checked (the tokens in order, the number of audio
+samples). Cells of the two modes are interleaved per concurrency.
 
 Baseline: sequential mode at the same concurrency. Ratios on p50: TTFP seq/stream
 (higher is better), TTFT and E2E stream/seq (lower is better); continuity (share of
