@@ -10,12 +10,12 @@ a SPEC connector or a full `ChunkTransport` is decided once, here.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 from omni_runtime.chunks.receiver import ChunkReceiver
 from omni_runtime.chunks.sender import ChunkSender
+from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkTransport, Connector, PollingTransport
 from omni_runtime.core.chunk_book import Chunk
 from omni_runtime.metrics import Metrics
@@ -36,7 +36,7 @@ class ChunkAdapter:
         stage_id: int,
         src_stage_id: int | None = None,
         build_payload: Callable[[Any], Any] | None = None,
-        snapshot: Callable[[Any], Any] = copy.deepcopy,
+        snapshot: Callable[[Any], Any] = snapshot_tree,
         on_ready: Callable[[], None] | None = None,
         metrics: Metrics | None = None,
     ) -> None:

@@ -8,7 +8,6 @@ built in all-or-nothing batches when more is queued.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -16,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_runtime import keys
+from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport
 from omni_runtime.core.chunk_book import SendBook, SendItem, Staged
 from omni_runtime.metrics import Metrics
@@ -36,7 +36,7 @@ class ChunkSender:
         stage_id: int,
         metrics: Metrics,
         build_payload: Callable[[Any], Any] | None = None,
-        snapshot: Callable[[Any], Any] = copy.deepcopy,
+        snapshot: Callable[[Any], Any] = snapshot_tree,
     ) -> None:
         self.transport = transport
         self.stage_id = stage_id
