@@ -14,12 +14,8 @@ Type mapping (what ``decode(encode(x))`` gives back):
 * numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
   are refused). numpy scalars: the equivalent Python scalar.
 
-Array ext payload (code ``NDARRAY_EXT_CODE``)::
-
-    u16 LE header length | header = msgpack [dtype.str, shape] | zero pad to 16 | raw C bytes
-
-The pad keeps the decoded zero-copy view aligned for every dtype. ``decode`` is the door for
-untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
+Arrays are one ext (code ``NDARRAY_EXT_CODE``), laid out in `ndarray_ext`. ``decode`` is the
+door for untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
 
 Encoding is msgpack's (its ``default`` hook refuses what the mapping above does not
 name; msgspec's encoder would turn sets, dataclasses or UUIDs into something else
@@ -30,22 +26,17 @@ message of every hop pays.
 from __future__ import annotations
 
 import contextlib
-import math
-import re
-import struct
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgpack
 import msgspec
 from pydantic import BaseModel, ValidationError
 
+from omni_runtime import ndarray_ext
 from omni_runtime.errors import CodecError
-
-if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
+from omni_runtime.ndarray_ext import NDARRAY_EXT_CODE
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -62,16 +53,8 @@ __all__ = [
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 """Refuse bigger inputs before parsing: a bound on what one bad message can cost."""
 
-NDARRAY_EXT_CODE: Final = 1
 
 M = TypeVar("M", bound=BaseModel)
-
-_ALIGN: Final = 16
-_HLEN: Final = struct.Struct("<H")
-_MAX_NDIM: Final = 64
-# Canonical ``dtype.str`` only (what encode emits): no object "O", no structured specs, and no
-# odd spellings numpy would parse with a deprecation warning.
-_DTYPE_RE: Final = re.compile(r"[<>|][biufcmMSUV][0-9]{1,10}(?:\[[0-9]{0,10}[A-Za-z]{1,7}\])?")
 
 
 def warm_up() -> None:
@@ -196,7 +179,7 @@ def _default(obj: object) -> Any:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
-            return _pack_array(obj)
+            return msgpack.ExtType(NDARRAY_EXT_CODE, ndarray_ext.payload(obj))
         if isinstance(obj, np.generic):
             return obj.item()
     raise CodecError(
@@ -204,60 +187,10 @@ def _default(obj: object) -> Any:
     )
 
 
-def _pad_to(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _pack_array(arr: npt.NDArray[Any]) -> msgpack.ExtType:
-    import numpy as np
-
-    dt = arr.dtype
-    if dt.hasobject or dt.fields is not None or dt.itemsize == 0:
-        raise CodecError(f"cannot encode numpy array of dtype {dt}: object/structured/empty")
-    if not arr.flags.c_contiguous:
-        arr = arr.copy(order="C")  # the only extra copy, and only for strided input
-    header = msgpack.packb([dt.str, list(arr.shape)], use_bin_type=True)
-    start = _pad_to(_HLEN.size + len(header))
-    prefix = _HLEN.pack(len(header)) + header + bytes(start - _HLEN.size - len(header))
-    raw = arr.reshape(-1).view(np.uint8).data  # memoryview over arr, no tobytes()
-    # ExtType insists on bytes, so joining prefix and buffer is the one unavoidable copy.
-    return msgpack.ExtType(NDARRAY_EXT_CODE, b"".join((prefix, raw)))
-
-
 def _ext_hook(code: int, view: memoryview) -> Any:
-    """Rebuild an array as a zero-copy, read-only view over a copy of the ext payload (the
-    ``view`` msgspec hands in points into the message at any offset: not aligned, and
-    writable when the message was); check every field."""
-    data = bytes(view)
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
-    try:
-        import numpy as np
-    except ImportError as e:
-        raise CodecError("message carries a numpy array but numpy is not installed") from e
-    (hlen,) = _HLEN.unpack_from(data)
-    start = _pad_to(_HLEN.size + hlen)
-    if start > len(data):
-        raise CodecError("array ext: truncated header")
-    header = _HEADER_DECODER.decode(data[_HLEN.size : _HLEN.size + hlen])
-    if not (isinstance(header, list) and len(header) == 2):
-        raise CodecError("array ext: header is not [dtype, shape]")
-    dtype_str, shape = header
-    if not (isinstance(dtype_str, str) and _DTYPE_RE.fullmatch(dtype_str)):
-        raise CodecError(f"array ext: bad dtype {dtype_str!r}")
-    if not (
-        isinstance(shape, list)
-        and len(shape) <= _MAX_NDIM
-        and all(type(d) is int and d >= 0 for d in shape)
-    ):
-        raise CodecError(f"array ext: bad shape {shape!r}")
-    dt: np.dtype[Any] = np.dtype(dtype_str)
-    if dt.str != dtype_str or dt.itemsize == 0:
-        raise CodecError(f"array ext: non-canonical dtype {dtype_str!r}")
-    count = math.prod(shape)
-    if count * dt.itemsize != len(data) - start:
-        raise CodecError("array ext: data length does not match dtype and shape")
-    return np.frombuffer(memoryview(data)[start:], dtype=dt, count=count).reshape(shape)
+    return ndarray_ext.array(view)
 
 
 def _ext_default(obj: object) -> Any:
@@ -269,5 +202,3 @@ def _ext_default(obj: object) -> Any:
 _ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_ext_default)
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 """Any msgpack to Python objects; thread-safe, made once."""
-_HEADER_DECODER: Final = msgspec.msgpack.Decoder()
-"""An array ext's header, decoded from inside `_DECODER`'s hook."""

@@ -254,6 +254,23 @@ def test_bad_array_ext_header_raises_codec_error(wire: bytes) -> None:
         decode(wire)
 
 
+def test_a_header_checked_before_still_has_its_payload_checked() -> None:
+    """Headers are checked once and remembered: the payload's length never is."""
+    good = _array_ext(["<f4", [2]], bytes(8))
+    assert decode(good).shape == (2,)
+    for raw in (bytes(4), bytes(12), b""):  # the same header, a payload of the wrong size
+        with pytest.raises(CodecError, match="length"):
+            decode(_array_ext(["<f4", [2]], raw))
+    with pytest.raises(CodecError):  # the same header bytes, cut short
+        decode(bytes(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, _array_prefix(good)[:5]))))
+    assert decode(good).tolist() == [0.0, 0.0]
+
+
+def _array_prefix(wire: bytes) -> bytes:
+    ext = msgpack.unpackb(wire, ext_hook=lambda code, data: data)
+    return bytes(ext)
+
+
 @pytest.mark.parametrize(
     "wire",
     [b"", b"\xc1", b"\x92\x01", b"\x01\x02", b"\xa3ab", b"\xa2\xff\xfe"],
