@@ -116,6 +116,28 @@ def typed_decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(type_, ext_hook=_ext_hook)
 
 
+def check(raw: Any) -> None:
+    """Raise `CodecError` where `decode` would (malformed msgpack, a bad array), without
+    building the value: for data kept as read (`msgspec.Raw`) and relayed as is."""
+    try:
+        _CHECKER.decode(raw)
+    except CodecError:
+        raise
+    except Exception as e:
+        raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+_EXT_TYPE_AT: Final = {0xD4: 1, 0xD5: 1, 0xD6: 1, 0xD7: 1, 0xD8: 1, 0xC7: 2, 0xC8: 3, 0xC9: 5}
+"""msgpack's ext formats: where each one's type byte is."""
+
+
+def is_array(raw: Any) -> bool:
+    """Whether encoded bytes (or a `msgspec.Raw`) hold one array, by their first bytes."""
+    head = memoryview(raw)[:6]
+    at = _EXT_TYPE_AT.get(head[0]) if len(head) else None
+    return at is not None and len(head) > at and head[at] == NDARRAY_EXT_CODE
+
+
 BATCH_HEADER_BYTES: Final = 5
 """The most a batch adds to its messages' bytes (a msgpack array header)."""
 
@@ -193,6 +215,12 @@ def _ext_hook(code: int, view: memoryview) -> Any:
     return ndarray_ext.array(view)
 
 
+def _check_hook(code: int, view: memoryview) -> None:
+    if code != NDARRAY_EXT_CODE:
+        raise CodecError(f"unknown msgpack ext type {code}")
+    ndarray_ext.check(view)
+
+
 def _ext_default(obj: object) -> Any:
     """`_default` for msgspec's encoder: an array as its ext, a numpy scalar as Python's."""
     out = _default(obj)
@@ -202,3 +230,4 @@ def _ext_default(obj: object) -> Any:
 _ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_ext_default)
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 """Any msgpack to Python objects; thread-safe, made once."""
+_CHECKER: Final = msgspec.msgpack.Decoder(ext_hook=_check_hook)

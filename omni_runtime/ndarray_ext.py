@@ -64,24 +64,36 @@ def array(view: memoryview) -> Any:
     """A zero-copy, read-only array over one copy of the payload (``view`` points into a
     message at any offset: not aligned, and writable when the message was); every field
     checked, `CodecError` if one is wrong."""
+    import numpy as np
+
     data = bytes(view)
+    dt, shape, count, start = check(data)
+    flat = np.frombuffer(data, dtype=dt, count=count, offset=start)
+    return flat if len(shape) == 1 else flat.reshape(shape)
+
+
+def check(data: bytes | memoryview) -> Layout:
+    """What `array` checks, without the copy and the array; `CodecError` if wrong."""
     try:
-        import numpy as np
+        import numpy  # noqa: F401
     except ImportError as e:
         raise CodecError("message carries a numpy array but numpy is not installed") from e
-    (hlen,) = _HLEN.unpack_from(data)
-    head = data[: _HLEN.size + hlen]
+    try:
+        (hlen,) = _HLEN.unpack_from(data)
+    except struct.error as e:
+        raise CodecError("array ext: truncated header") from e
+    head = bytes(data[: _HLEN.size + hlen])
     layout = _LAYOUTS.get(head)
     if layout is None:
         layout = _layout(data, hlen)
         if len(_LAYOUTS) >= _REMEMBERED_MAX:
             _LAYOUTS.clear()
         _LAYOUTS[head] = layout
-    dt, shape, count, start = layout
-    if count * dt.itemsize != len(data) - start:
+    dt, _shape, count, start = layout
+    size = data.nbytes if isinstance(data, memoryview) else len(data)  # (msgspec's view: len
+    if count * dt.itemsize != size - start:  # counts bytes past its end, nbytes does not)
         raise CodecError("array ext: data length does not match dtype and shape")
-    flat = np.frombuffer(data, dtype=dt, count=count, offset=start)
-    return flat if len(shape) == 1 else flat.reshape(shape)
+    return layout
 
 
 def _pad_to(n: int) -> int:
@@ -101,13 +113,13 @@ def _prefix(dtype_str: str, shape: tuple[int, ...]) -> bytes:
     return prefix
 
 
-def _layout(data: bytes, hlen: int) -> Layout:
+def _layout(data: bytes | memoryview, hlen: int) -> Layout:
     import numpy as np
 
     start = _pad_to(_HLEN.size + hlen)
-    if start > len(data):
+    if start > (data.nbytes if isinstance(data, memoryview) else len(data)):
         raise CodecError("array ext: truncated header")
-    header = _HEADER_DECODER.decode(data[_HLEN.size : _HLEN.size + hlen])
+    header = _HEADER_DECODER.decode(bytes(data[_HLEN.size : _HLEN.size + hlen]))
     if not (isinstance(header, list) and len(header) == 2):
         raise CodecError("array ext: header is not [dtype, shape]")
     dtype_str, shape = header
@@ -119,7 +131,10 @@ def _layout(data: bytes, hlen: int) -> Layout:
         and all(type(d) is int and d >= 0 for d in shape)
     ):
         raise CodecError(f"array ext: bad shape {shape!r}")
-    dt: np.dtype[Any] = np.dtype(dtype_str)
+    try:
+        dt: np.dtype[Any] = np.dtype(dtype_str)
+    except (TypeError, ValueError) as e:  # well spelled, yet unknown ("<f3")
+        raise CodecError(f"array ext: unknown dtype {dtype_str!r}") from e
     if dt.str != dtype_str or dt.itemsize == 0:
         raise CodecError(f"array ext: non-canonical dtype {dtype_str!r}")
     return dt, tuple(shape), math.prod(shape), start

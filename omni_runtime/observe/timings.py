@@ -15,6 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from omni_runtime import codec
 from omni_runtime.metrics import Metrics
 
 MAX_OPEN = 100_000
@@ -22,7 +25,10 @@ MAX_OPEN = 100_000
 
 
 def is_audio(data: Any) -> bool:
-    """An array output (numpy or alike) is audio; anything else counts as a token."""
+    """An array output (numpy or alike, or the bytes of one as read) is audio; anything
+    else counts as a token."""
+    if isinstance(data, msgspec.Raw):
+        return codec.is_array(data)
     return hasattr(data, "dtype") and hasattr(data, "shape")
 
 
@@ -56,7 +62,7 @@ class RequestTimer:
         if req is None:
             return
         now = time.monotonic() if t is None else t
-        if error is None and data is not None:
+        if error is None and data is not None and not (req.first_audio and req.first_token):
             if is_audio(data):
                 if not req.first_audio:
                     req.first_audio = True

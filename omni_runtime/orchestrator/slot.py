@@ -91,6 +91,7 @@ class SlotService:
                 block_ms=s.block_ms,
                 max_message_bytes=s.max_message_bytes,
                 streaming=p.mode == "streaming" and sid > 0,
+                relay=p.mode == "streaming",  # nothing forwarded: data kept as read
                 tracer=shared.tracer,
                 metrics=shared.metrics,
                 backoff=backoff,

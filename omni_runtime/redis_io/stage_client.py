@@ -30,7 +30,7 @@ from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import Fence, StreamWriter
 from omni_runtime.tracing import Tracer
-from omni_runtime.wire_views import StageOutputView
+from omni_runtime.wire_views import StageOutputRelayView, StageOutputView
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SeqFilter:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._next
 
-    def accept(self, msg: StageOutputView) -> bool:
+    def accept(self, msg: StageOutputView | StageOutputRelayView) -> bool:
         expected = self._next.get(msg.request_id, 0)
         if msg.seq < expected and msg.error is None:
             return False
@@ -83,6 +83,7 @@ class RedisStageClient:
         block_ms: int,
         max_message_bytes: int,
         streaming: bool = False,
+        relay: bool = False,
         tracer: Tracer | None = None,
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
@@ -103,12 +104,16 @@ class RedisStageClient:
         self.traced: set[str] | frozenset[str] = frozenset()
         """The requests traced on demand: their inputs carry the flag to the workers."""
         self.metrics = metrics or Metrics()
-        self.reader = GroupReader(
+        # Relayed (streaming: nothing is forwarded): data kept as read, checked, not decoded.
+        view: type[StageOutputView | StageOutputRelayView] = (
+            StageOutputRelayView if relay else StageOutputView
+        )
+        self.reader: GroupReader[StageOutputView | StageOutputRelayView] = GroupReader(
             client,
             self.out_stream,
             keys.ORCHESTRATOR_GROUP,
             keys.orchestrator_consumer(slot),
-            StageOutputView,
+            view,
             max_bytes=max_message_bytes,
             dead_letters=names.dead_letters,
             metrics=self.metrics,
@@ -210,7 +215,9 @@ class RedisStageClient:
         else:
             self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
-    def _accept(self, batch: list[tuple[bytes, StageOutputView]]) -> list[StageOutput]:
+    def _accept(
+        self, batch: list[tuple[bytes, StageOutputView | StageOutputRelayView]]
+    ) -> list[StageOutput]:
         outputs: list[StageOutput] = []
         taken: dict[bytes, int] = {}  # entry → its outputs accepted now (repeats are not)
         for entry_id, msg in batch:

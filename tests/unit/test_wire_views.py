@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ from omni_runtime.wire_views import (
     OrchOutputView,
     RequestView,
     StageInputView,
+    StageOutputRelayView,
     StageOutputView,
     decode_views,
 )
@@ -35,6 +37,12 @@ GOOD: dict[Any, dict[str, Any]] = {
     AbortView: {"type": "abort", "request_id": "r1", "reason": "gone"},
     StageInputView: {"type": "stage_input", "request_id": "r1", "data": "x", "owner": 1},
     StageOutputView: {"type": "stage_output", "request_id": "r1", "data": ["HI"], "finished": True},
+    StageOutputRelayView: {
+        "type": "stage_output",
+        "request_id": "r1",
+        "data": ["HI"],
+        "finished": True,
+    },
     OrchOutputView: {
         "type": "orch_output",
         "request_id": "r1",
@@ -56,9 +64,14 @@ def as_doc(msg: Any) -> tuple[str, dict[str, Any]]:
     """A message read by a view or by its model, comparable: its kind and its fields."""
     if isinstance(msg, BaseModel):
         kind, names = type(msg).__name__.removesuffix("Msg"), set(type(msg).model_fields)
-    else:
-        kind, names = type(msg).__name__.removesuffix("View"), set(msg.__struct_fields__)
-    return kind, {n: getattr(msg, n) for n in sorted(names - {"type"})}
+    else:  # a relay view's data is the bytes as read: compared as what they decode to
+        kind = type(msg).__name__.removesuffix("View").removesuffix("Relay")
+        names = set(msg.__struct_fields__)
+    return kind, {n: as_read(getattr(msg, n)) for n in sorted(names - {"type"})}
+
+
+def as_read(value: Any) -> Any:
+    return codec.decode(bytes(memoryview(value))) if isinstance(value, msgspec.Raw) else value
 
 
 def read(model: Any, doc: Any, batches: bool) -> str:
@@ -161,3 +174,39 @@ def test_any_map_reads_as_the_model_reads_it(
 ) -> None:
     for candidate in ({**GOOD[view], **doc}, doc):
         assert read(view, candidate, batches) == read(MODEL_OF[view], candidate, batches)
+
+
+def test_a_relay_view_keeps_the_data_as_read_and_checks_it() -> None:
+    """Relayed data is the very bytes the stage wrote (an array too), encoded back as is;
+    a bad array is refused as the model refuses it."""
+    pcm = np.arange(5, dtype=np.float32)
+    doc = {"type": "stage_output", "request_id": "r1", "data": pcm, "finished": False}
+    (msg,) = parse_entries({FIELD: codec.encode(doc)}, StageOutputRelayView, 1 << 20)
+    assert isinstance(msg.data, msgspec.Raw)
+    assert bytes(memoryview(msg.data)) == codec.encode(pcm)
+    assert codec.is_array(msg.data) and not codec.is_array(codec.encode("tok"))
+    assert codec.encode_decoded({"data": msg.data}) == codec.encode({"data": pcm})
+    wire = codec.encode(doc)
+    bad = wire.replace(b"<f4", b"<f3")  # a dtype numpy does not know, same length
+    errors = []
+    for view in (StageOutputRelayView, StageOutputView):
+        with pytest.raises(CodecError) as e:
+            parse_entries({FIELD: bad}, view, 1 << 20)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "dtype" in errors[0]
+
+
+@pytest.mark.parametrize("view", [StageOutputView, StageOutputRelayView, OrchOutputView])
+@pytest.mark.parametrize("payload", [b"\x01", b"\x07\x00\x92\xa3<f3\x91\x01" + bytes(23)])
+def test_a_bad_array_is_a_codec_error_for_every_view(view: Any, payload: bytes) -> None:
+    """Truncated, or well spelled but unknown to numpy: never another exception, which
+    would stop a reader instead of dead-lettering one entry."""
+    doc = {**GOOD[view], "data": msgpack_ext(payload)}
+    with pytest.raises(CodecError):
+        parse_entries({FIELD: codec.encode(doc)}, view, 1 << 20)
+
+
+def msgpack_ext(payload: bytes) -> Any:
+    import msgpack
+
+    return msgpack.ExtType(codec.NDARRAY_EXT_CODE, payload)
