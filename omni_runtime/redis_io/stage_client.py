@@ -20,6 +20,7 @@ import asyncio
 import logging
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from omni_runtime import codec, keys
@@ -226,11 +227,12 @@ class RedisStageClient:
                 self.metrics.inc("omni_duplicate_outputs_total", stage=self.stage_id)
                 continue
             taken[entry_id] += 1
-            data = (
-                StageFailure(f"stage {self.stage_id} failed: {msg.error}")
-                if msg.error
-                else msg.data
-            )
+            if msg.error:
+                data: Any = StageFailure(f"stage {self.stage_id} failed: {msg.error}")
+            elif isinstance(msg.data, msgspec.Raw):  # its own bytes: held till the request
+                data = msg.data.copy()  # ends, it must not keep the whole read batch alive
+            else:
+                data = msg.data
             out = StageOutput(msg.request_id, data, msg.finished or msg.error is not None)
             self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)

@@ -240,3 +240,27 @@ async def test_malformed_entry_is_dead_lettered(redis_harness: RedisHarness) -> 
     assert await harness.unacked() == 1  # only the good one waits for output_handled
     assert harness.stage.malformed_entries == 2
     assert harness.metrics.value("omni_dead_letters_total", stream=out) == 2
+
+
+async def test_a_relaying_stage_holds_each_outputs_own_bytes(redis_harness: RedisHarness) -> None:
+    """Streaming mode relays data as read: each output holds its own bytes (not a view into
+    the batch it came in, which it would keep alive), and they encode back unchanged."""
+    np = pytest.importorskip("numpy")
+    h = redis_harness
+    stage = RedisStageClient(
+        h.client, h.writer, SID, NAMES, read_count=64, block_ms=50,
+        max_message_bytes=1 << 20, metrics=h.metrics, relay=True,
+    )  # fmt: skip
+    pcm = np.arange(1600, dtype=np.float32)
+    values = ["tok", pcm, {"k": [1, 2]}]
+    msgs = [
+        StageOutputMsg(request_id=f"r{i}", data=v, finished=False) for i, v in enumerate(values)
+    ]
+    batch = codec.encode_batch([codec.encode_model(m) for m in msgs])
+    await h.client.xadd(NAMES.stage_out(SID), {keys.PAYLOAD_FIELD: batch})
+    async with asyncio.timeout(10):
+        outs = await stage.get_output()
+    assert [o.request_id for o in outs] == ["r0", "r1", "r2"]
+    for out, value in zip(outs, values, strict=True):
+        assert out.data.copy() is out.data  # msgspec copies a Raw only if it is a view
+        assert codec.encode_decoded({"d": out.data}) == codec.encode({"d": value})
