@@ -74,6 +74,8 @@ def array(view: memoryview) -> Any:
 
 def check(data: bytes | memoryview) -> Layout:
     """What `array` checks, without the copy and the array; `CodecError` if wrong."""
+    if isinstance(data, memoryview):  # msgspec's view: its len runs past the payload,
+        data = data[: data.nbytes]  # into the rest of the message; its nbytes does not
     try:
         import numpy  # noqa: F401
     except ImportError as e:
@@ -90,8 +92,7 @@ def check(data: bytes | memoryview) -> Layout:
             _LAYOUTS.clear()
         _LAYOUTS[head] = layout
     dt, _shape, count, start = layout
-    size = data.nbytes if isinstance(data, memoryview) else len(data)  # (msgspec's view: len
-    if count * dt.itemsize != size - start:  # counts bytes past its end, nbytes does not)
+    if count * dt.itemsize != len(data) - start:
         raise CodecError("array ext: data length does not match dtype and shape")
     return layout
 
@@ -117,7 +118,7 @@ def _layout(data: bytes | memoryview, hlen: int) -> Layout:
     import numpy as np
 
     start = _pad_to(_HLEN.size + hlen)
-    if start > (data.nbytes if isinstance(data, memoryview) else len(data)):
+    if start > len(data):
         raise CodecError("array ext: truncated header")
     header = _HEADER_DECODER.decode(bytes(data[_HLEN.size : _HLEN.size + hlen]))
     if not (isinstance(header, list) and len(header) == 2):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from omni_runtime.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     NDARRAY_EXT_CODE,
+    check,
     decode,
     decode_model,
     encode,
@@ -264,6 +265,20 @@ def test_a_header_checked_before_still_has_its_payload_checked() -> None:
     with pytest.raises(CodecError):  # the same header bytes, cut short
         decode(bytes(msgpack.packb(msgpack.ExtType(NDARRAY_EXT_CODE, _array_prefix(good)[:5]))))
     assert decode(good).tolist() == [0.0, 0.0]
+
+
+def test_an_array_header_running_past_its_payload_is_refused() -> None:
+    """A payload claiming a header longer than itself, followed in the message by what a
+    header and data could be read from (msgspec hands the hook a view whose len runs on
+    into the message): refused whether decoded or only checked, whatever follows."""
+    header = ["<f4", [1]]
+    ext = msgpack.ExtType(NDARRAY_EXT_CODE, len(msgpack.packb(header)).to_bytes(2, "little"))
+    for zeros in range(40):
+        wire = bytes(msgpack.packb([ext, header, *[0] * zeros]))
+        with pytest.raises(CodecError):
+            decode(wire)
+        with pytest.raises(CodecError):
+            check(wire)
 
 
 def _array_prefix(wire: bytes) -> bytes:
