@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
@@ -65,13 +66,24 @@ def warm_up() -> None:
 
 
 def encode(obj: Any) -> bytes:
-    """Serialize ``obj`` to msgpack; unsupported types raise CodecError naming the type."""
+    """Serialize ``obj`` to msgpack; unsupported types raise CodecError naming the type.
+
+    Each thread keeps one packer: `msgpack.packb` makes a new one per call, and getting
+    its buffer cost more than packing (~2 of ~3.5 µs for a small message, ~9 of ~22 µs
+    for an audio chunk). A packer that failed, is in use further up this thread's stack,
+    or grew past `_PACKER_KEEP_BYTES` is not kept."""
+    packer: msgpack.Packer | None = getattr(_PACKERS, "packer", None)
+    _PACKERS.packer = None  # taken: a re-entrant call makes its own
+    if packer is None:
+        packer = msgpack.Packer(use_bin_type=True, datetime=True, default=_default)
     try:
-        data: bytes = msgpack.packb(obj, use_bin_type=True, datetime=True, default=_default)
+        data: bytes = packer.pack(obj)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError, BufferError) as e:
         raise CodecError(f"cannot encode: {e}") from e
+    if len(data) <= _PACKER_KEEP_BYTES:
+        _PACKERS.packer = packer
     return data
 
 
@@ -227,6 +239,9 @@ def _ext_default(obj: object) -> Any:
     return msgspec.msgpack.Ext(out.code, out.data) if isinstance(out, msgpack.ExtType) else out
 
 
+_PACKERS = threading.local()
+_PACKER_KEEP_BYTES: Final = 1 << 20
+"""A packer keeps the buffer of the biggest message it packed: past this, not kept."""
 _ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_ext_default)
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 """Any msgpack to Python objects; thread-safe, made once."""

@@ -226,6 +226,43 @@ def test_unknown_ext_code_raises_codec_error() -> None:
         decode(msgpack.packb(msgpack.ExtType(42, b"abc")))
 
 
+def test_a_failed_encode_leaves_the_next_one_whole() -> None:
+    """The thread's packer is dropped when a value fails midway through a map."""
+    with pytest.raises(CodecError):
+        encode({"a": "x" * 100, "b": {1, 2}})
+    value = {"c": [1, 2, 3], "d": b"\x00" * 10}
+    assert encode(value) == msgpack.packb(value, use_bin_type=True)
+
+
+def test_a_packer_grown_by_a_big_message_is_not_kept() -> None:
+    from omni_runtime import codec
+
+    encode({"small": 1})
+    assert codec._PACKERS.packer is not None
+    encode(b"\x00" * (codec._PACKER_KEEP_BYTES + 1))
+    assert codec._PACKERS.packer is None  # its megabytes go with it
+    assert encode({"small": 1}) == msgpack.packb({"small": 1})
+
+
+def test_threads_encoding_at_once_each_get_their_own_bytes() -> None:
+    import threading
+
+    values = [{"i": i, "data": np.arange(i % 7, dtype=np.int32), "s": "x" * i} for i in range(64)]
+    expected = [encode(v) for v in values]
+    wrong: list[int] = []
+
+    def work() -> None:
+        for _ in range(20):
+            wrong.extend(i for i, v in enumerate(values) if encode(v) != expected[i])
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not wrong and not any(t.is_alive() for t in threads)
+
+
 def _array_ext(header: Any, raw: bytes, pad: bool = True) -> bytes:
     h = msgpack.packb(header)
     prefix = len(h).to_bytes(2, "little") + h
