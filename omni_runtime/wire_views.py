@@ -91,18 +91,13 @@ class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     seq: Seq = 0
 
 
-class StageOutputRelayView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class StageOutputRelayView(StageOutputView, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`StageOutputView` with its data kept as read (`msgspec.Raw`), checked by
     `codec.check`: a streaming orchestrator only relays a stage's data to the client (and
     holds it), so decoding an array only to encode it again was a fifth of its CPU. (On
     the slow path, a message its model had to accept, `data` is the decoded value.)"""
 
-    type: Literal["stage_output"]
-    request_id: RequestId
     data: msgspec.Raw
-    finished: bool
-    error: str | None = None
-    seq: Seq = 0
 
 
 class OrchOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -55,7 +55,7 @@ class SeqFilter:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._next
 
-    def accept(self, msg: StageOutputView | StageOutputRelayView) -> bool:
+    def accept(self, msg: StageOutputView) -> bool:
         expected = self._next.get(msg.request_id, 0)
         if msg.seq < expected and msg.error is None:
             return False
@@ -106,10 +106,8 @@ class RedisStageClient:
         """The requests traced on demand: their inputs carry the flag to the workers."""
         self.metrics = metrics or Metrics()
         # Relayed (streaming: nothing is forwarded): data kept as read, checked, not decoded.
-        view: type[StageOutputView | StageOutputRelayView] = (
-            StageOutputRelayView if relay else StageOutputView
-        )
-        self.reader: GroupReader[StageOutputView | StageOutputRelayView] = GroupReader(
+        view = StageOutputRelayView if relay else StageOutputView
+        self.reader: GroupReader[StageOutputView] = GroupReader(
             client,
             self.out_stream,
             keys.ORCHESTRATOR_GROUP,
@@ -216,9 +214,7 @@ class RedisStageClient:
         else:
             self.writer.xack(self.out_stream, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
 
-    def _accept(
-        self, batch: list[tuple[bytes, StageOutputView | StageOutputRelayView]]
-    ) -> list[StageOutput]:
+    def _accept(self, batch: list[tuple[bytes, StageOutputView]]) -> list[StageOutput]:
         outputs: list[StageOutput] = []
         taken: dict[bytes, int] = {}  # entry → its outputs accepted now (repeats are not)
         for entry_id, msg in batch:

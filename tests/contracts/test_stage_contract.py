@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import fakeredis
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -245,7 +246,6 @@ async def test_malformed_entry_is_dead_lettered(redis_harness: RedisHarness) -> 
 async def test_a_relaying_stage_holds_each_outputs_own_bytes(redis_harness: RedisHarness) -> None:
     """Streaming mode relays data as read: each output holds its own bytes (not a view into
     the batch it came in, which it would keep alive), and they encode back unchanged."""
-    np = pytest.importorskip("numpy")
     h = redis_harness
     stage = RedisStageClient(
         h.client, h.writer, SID, NAMES, read_count=64, block_ms=50,
