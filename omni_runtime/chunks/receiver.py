@@ -160,28 +160,42 @@ class ChunkReceiver:
             self._stop.wait(delay_s)
 
     def _wait(self, timeout_s: float) -> None:
-        self._woken(self.transport.wait_for_puts(timeout_s))
+        """Wait for puts; a wake-up that queued a request is read in the same step (the
+        chunk it announced is on the path to a waiting scheduler)."""
+        if self._woken(self.transport.wait_for_puts(timeout_s)):
+            self._round()
 
-    def _woken(self, reported: dict[str, int]) -> None:
+    def _woken(self, reported: dict[str, int]) -> bool:
+        """Record reported puts; whether there is a round to run now."""
         rids = {}
         for route, upto in reported.items():
             rid, stage = keys.split_route_id(route)
             if stage == self.src_stage_id:
                 rids[rid] = upto
-        if rids:
-            with self._cv:
-                self._book.woken(rids)
+        if not rids:
+            return False
+        with self._cv:
+            self._book.woken(rids)
+            return self._book.busy()
 
     def _round(self) -> None:
         """Due sweeps, subscriptions, then one fetch + commit of every queued request."""
+        sweeps: list[tuple[str, int]] = []
         with self._cv:
             routes = self._book.take_routes()
-            now = time.monotonic()
-            sweeps = [(rid, first) for at, rid, first in self._sweeps if at <= now]
-            self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
+            if self._sweeps:
+                now = time.monotonic()
+                sweeps = [(rid, first) for at, rid, first in self._sweeps if at <= now]
+                self._sweeps = [sw for sw in self._sweeps if sw[0] > now]
             batch = self._book.take_round()
         for rid, first in sweeps:  # first: each sweep handles its own failure
             self._sweep(rid, first)
+        if routes:
+            self._route(routes, batch)
+        if batch:
+            self._fetch(batch)
+
+    def _route(self, routes: dict[str, bool], batch: list[Poll]) -> None:
         src = self.src_stage_id
         try:
             self.transport.unsubscribe(
@@ -193,8 +207,6 @@ class ChunkReceiver:
                 self._book.retry_routes(routes)
                 self._book.requeue(batch)
             raise
-        if batch:
-            self._fetch(batch)
 
     def _fetch(self, batch: list[Poll]) -> None:
         src = self.src_stage_id
@@ -220,9 +232,9 @@ class ChunkReceiver:
             if not self.transport.signals_puts:
                 self.transport.wait_for_puts(NO_PROGRESS_SLEEP_S)
             return
-        self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
-        if self.on_ready is not None:
+        if self.on_ready is not None:  # first: the scheduler's wake overlaps the counting
             self.on_ready()
+        self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
 
     def _sweep(self, request_id: str, first: int) -> None:
         """Delete a discarded request's unread chunks, page by page while pages are full."""
