@@ -16,8 +16,8 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import redis
 from redis.connection import Connection, ConnectionPool
@@ -66,16 +66,13 @@ class WakeupSender:
         self._routes: dict[str, str] = {}
 
     def queue(self, pipe: PutPipe, encoded: list[Encoded]) -> list[str]:
-        """Queue on `pipe` (after its SETs) the wake-ups of the routes known, and a GET of
-        the route key of the others; return those others, whose GETs end the replies."""
-        route_ids = list(dict.fromkeys(route_id for _n, _v, route_id in encoded))
+        """Queue on `pipe` (after its SETs) the wake-ups of the routes known, one RPUSH and
+        one EXPIRE per notify list however many requests lead there, and a GET of the route
+        key of the others; return those others, whose GETs end the replies."""
         with self._lock:
-            routes = {r: self._routes.get(r) for r in route_ids}
-        unknown = [r for r in route_ids if routes[r] is None]
-        for route_id, route in routes.items():
-            if route is not None:
-                pipe.rpush(route, *self._wakeups(encoded, route_id))
-                pipe.expire(route, self.ttl_s)
+            routes = {rid: self._routes.get(rid) for _n, _v, rid in encoded}
+        unknown = [rid for rid, route in routes.items() if route is None]
+        self._push(pipe, encoded, routes)
         for route_id in unknown:
             pipe.get(keys.chunk_route_key(route_id, self.prefix))
         return unknown
@@ -95,9 +92,7 @@ class WakeupSender:
         if not found:
             return
         with client.pipeline(transaction=False) as pipe:
-            for route_id, route in found.items():
-                pipe.rpush(route, *self._wakeups(encoded, route_id))
-                pipe.expire(route, self.ttl_s)
+            self._push(cast(PutPipe, pipe), encoded, found)
             pipe.execute()
         with self._lock:
             if len(self._routes) + len(found) > MAX_CACHED_ROUTES:
@@ -110,14 +105,20 @@ class WakeupSender:
             for route_id in route_ids:
                 self._routes.pop(route_id, None)
 
-    def _wakeups(self, encoded: list[Encoded], route_id: str) -> list[bytes]:
-        out = []
-        for name, value, rid in encoded:
-            if rid == route_id:
+    def _push(
+        self, pipe: PutPipe, encoded: list[Encoded], routes: Mapping[str, str | None]
+    ) -> None:
+        """One RPUSH (wake-ups in put order) and one EXPIRE per notify list of `routes`."""
+        lists: dict[str, list[bytes]] = {}
+        for name, value, route_id in encoded:
+            route = routes.get(route_id)
+            if route is not None:
                 key = keys.chunk_key_of(name, self.prefix).encode()
                 inline = value if len(value) <= INLINE_MAX_BYTES else b""
-                out.append(_HEADER.pack(len(key)) + key + inline)
-        return out
+                lists.setdefault(route, []).append(_HEADER.pack(len(key)) + key + inline)
+        for route, wakeups in lists.items():
+            pipe.rpush(route, *wakeups)
+            pipe.expire(route, self.ttl_s)
 
 
 class WakeupInbox:
