@@ -2,8 +2,11 @@
 
 Kinds: `adapter` (ChunkAdapter over RedisConnector, as in a worker: `save_async` ->
 the receiver's `on_ready` wakes a scheduler thread that calls `poll_ready`),
-`raw_blpop` (RPUSH of the payload -> BLPOP) and `raw_set_blpop_get` (SET + RPUSH of
-the key -> BLPOP -> GET: the adapter's own round trips, with no threads between).
+`raw_blpop` (RPUSH of the payload -> BLPOP), `raw_set_blpop_get` (SET + RPUSH of
+the key -> BLPOP -> GET: the adapter's own round trips, with no threads between) and
+`raw_threads` (RPUSH -> BLPOP with SPEC §4's two thread hand-offs and nothing else: the
+caller wakes a sending thread through a Condition, the BLPOP thread wakes the consumer
+through an Event).
 Chunks carry a CLOCK_MONOTONIC stamp; the receiver prints `{"lat_ns", "missing"}`.
 """
 
@@ -15,6 +18,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -40,10 +44,13 @@ def send(kind: str, url: str, prefix: str, rid: str, total: int) -> None:
     adapter = ChunkAdapter(conn, stage_id=0) if conn is not None else None
     client = redis.Redis.from_url(url)
     client.ping()
+    relay = ThreadRelay(lambda p: client.rpush(f"{prefix}list:{rid}", codec.encode(p)))
     for seq in range(total):
         payload = {"t": time.monotonic_ns(), "seq": seq, "codes": CODES}
         if adapter is not None:
             adapter.save_async(rid, payload, seq == total - 1)
+        elif kind == "raw_threads":
+            relay.put(payload)
         elif kind == "raw_blpop":
             client.rpush(f"{prefix}list:{rid}", codec.encode(payload))
         else:
@@ -53,11 +60,80 @@ def send(kind: str, url: str, prefix: str, rid: str, total: int) -> None:
                 pipe.execute()
         time.sleep(rng.uniform(*GAP_MS) / 1e3)
     emit({"sent": total})
+    relay.stop()
     sys.stdin.read()  # the coordinator closes it once the receiver has everything
     if adapter is not None and conn is not None:
         adapter.stop()
         conn.close()
     client.close()
+
+
+class ThreadRelay:
+    """The sender's half of `raw_threads`: a FIFO and a thread woken through a Condition."""
+
+    def __init__(self, write: Callable[[Any], Any]) -> None:
+        self.write = write
+        self._cv = threading.Condition()
+        self._items: list[Any] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._items or self._stop):
+                    self._cv.wait()
+                items, self._items = self._items, []
+                if not items:
+                    return
+            for item in items:
+                self.write(item)
+
+
+def recv_relayed(
+    url: str, key: str, more: Callable[[], bool], record: Callable[[dict[str, Any], int], None]
+) -> None:
+    """The receiver's half of `raw_threads`: a BLPOP thread hands each payload to this one
+    (the scheduler) through an Event."""
+    ready, lock, got = threading.Event(), threading.Lock(), []
+    stop = threading.Event()
+
+    def pop() -> None:
+        client = redis.Redis.from_url(url)
+        while not stop.is_set():
+            popped: Any = client.blpop([key], timeout=0.2)
+            if popped is not None:
+                with lock:
+                    got.append(popped[1])
+                ready.set()
+        client.close()
+
+    thread = threading.Thread(target=pop, daemon=True)
+    thread.start()
+    emit({"ready": True, "pid": os.getpid()})
+    while more():
+        ready.wait(0.1)
+        ready.clear()
+        with lock:
+            taken = got[:]
+            got.clear()
+        now = time.monotonic_ns()
+        for raw in taken:
+            record(codec.decode(raw), now)
+    stop.set()
+    thread.join(10)
 
 
 def recv(kind: str, url: str, prefix: str, rid: str, total: int, warmup: int) -> None:
@@ -87,6 +163,9 @@ def recv(kind: str, url: str, prefix: str, rid: str, total: int, warmup: int) ->
                 record(chunk["data"], now)
         adapter.stop()
         conn.close()
+    elif kind == "raw_threads":
+        more = lambda: seen < total and time.monotonic() < deadline  # noqa: E731
+        recv_relayed(url, f"{prefix}list:{rid}", more, record)
     else:
         client = redis.Redis.from_url(url)
         client.ping()
@@ -105,7 +184,9 @@ def recv(kind: str, url: str, prefix: str, rid: str, total: int, warmup: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("side", choices=["send", "recv"])
-    parser.add_argument("kind", choices=["adapter", "raw_blpop", "raw_set_blpop_get"])
+    parser.add_argument(
+        "kind", choices=["adapter", "raw_blpop", "raw_set_blpop_get", "raw_threads"]
+    )
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--rid", required=True)
     parser.add_argument("-n", type=int, required=True)
