@@ -1,6 +1,9 @@
 """The writer's typed operations, and how one batch of them becomes one pipeline.
 
 Pure: builds commands on a pipeline it is given, never sends them (`writer` does).
+The ops are slotted dataclasses, not frozen ones: a frozen `__init__` sets each field
+through `object.__setattr__` (an `XAdd` 3.6 against 0.9 µs here) and the orchestrator
+makes several per request. Nothing changes an op once it is queued (`replace` copies).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def xadd_fields(fields: dict[str, Any]) -> dict[FieldT, EncodableT]:
     return cast("dict[FieldT, EncodableT]", fields)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class XAdd:
     stream: str
     fields: dict[str, Any]
@@ -39,7 +42,7 @@ class XAdd:
     reader takes batches and acknowledges nothing (a client's)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class XAck:
     stream: str
     group: str
@@ -49,7 +52,7 @@ class XAck:
     need not stay in memory until MAXLEN trims it."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class XDel:
     """XDEL entries of a stream no group reads (a client's, once it read them)."""
 
@@ -57,13 +60,13 @@ class XDel:
     entry_ids: list[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Expire:
     key: str
     ttl_s: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HashPut:
     """HSET every field of `fields` into hash `key`: many requests' states, one command."""
 
@@ -71,7 +74,7 @@ class HashPut:
     fields: dict[str, bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HashDrop:
     """HDEL `fields` from hash `key` (the hash goes with its last field)."""
 
@@ -79,7 +82,7 @@ class HashDrop:
     fields: list[str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ExpireAt:
     """PEXPIREAT `key` `at_ms`, or PERSIST it when `at_ms` is None."""
 
