@@ -30,7 +30,7 @@ from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.entries import parse_entries
-from omni_runtime.redis_io.inbox import Inbox
+from omni_runtime.redis_io.inbox import IdleWait, Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields, stream_reply
 from omni_runtime.redis_io.write_ops import XDel
@@ -200,19 +200,15 @@ class OmniClient:
         audio = self.outputs if self.outputs and self.outputs.audio_stage is not None else None
         playback = Playback()
         clock = asyncio.get_running_loop().time
+        waiter = IdleWait(pending, timeout_s)
         try:
             while True:
-                # A timer only when waiting: under load the next output is often there.
-                out = None if pending.queue.empty() else pending.queue.get_nowait()
-                try:
-                    if out is None:
-                        async with asyncio.timeout(timeout_s):
-                            out = await pending.queue.get()
-                except TimeoutError:
+                out = await waiter.next()
+                if out is None:
                     raise RequestTimeoutError(
                         f"no output for request {request_id!r} within {timeout_s:g}s "
                         "(OMNI_REQUEST_TIMEOUT_S)"
-                    ) from None
+                    )
                 finished = out.finished
                 if audio is not None and out.stage_id == audio.audio_stage:
                     playback.add(clock(), audio_seconds(out.data, audio.sample_rate))
@@ -220,6 +216,7 @@ class OmniClient:
                 if finished:
                     return
         finally:
+            waiter.close()
             if finished and playback.started_at is not None:
                 self.metrics.observe("omni_audio_gap_seconds", playback.worst_gap_s)
             self.inbox.close(request_id, asyncio.get_running_loop().time())

@@ -29,6 +29,54 @@ class Pending:
     """Its final (or the error the client ended it with) is queued: nothing more goes in."""
 
 
+_IDLE = OrchOutput("", -1, None, False)
+"""What `IdleWait`'s timer queues when nothing came in time (compared by identity)."""
+
+
+class IdleWait:
+    """The consumer's side of one request's queue: `next` returns None once it has waited
+    `timeout_s` for an output that did not come.
+
+    One timer per `timeout_s` of waiting, re-armed lazily, not one per wait: a request
+    streaming a chunk every few ms would arm and cancel a timer per chunk
+    (`asyncio.timeout`), ~13 % of a streaming client's CPU. Time the consumer spends
+    between outputs does not count: only waiting on an empty queue does."""
+
+    def __init__(self, pending: Pending, timeout_s: float) -> None:
+        self.pending = pending
+        self.timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None
+        """When the wait in progress began; None while the consumer is not waiting."""
+        self._timer = self._loop.call_later(timeout_s, self._check)
+
+    async def next(self) -> OrchOutput | None:
+        queue = self.pending.queue
+        if queue.empty():
+            self._since = self._loop.time()
+            try:
+                out = await queue.get()
+            finally:
+                self._since = None
+        else:
+            out = queue.get_nowait()
+        return None if out is _IDLE else out
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        now, since = self._loop.time(), self._since
+        if since is None:  # not waiting: no wait can end before a full timeout from now
+            self._timer = self._loop.call_at(now + self.timeout_s, self._check)
+        elif now < since + self.timeout_s:
+            self._timer = self._loop.call_at(since + self.timeout_s, self._check)
+        elif self.pending.queue.empty():  # else an output is on its way to the waiter
+            self.pending.queue.put_nowait(_IDLE)
+        else:
+            self._timer = self._loop.call_at(now + self.timeout_s, self._check)
+
+
 class Inbox:
     """`deliver` each output read; it returns what the client must abort upstream."""
 

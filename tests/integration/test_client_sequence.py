@@ -10,6 +10,7 @@ import pytest
 from omni_runtime import codec
 from omni_runtime.client import OmniClient
 from omni_runtime.core.types import OrchOutput
+from omni_runtime.errors import RequestTimeoutError
 from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
@@ -88,6 +89,21 @@ async def test_a_gap_ends_the_request_with_one_error_final(fake_clients: RedisCl
             (None, True, "outputs lost: expected seq 1, got 2"),
         ]
         assert client.metrics.value("omni_outputs_lost_total") == 1
+        assert [a.request_id for a in await aborts_sent(client)] == ["r"]
+
+
+async def test_a_request_with_no_output_within_its_timeout_ends_and_is_aborted(
+    fake_clients: RedisClients,
+) -> None:
+    async with OmniClient(settings(), fake_clients) as client:
+        rid = await client.submit("x", request_id="r")
+        await send(client, out(rid, 0, "a"))
+        got = []
+        with pytest.raises(RequestTimeoutError, match=r"no output for request 'r' within 0\.3s"):
+            async for o in client.stream(rid, timeout_s=0.3):
+                got.append(o.data)
+        assert got == ["a"]
+        assert client.inbox.requests == {}
         assert [a.request_id for a in await aborts_sent(client)] == ["r"]
 
 
