@@ -136,6 +136,34 @@ def test_redis_a_small_chunk_rides_in_its_wakeup(redis_world: World) -> None:
     assert receiver.fetch(["inl_0_0"]) == [chunk(b"small", True)]
 
 
+def test_redis_one_batch_for_many_routes_wakes_each_receiver_with_its_own_chunks(
+    redis_world: World,
+) -> None:
+    """Wake-ups go out grouped by notify list: each receiver hears its routes only, with
+    their values inline and in put order, on the first put (routes looked up) and later
+    ones (routes cached)."""
+    w = redis_world
+    left, right, sender = w.transport().inner, w.transport().inner, w.transport().inner
+    mine = {left: ["a_0", "b_0"], right: ["c_0", "d_0"]}
+    for receiver, routes in mine.items():
+        receiver.subscribe(routes)
+    for first in (0, 2):  # two puts per route in each batch, the routes interleaved
+        items = [(f"{r}_{first + i}", chunk(f"{r}_{first + i}"), False)
+                 for i in range(2) for r in ("a_0", "c_0", "b_0", "d_0")]  # fmt: skip
+        sender.put_batch(items)
+        for receiver, routes in mine.items():
+            got: dict[str, int] = {}
+            end = time.monotonic() + 10
+            while len(got) < 2 and time.monotonic() < end:
+                got.update(receiver.wait_for_puts(0.05))
+            assert got == {r: first + 1 for r in routes}
+            ids = [f"{r}_{first + i}" for r in routes for i in range(2)]
+            w.raw.delete(*(stored_chunk_key(k, PREFIX) for k in ids))  # inline, not read
+            assert receiver.fetch(ids) == [chunk(k) for k in ids]
+    for receiver, routes in mine.items():
+        receiver.unsubscribe(routes)
+
+
 def test_redis_unsubscribe_drops_the_route_and_unlistened_puts_leave_no_state(
     redis_world: World,
 ) -> None:
