@@ -15,7 +15,10 @@ Per request, from just before `submit`: TTFT (first text token out of
 output), and what a listener hears (`omni_runtime.playback`: playback starts with the
 first audio and runs in real time; a chunk that comes after the audio before it played
 out is a gap). Every request is checked (the tokens in order, the number of audio
-samples). Cells of the two modes are interleaved per concurrency.
+samples). Cells of the two modes are interleaved per concurrency. The TTFT rows' notes
+give each process's CPU per token in both modes (from `/proc`, this client included) and
+how busy the machine was: at the same concurrency streaming serves about twice the
+requests per second, so where the machine runs out is where its first tokens wait.
 
 Baseline: sequential mode at the same concurrency. Ratios on p50: TTFP seq/stream
 (higher is better), TTFT and E2E stream/seq (lower is better); continuity (share of
@@ -32,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.harness import scenario
+from benchmarks.harness.cpu import MACHINE, OTHER, CpuSampler
 from benchmarks.harness.procs import Deployment, watched
+from benchmarks.harness.redis import server_pid
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.stats import percentile
 from omni_runtime.client import OmniClient
@@ -94,6 +99,22 @@ class Cell:
     heard: list[Playback] = field(default_factory=list)
     load: float = 0.0
     """The machine's 1-minute load average when the cell ended."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per process over the cell (the deployment's, this client's, Redis's)."""
+    wall_s: float = 0.0
+
+    def cpu_note(self) -> str:
+        """CPU per token streamed, per process, and the machine's share: what bounds it."""
+        tokens = max(1, len(self.ms["e2e"]) * TOKENS)
+        procs = ", ".join(
+            f"{name.removesuffix('-0')} {1e3 * s / tokens:.3f}"
+            for name, s in self.cpu_s.items()
+            if name not in (MACHINE, OTHER)
+        )
+        busy = 100 * self.cpu_s.get(MACHINE, 0.0) / max(self.wall_s, 1e-9)
+        return (
+            f"{self.mode}: CPU ms per token: {procs}; machine {busy:.0f} % of {os.cpu_count()} CPUs"
+        )
 
     @property
     def continuity(self) -> Continuity:
@@ -167,13 +188,20 @@ async def measure(ctx: scenario.Context, sizes: Sizes) -> list[Cell]:
         for d in all_d:  # warm-up: imports, connections, thread pools
             await watched(all_d, closed_loop(d, prompt, tokens, 2, sizes.warmup), 4 * one_s + 60)
         cells = []
+        redis_pid = server_pid(ctx.redis_url)
         for conc in sizes.concurrencies:
             n = sizes.requests(conc)
             for mode in MODES:
                 timeout_s = one_s * 4 * -(-n // conc) + 60
+                pids = deployments[mode].pids() | {"client": os.getpid()}
+                if redis_pid is not None:
+                    pids["redis-server"] = redis_pid
+                sampler, t0 = CpuSampler(pids), time.perf_counter()
+                sampler.start()
                 cell = await watched(
                     all_d, closed_loop(deployments[mode], prompt, tokens, conc, n), timeout_s
                 )
+                cell.cpu_s, cell.wall_s = sampler.stop(), time.perf_counter() - t0
                 cell.load = os.getloadavg()[0]  # others' runnable processes skew every figure
                 print(f"  {mode:<10} c={conc:<3} {n} requests, {len(cell.errors)} errors, "
                       f"load average {cell.load:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
@@ -224,7 +252,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 "ttfp", f"c={conc}, streaming", f"{metric.upper()} p50", "ms", value or float("nan"),
                 None, None, value, st.p(metric, 99), baseline="sequential", baseline_value=base,
                 ratio=r, ratio_of="seq/stream" if higher_better else "stream/seq", target=target,
-                met=met, notes=errors if metric == "ttfp" else [],
+                met=met, notes=errors if metric == "ttfp" else (
+                    [st.cpu_note(), seq.cpu_note()] if metric == "ttft" else []),
                 details={"sequential_p99_ms": seq.p(metric, 99), "requests": len(st.ms[metric]),
                          "load_average": st.load},
             ))  # fmt: skip
