@@ -6,16 +6,15 @@ chunk nobody reads expires. Keys handed in are the bare `<req>_<stage>_<id>`
 strings; the namespace prefix and the request's hash tag are applied here
 (`keys.stored_chunk_key`).
 
-On a Redis Cluster nothing may span slots and a batch spans requests, so round trips
-keep their shape, not their atomicity: a put is the SETs' pipeline, then the wake-ups'
-(never before: an inline-served value's delete must not overtake its SET; SETs are
-idempotent, a retry re-puts the batch), a read is per-key GETDELs and UNLINKs beside
-the LPOP of the wake-ups (see docs/cluster.md). The tricks stay inside: read-ahead in
-one MGET, wake-ups on a notify list with small values inline (`redis_wakeups`), a route
-cache, puts packed by hand (`redis_packed`), deletes of inline-served keys riding the
-next round trip. Errors: Redis failures raise `TransportError` (puts retry first, with
-the `Backoff` given); a value that fails to decode or exceeds `max_bytes` is a
-`MalformedChunk` in `fetch` and a `CodecError` in `get`."""
+On a Redis Cluster nothing may span slots and a batch spans requests, so round trips keep
+their shape, not their atomicity: a put is the SETs' pipeline, then the wake-ups' (never
+before: an inline-served value's delete must not overtake its SET; a retry re-puts the
+batch), a read is per-key GETDELs and UNLINKs beside the wake-ups' LPOP (docs/cluster.md).
+Inside: read-ahead in one MGET, wake-ups with small values inline (`redis_wakeups`), a
+route cache, puts packed by hand on a held connection (`redis_packed`), deletes of
+inline-served keys riding the next round trip. Redis failures raise `TransportError`
+(puts retry first, with the `Backoff` given); a value that fails to decode or exceeds
+`max_bytes` is a `MalformedChunk` in `fetch` and a `CodecError` in `get`."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
-from omni_runtime.chunks.redis_packed import put_pipe
+from omni_runtime.chunks.redis_packed import HeldPuts, put_pipe
 from omni_runtime.chunks.redis_wakeups import (
     WAKEUP_BATCH,
     Encoded,
@@ -85,8 +84,8 @@ class RedisConnector:
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._sender = WakeupSender(prefix, ttl_s)
         self._inbox = WakeupInbox(prefix)
-        self._subscribed: set[str] = set()
         self._waiter = NotifyWaiter(client, self.notify_key)
+        self._held = None if self._cluster else HeldPuts(client.connection_pool)
         self._fresh = False
         """The last `fetch` read the notify list: a zero-timeout wait needs no round trip."""
 
@@ -196,12 +195,10 @@ class RedisConnector:
                 pipe.execute()
         except RedisError as e:
             raise TransportError(f"subscribing {len(route_ids)} route(s) failed: {e}") from e
-        self._subscribed.update(route_ids)
 
     def unsubscribe(self, route_ids: Sequence[str]) -> None:
         if not route_ids:
             return
-        self._subscribed.difference_update(route_ids)
         try:
             self.client.unlink(*(keys.chunk_route_key(r, self.prefix) for r in route_ids))
         except RedisError as e:
@@ -243,6 +240,8 @@ class RedisConnector:
     def close(self) -> None:
         """Drop the waiting connection; close the client if `from_url` created it."""
         self._waiter.close()
+        if self._held is not None:
+            self._held.close()
         if self._owns_client:
             self.client.close()
 
@@ -255,10 +254,10 @@ class RedisConnector:
     # --- internals -------------------------------------------------------------------
 
     def _store(self, encoded: list[Encoded], transaction: bool) -> None:
-        backoff = dataclasses.replace(self.retry, failures=0)
+        backoff: Backoff | None = None  # made on a first failure: most puts never fail
         while True:
             try:
-                pipe = put_pipe(self.client, transaction, self._cluster)
+                pipe = put_pipe(self.client, transaction, self._cluster, self._held)
                 for name, value, _route in encoded:
                     pipe.set(name, value, ex=self.ttl_s)
                 if self._cluster:  # the SETs land first (see the module's docstring)
@@ -269,6 +268,7 @@ class RedisConnector:
                 self._sender.wake_found(self.client, encoded, unknown, replies)
                 return
             except RedisError as e:
+                backoff = backoff or dataclasses.replace(self.retry, failures=0)
                 delay_s = backoff.failed()
                 if delay_s is None:
                     raise TransportError(

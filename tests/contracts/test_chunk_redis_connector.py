@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -281,3 +282,61 @@ def test_a_chunk_that_came_with_its_wakeup_costs_the_receiver_no_read(redis_url:
         sender.close()
         receiver.close()
         admin.close()
+
+
+def test_a_put_after_the_server_dropped_the_held_connection_goes_through_at_once(
+    redis_url: str,
+) -> None:
+    """Puts keep one connection between them; one the server closed meanwhile is replaced
+    within the same put, not by the retry policy (here: none)."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    admin = redis.Redis.from_url(redis_url)
+    conn = RedisConnector.from_url(redis_url, prefix=prefix, retry=Backoff(max_attempts=1))
+    try:
+        conn.put("r1_0_0", {"data": 0, "finished": False})
+        me = admin.client_id()
+        others = [c["id"] for c in admin.client_list() if int(c["id"]) != me]
+        for client_id in others:
+            admin.client_kill_filter(_id=client_id)
+        wait_until(lambda: all(c["id"] not in others for c in admin.client_list()))
+        conn.put("r1_0_1", {"data": 1, "finished": True})
+        assert conn.get("r1_0_1") == {"data": 1, "finished": True}
+    finally:
+        conn.close()
+        admin.close()
+
+
+def test_puts_from_several_threads_at_once_all_land(redis_url: str) -> None:
+    """One thread holds the put connection at a time; the others take pooled ones. Batches
+    of different sizes (MULTI/EXEC: different reply counts) and values too big to go out in
+    one write would tangle on a shared connection."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    conn = RedisConnector.from_url(redis_url, prefix=prefix)
+    errors: list[BaseException] = []
+    filler = "x" * 40_000
+
+    def put_many(n: int) -> None:
+        try:
+            for first in range(0, 60, n + 1):
+                ids = range(first, min(first + n + 1, 60))
+                conn.put_batch(
+                    [
+                        (f"w{n}_0_{i}", {"data": [n, i, filler], "finished": False}, False)
+                        for i in ids
+                    ]
+                )
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=put_many, args=(n,)) for n in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        for n in range(4):
+            got = conn.fetch([f"w{n}_0_{i}" for i in range(60)])
+            assert got == [{"data": [n, i, filler], "finished": False} for i in range(60)]
+    finally:
+        conn.close()
