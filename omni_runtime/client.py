@@ -32,7 +32,8 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.inbox import IdleWait, Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
-from omni_runtime.redis_io.streams import DeadLetters, entry_fields, stream_reply
+from omni_runtime.redis_io.raw_reads import AsyncHeldReads
+from omni_runtime.redis_io.streams import DeadLetters, entry_fields
 from omni_runtime.redis_io.write_ops import XDel
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
@@ -84,6 +85,7 @@ class OmniClient:
     async def __aenter__(self) -> OmniClient:
         codec.warm_up()
         self.redis: aioredis.Redis = self.clients.aio()
+        self._reads = AsyncHeldReads(self.redis)  # this client's output reads, by hand
         self._writer = StreamWriter(
             self.redis,
             self.settings.stream_maxlen,
@@ -245,7 +247,7 @@ class OmniClient:
 
     async def _read_outputs(self) -> None:
         self._last_id = b"0-0"
-        backoff = self.settings.backoff()
+        s, backoff = self.settings, self.settings.backoff()
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
@@ -253,11 +255,8 @@ class OmniClient:
                 if loop.time() >= beat_at:
                     await self._beat()
                     beat_at = loop.time() + self.settings.heartbeat_interval_s
-                reply = await self.redis.xread(
-                    {self.out_stream: self._last_id},
-                    count=self.settings.read_count,
-                    block=self.settings.block_ms,
-                )
+                streams = {self.out_stream: self._last_id}
+                batch = await self._reads.xread(streams, s.read_count, s.block_ms)
                 backoff.succeeded()
             except RedisError as e:
                 delay_s = backoff.failed() or 0.0
@@ -266,7 +265,7 @@ class OmniClient:
                 await asyncio.sleep(delay_s)
                 continue
             ids: list[bytes] = []
-            for _stream, entries in stream_reply(reply):
+            for _stream, entries in batch:
                 for entry_id, fields in entries:
                     self._last_id = entry_id
                     ids.append(entry_id)

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 from omni_runtime.redis_io.entries import BacklogCursor, Entry
 from omni_runtime.redis_io.groups import ensure_group, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
-from omni_runtime.redis_io.raw_reads import stream_entries
+from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 
 if TYPE_CHECKING:
     from omni_runtime.redis_io.streams import GroupReader
@@ -50,7 +50,7 @@ class JointRead:
         self._waiting: dict[bytes, list[Entry]] = {}
         """stream → entries read for its member and not yet taken."""
         self._interrupt = ReadInterrupt()
-        self._conn: Any = None
+        self._reads = AsyncHeldReads(client)
         self._read_done: asyncio.Event | None = None
         """Set when the read in progress ends; None while none is."""
 
@@ -135,18 +135,5 @@ class JointRead:
     async def _xreadgroup(
         self, streams: dict[bytes, str], count: int, block_ms: int
     ) -> list[tuple[bytes, list[Entry]]]:
-        """XREADGROUP on a connection of its own, packed and parsed here: redis-py's
-        command path (pool, retry wrapper, reply callbacks) costs more than the read."""
-        if self._conn is None:  # held, never released: the pool still closes it with the client
-            self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-        conn = self._conn
         args = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms)
-        try:
-            await conn.send_packed_command(
-                conn.pack_command(*args, "STREAMS", *streams, *streams.values()), False
-            )
-            reply = await conn.read_response()
-        except BaseException:
-            await conn.disconnect()  # a reply half read must not be read as the next one
-            raise
-        return stream_entries(reply)
+        return await self._reads.read(args, streams)
