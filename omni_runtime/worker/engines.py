@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from omni_runtime.stage_api import (
     RequestAborted,
     StageEngine,
 )
+from omni_runtime.worker.stage_pool import StagePool
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class GeneratorEngine:
         self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
         self._options = options
         self._wake = wake
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="stage")
+        self._pool = StagePool(max_concurrency, "stage", self._done)
         self._lock = threading.Condition()
         self._outputs: list[EngineOutput] = []
         self._aborted: set[str] = set()
@@ -62,7 +62,7 @@ class GeneratorEngine:
             self._aborted.discard(request_id)
             self._inputs[request_id] = data
             self._running += 1
-        self._pool.submit(self._call, request_id, data).add_done_callback(self._done)
+        self._pool.submit(self._call, request_id, data)
 
     def step(self) -> list[EngineOutput]:
         with self._lock:
@@ -92,13 +92,13 @@ class GeneratorEngine:
             self._aborted.update(self._inputs)
         for s in streams:
             s.abort()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         deadline = time.monotonic() + CLOSE_GRACE_S
         with self._lock:
             self._lock.wait_for(lambda: self._running == 0, deadline - time.monotonic())
             idle = self._running == 0
         if idle:
-            self._pool.shutdown(wait=True)
+            self._pool.join(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE_S)
 
     # --- on a pool thread ------------------------------------------------------
 
@@ -113,7 +113,7 @@ class GeneratorEngine:
         self._wake()
         return True
 
-    def _done(self, _future: Future[None]) -> None:
+    def _done(self) -> None:
         """Run, failed or cancelled at shutdown: the request no longer holds a pool thread."""
         with self._lock:
             self._running -= 1
