@@ -100,17 +100,18 @@ class StageTimer:
         self.stage = stage_id
         self.max_open = max_open
         self._started: OrderedDict[str, float] = OrderedDict()
+        # Read when scraped, not moved twice per request (~5 % of a light stage's CPU).
+        metrics.gauge_callback(
+            "omni_stage_inputs_in_flight", lambda: len(self._started), stage=stage_id
+        )
 
     def read(self, request_id: str, entry_id: bytes | str) -> None:
         self.metrics.observe(
             "omni_stage_queue_time_seconds", entry_age_s(entry_id), stage=self.stage
         )
-        if request_id not in self._started:
-            self.metrics.add_gauge("omni_stage_inputs_in_flight", 1, stage=self.stage)
         self._started[request_id] = time.monotonic()
         while len(self._started) > self.max_open:
             self._started.popitem(last=False)
-            self.metrics.add_gauge("omni_stage_inputs_in_flight", -1, stage=self.stage)
 
     def output(self, error: str | None = None) -> None:
         self.metrics.inc("omni_stage_outputs_total", stage=self.stage)
@@ -121,7 +122,6 @@ class StageTimer:
         """The request's last output is published (or it was aborted)."""
         start = self._started.pop(request_id, None)
         if start is not None:
-            self.metrics.add_gauge("omni_stage_inputs_in_flight", -1, stage=self.stage)
             self.metrics.observe(
                 "omni_stage_run_time_seconds", time.monotonic() - start, stage=self.stage
             )
