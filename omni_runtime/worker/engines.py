@@ -82,11 +82,9 @@ class GeneratorEngine:
             data.abort()
 
     def close(self) -> None:
-        """Abort everything; join the pool if the stage code returns within `CLOSE_GRACE_S`.
-
-        Joining matters: the CLI warns about threads still running at exit, and idle
-        pool threads of a clean shutdown must not look like stuck stage code.
-        """
+        """Abort everything; join the pool if the stage code returns within `CLOSE_GRACE_S`,
+        else say how much of it is still running (its threads, daemons, do not hold the
+        process)."""
         with self._lock:
             streams = [d for d in self._inputs.values() if isinstance(d, ChunkStream)]
             self._aborted.update(self._inputs)
@@ -96,8 +94,10 @@ class GeneratorEngine:
         deadline = time.monotonic() + CLOSE_GRACE_S
         with self._lock:
             self._lock.wait_for(lambda: self._running == 0, deadline - time.monotonic())
-            idle = self._running == 0
-        if idle:
+            running = self._running
+        if running:
+            log.warning("stage code still running on %d pool thread(s) after close", running)
+        else:
             self._pool.join(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE_S)
 
     # --- on a pool thread ------------------------------------------------------

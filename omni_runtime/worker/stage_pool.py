@@ -23,8 +23,9 @@ Call = tuple[Callable[..., object], tuple[Any, ...]]
 
 class StagePool:
     """Up to `size` threads named `<name>_<n>`; `done` is called once per call submitted,
-    after it ran (or raised), or when `shutdown` dropped it unstarted. Like the executor's,
-    the threads are not daemons: stage code still running at exit shows as such."""
+    after it ran (or raised), or when `shutdown` dropped it unstarted. The threads are
+    daemons: a pool never shut down, or stage code that ignores its abort, does not keep
+    the process from exiting (the engine's `close` says what it left running)."""
 
     def __init__(self, size: int, name: str, done: Callable[[], None]) -> None:
         self._size = size
@@ -45,7 +46,8 @@ class StagePool:
             self._calls.put((fn, args))
             if self._idle.acquire(blocking=False) or len(self._threads) >= self._size:
                 return
-            thread = threading.Thread(target=self._run, name=f"{self._name}_{len(self._threads)}")
+            name = f"{self._name}_{len(self._threads)}"
+            thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._threads.append(thread)
         thread.start()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -179,3 +180,28 @@ def test_close_after_requests_ended_leaves_no_pool_thread_behind() -> None:
     assert triples(drain(engine, "r")) == [("x", True, None)]
     engine.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("stage")]
+
+
+def test_close_with_stage_code_that_ignores_its_abort_says_so_and_does_not_wait_on_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gate, started = threading.Event(), threading.Event()
+
+    def stubborn(data: Any) -> Any:
+        started.set()
+        gate.wait(30)  # ignores the abort
+        return data
+
+    engine = engine_for(stubborn)
+    engine.add_request("r", "x")
+    assert started.wait(10)
+    t0 = time.monotonic()
+    engine.close()
+    assert time.monotonic() - t0 < 10  # the grace period, not the stage code
+    assert "stage code still running on 1 pool thread(s) after close" in caplog.text
+    stuck = [t for t in threading.enumerate() if t.name.startswith("stage")]
+    assert stuck and all(t.daemon for t in stuck)  # it cannot keep the process alive
+    gate.set()
+    for t in stuck:  # released, it ends: no stage thread outlives the test
+        t.join(10)
+    assert not any(t.is_alive() for t in stuck)
