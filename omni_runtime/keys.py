@@ -46,13 +46,6 @@ def stored_chunk_key(key: str, prefix: str = "") -> str:
     return f"{prefix}{hash_tag(request_id)}_{stage_id}_{chunk_id}"
 
 
-def chunk_key_of(name: str, prefix: str = "") -> str:
-    """The chunk key `<req>_<stage>_<id>` stored under `name` (inverse of `stored_chunk_key`)."""
-    rest = name[len(prefix) :]
-    tagged = rest.rpartition("_")[0].rpartition("_")[0]  # "{<req>}"
-    return tagged[1:-1] + rest[len(tagged) :]
-
-
 def route_id(request_id: str, stage_id: int) -> str:
     """`<req>_<sender stage>`: the prefix shared by every chunk key of one request and stage."""
     return f"{request_id}_{stage_id}"

@@ -112,7 +112,7 @@ class RedisConnector:
     def put(self, key: str, obj: Any) -> None:
         """SET with the TTL (and a wake-up if someone listens); `CodecError` if unencodable."""
         name = stored_chunk_key(key, self.prefix)
-        self._store([(name, self._encode(name, obj), keys.route_of_chunk_key(key))], False)
+        self._store([(name, self._encode(name, obj), keys.route_of_chunk_key(key), key)], False)
 
     def get(self, key: str) -> Any | None:
         """GETDEL and decode; `None` when absent."""
@@ -132,7 +132,7 @@ class RedisConnector:
         for key, value, _last in items:
             name = stored_chunk_key(key, self.prefix)
             try:
-                encoded.append((name, self._encode(name, value), keys.route_of_chunk_key(key)))
+                encoded.append((name, self._encode(name, value), keys.route_of_chunk_key(key), key))
             except CodecError as e:
                 rejected[key] = str(e)
         if rejected:
@@ -258,7 +258,7 @@ class RedisConnector:
         while True:
             try:
                 pipe = put_pipe(self.client, transaction, self._cluster, self._held)
-                for name, value, _route in encoded:
+                for name, value, _route, _key in encoded:
                     pipe.set(name, value, ex=self.ttl_s)
                 if self._cluster:  # the SETs land first (see the module's docstring)
                     pipe.execute()

@@ -42,8 +42,8 @@ SLICE_S = 0.02
 """Without a real socket to select on (fakeredis): longest BLPOP between `kick` checks."""
 _HEADER = struct.Struct("<H")
 
-Encoded = tuple[str, bytes, str]
-"""(full key, msgpack value, route id)."""
+Encoded = tuple[str, bytes, str, str]
+"""(full key, msgpack value, route id, the bare chunk key it was put under)."""
 
 
 def _parse_wakeup(element: bytes) -> tuple[str | None, bytes]:
@@ -70,7 +70,7 @@ class WakeupSender:
         one EXPIRE per notify list however many requests lead there, and a GET of the route
         key of the others; return those others, whose GETs end the replies."""
         with self._lock:
-            routes = {rid: self._routes.get(rid) for _n, _v, rid in encoded}
+            routes = {rid: self._routes.get(rid) for _n, _v, rid, _k in encoded}
         unknown = [rid for rid, route in routes.items() if route is None]
         self._push(pipe, encoded, routes)
         for route_id in unknown:
@@ -110,10 +110,10 @@ class WakeupSender:
     ) -> None:
         """One RPUSH (wake-ups in put order) and one EXPIRE per notify list of `routes`."""
         lists: dict[str, list[bytes]] = {}
-        for name, value, route_id in encoded:
+        for _name, value, route_id, chunk_key in encoded:
             route = routes.get(route_id)
             if route is not None:
-                key = keys.chunk_key_of(name, self.prefix).encode()
+                key = chunk_key.encode()
                 inline = value if len(value) <= INLINE_MAX_BYTES else b""
                 lists.setdefault(route, []).append(_HEADER.pack(len(key)) + key + inline)
         for route, wakeups in lists.items():

@@ -31,7 +31,7 @@ async def test_outputs_arriving_in_time_keep_the_request_alive() -> None:
 
     async def produce() -> None:
         for i in range(12):  # 0.6 s in all: three timeouts' worth, never 0.2 s apart
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the scenario: an output every 50 ms, not a wait
             pending.queue.put_nowait(output(i, finished=i == 11))
 
     producer = asyncio.create_task(produce())
@@ -70,6 +70,7 @@ async def test_an_output_on_its_way_is_not_overtaken_by_the_timeout() -> None:
 async def test_close_stops_the_timer() -> None:
     pending = Pending()
     waiter = IdleWait(pending, 0.05)
+    waiter._since = asyncio.get_running_loop().time() - 1.0  # overdue, were it still armed
     waiter.close()
-    await asyncio.sleep(0.2)
+    assert waiter._timer.cancelled()
     assert pending.queue.empty()
