@@ -44,11 +44,16 @@ class GeneratorEngine:
         options: dict[str, Any],
         max_concurrency: int,
         wake: Callable[[], None],
+        ended: Callable[[], None] | None = None,
     ) -> None:
         self._fn = fn
         self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
         self._options = options
         self._wake = wake
+        self._ended = ended or wake
+        """Called instead of `wake` for a request's last output (the worker runs its pass
+        there and then, `LoopTurn`); a generator's earlier chunks only wake the loop, so
+        those a fast generator yields meanwhile go out together."""
         self._pool = StagePool(max_concurrency, "stage", self._done)
         self._lock = threading.Condition()
         self._outputs: list[EngineOutput] = []
@@ -110,7 +115,7 @@ class GeneratorEngine:
             self._outputs.append(EngineOutput(request_id, data, finished, error))
             if finished:
                 self._inputs.pop(request_id, None)
-        self._wake()
+        (self._ended if finished else self._wake)()
         return True
 
     def _done(self) -> None:
@@ -202,8 +207,10 @@ def load_engine(
     source_dir: Path | None,
     max_concurrency: int,
     wake: Callable[[], None],
+    ended: Callable[[], None] | None = None,
 ) -> StageEngine:
-    """A class entry is a step engine (`cls(**options)`); a callable is wrapped."""
+    """A class entry is a step engine (`cls(**options)`); a callable is wrapped (`wake` and
+    `ended`: see `GeneratorEngine`)."""
     entry = resolve_entry(stage.entry, source_dir)
     if inspect.isclass(entry):
         engine = entry(**stage.options)
@@ -213,4 +220,4 @@ def load_engine(
                 "(add_request, step, abort, has_work)"
             )
         return engine
-    return GeneratorEngine(entry, stage.options, max_concurrency, wake)
+    return GeneratorEngine(entry, stage.options, max_concurrency, wake, ended)

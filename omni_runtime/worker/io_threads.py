@@ -42,9 +42,10 @@ T = TypeVar("T")
 
 
 class Handoff(Generic[T]):
-    """Items an I/O thread delivers to the loop; each delivery wakes the loop."""
+    """Items an I/O thread delivers to the loop; each delivery calls `wake` (which wakes the
+    loop, or runs its pass: `LoopTurn.deliver`)."""
 
-    def __init__(self, wake: threading.Event) -> None:
+    def __init__(self, wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()
         self._items: list[T] = []
         self._wake = wake
@@ -52,7 +53,7 @@ class Handoff(Generic[T]):
     def put(self, items: list[T]) -> None:
         with self._lock:
             self._items.extend(items)
-        self._wake.set()
+        self._wake()
 
     def take(self) -> list[T]:
         with self._lock:

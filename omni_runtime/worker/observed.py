@@ -1,7 +1,7 @@
 """What a worker shows of itself: its heartbeat document, its per-stage timings, its exports.
 
-Called on the scheduler thread only (the timer's bookkeeping is not shared with
-the I/O threads); `start` and `close` bracket the worker's run.
+Called by the loop's pass only, one thread at a time (the timer's bookkeeping is not shared
+with the I/O threads); `start` and `close` bracket the worker's run.
 """
 
 from __future__ import annotations

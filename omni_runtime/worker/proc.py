@@ -1,7 +1,8 @@
 """A stage worker process: the shell around a `WorkerCore`; it alone owns Redis clients (their
 connections named for it) and threads: input, control, heartbeat (and takeovers), output and,
 streaming, the ChunkAdapter's. Its loop never blocks on Redis: hand the core what the threads
-delivered, step the engine, carry out the core's actions, sleep until woken."""
+delivered, step the engine, carry out the core's actions, sleep until woken. For a function
+stage, a thread that delivers work runs that pass itself when the loop is idle (`turn`)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,13 @@ from omni_runtime.stage_api import ClosableEngine
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.core import WorkerCore
-from omni_runtime.worker.engines import load_engine
+from omni_runtime.worker.engines import GeneratorEngine, load_engine
 from omni_runtime.worker.fence import StallGuard
-from omni_runtime.worker.io_threads import (
-    ControlThread,
-    Handoff,
-    HeartbeatThread,
-    InputThread,
-    Slots,
-)
+from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.takeover import Takeover, name_connections
+from omni_runtime.worker.takeover import heartbeat_thread, name_connections
+from omni_runtime.worker.turn import LoopTurn
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +74,21 @@ class StageWorker:
         self._stop = threading.Event()
         self._stop_now = False
         self._input_stop = threading.Event()
-        self._inputs: Handoff[Input] = Handoff(self._wake)
-        self._aborts: Handoff[str] = Handoff(self._wake)
-        self._lost: Handoff[tuple[list[Outgoing], str]] = Handoff(self._wake)
+        self._turn = LoopTurn(self._pass_elsewhere, self._wake)
+        self._waits_long = True  # the loop's last pass left none in flight: it sleeps long
+        self._inputs: Handoff[Input] = Handoff(self._turn.deliver)
+        self._aborts: Handoff[str] = Handoff(self._turn.deliver)
+        self._lost: Handoff[tuple[list[Outgoing], str]] = Handoff(self._wake.set)
         self._slots = Slots(s.worker_max_concurrency)
         self._in_flight = 0
         """The core's count, published by the loop for other threads (one int store)."""
         self._client = self.clients.sync()
         name_connections(self._client, self.names, stage_id, self.worker_id)
+        ended = self._turn.deliver  # a stage call's last output: its pass runs there
         self.engine = load_engine(
-            self.stage, pipeline.source_dir, s.worker_max_concurrency, self._wake.set
+            self.stage, pipeline.source_dir, s.worker_max_concurrency, self._wake.set, ended
         )
+        self._turn.shared = isinstance(self.engine, GeneratorEngine)
         self._closable = self.engine if isinstance(self.engine, ClosableEngine) else None
         self.core = WorkerCore(
             self.engine,
@@ -127,7 +127,9 @@ class StageWorker:
         self._control = ControlThread(
             self._client, self.names.control, self._aborts.put, s, self.metrics
         )
-        takeover = Takeover(
+        ttl_s = s.heartbeat_ttl_ms / 1000
+        self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
+        self._heartbeat = heartbeat_thread(
             self._client,
             reader(),
             self._take_over,
@@ -135,17 +137,8 @@ class StageWorker:
             worker_id=self.worker_id,
             stage_id=stage_id,
             metrics=self.metrics,
-        )
-        ttl_s = s.heartbeat_ttl_ms / 1000
-        self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
-        self._heartbeat = HeartbeatThread(
-            self._client,
-            self.names.stage_heartbeat(stage_id, self.worker_id),
-            s.heartbeat_interval_s,
-            s.heartbeat_ttl_ms,
-            self.status,
-            takeover,
-            self._guard.after_beat,
+            status=self.status,
+            guard=self._guard,
         )
         self._output = OutputThread(
             self._client,
@@ -173,7 +166,7 @@ class StageWorker:
                 max_bytes=s.max_message_bytes,
             )
             self.adapter = ChunkAdapter(
-                self._connector, self.stage_id, on_ready=self._wake.set, metrics=self.metrics
+                self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
         obs = self.observed.start(s, self.clients.sync)
         self._input.tracer, self._input.on_demand = obs.tracer, obs.on_demand
@@ -204,21 +197,10 @@ class StageWorker:
         """Requests in flight on this worker."""
         return self._in_flight
 
-    @property
-    def completed(self) -> int:
-        return self.observed.count("omni_requests_completed_total")
-
-    @property
-    def aborted(self) -> int:
-        return self.observed.count("omni_aborts_total")
-
-    @property
-    def malformed_inputs(self) -> int:
-        return self.observed.count("omni_malformed_entries_total", stream=self.in_stream)
-
     def _loop(self) -> None:
         drain_deadline: float | None = None
         next_housekeeping = 0.0
+        turn = self._turn
         while True:
             now = time.monotonic()
             if self._stop.is_set():
@@ -227,17 +209,33 @@ class StageWorker:
                 drain_deadline = drain_deadline or now + DRAIN_S
                 if not self.core.in_flight or now > drain_deadline or self._stop_now:
                     return
-            self._wake.clear()
-            busy = self._feed(now)
-            busy |= self.core.step()
-            if now >= next_housekeeping:
-                next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
-                self.core.tick(now)
-            self._apply(self.core.take_actions())
+            with turn.lock:
+                if turn.failure is not None:
+                    raise turn.failure
+                self._wake.clear()  # under the lock: what comes after is seen by this pass or wakes
+                housekeeping = now >= next_housekeeping
+                if housekeeping:
+                    next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+                busy = self._pass(now, housekeeping)
+                self._waits_long = not self.core.in_flight
             if not busy:
-                self._wake.wait(
-                    HOUSEKEEPING_INTERVAL_S if self.core.in_flight else IDLE_LOOP_WAIT_S
-                )
+                self._wake.wait(IDLE_LOOP_WAIT_S if self._waits_long else HOUSEKEEPING_INTERVAL_S)
+
+    def _pass(self, now: float, housekeeping: bool) -> bool:
+        """One pass of the loop (under `turn.lock`); True if it did work."""
+        busy = self._feed(now)
+        busy |= self.core.step()
+        if housekeeping:
+            self.core.tick(now)
+        self._apply(self.core.take_actions())
+        return busy
+
+    def _pass_elsewhere(self) -> None:
+        """A pass on the thread that delivered work (`LoopTurn`). A loop asleep for long is
+        woken if a request it must watch for stalled chunks came in (its housekeeping)."""
+        self._pass(time.monotonic(), housekeeping=False)
+        if self._waits_long and self.receives_chunks and self.core.in_flight:
+            self._wake.set()
 
     def _feed(self, now: float) -> bool:
         """What the threads delivered, aborts first (never older than what they abort)."""
@@ -279,6 +277,7 @@ class StageWorker:
 
     def _shut_down(self) -> None:
         """Signal every thread, then join them all: one wait, not one per thread."""
+        self._turn.close()
         threads = (self._input, self._control, self._heartbeat, self._output)
         for t in threads:
             t.request_stop()

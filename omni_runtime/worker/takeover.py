@@ -28,6 +28,8 @@ from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReade
 from omni_runtime.settings import Settings
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
+from omni_runtime.worker.fence import StallGuard
+from omni_runtime.worker.io_threads import HeartbeatThread
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +152,31 @@ class Takeover:
 
 def _id(entry_id: object) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+
+
+def heartbeat_thread(
+    client: redis.Redis,
+    reader: SyncGroupReader[StageInputView],
+    deliver: Callable[[list[Input]], None],
+    settings: Settings,
+    *,
+    worker_id: str,
+    stage_id: int,
+    metrics: Metrics,
+    status: Callable[[], dict[str, Any]],
+    guard: StallGuard,
+) -> HeartbeatThread:
+    """A worker's heartbeat: after each beat it takes over dead replicas' inputs, then
+    lets the stall guard see that the beat was in time."""
+    takeover = Takeover(
+        client, reader, deliver, settings, worker_id=worker_id, stage_id=stage_id, metrics=metrics
+    )
+    return HeartbeatThread(
+        client,
+        settings.names.stage_heartbeat(stage_id, worker_id),
+        settings.heartbeat_interval_s,
+        settings.heartbeat_ttl_ms,
+        status,
+        takeover,
+        guard.after_beat,
+    )

@@ -145,7 +145,7 @@ async def test_malformed_entries_are_dead_lettered_and_acknowledged(
         assert metrics.value("omni_malformed_entries_total", stream=names.requests) == 2
         assert metrics.value("omni_malformed_entries_total", stream=names.stage_out(2)) == 1
         assert metrics.value("omni_dead_letters_total", stream=names.stage_out(2)) == 1
-        assert sum(w.malformed_inputs for w in c.workers) == 1
+        assert sum(w.status()["malformed_inputs"] for w in c.workers) == 1
         await raw.aclose()
 
 
@@ -207,7 +207,7 @@ async def test_abort_reaches_the_workers_and_ends_the_request_once(
         assert outs[-1].finished and outs[-1].error == "aborted"
         assert sum(o.finished for o in outs) == 1
         await wait_for(lambda: all(not w.active for w in c.workers))
-        assert sum(w.aborted for w in c.workers) >= 1
+        assert sum(w.status()["aborted"] for w in c.workers) >= 1
 
 
 async def test_deadline_ends_a_slow_request(fake_clients: RedisClients, settings: Settings) -> None:
@@ -256,7 +256,7 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
         # (~10 s; the deadline leaves room for a 2-core machine under load)
         await wait_for(lambda: rid not in orch.request_states, deadline_s=40)
         await wait_for(lambda: not c.workers[0].active)
-        assert c.workers[0].aborted == 1
+        assert c.workers[0].status()["aborted"] == 1
         await ghost.redis.aclose()
 
 

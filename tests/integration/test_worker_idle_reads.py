@@ -42,7 +42,7 @@ def input_thread(client: redis.Redis, stream: str) -> tuple[InputThread, Handoff
         client, stream, keys.WORKERS_GROUP, "w1", StageInputView,
         max_bytes=SETTINGS.max_message_bytes, dead_letters=f"{stream}:dead", stop=stop,
     )  # fmt: skip
-    got: Handoff[Input] = Handoff(threading.Event())
+    got: Handoff[Input] = Handoff(threading.Event().set)
     thread = InputThread(reader, Slots(4), got.put, SETTINGS, stage_id=0, tracer=None, stop=stop)
     return thread, got
 
