@@ -270,6 +270,7 @@ class SlotService:
                     await shared.recheck_stages()
             for entry_id, cmd in batch:
                 await self._take(entry_id, cmd)
+            await asyncio.sleep(0)  # what was taken is submitted before the next read is sent
 
     async def _take(self, entry_id: bytes, cmd: RequestView | AbortView) -> None:
         core, outbox, writer = self.core, self.outbox, self.shared.writer

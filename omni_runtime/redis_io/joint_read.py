@@ -53,6 +53,8 @@ class JointRead:
         self._reads = AsyncHeldReads(client)
         self._read_done: asyncio.Event | None = None
         """Set when the read in progress ends; None while none is."""
+        self._brought = False
+        """The last read brought entries, and no read was started since."""
 
     def add(self, reader: GroupReader[Any]) -> None:
         if (reader.group, reader.consumer) != (self.group, self.consumer):
@@ -83,12 +85,15 @@ class JointRead:
         Like a lone reader's, each call is at most one read, so its caller checks its stop
         flag and lease fence between reads (a read never blocks past the fence)."""
         name = reader.stream.encode()
+        if not self._waiting[name] and self._brought:
+            await self._let_handle()
         if not self._waiting[name] and not self.interrupted:
             done = self._read_done
             if done is not None:  # another member is reading: its entries may be ours
                 await done.wait()
             else:
                 self._read_done = done = asyncio.Event()
+                self._brought = False
                 try:
                     await self._read(count, block_ms)
                 finally:
@@ -96,6 +101,17 @@ class JointRead:
                     done.set()
         entries, self._waiting[name] = self._waiting[name], []
         return entries
+
+    async def _let_handle(self) -> None:
+        """Before a next read is packed and sent, what the last one brought is handled:
+        its members take their entries (bounded: a member may have stopped reading), then
+        what they handed on (the dispatcher's routing) runs. Sent first, that read held a
+        light-load hop's routing back ~0.15 ms here."""
+        for _ in self.members:
+            if not any(self._waiting.values()):
+                break
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     async def _read(self, count: int, block_ms: int) -> None:
         if self.block_budget is not None:
@@ -114,6 +130,7 @@ class JointRead:
             await self._failed(e)
             return
         got = dict(reply)
+        self._brought = bool(got)
         for name, reader in self.members.items():
             entries = got.get(name, [])
             if entries or reader.cursor.in_backlog:

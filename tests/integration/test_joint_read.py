@@ -176,3 +176,55 @@ async def test_a_group_made_anew_while_redis_goes_away_again_is_a_failed_read(
     assert maker.failed
     await put(client, "out:0", "after")
     assert await asyncio.wait_for(read_some(r0), 10) == ["after"]
+
+
+async def test_what_a_read_brought_is_handed_on_before_the_next_read_is_sent(
+    client: aioredis.Redis,
+) -> None:
+    """Each member loops as a stage reader does (read, hand on to a queue, read again); one
+    consumer of that queue stands for the dispatcher. Whichever member sends the next read,
+    the consumer has handled the entries by then: a read sent first would make each light-
+    load hop's routing wait for the packing and sending of that read."""
+    events: list[str] = []
+
+    class Logged(JointRead):
+        async def _xreadgroup(self, *args: Any) -> Any:
+            events.append("sent")
+            reply = await super()._xreadgroup(*args)
+            events.append("returned")
+            return reply
+
+    joint = Logged(client, "g", "c")
+    readers = []
+    for stream in STREAMS:
+        await ensure_group(client, stream, "g")
+        reader = GroupReader(
+            client, stream, "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead"
+        )
+        joint.add(reader)
+        readers.append(reader)
+    handed: asyncio.Queue[str] = asyncio.Queue()
+
+    async def member(reader: GroupReader[AbortMsg]) -> None:
+        while True:
+            for rid in ids(await reader.read(10, 200)):
+                handed.put_nowait(rid)
+
+    async def dispatcher() -> None:
+        while True:
+            events.append(f"handled {await handed.get()}")
+
+    tasks = [asyncio.create_task(member(r)) for r in readers]
+    tasks.append(asyncio.create_task(dispatcher()))
+    try:
+        for i, stream in enumerate(("out:1", "out:2", "out:0", "out:2")):
+            await wait_for(lambda: joint.reading)
+            await put(client, stream, f"x{i}")
+            await wait_for(lambda i=i: f"handled x{i}" in events)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for i in range(4):  # between the read that brought it and its handling: no read sent
+        reads = [e for e in events[: events.index(f"handled x{i}")] if e in ("sent", "returned")]
+        assert reads[-1] == "returned", events
