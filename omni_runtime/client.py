@@ -272,6 +272,7 @@ class OmniClient:
                     await self._deliver(entry_id, fields)
             if ids:  # read once: keep the stream short (with the next writes, not waited on)
                 self._writer.queue(XDel(self.out_stream, ids))
+                await asyncio.sleep(0)  # the consumers have what came before the next read
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import fakeredis
@@ -16,6 +17,7 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,3 +157,39 @@ async def test_what_the_client_read_leaves_its_stream_with_its_next_writes(
         assert [o.data for o in await outputs(client, rid)] == ["a", "b"]
         await client._writer.flushed()
         assert await client.redis.xlen(client.out_stream) == 0
+
+
+async def test_outputs_read_reach_their_consumer_before_the_next_read_is_sent(
+    fake_clients: RedisClients,
+) -> None:
+    """Sent first, the next read's packing and sending would delay every output on its
+    way to the consumer (~0.13 ms a request at light load on a 2-core machine)."""
+    events: list[str] = []
+    async with OmniClient(settings(), fake_clients) as client:
+        reads = client._reads
+        real_xread = reads.xread
+
+        async def logged(*args: Any, **kwargs: Any) -> Any:
+            events.append("sent")
+            batch = await real_xread(*args, **kwargs)
+            events.append("returned")
+            return batch
+
+        reads.xread = logged  # type: ignore[method-assign]
+        rid = await client.submit("x", request_id="r")
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for o in client.stream(rid, timeout_s=10):
+                events.append(f"got {o.data}")
+                got.append(o.data)
+
+        consumer = asyncio.create_task(consume())
+        for seq in range(3):  # one at a time: each comes in a read of its own
+            await send(client, out(rid, seq, seq, finished=seq == 2))
+            await wait_for(lambda: len(got) > seq)  # noqa: B023 (awaited in the loop)
+        await consumer
+    assert got == [0, 1, 2]
+    for seq in range(3):  # between the read that brought it and its consumer: no read sent
+        before = [e for e in events[: events.index(f"got {seq}")] if e in ("sent", "returned")]
+        assert before[-1] == "returned", events

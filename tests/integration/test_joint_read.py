@@ -220,7 +220,8 @@ async def test_what_a_read_brought_is_handed_on_before_the_next_read_is_sent(
         for i, stream in enumerate(("out:1", "out:2", "out:0", "out:2")):
             await wait_for(lambda: joint.reading)
             await put(client, stream, f"x{i}")
-            await wait_for(lambda i=i: f"handled x{i}" in events)
+            handled = f"handled x{i}"
+            await wait_for(lambda: handled in events)  # noqa: B023 (awaited in the loop)
     finally:
         for t in tasks:
             t.cancel()
