@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class LoopTurn:
             self._wake.set()
         finally:
             self.lock.release()
+        # Hand the interpreter lock over now: the pass woke a pool thread for the stage
+        # call (or the output thread), which would otherwise wait for this thread's next
+        # blocking call (its next read's packing) to run (~0.13 ms of a stage here).
+        time.sleep(0)
 
     def close(self) -> None:
         """The loop has ended: no thread runs a pass any more."""
