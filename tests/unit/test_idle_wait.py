@@ -27,18 +27,21 @@ async def test_nothing_coming_ends_the_wait_after_the_timeout() -> None:
 
 async def test_outputs_arriving_in_time_keep_the_request_alive() -> None:
     pending = Pending()
-    waiter = IdleWait(pending, 0.2)
+    waiter = IdleWait(pending, 0.5)
+    n = 60
 
     async def produce() -> None:
-        for i in range(12):  # 0.6 s in all: three timeouts' worth, never 0.2 s apart
-            await asyncio.sleep(0.05)  # the scenario: an output every 50 ms, not a wait
-            pending.queue.put_nowait(output(i, finished=i == 11))
+        for i in range(n):  # ~1.2 s in all: over two timeouts' worth, never near 0.5 s apart
+            await asyncio.sleep(0.02)  # the scenario: an output every 20 ms, not a wait
+            pending.queue.put_nowait(output(i, finished=i == n - 1))
 
     producer = asyncio.create_task(produce())
-    got = [await asyncio.wait_for(waiter.next(), 10) for _ in range(12)]
+    t0 = time.monotonic()
+    got = [await asyncio.wait_for(waiter.next(), 10) for _ in range(n)]
     waiter.close()
     await producer
-    assert [o.data for o in got if o is not None] == list(range(12))
+    assert time.monotonic() - t0 > 1.0  # the timeout's span was passed, more than once
+    assert [o.data for o in got if o is not None] == list(range(n))
 
 
 async def test_time_the_consumer_spends_between_outputs_does_not_count() -> None:
