@@ -32,7 +32,7 @@ from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.takeover import heartbeat_thread, name_connections
+from omni_runtime.worker.takeover import Takeover, name_connections
 from omni_runtime.worker.turn import LoopTurn
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class StageWorker:
         )
         ttl_s = s.heartbeat_ttl_ms / 1000
         self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
-        self._heartbeat = heartbeat_thread(
+        self._heartbeat = Takeover(
             self._client,
             reader(),
             self._take_over,
@@ -137,9 +137,7 @@ class StageWorker:
             worker_id=self.worker_id,
             stage_id=stage_id,
             metrics=self.metrics,
-            status=self.status,
-            guard=self._guard,
-        )
+        ).heartbeat(self.status, self._guard)
         self._output = OutputThread(
             self._client,
             self.out_stream,

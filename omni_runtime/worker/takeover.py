@@ -63,6 +63,7 @@ class Takeover:
         self.client = client
         self.reader = reader
         self.deliver = deliver
+        self.settings = settings
         self.names = settings.names
         self.worker_id = worker_id
         self.stage_id = stage_id
@@ -73,6 +74,19 @@ class Takeover:
         self._can_disconnect = not is_cluster(client)
         self.dead_letters = SyncDeadLetters(
             client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
+        )
+
+    def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:
+        """The worker's heartbeat thread: after each beat it runs this takeover, then lets
+        the stall guard see that the beat was in time."""
+        return HeartbeatThread(
+            self.client,
+            self.names.stage_heartbeat(self.stage_id, self.worker_id),
+            self.settings.heartbeat_interval_s,
+            self.settings.heartbeat_ttl_ms,
+            status,
+            self,
+            guard.after_beat,
         )
 
     def __call__(self) -> None:
@@ -152,31 +166,3 @@ class Takeover:
 
 def _id(entry_id: object) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
-
-
-def heartbeat_thread(
-    client: redis.Redis,
-    reader: SyncGroupReader[StageInputView],
-    deliver: Callable[[list[Input]], None],
-    settings: Settings,
-    *,
-    worker_id: str,
-    stage_id: int,
-    metrics: Metrics,
-    status: Callable[[], dict[str, Any]],
-    guard: StallGuard,
-) -> HeartbeatThread:
-    """A worker's heartbeat: after each beat it takes over dead replicas' inputs, then
-    lets the stall guard see that the beat was in time."""
-    takeover = Takeover(
-        client, reader, deliver, settings, worker_id=worker_id, stage_id=stage_id, metrics=metrics
-    )
-    return HeartbeatThread(
-        client,
-        settings.names.stage_heartbeat(stage_id, worker_id),
-        settings.heartbeat_interval_s,
-        settings.heartbeat_ttl_ms,
-        status,
-        takeover,
-        guard.after_beat,
-    )

@@ -47,8 +47,10 @@ class CountedJoint(JointRead):
         return await super()._xreadgroup(*args)
 
 
-async def members(client: aioredis.Redis) -> tuple[CountedJoint, list[GroupReader[AbortMsg]]]:
-    joint = CountedJoint(client, "g", "c")
+async def members(
+    client: aioredis.Redis, joint_class: type[CountedJoint] = CountedJoint
+) -> tuple[CountedJoint, list[GroupReader[AbortMsg]]]:
+    joint = joint_class(client, "g", "c")
     readers = []
     for stream in STREAMS:
         await ensure_group(client, stream, "g")
@@ -187,22 +189,14 @@ async def test_what_a_read_brought_is_handed_on_before_the_next_read_is_sent(
     load hop's routing wait for the packing and sending of that read."""
     events: list[str] = []
 
-    class Logged(JointRead):
+    class Logged(CountedJoint):
         async def _xreadgroup(self, *args: Any) -> Any:
             events.append("sent")
             reply = await super()._xreadgroup(*args)
             events.append("returned")
             return reply
 
-    joint = Logged(client, "g", "c")
-    readers = []
-    for stream in STREAMS:
-        await ensure_group(client, stream, "g")
-        reader = GroupReader(
-            client, stream, "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead"
-        )
-        joint.add(reader)
-        readers.append(reader)
+    joint, readers = await members(client, Logged)
     handed: asyncio.Queue[str] = asyncio.Queue()
 
     async def member(reader: GroupReader[AbortMsg]) -> None:
