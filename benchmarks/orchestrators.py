@@ -12,7 +12,15 @@ of a core is in the notes, so the next bottleneck can be read off.
 
 Ratio: the 2-orchestrator rate / the 1-orchestrator rate, same run. A third
 deployment, one orchestrator with `OMNI_DURABLE_REQUESTS` off, shows what durable
-request state costs in orchestrator CPU.
+request state costs in orchestrator CPU. The orchestrator's CPU per request (one
+orchestrator, durable) is a row of its own, against the non-durable one's; target
+<= 0.35 ms at c = 256 (the full run's concurrency).
+
+Profile: after the measured repetitions, two more loads of the one-orchestrator
+deployment run under py-spy (`benchmarks.harness.profile`, not counted: sampling
+costs the process a little): a flame graph, `results/orchestrator_profile.svg`, and
+the folded stacks, `results/orchestrator_profile.folded`, whose top self-time
+functions are in the CPU row's notes.
 """
 
 from __future__ import annotations
@@ -27,11 +35,17 @@ from benchmarks.harness.cpu import MACHINE, OTHER, CpuSampler
 from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, start_clients
 from benchmarks.harness.procs import SEED_EXPECT as EXPECT
 from benchmarks.harness.procs import SEED_PROMPT as PROMPT
+from benchmarks.harness.profile import Profiler, top_self
 from benchmarks.harness.redis import server_pid
-from benchmarks.harness.report import Row, ratio
+from benchmarks.harness.report import RESULTS, Row, ratio
 from benchmarks.harness.stats import p50_p99_ms, spread
 
 TARGET_RATIO = 1.0
+TARGET_CPU_MS = 0.35
+"""Orchestrator CPU per seed request, one orchestrator with durable state, at c = 256."""
+PROFILE = RESULTS / "orchestrator_profile"
+PROFILED = 2000
+"""Requests per profiled load: a few seconds of samples, even in a quick run."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 for res in results:
                     latencies[n].extend(res["latencies_ns"])
                     errors[n].extend(res["errors"])
+        single = "1 orchestrator"
+        profile_notes = profile(deps[single], clients[single], sizes)
     finally:
         for cs in clients.values():
             for c in cs:
@@ -109,7 +125,47 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     two.ratio, two.ratio_of = ratio(two.value, one.value), "rate"
     two.target = f"rate ratio >= {TARGET_RATIO:g}x"
     two.met = two.ratio is not None and two.ratio >= TARGET_RATIO and not errors[two.config]
-    return rows
+    return [*rows, cpu_row(sizes, cpu_per_req[one.config], cpu_per_req[plain.config],
+                           errors[one.config], profile_notes)]  # fmt: skip
+
+
+def profile(d: Deployment, clients: list[RoleProc], sizes: Sizes) -> list[str]:
+    """Two loads under py-spy: a flame graph, then folded stacks; notes on what it found."""
+    profiler = Profiler()
+    if profiler.available is not None:
+        return [f"no profile: {profiler.available}"]
+    PROFILE.parent.mkdir(parents=True, exist_ok=True)
+    svg, folded = PROFILE.with_suffix(".svg"), PROFILE.with_suffix(".folded")
+    for out, fmt in ((svg, "flamegraph"), (folded, "raw")):
+        out.unlink(missing_ok=True)
+        profiler.start(d.pids()["orchestrator"], out, fmt)
+        try:
+            load(clients, d, PROFILED, sizes.concurrency, f"p{fmt}", PROMPT, EXPECT)
+        finally:
+            failed = profiler.stop()
+        if failed is not None:
+            return [f"no profile: {failed}"]
+    busy, top = top_self(folded)
+    return [
+        f"profile ({busy} busy samples, {PROFILED} requests): flame graph {svg}, "
+        f"folded stacks {folded}",
+        "most self time: " + "; ".join(f"{frame} {share:.1f}%" for frame, share in top[:8]),
+    ]
+
+
+def cpu_row(
+    sizes: Sizes, durable: list[float], plain: list[float], errors: list[str], notes: list[str]
+) -> Row:
+    value, lo, hi = spread(durable)
+    base = statistics.median(plain)
+    return Row(
+        "orchestrators", f"1 orchestrator, c={sizes.concurrency}", "orchestrator CPU per request",
+        "ms", value, lo, hi, baseline="not durable", baseline_value=base,
+        ratio=ratio(value, base), ratio_of="CPU", target=f"<= {TARGET_CPU_MS:g} ms",
+        met=value <= TARGET_CPU_MS and not errors,
+        notes=[f"{len(durable)} reps of {sizes.requests} requests; CPU of the orchestrator "
+               "process over each rep / requests", *notes],
+    )  # fmt: skip
 
 
 def make_row(
