@@ -44,7 +44,7 @@ TARGET_RATIO = 1.0
 TARGET_CPU_MS = 0.35
 """Orchestrator CPU per seed request, one orchestrator with durable state, at c = 256."""
 PROFILE = RESULTS / "orchestrator_profile"
-PROFILED = 2000
+PROFILED = 5000
 """Requests per profiled load: a few seconds of samples, even in a quick run."""
 
 

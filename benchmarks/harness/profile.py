@@ -70,7 +70,9 @@ class Profiler:
 
 def top_self(folded: Path, n: int = 12) -> tuple[int, list[tuple[str, float]]]:
     """(busy samples, the `n` frames with the most self time as % of busy samples): the
-    loop's waiting (`IDLE_FRAMES`) is left out, so the shares are of the work done."""
+    loop's waiting (`IDLE_FRAMES`) is left out, so the shares are of the work done. py-spy
+    counts a thread busy unless it sleeps, so on a saturated machine a sample may also be
+    time spent waiting for a CPU: read shares, not absolute times."""
     own: Counter[str] = Counter()
     busy = 0
     for line in folded.read_text(errors="replace").splitlines():
