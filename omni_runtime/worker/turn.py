@@ -12,6 +12,11 @@ Passes still run one at a time, under one lock, so the core, the engine's bookke
 the ChunkAdapter see a single scheduler as before: only which thread plays it changes. A
 step engine (a class) keeps its own thread: its `step()` runs the model and may take long,
 which must not hold up the thread that read an input or received a chunk.
+
+A pass run this way may also start stage calls the engine knows to be quick (`defer`):
+those run on the same thread once the pass has let go of the lock, instead of waking a
+pool thread for them; then one more pass there takes all their outputs (one write for
+the lot, as from a pool), and may start more calls. A loop, never recursion.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -37,13 +43,57 @@ class LoopTurn:
         self._open = True
         self.failure: BaseException | None = None
         """What a pass run by another thread raised: the loop raises it (and so stops)."""
+        self._local = threading.local()
+        """Per thread: `calls`, the deferred calls it will run (None: not delivering);
+        `in_pass`, whether it is in a pass it runs for `deliver`; `again`, whether a deferred
+        call delivered work (a pass is due once the calls have run)."""
+
+    def defer(self, call: Callable[[], None]) -> bool:
+        """Run `call` on this thread after its pass, if it is a delivering thread in one;
+        False (not taken) on any other thread, the loop's own included."""
+        local = self._local
+        if not getattr(local, "in_pass", False):
+            return False
+        local.calls.append(call)
+        return True
 
     def deliver(self) -> None:
         """Work was handed to the loop: run a pass here if no thread is in one, else wake
-        the loop (whose pass in progress, or next one, takes the work)."""
+        the loop (whose pass in progress, or next one, takes the work). From within a
+        deferred call, the pass waits until the calls queued with it have run: their
+        outputs then leave together, as a pool's do from the loop's next pass."""
+        local = self._local
+        if getattr(local, "calls", None) is not None:
+            local.again = True
+            return
         if not (self.shared and self._open) or not self.lock.acquire(blocking=False):
             self._wake.set()
             return
+        calls: deque[Callable[[], None]] = deque()
+        local.calls, local.again = calls, False
+        try:
+            self._pass_held()
+            while calls:
+                while calls:
+                    calls.popleft()()
+                if not local.again:
+                    break
+                local.again = False
+                if not self.lock.acquire(blocking=False):
+                    self._wake.set()  # the loop's own pass takes what the calls brought
+                    break
+                self._pass_held()  # (it may defer more calls: the loop goes on)
+        finally:
+            local.calls = None
+        # Hand the interpreter lock over now: the pass woke a pool thread for the stage
+        # call (or the output thread), which would otherwise wait for this thread's next
+        # blocking call (its next read's packing) to run (~0.13 ms of a stage here).
+        time.sleep(0)
+
+    def _pass_held(self) -> None:
+        """One pass, `lock` already held (and released here), deferring allowed."""
+        local = self._local
+        local.in_pass = True
         try:
             if self._open and self.failure is None:
                 self._run_pass()
@@ -51,11 +101,8 @@ class LoopTurn:
             self.failure = e
             self._wake.set()
         finally:
+            local.in_pass = False
             self.lock.release()
-        # Hand the interpreter lock over now: the pass woke a pool thread for the stage
-        # call (or the output thread), which would otherwise wait for this thread's next
-        # blocking call (its next read's packing) to run (~0.13 ms of a stage here).
-        time.sleep(0)
 
     def close(self) -> None:
         """The loop has ended: no thread runs a pass any more."""
