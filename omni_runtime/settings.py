@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
     """Requests one worker runs at once; further inputs wait in the stream."""
+    worker_quick_call_ms: Annotated[float, Field(ge=0, le=100)] = 1.0
+    """A function stage whose calls average less than this runs them on the worker thread
+    that received their inputs instead of a pool thread (0: always the pool)."""
     client_buffer_outputs: Annotated[int, Field(gt=0)] = keys.CLIENT_BUFFER_OUTPUTS
     """Outputs a client buffers for one request its consumer does not read; past this the
     request is aborted (one error final) and its buffer freed."""

@@ -34,7 +34,7 @@ CLOSE_GRACE_S = 1.0
 QUICK_CALL_S = 0.001
 """A stage whose calls take less than this (a moving average over all of them) runs them
 on the thread whose pass starts them, when that thread offers (`defer`): waking a pool
-thread would cost more than the call (~0.15 ms here)."""
+thread would cost more than the call (~0.15 ms here). `OMNI_WORKER_QUICK_CALL_MS`."""
 Defer = Callable[[Callable[[], None]], bool]
 
 Emit = Callable[[str, Any, bool], bool]
@@ -51,9 +51,11 @@ class GeneratorEngine:
         wake: Callable[[], None],
         ended: Callable[[], None] | None = None,
         defer: Defer | None = None,
+        quick_call_s: float = QUICK_CALL_S,
     ) -> None:
         self._fn = fn
-        self._defer = defer
+        self._defer = defer if quick_call_s > 0 else None
+        self._quick_call_s = quick_call_s
         """Offers to run a call on the calling thread after its pass (`LoopTurn.defer`)."""
         self._call_s: float | None = None
         """Moving average of a call's duration (None: none timed yet, so none is quick)."""
@@ -77,7 +79,7 @@ class GeneratorEngine:
             self._aborted.discard(request_id)
             self._inputs[request_id] = data
             self._running += 1
-        quick = self._call_s is not None and self._call_s < QUICK_CALL_S
+        quick = self._call_s is not None and self._call_s < self._quick_call_s
         # Never a stream's call: it waits for chunks, maybe on the thread that would run it.
         here = quick and self._defer is not None and not isinstance(data, ChunkStream)
         if here and self._defer(lambda: self._run_here(request_id, data)):  # type: ignore[misc]
@@ -238,9 +240,10 @@ def load_engine(
     wake: Callable[[], None],
     ended: Callable[[], None] | None = None,
     defer: Defer | None = None,
+    quick_call_s: float = QUICK_CALL_S,
 ) -> StageEngine:
     """A class entry is a step engine (`cls(**options)`); a callable is wrapped (`wake`,
-    `ended` and `defer`: see `GeneratorEngine`)."""
+    `ended`, `defer` and `quick_call_s`: see `GeneratorEngine`)."""
     entry = resolve_entry(stage.entry, source_dir)
     if inspect.isclass(entry):
         engine = entry(**stage.options)
@@ -250,4 +253,4 @@ def load_engine(
                 "(add_request, step, abort, has_work)"
             )
         return engine
-    return GeneratorEngine(entry, stage.options, max_concurrency, wake, ended, defer)
+    return GeneratorEngine(entry, stage.options, max_concurrency, wake, ended, defer, quick_call_s)

@@ -86,7 +86,8 @@ class StageWorker:
         name_connections(self._client, self.names, stage_id, self.worker_id)
         ended = self._turn.deliver  # a stage call's last output: its pass runs there
         self.engine = load_engine(self.stage, pipeline.source_dir, s.worker_max_concurrency,
-                                  self._wake.set, ended, self._turn.defer)  # fmt: skip
+                                  self._wake.set, ended, self._turn.defer,
+                                  s.worker_quick_call_ms / 1000)  # fmt: skip
         self._turn.shared = isinstance(self.engine, GeneratorEngine)
         self._closable = self.engine if isinstance(self.engine, ClosableEngine) else None
         self.core = WorkerCore(

@@ -78,14 +78,16 @@ class Stage:
     """A `GeneratorEngine` driven by a `LoopTurn` as a worker drives it: a pass hands the
     pending inputs to the engine and takes its outputs."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], quick_call_s: float = 0.001) -> None:
         self.pending: list[tuple[str, Any]] = []
         self.outputs: list[EngineOutput] = []
         self.arrived = threading.Condition()
         self.wake = threading.Event()
         self.turn = LoopTurn(self._pass, self.wake)
         self.turn.shared = True
-        self.engine = GeneratorEngine(fn, {}, 4, self.wake.set, self.turn.deliver, self.turn.defer)
+        self.engine = GeneratorEngine(
+            fn, {}, 4, self.wake.set, self.turn.deliver, self.turn.defer, quick_call_s
+        )
 
     def _pass(self) -> None:
         while self.pending:
@@ -139,4 +141,13 @@ def test_a_call_on_a_chunk_stream_keeps_the_pool() -> None:
     stage.output_of("timed")
     stage.request("stream", ChunkStream(["x"], closed=True))
     assert stage.output_of("stream").data.startswith("stage_")
+    stage.engine.close()
+
+
+def test_a_threshold_of_zero_keeps_every_call_on_the_pool() -> None:
+    """`OMNI_WORKER_QUICK_CALL_MS=0`."""
+    stage = Stage(where, quick_call_s=0.0)
+    for rid in ("a", "b", "c"):
+        stage.request(rid, rid)
+        assert stage.output_of(rid).data.startswith("stage_")
     stage.engine.close()
