@@ -55,8 +55,8 @@ class GeneratorEngine:
     ) -> None:
         self._fn = fn
         self._defer = defer if quick_call_s > 0 else None
-        self._quick_call_s = quick_call_s
         """Offers to run a call on the calling thread after its pass (`LoopTurn.defer`)."""
+        self._quick_call_s = quick_call_s
         self._call_s: float | None = None
         """Moving average of a call's duration (None: none timed yet, so none is quick)."""
         self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
@@ -79,10 +79,15 @@ class GeneratorEngine:
             self._aborted.discard(request_id)
             self._inputs[request_id] = data
             self._running += 1
-        quick = self._call_s is not None and self._call_s < self._quick_call_s
-        # Never a stream's call: it waits for chunks, maybe on the thread that would run it.
-        here = quick and self._defer is not None and not isinstance(data, ChunkStream)
-        if here and self._defer(lambda: self._run_here(request_id, data)):  # type: ignore[misc]
+        defer, avg = self._defer, self._call_s
+        if (
+            defer is not None
+            and avg is not None
+            and avg < self._quick_call_s
+            # never a stream's call: it waits for chunks, maybe on the thread that would run it
+            and not isinstance(data, ChunkStream)
+            and defer(lambda: self._run_here(request_id, data))
+        ):
             return
         self._pool.submit(self._timed_call, request_id, data)
 
