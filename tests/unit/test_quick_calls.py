@@ -111,7 +111,7 @@ class Stage:
 
 def where(data: Any, delay_s: float = 0.0) -> str:
     if delay_s:
-        time.sleep(delay_s)
+        time.sleep(delay_s)  # the stage's own work (a slow stage), not a wait on anything
     if isinstance(data, ChunkStream):
         list(data)
     return threading.current_thread().name
