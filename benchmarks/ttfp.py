@@ -92,11 +92,13 @@ steady load the full run measures (in such a burst streaming TTFT p50 was 1.13-1
 sequential's, the client's request waiting 3-9 ms for the orchestrator's read and the
 thinker's first output 5-13 ms longer while the talker and vocoder start their chunk
 traffic)."""
-TTFT_JUDGED_FROM = 32
-"""Fewer requests a cell, and the TTFT target is not judged: each first token waits a
-uniform 0-20 ms for the thinker's step, so with 8 requests (all of c = 8 admitted in one
-or two steps) a p50 was one draw of that window: 27 ms sequential, 43 ms streaming in one
-quick run, while 160 traced requests at c = 8 gave 34.2 and 35.0 ms."""
+TTFT_JUDGED_FROM = 96
+"""Fewer requests a mode, and the TTFT target is not judged. A first token waits for the
+end of the thinker's step under way, then a step: 20-40 ms, the same in both modes, so
+the p50 of n requests moves by ~7 ms / sqrt(n) from run to run. With 8 requests (c = 8
+admitted in one or two steps) one quick run gave 27 ms sequential and 43 ms streaming,
+while 160 traced requests at c = 8 gave 34.2 and 35.0 ms; with 32, seven quick
+runs gave ratios 0.94-1.27. From 96 (the full run's cells) a ratio moves by ~0.04."""
 
 
 @dataclass
