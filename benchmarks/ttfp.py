@@ -83,22 +83,15 @@ class Sizes:
 
 
 FULL = Sizes(concurrencies=(1, 8, 32, 64), rounds=3, min_requests=96, warmup=4)
-"""96 requests from c = 8 on: a first token waits for the thinker's step, uniform over
-20 ms, so a p50 of 24 (c = 8 before) moved ~2 ms from run to run in each mode."""
 QUICK = Sizes(concurrencies=(1, 8, 64), rounds=2, min_requests=32, warmup=2, max_rounds=4)
-"""c = 1 makes 4 requests a mode (a sequential one lasts ~1.8 s), c = 8 makes 32, c = 64
-128: two rounds, as one round is a single cold burst of 64 requests at once, not the
-steady load the full run measures (in such a burst streaming TTFT p50 was 1.13-1.26x
-sequential's, the client's request waiting 3-9 ms for the orchestrator's read and the
-thinker's first output 5-13 ms longer while the talker and vocoder start their chunk
-traffic)."""
+"""Two rounds at c = 64: one is a cold burst of 64 at once, not the full run's steady load
+(streaming TTFT 1.13-1.26x sequential's in such bursts: requests wait 3-9 ms for the
+orchestrator's read while the talker and vocoder start their chunk traffic)."""
 TTFT_JUDGED_FROM = 96
-"""Fewer requests a mode, and the TTFT target is not judged. A first token waits for the
-end of the thinker's step under way, then a step: 20-40 ms, the same in both modes, so
-the p50 of n requests moves by ~7 ms / sqrt(n) from run to run. With 8 requests (c = 8
-admitted in one or two steps) one quick run gave 27 ms sequential and 43 ms streaming,
-while 160 traced requests at c = 8 gave 34.2 and 35.0 ms; with 32, seven quick
-runs gave ratios 0.94-1.27. From 96 (the full run's cells) a ratio moves by ~0.04."""
+"""The TTFT target is judged from this many requests a mode. A first token waits out the
+thinker's step under way, then a step (20-40 ms in both modes), so a p50 of n moves ~7 ms
+/ sqrt(n): with 8 requests a quick run gave 27 ms sequential, 43 ms streaming (160 traced
+at c = 8: 34.2, 35.0 ms); with 32, seven quick runs gave ratios 0.94-1.27."""
 
 
 @dataclass
@@ -261,12 +254,9 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
             else:
                 limit = TARGET_TTFT if metric == "ttft" else TARGET_E2E
                 target, met = f"stream/seq <= {limit:g}x", ok and r is not None and r <= limit
-            few = min(len(seq.ms[metric]), len(st.ms[metric])) < TTFT_JUDGED_FROM
-            if metric == "ttft" and few:
-                met = None
-                notes = [f"not judged: fewer than {TTFT_JUDGED_FROM} requests a mode"]
-            else:
-                notes = []
+            notes = []
+            if metric == "ttft" and min(len(seq.ms[metric]), len(st.ms[metric])) < TTFT_JUDGED_FROM:
+                met, notes = None, [f"not judged: fewer than {TTFT_JUDGED_FROM} requests a mode"]
             rows.append(Row(
                 "ttfp", f"c={conc}, streaming", f"{metric.upper()} p50", "ms", value or float("nan"),
                 None, None, value, st.p(metric, 99), baseline="sequential", baseline_value=base,
