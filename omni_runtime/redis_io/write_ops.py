@@ -94,11 +94,16 @@ Op = XAdd | XAck | XDel | Expire | HashPut | HashDrop | ExpireAt
 
 
 def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
-    """Urgent XADDs first, then the others in order; then one XACK per stream with all its
-    ids (and one XDEL of those to delete) and one EXPIRE per key, after the writes they
-    follow (never an ack before its consequences)."""
+    """The XADDs in order, urgent ones last; then one XACK per stream with all its ids (and
+    one XDEL of those to delete) and one EXPIRE per key, after the writes they follow (never
+    an ack before its consequences).
+
+    Urgent last, because Redis answers the readers a pipeline wakes last-woken first (its
+    list of clients to write to is pushed at the head): of two readers blocked on streams
+    one pipeline XADDs to, the second stream's reader had its entry ~150 µs sooner at p50
+    here, in 9 pairs of 10. Only XADDs wake readers; the rest answer this process alone."""
     adds = merged([op for op in ops if isinstance(op, XAdd)])
-    for add in sorted(adds, key=lambda a: not a.urgent):  # stable: order kept otherwise
+    for add in sorted(adds, key=lambda a: a.urgent):  # stable: order kept otherwise
         if add.max_age_s is None:
             pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
         else:

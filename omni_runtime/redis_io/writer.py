@@ -120,8 +120,9 @@ class StreamWriter:
         max_age_s: float | None = None,
         merge_up_to: int = 0,
     ) -> None:
-        """`urgent` entries (a stage's next input) go first in their pipeline: a hop's
-        latency should not wait behind the outputs being delivered to clients. `trace`
+        """`urgent` entries (a stage's next input) go last in their pipeline, so that their
+        reader is answered first (`fill_pipeline`): a hop's latency should not wait behind
+        the outputs being delivered to clients. `trace`
         (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)

@@ -48,7 +48,7 @@ async def test_an_urgent_entry_goes_out_from_the_callers_step(
 async def test_any_write_a_step_queued_goes_out_from_it(
     writer: StreamWriter, redis_url: str
 ) -> None:
-    """A client's output is not urgent (it goes behind a hop's input in a batch), but with
+    """A client's output is not urgent (a hop's input is answered before it in a batch), but with
     no batch on its way it need not wait for the writer task's turn either."""
     probe = redis.Redis.from_url(redis_url)
     writer.xadd("client", {"m": b"1"})

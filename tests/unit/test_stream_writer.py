@@ -46,7 +46,8 @@ class RecordingPipe:
         self.calls.append(("expire", key, ttl_s))
 
 
-def test_urgent_adds_first_then_adds_then_one_ack_per_stream_then_expires() -> None:
+def test_adds_urgent_ones_last_then_one_ack_per_stream_then_expires() -> None:
+    """Urgent last: Redis answers the readers a pipeline wakes last-woken first."""
     pipe = RecordingPipe()
     fill_pipeline(
         pipe,
@@ -61,9 +62,9 @@ def test_urgent_adds_first_then_adds_then_one_ack_per_stream_then_expires() -> N
         ],
     )
     assert pipe.calls == [
+        ("xadd", "client", 10),
+        ("xadd", "client", 10),
         ("xadd", "in", 20),
-        ("xadd", "client", 10),
-        ("xadd", "client", 10),
         ("xack", "out", "g", b"1-0", b"2-0"),
         ("expire", "client", 9),
     ]
