@@ -94,24 +94,16 @@ Op = XAdd | XAck | XDel | Expire | HashPut | HashDrop | ExpireAt
 
 
 def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
-    """The XADDs, urgent ones last; then one XACK per stream with all its ids (and one XDEL
-    of those to delete) and one EXPIRE per key, after the writes they follow (never an ack
-    before its consequences).
+    """The XADDs in order, urgent ones last; then one XACK per stream with all its ids (and
+    one XDEL of those to delete) and one EXPIRE per key, after the writes they follow (never
+    an ack before its consequences).
 
-    Redis answers the readers one pipeline wakes last-woken first (its list of clients to
-    write to is pushed at the head): of three readers blocked on streams one pipeline
-    XADDs to, the last stream's reader was answered first, the first's last (mean ranks
-    1.3 / 2.0 / 2.7 here; ~150 µs between two). So urgent entries go last, their streams
-    in the reverse of the order they were queued in (each stream's entries in order): the
-    stage input queued first (stage 0's, when a streaming request starts) is answered
-    first. Only XADDs wake readers; the rest answer this process alone."""
+    Urgent last, because Redis answers the readers a pipeline wakes last-woken first (its
+    list of clients to write to is pushed at the head): of two readers blocked on streams
+    one pipeline XADDs to, the second stream's reader had its entry ~150 µs sooner at p50
+    here, in 9 pairs of 10. Only XADDs wake readers; the rest answer this process alone."""
     adds = merged([op for op in ops if isinstance(op, XAdd)])
-    urgent: dict[str, list[XAdd]] = {}
-    for add in adds:
-        if add.urgent:
-            urgent.setdefault(add.stream, []).append(add)
-    in_turn = [a for a in adds if not a.urgent] + [a for g in reversed(urgent.values()) for a in g]
-    for add in in_turn:
+    for add in sorted(adds, key=lambda a: a.urgent):  # stable: order kept otherwise
         if add.max_age_s is None:
             pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
         else:

@@ -70,28 +70,6 @@ def test_adds_urgent_ones_last_then_one_ack_per_stream_then_expires() -> None:
     ]
 
 
-def test_urgent_streams_go_in_the_reverse_of_their_order_each_streams_entries_in_order() -> None:
-    """The stage input queued first is answered first: its XADD goes last."""
-    pipe = RecordingPipe()
-    fill_pipeline(
-        pipe,
-        [
-            XAdd("in0", {}, 1, urgent=True),
-            XAdd("in1", {}, 2, urgent=True),
-            XAdd("client", {}, 3),
-            XAdd("in0", {}, 4, urgent=True),
-            XAdd("in2", {}, 5, urgent=True),
-        ],
-    )
-    assert pipe.calls == [
-        ("xadd", "client", 3),
-        ("xadd", "in2", 5),
-        ("xadd", "in1", 2),
-        ("xadd", "in0", 1),
-        ("xadd", "in0", 4),
-    ]
-
-
 async def test_batch_is_written_and_callers_told(fake_server: fakeredis.FakeServer) -> None:
     client = fakeredis.FakeAsyncRedis(server=fake_server)
     writer = StreamWriter(client, 100)
