@@ -101,7 +101,11 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
     Urgent last, because Redis answers the readers a pipeline wakes last-woken first (its
     list of clients to write to is pushed at the head): of two readers blocked on streams
     one pipeline XADDs to, the second stream's reader had its entry ~150 µs sooner at p50
-    here, in 9 pairs of 10. Only XADDs wake readers; the rest answer this process alone."""
+    here, in 9 pairs of 10; of three, the last stream's reader was answered first and the
+    first's last (mean ranks 1.3 / 2.0 / 2.7). Urgent entries keep the order they were
+    queued in, so the last queued is answered first: a streaming request's inputs are
+    submitted downstream first, and stage 0's, whose first token the user waits for, is
+    heard first. Only XADDs wake readers; the rest answer this process alone."""
     adds = merged([op for op in ops if isinstance(op, XAdd)])
     for add in sorted(adds, key=lambda a: a.urgent):  # stable: order kept otherwise
         if add.max_age_s is None:

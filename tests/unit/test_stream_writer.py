@@ -70,6 +70,21 @@ def test_adds_urgent_ones_last_then_one_ack_per_stream_then_expires() -> None:
     ]
 
 
+def test_urgent_entries_keep_their_order_so_the_last_queued_is_answered_first() -> None:
+    """A streaming request's inputs are queued downstream first: stage 0's goes last."""
+    pipe = RecordingPipe()
+    fill_pipeline(
+        pipe,
+        [
+            XAdd("in2", {}, 1, urgent=True),
+            XAdd("client", {}, 2),
+            XAdd("in1", {}, 3, urgent=True),
+            XAdd("in0", {}, 4, urgent=True),
+        ],
+    )
+    assert [call[1] for call in pipe.calls] == ["client", "in2", "in1", "in0"]
+
+
 async def test_batch_is_written_and_callers_told(fake_server: fakeredis.FakeServer) -> None:
     client = fakeredis.FakeAsyncRedis(server=fake_server)
     writer = StreamWriter(client, 100)
