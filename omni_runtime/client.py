@@ -109,16 +109,16 @@ class OmniClient:
         await self.close()
 
     async def close(self) -> None:
-        """Stop reading (within one `block_ms`, no command cut off midway), drop the stream."""
+        """Stop reading (within one `block_ms`, no command cut off midway), drop the stream.
+
+        asyncio.run cancels every task at once on Ctrl-C, this client's reader and writer
+        with the rest: neither is waited for then, and the aborts it queues are dropped
+        (counted): the orchestrator ends those requests once this client's heartbeat lapses."""
         for request_id in list(self.inbox.requests):  # nobody will read them: free the pipeline
             self._writer.xadd(self.names.requests, entry_fields(AbortMsg(request_id=request_id)))
         if self._reader is not None:
             self._closing = True
-            try:
-                async with asyncio.timeout(self.settings.block_ms / 1000 + 5):
-                    await asyncio.shield(self._reader)
-            except TimeoutError:
-                pass
+            await asyncio.wait({self._reader}, timeout=self.settings.block_ms / 1000 + 5)
             await cancel_and_wait([self._reader])
             self._reader = None
             with contextlib.suppress(TimeoutError):

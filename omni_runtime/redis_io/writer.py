@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -29,15 +29,11 @@ from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.packing import one_timeout
-from omni_runtime.redis_io.write_ops import (
-    Expire,
-    Op,
-    XAck,
-    XAdd,
-    XDel,
-    fill_pipeline,
-)
+from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline
 from omni_runtime.tracing import Tracer
+
+if TYPE_CHECKING:
+    from omni_runtime.redis_io.leases import Fence
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +42,6 @@ DEFAULT_ATTEMPTS = 20
 WRITE_TIMEOUT_S = 5.0
 """All replies of one batch's pipeline within this (redis-py's default read timeout, once
 per pipeline instead of per reply); past it the batch counts as a failed attempt."""
-
-
-class Fence(Protocol):
-    async def hold(self) -> bool:
-        """Wait until writing is safe: True, or False once it never will be again."""
-        ...
-
-    def fresh(self) -> bool:
-        """Writing is safe now (`hold` would return True at once)."""
-        ...
 
 
 @dataclass
@@ -104,6 +90,8 @@ class StreamWriter:
         self._pending = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._gone = False  # `run` has ended: a write queued now is dropped at once
+        self._in_flight: _Batch | None = None
 
     @property
     def dropped_writes(self) -> int:
@@ -121,8 +109,7 @@ class StreamWriter:
         merge_up_to: int = 0,
     ) -> None:
         """`urgent` entries (a stage's next input) go last in their pipeline, so that their
-        reader is answered first (`fill_pipeline`): a hop's latency should not wait behind
-        the outputs being delivered to clients. `trace`
+        reader is answered first (`fill_pipeline`), before the clients given outputs. `trace`
         (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
@@ -142,6 +129,9 @@ class StreamWriter:
 
     def queue(self, op: Op) -> None:
         """Any write op for the next batch (`write_ops`); the methods above build the usual."""
+        if self._gone:
+            self._dropped([op])
+            return
         self._ops.append(op)
         self._idle.clear()
         self._pending.set()
@@ -155,12 +145,30 @@ class StreamWriter:
 
         Unlike `flushed`, later writes do not make the caller wait longer.
         """
+        if self._gone:  # nothing queued will be written any more
+            return False
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._done.append(done)
         self._pending.set()
         return await done
 
     async def run(self) -> None:
+        """Until cancelled. Then, as when asyncio.run cancels every task on Ctrl-C, what is
+        queued will never be written: dropped and counted, and nobody waits for it."""
+        try:
+            await self._run()
+        finally:
+            self._gone = True
+            ops, self._ops = self._ops, []
+            if ops:
+                log.warning("stream writer stopped with %d writes unsent", len(ops))
+                self._dropped(ops)
+            for batch in (self._in_flight, _Batch([], self._done, [])):
+                if batch is not None:  # its waiters told: maybe not written
+                    self._settled(batch, False)
+            self._idle.set()
+
+    async def _run(self) -> None:
         while True:
             await self._pending.wait()
             self._pending.clear()
@@ -203,7 +211,8 @@ class StreamWriter:
             ops.extend(src())
         done, self._done = self._done, []
         traced, self._traced = self._traced, []
-        return _Batch(ops, done, traced)
+        self._in_flight = _Batch(ops, done, traced)
+        return self._in_flight
 
     async def _take_and_write(self) -> bool:
         refused = self.fence is not None and not await self.fence.hold()

@@ -193,3 +193,31 @@ async def test_outputs_read_reach_their_consumer_before_the_next_read_is_sent(
     for seq in range(3):  # between the read that brought it and its consumer: no read sent
         before = [e for e in events[: events.index(f"got {seq}")] if e in ("sent", "returned")]
         assert before[-1] == "returned", events
+
+
+async def test_every_task_cancelled_at_once_as_on_ctrl_c_ends_at_once(
+    fake_clients: RedisClients,
+) -> None:
+    """asyncio.run on Ctrl-C cancels every task at once, the client's reader and writer
+    among them: closing waited out a 2 s flush of a writer that was gone."""
+    opened: list[OmniClient] = []
+    submitted = asyncio.Event()
+
+    async def app() -> None:
+        async with OmniClient(settings(), fake_clients) as client:
+            opened.append(client)
+            await client.submit("x", request_id="r")
+            submitted.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(app())
+    await asyncio.wait_for(submitted.wait(), 10)
+    client = opened[0]
+    every = [task, client._writer_task, client._reader]
+    for t in every:
+        assert t is not None
+        t.cancel()
+    async with asyncio.timeout(1.5):
+        await asyncio.gather(*every, return_exceptions=True)
+    assert task.cancelled()
+    assert client._writer.dropped_writes >= 1  # the request's abort, counted

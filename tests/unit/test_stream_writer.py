@@ -28,6 +28,7 @@ from omni_runtime.redis_io.write_ops import (
     merged,
 )
 from omni_runtime.redis_io.writer import StreamWriter
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -123,6 +124,32 @@ async def test_writes_are_given_up_after_bounded_attempts_counted_and_reported()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_cancelled_writer_drops_what_is_queued_and_keeps_nobody_waiting() -> None:
+    """Cancelled with every task (asyncio.run on Ctrl-C), it will never write again: what
+    was queued, and what is queued later, is dropped and counted; nobody waits for it."""
+
+    class Never:
+        class connection_pool:
+            @staticmethod
+            async def get_connection() -> Any:
+                await asyncio.Event().wait()  # a round trip that never ends
+
+    writer = StreamWriter(Never(), 100)  # type: ignore[arg-type]
+    task = asyncio.create_task(writer.run())
+    writer.xadd("a", {"m": b"1"})
+    in_flight = asyncio.create_task(writer.written())
+    await wait_for(lambda: writer._in_flight is not None)  # taken: stuck on its connection
+    writer.xadd("b", {"m": b"2"})
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    async with asyncio.timeout(1):
+        assert await in_flight is False
+        await writer.flushed()
+        assert await writer.written() is False
+    writer.expire("c", 5)
+    assert writer.dropped_writes == 2  # "b", then "c"; "a" left, whether written unknown
 
 
 async def test_an_add_with_a_max_age_trims_older_entries(fake_server: fakeredis.FakeServer) -> None:
