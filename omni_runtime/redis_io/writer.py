@@ -142,9 +142,7 @@ class StreamWriter:
 
     async def written(self) -> bool:
         """Wait for the batch holding everything queued so far; False if it was given up on.
-
-        Unlike `flushed`, later writes do not make the caller wait longer.
-        """
+        Unlike `flushed`, later writes do not make the caller wait longer."""
         if self._gone:  # nothing queued will be written any more
             return False
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -154,18 +152,19 @@ class StreamWriter:
 
     async def run(self) -> None:
         """Until cancelled. Then, as when asyncio.run cancels every task on Ctrl-C, what is
-        queued will never be written: dropped and counted, and nobody waits for it."""
+        queued will never be written: dropped and counted; waiters are told False (what
+        was in flight may have been written, or not)."""
         try:
             await self._run()
         finally:
             self._gone = True
-            ops, self._ops = self._ops, []
-            if ops:
-                log.warning("stream writer stopped with %d writes unsent", len(ops))
-                self._dropped(ops)
-            for batch in (self._in_flight, _Batch([], self._done, [])):
-                if batch is not None:  # its waiters told: maybe not written
-                    self._settled(batch, False)
+            if self._ops:
+                log.warning("stream writer stopped with %d writes unsent", len(self._ops))
+                self._dropped(self._ops)
+                self._ops = []
+            for fut in [*(self._in_flight.done if self._in_flight else []), *self._done]:
+                if not fut.done():
+                    fut.set_result(False)
             self._idle.set()
 
     async def _run(self) -> None:
