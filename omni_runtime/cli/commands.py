@@ -58,12 +58,13 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from omni_runtime.worker.proc import StageWorker
+    from omni_runtime.worker.signals import block_stop_signals, take_stop_signals
 
+    block_stop_signals()  # before any thread starts: the stage code's imports may start some
     pipeline = _pipeline(args)
     check_stage_options(pipeline, [args.stage])
     worker = StageWorker(pipeline, args.stage, settings_of(args), worker_id=args.worker_id)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
+    take_stop_signals(worker.stop)
     worker.run()
     stuck = [
         t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()

@@ -200,6 +200,10 @@ class StageWorker:
         next_housekeeping = 0.0
         turn = self._turn
         while True:
+            # Cleared before the stop check and the pass: a stop, or work handed over while
+            # the lock is held, from here on wakes the wait below (cleared between the check
+            # and the pass, a stop was lost for an idle wait: Ctrl-C of `run` took 1.04 s).
+            self._wake.clear()
             now = time.monotonic()
             if self._stop.is_set():
                 if drain_deadline is None:  # end the input read now: a draining worker reads none
@@ -210,7 +214,6 @@ class StageWorker:
             with turn.lock:
                 if turn.failure is not None:
                     raise turn.failure
-                self._wake.clear()  # under the lock: what comes after is seen by this pass or wakes
                 housekeeping = now >= next_housekeeping
                 if housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
