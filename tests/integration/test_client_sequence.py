@@ -213,9 +213,9 @@ async def test_every_task_cancelled_at_once_as_on_ctrl_c_ends_at_once(
     task = asyncio.create_task(app())
     await asyncio.wait_for(submitted.wait(), 10)
     client = opened[0]
+    assert client._reader is not None
     every = [task, client._writer_task, client._reader]
     for t in every:
-        assert t is not None
         t.cancel()
     async with asyncio.timeout(1.5):
         await asyncio.gather(*every, return_exceptions=True)
