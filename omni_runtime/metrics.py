@@ -26,7 +26,7 @@ COUNTERS: Mapping[str, str] = {
     "omni_malformed_entries_total": "Stream entries that failed validation.",
     "omni_dead_letters_total": "Entries moved to the dead-letter stream.",
     "omni_retries_total": "Redis operations retried after an error.",
-    "omni_dropped_writes_total": "Writes given up after bounded retries.",
+    "omni_dropped_writes_total": "Writes given up: after bounded retries, or left when a writer stopped.",
     "omni_chunks_sent_total": "Chunks put for the next stage.",
     "omni_chunks_dropped_total": "Chunks dropped: cancelled, or failed to build or encode.",
     "omni_chunk_put_failures_total": "Chunks whose put failed.",
