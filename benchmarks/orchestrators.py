@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness import scenario
 from benchmarks.harness.cpu import MACHINE, OTHER, CpuSampler
-from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, start_clients
+from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, span, start_clients
 from benchmarks.harness.procs import SEED_EXPECT as EXPECT
 from benchmarks.harness.procs import SEED_PROMPT as PROMPT
 from benchmarks.harness.profile import Profiler, top_self
@@ -109,9 +109,7 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                 results = load(clients[n], d, sizes.requests, sizes.concurrency,
                                f"o{rep}", PROMPT, EXPECT)  # fmt: skip
                 cpu_s = sampler.stop()
-                t0 = min(res["t_start_ns"] for res in results)
-                wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
-                done = sum(len(res["latencies_ns"]) for res in results)
+                wall_s, done = span(results)
                 rates[n].append(done / wall_s)
                 orch_s = sum(v for name, v in cpu_s.items() if name.startswith("orchestrator"))
                 cpu_per_req[n].append(orch_s / max(1, done) * 1e3)
@@ -155,10 +153,9 @@ def sweep(deps: dict[str, Deployment], clients: dict[str, list[RoleProc]], sizes
                 gc.collect()
                 results = load(clients[config], deps[config], n, conc, f"s{conc}r{rep}",
                                PROMPT, EXPECT)  # fmt: skip
-                t0 = min(res["t_start_ns"] for res in results)
-                wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
+                wall_s, done = span(results)
                 rates, errors = curves[config].setdefault(conc, ([], []))
-                rates.append(sum(len(res["latencies_ns"]) for res in results) / wall_s)
+                rates.append(done / wall_s)
                 for res in results:
                     errors.extend(res["errors"])
     return curves

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness import scenario
 from benchmarks.harness.cpu import MACHINE, OTHER, SHARED_MACHINE_FRACTION, CpuSampler
-from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, start_clients
+from benchmarks.harness.procs import SEED, Deployment, RoleProc, load, span, start_clients
 from benchmarks.harness.procs import SEED_EXPECT as EXPECT
 from benchmarks.harness.procs import SEED_PROMPT as PROMPT
 from benchmarks.harness.redis import server_pid
@@ -69,9 +69,7 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                     active, d, sizes.requests, conc, f"r{n_clients}x{conc}n{rep}", PROMPT, EXPECT
                 )
                 cpu_s = sampler.stop()
-                t0 = min(res["t_start_ns"] for res in results)
-                wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
-                done = sum(len(res["latencies_ns"]) for res in results)
+                wall_s, done = span(results)
                 rates.append(done / wall_s)
                 util.append({name: v / wall_s for name, v in cpu_s.items()})
                 for res in results:

@@ -152,6 +152,14 @@ def load(
     return results
 
 
+def span(results: list[dict[str, Any]]) -> tuple[float, int]:
+    """(seconds from the first submit to the last finished output, requests finished) of
+    one `load`, over all its clients."""
+    t0 = min(res["t_start_ns"] for res in results)
+    wall_s = (max(res["t_end_ns"] for res in results) - t0) / 1e9
+    return wall_s, sum(len(res["latencies_ns"]) for res in results)
+
+
 class Deployment:
     """One pipeline (orchestrator + a worker per stage replica) as processes, own namespace."""
 

@@ -180,7 +180,7 @@ class StageWorker:
 
     def stop(self) -> None:
         """Stop reading inputs and drain; called again, stop without draining (a second
-        Ctrl-C, a SIGTERM after it). Safe to call from a signal handler."""
+        Ctrl-C, a SIGTERM after it). Safe from any thread (`worker/signals.py` calls it)."""
         self._stop_now = self._stop.is_set()
         self._stop.set()
         self._input_stop.set()
