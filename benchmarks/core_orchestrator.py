@@ -49,7 +49,9 @@ class BenchStage:
         self.emitted = 0
         self._outputs: asyncio.Queue[StageOutput] = asyncio.Queue()
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         for out_data, finished in self.behaviour(data):
             self._outputs.put_nowait(StageOutput(request_id, out_data, finished))
             self.emitted += 1

@@ -161,8 +161,10 @@ class OmniClient:
         request_id: str | None = None,
         deadline_s: float | None = None,
         trace: bool = False,
+        params: dict[str, Any] | None = None,
     ) -> str:
-        """Send a request (outputs queue up until `stream`); `trace`: record its timeline."""
+        """Send a request (outputs queue up until `stream`); `trace`: record its timeline;
+        `params`: per-request parameters every stage receives (`docs/stages.md`)."""
         request_id = request_id or uuid.uuid4().hex
         if (tracer := self.tracer or (self._on_demand if trace else None)) is not None:
             tracer.stamp("client_submitted", request_id)
@@ -172,6 +174,7 @@ class OmniClient:
             prompt=prompt,
             deadline_s=deadline_s,
             trace=trace,
+            params=params or None,
         )
         fields = entry_fields(msg)
         size = len(fields[keys.PAYLOAD_FIELD])

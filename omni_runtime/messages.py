@@ -37,6 +37,9 @@ class RequestMsg(_Wire):
     deadline_s: Annotated[float, Field(gt=0)] | None = None
     trace: bool = False
     """Trace this request (every process stamps it into Redis) even with tracing off."""
+    params: dict[str, Any] | None = None
+    """Per-request parameters (`max_tokens`, `voice`, ...): every stage gets them all and
+    takes the ones it knows."""
 
 
 class AbortMsg(_Wire):
@@ -58,6 +61,8 @@ class StageInputMsg(_Wire):
     streaming: bool = False
     owner: Annotated[int, Field(ge=0)] = 0
     """The orchestrator slot that owns the request: its outputs go to that slot's stream."""
+    params: dict[str, Any] | None = None
+    """The request's parameters (`RequestMsg.params`)."""
 
 
 class StageOutputMsg(_Wire):
@@ -105,6 +110,7 @@ class DurableRequest(_Wire):
     stage_data: dict[int, list[Any]] = Field(default_factory=dict)
     stage_seq: dict[int, int] = Field(default_factory=dict)
     out_seq: Annotated[int, Field(ge=0)] = 0
+    params: dict[str, Any] | None = None
 
 
 ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]

@@ -11,7 +11,9 @@ Two shapes of stage code (see docs/stages.md):
   `step`, `abort`, `has_work` — for real model engines that batch many
   requests per step.
 
-Stage 0 gets the prompt. A later stage gets `forward_fn`'s value in sequential
+Per-request parameters (`max_tokens`, `voice`, ...) reach stage code that declares a
+keyword `params` (a function's, or a step engine's `add_request`): each request's dict,
+or None. Stage 0 gets the prompt. A later stage gets `forward_fn`'s value in sequential
 mode (by default the list of all the previous stage's chunks) and a
 `ChunkStream` of them in streaming mode; both iterate the same way, so the
 same code runs in both modes. How the worker drives both shapes lives in
@@ -20,6 +22,7 @@ same code runs in both modes. How the worker drives both shapes lives in
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -76,6 +79,15 @@ class StepFailed(OmniError):
     def __init__(self, request_ids: Iterable[str], cause: str) -> None:
         super().__init__(cause)
         self.request_ids = list(request_ids)
+
+
+def takes_params(fn: Callable[..., Any]) -> bool:
+    """Whether stage code declares a `params` keyword: it then gets each request's
+    parameters (`params=`, a dict or None); code without it runs as before."""
+    try:
+        return "params" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
 
 
 MARKS_FINAL_ATTR = "__omni_marks_final__"

@@ -54,6 +54,7 @@ class RequestView(
     prompt: Any
     deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     trace: bool = False
+    params: dict[str, Any] | None = None
 
 
 class AbortView(
@@ -78,6 +79,7 @@ class StageInputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     data: Any
     streaming: bool = False
     owner: Seq = 0
+    params: dict[str, Any] | None = None
 
 
 class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -28,6 +28,8 @@ class InMemoryStage:
         self.behaviour = behaviour
         self.fail_on = fail_on or set()
         self.submitted: list[tuple[str, Any]] = []
+        self.params: dict[str, dict[str, Any]] = {}
+        """Each request's parameters, as submitted (for requests that had any)."""
         self.handled: list[StageOutput] = []
         """Outputs the orchestrator reported handled, in order (a durable stage acks them)."""
         self.aborted: list[str] = []
@@ -36,10 +38,14 @@ class InMemoryStage:
         self.quiesced = False
         self._outputs: asyncio.Queue[StageOutput] = asyncio.Queue()
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         if request_id in self.fail_on:
             raise RuntimeError(f"cannot take {request_id}")
         self.submitted.append((request_id, data))
+        if params is not None:
+            self.params[request_id] = params
         if self.behaviour is not None:
             for out_data, finished in self.behaviour(request_id, data):
                 self.emit(StageOutput(request_id, out_data, finished))

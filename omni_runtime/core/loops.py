@@ -98,7 +98,11 @@ class OrchestratorLoops:
     # --- public API ------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: Any, deadline_s: float | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        deadline_s: float | None = None,
+        params: dict[str, Any] | None = None,
     ) -> None:
         """Only enqueue: the handler task creates the state and submits to stage 0.
 
@@ -107,7 +111,7 @@ class OrchestratorLoops:
         """
         if deadline_s is not None:
             self._deadline_s[request_id] = deadline_s
-        await self._req_q.put(("add", request_id, prompt))
+        await self._req_q.put(("add", request_id, (prompt, params)))
 
     async def abort_request(self, request_id: str, reason: str = "aborted") -> None:
         """End a live request with one error output and abort it at every stage that has it.
@@ -141,7 +145,8 @@ class OrchestratorLoops:
         while True:
             kind, request_id, payload = await self._req_q.get()
             if kind == "add":
-                await self._handle_add(request_id, payload)
+                prompt, params = payload
+                await self._handle_add(request_id, prompt, params)
                 if self.step_done is not None and self._req_q.empty():
                     self.step_done()
             else:
@@ -192,7 +197,9 @@ class OrchestratorLoops:
         if self.on_change is not None:
             self.on_change(request_id, state)
 
-    async def _handle_add(self, request_id: str, prompt: Any) -> None:
+    async def _handle_add(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> None:
         raise NotImplementedError
 
     async def _handle_abort(self, request_id: str, reason: str) -> None:

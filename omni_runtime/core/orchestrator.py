@@ -32,26 +32,32 @@ class Orchestrator(OrchestratorLoops):
 
     # --- routing ---------------------------------------------------------------
 
-    async def _handle_add(self, request_id: str, prompt: Any) -> None:
-        state = await self._register_or_reject(request_id, prompt)
+    async def _handle_add(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> None:
+        state = await self._register_or_reject(request_id, prompt, params)
         if state is None:
             return
         state.submitted.add(0)
         await self._submit(request_id, 0, prompt)
 
-    async def _register_or_reject(self, request_id: str, prompt: Any) -> ReqState | None:
+    async def _register_or_reject(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> ReqState | None:
         """Register the request; a duplicate id gets one error output and None."""
-        state = self._register(request_id, prompt)
+        state = self._register(request_id, prompt, params)
         if state is None:
             self._emit(OrchOutput(request_id, 0, None, True, error="duplicate request id"))
         return state
 
-    def _register(self, request_id: str, prompt: Any) -> ReqState | None:
+    def _register(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> ReqState | None:
         """Create and register the state (no await here); None for a duplicate id."""
         deadline_s = self._deadline_s.pop(request_id, self.default_deadline_s)
         if request_id in self.request_states:
             return None
-        state = ReqState(prompt=prompt)
+        state = ReqState(prompt=prompt, params=params)
         self.restore_request(request_id, state, deadline_s)
         self._changed(request_id, state)
         return state
@@ -126,8 +132,10 @@ class Orchestrator(OrchestratorLoops):
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:
         """Submit; a failing stage ends this request alone with one error output."""
+        state = self.request_states.get(request_id)
+        params = state.params if state is not None else None
         try:
-            await self.stages[stage_id].submit(request_id, data)
+            await self.stages[stage_id].submit(request_id, data, params)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -15,8 +15,10 @@ from omni_runtime.core.types import StageOutput
 
 
 class StreamingOrchestrator(Orchestrator):
-    async def _handle_add(self, request_id: str, prompt: Any) -> None:
-        state = await self._register_or_reject(request_id, prompt)
+    async def _handle_add(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> None:
+        state = await self._register_or_reject(request_id, prompt, params)
         if state is None:
             return
         # Downstream first: a receiver is listening before its upstream's first chunk.

@@ -40,6 +40,8 @@ class ReqState:
     """Everything the orchestrator knows about one live request."""
 
     prompt: Any
+    params: dict[str, Any] | None = None
+    """Per-request parameters, sent with the request's input to every stage."""
     submitted: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     stage_data: dict[int, list[Any]] = field(default_factory=dict)
@@ -57,7 +59,9 @@ class StageFailure:
 class Stage(Protocol):
     """A stage as the orchestrator sees it (SPEC §2): in-process or over Redis alike."""
 
-    async def submit(self, request_id: str, data: Any) -> None: ...
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None: ...
 
     async def get_output(self) -> list[StageOutput]:
         """Wait until at least one output exists; the list may mix requests."""

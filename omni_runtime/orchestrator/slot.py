@@ -224,6 +224,7 @@ class SlotService:
             "request_id": rid,
             "client_id": client_id,
             "prompt": state.prompt,
+            "params": state.params,
             "deadline_at": self.deadline_at.get(rid),
             "submitted": sorted(state.submitted),
             "finished": sorted(state.finished),
@@ -295,6 +296,6 @@ class SlotService:
             self.deadline_at[rid] = time.time() + deadline_s
             self._entry_of[rid] = entry_id
             self.shared.timer.started(rid)
-            await core.add_request(rid, cmd.prompt, cmd.deadline_s)
+            await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
             return  # acknowledged with the batch that writes its state
         writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)

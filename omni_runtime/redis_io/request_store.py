@@ -154,6 +154,7 @@ def to_state(doc: DurableRequest) -> ReqState:
     """The core's `ReqState` of a loaded one."""
     return ReqState(
         prompt=doc.prompt,
+        params=doc.params,
         submitted=set(doc.submitted),
         finished=set(doc.finished),
         stage_data={sid: list(data) for sid, data in doc.stage_data.items()},

@@ -138,7 +138,9 @@ class RedisStageClient:
     def duplicate_outputs(self) -> int:
         return int(self.metrics.value("omni_duplicate_outputs_total", stage=self.stage_id))
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         if self.tracer is not None:
             self.tracer.stamp("input_submitted", request_id, self.stage_id)
         trace = request_id in self.traced
@@ -151,6 +153,8 @@ class RedisStageClient:
             "streaming": self.streaming,
             "owner": self.slot,
         }
+        if params:
+            msg["params"] = params
         fields = {keys.PAYLOAD_FIELD: codec.encode(msg)}  # bad data raises here
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
 

@@ -19,7 +19,13 @@ from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
-from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine, StepFailed
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineOutput,
+    StageEngine,
+    StepFailed,
+    takes_params,
+)
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,7 @@ class WorkerCore:
         abort_memory_max: int = ABORT_MEMORY_MAX,
     ) -> None:
         self.engine = engine
+        self._engine_takes_params = takes_params(engine.add_request)
         self.stage_id = stage_id
         self.stage_name = stage_name
         self.sends_chunks = sends_chunks
@@ -111,7 +118,11 @@ class WorkerCore:
             self._actions.receiver_loads.append(rid)
         self._active[rid] = req
         try:
-            self.engine.add_request(rid, data)
+            if self._engine_takes_params:
+                add: Any = self.engine.add_request  # declares `params` (checked above)
+                add(rid, data, params=inp.msg.params)
+            else:
+                self.engine.add_request(rid, data)
         except Exception as e:
             self._fail(rid, self._engine_error("add_request", e))
 

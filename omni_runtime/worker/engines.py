@@ -24,6 +24,7 @@ from omni_runtime.stage_api import (
     Final,
     RequestAborted,
     StageEngine,
+    takes_params,
 )
 from omni_runtime.worker.stage_pool import StagePool
 
@@ -60,6 +61,7 @@ class GeneratorEngine:
         self._call_s: float | None = None
         """Moving average of a call's duration (None: none timed yet, so none is quick)."""
         self._marks_final = bool(getattr(fn, MARKS_FINAL_ATTR, False))
+        self._takes_params = takes_params(fn)
         self._options = options
         self._wake = wake
         self._ended = ended or wake
@@ -71,14 +73,18 @@ class GeneratorEngine:
         self._outputs: list[EngineOutput] = []
         self._aborted: set[str] = set()
         self._inputs: dict[str, Any] = {}
+        self._params: dict[str, dict[str, Any] | None] = {}
+        """Each running request's parameters, for code that declares `params`."""
         self._running = 0
         """Requests whose stage code has not returned yet (on a pool thread or queued)."""
 
-    def add_request(self, request_id: str, data: Any) -> None:
+    def add_request(self, request_id: str, data: Any, params: dict[str, Any] | None = None) -> None:
         with self._lock:
             self._aborted.discard(request_id)
             self._inputs[request_id] = data
             self._running += 1
+        if self._takes_params:
+            self._params[request_id] = params
         defer, avg = self._defer, self._call_s
         if (
             defer is not None
@@ -104,6 +110,7 @@ class GeneratorEngine:
         with self._lock:
             self._aborted.add(request_id)
             data = self._inputs.pop(request_id, None)
+            self._params.pop(request_id, None)
             self._outputs = [o for o in self._outputs if o.request_id != request_id]
         if isinstance(data, ChunkStream):
             data.abort()
@@ -162,7 +169,11 @@ class GeneratorEngine:
 
     def _call(self, request_id: str, data: Any) -> None:
         try:
-            result = self._fn(data, **self._options)
+            if self._takes_params:
+                params = self._params.pop(request_id, None)
+                result = self._fn(data, **self._options, params=params)
+            else:
+                result = self._fn(data, **self._options)
             if inspect.isasyncgen(result):
                 asyncio.run(_collect_async(result, request_id, self._emit, not self._marks_final))
                 return

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.timeout(120)
 class SilentStage:
     """Takes inputs, never answers: every request stays live until it is aborted."""
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         return None
 
     async def get_output(self) -> list[StageOutput]:

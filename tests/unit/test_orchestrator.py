@@ -195,7 +195,9 @@ class PlainStage:
     def __init__(self) -> None:
         self.inner = InMemoryStage(lambda _rid, data: [(data, True)])
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         await self.inner.submit(request_id, data)
 
     async def get_output(self) -> list[StageOutput]:

@@ -30,7 +30,9 @@ class LoggedStage(InMemoryStage):
         self.stage_id = stage_id
         self.log = log if log is not None else []
 
-    async def submit(self, request_id: str, data: Any) -> None:
+    async def submit(
+        self, request_id: str, data: Any, params: dict[str, Any] | None = None
+    ) -> None:
         await super().submit(request_id, data)
         self.log.append((self.stage_id, request_id))
 
