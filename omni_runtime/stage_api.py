@@ -9,7 +9,10 @@ Two shapes of stage code (see docs/stages.md):
   whether an upstream chunk is the last one.
 * **A step engine** (a class, built as `cls(**options)`): `add_request`,
   `step`, `abort`, `has_work` — for real model engines that batch many
-  requests per step.
+  requests per step (the shape of vLLM's `LLMEngine`).
+* **An async engine** (a class): `start`, `generate` (an async iterator per
+  request), `abort`, `check_health`, `stats`, `close` — for engines that own
+  their threads (the shape of vLLM's `AsyncLLM`, llama.cpp's server).
 
 Per-request parameters (`max_tokens`, `voice`, ...) reach stage code that declares a
 keyword `params` (a function's, or a step engine's `add_request`): each request's dict,
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -57,6 +60,55 @@ class StageEngine(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def has_work(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine holds now: for `status`, metrics and autoscaling."""
+
+    running: int
+    waiting: int
+    capacity: int
+    """Requests it can run at once (its batch slots)."""
+
+
+class EngineDead(OmniError):
+    """Raised by `check_health` (or from `generate`) when the engine can serve nothing more:
+    the worker takes its replica out of service instead of failing requests one by one."""
+
+
+@runtime_checkable
+class AsyncStageEngine(Protocol):
+    """An engine that owns its own threads or event loop (vLLM's `AsyncLLM`, llama.cpp's
+    server): the shape every peer's async engine boundary has.
+
+    `generate` is an async iterator of one request's outputs: each item is a chunk, and
+    `Final(x)` marks the last one (else the worker holds one chunk back to mark it).
+    `data` is the stage input: the prompt (stage 0), the previous stage's outputs
+    (sequential mode) or a `ChunkStream` of them (streaming mode: iterate it with
+    `async for`). An exception from `generate` fails that request alone; `abort` must
+    free what the request holds (a batch slot, its KV memory) and ignore unknown ids.
+    """
+
+    async def start(self) -> None:
+        """Load the model; after it returns, `generate` must be ready."""
+        ...
+
+    def generate(
+        self, request_id: str, data: Any, params: dict[str, Any] | None
+    ) -> AsyncIterator[Any]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Return if healthy; raise (`EngineDead`) if the engine can serve nothing more."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def close(self) -> None:
+        """Release everything; called once, at shutdown (a second call does nothing)."""
+        ...
 
 
 @runtime_checkable
