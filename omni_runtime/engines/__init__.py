@@ -1,0 +1,1 @@
+"""Adapters for real engines; each imports its engine library only when used."""

