@@ -1,0 +1,219 @@
+"""The real voice pipeline (SmolLM2 thinker -> piper talker -> piper vocoder), streaming vs sequential.
+
+`workers/voice.yaml`, both modes deployed at once as processes, each in its own
+namespace; load from one `OmniClient` here, closed loop at each concurrency, the
+modes' cells interleaved. Each request asks a different question (so no answer is
+canned, and llama.cpp's prompt cache helps no cell more than another) with the same
+`max_tokens`. Per request, from just before `submit`: TTFT (first text piece), TTFA
+(first audio chunk), E2E (the finished output), the audio's length, and what a
+listener hears (`omni_runtime.playback`: playback starts at the first audio and runs in
+real time; silence after a chunk played out is a gap). Real-time factor: the request's
+E2E over the seconds of audio it made (below 1: made faster than it plays).
+
+Baseline: sequential mode at the same concurrency. Targets (c = 1): TTFA p50 at least
+3x sooner streaming; E2E no slower. At c = 4: at least 95 % of requests hear no gap
+over 200 ms once their audio started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from benchmarks.harness import scenario
+from benchmarks.harness.procs import Deployment, watched
+from benchmarks.harness.report import ROOT, Row, ratio
+from benchmarks.harness.stats import percentile
+from omni_runtime.client import OmniClient
+from omni_runtime.pipeline import load_pipeline
+from omni_runtime.playback import Playback, audio_seconds
+
+VOICE = ROOT / "workers" / "voice.yaml"
+MODES = ("sequential", "streaming")
+GAP_S = 0.2
+TARGET_TTFA = 3.0
+TARGET_E2E = 1.0
+TARGET_CONTINUITY = 0.95
+QUESTIONS = [
+    "Why is the sky blue?", "What do bees make?", "Describe a rainy morning.",
+    "Why do cats purr?", "What is a volcano?", "How do birds fly?", "What is the moon made of?",
+    "Describe the ocean.", "Why do leaves fall?", "What is a rainbow?", "How do fish breathe?",
+    "What is thunder?", "Describe a forest at night.", "Why is snow white?",
+    "What do farmers grow?", "How does a bridge stand?",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sizes:
+    concurrencies: tuple[int, ...]
+    requests: int
+    """Per mode and concurrency."""
+    max_tokens: int
+    warmup: int = 2
+
+
+FULL = Sizes(concurrencies=(1, 2, 4), requests=16, max_tokens=48)
+QUICK = Sizes(concurrencies=(1, 4), requests=8, max_tokens=32, warmup=1)
+
+
+@dataclass
+class Cell:
+    mode: str
+    concurrency: int
+    ms: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "ttfa": [], "e2e": []})
+    rtf: list[float] = field(default_factory=list)
+    heard: list[Playback] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def p(self, metric: str, q: float) -> float | None:
+        values = self.rtf if metric == "rtf" else self.ms[metric]
+        return percentile(values, q) if values else None
+
+    @property
+    def continuous_share(self) -> float:
+        heard = [h for h in self.heard if h.started_at is not None]
+        return sum(h.worst_gap_s <= GAP_S for h in heard) / len(heard) if heard else 0.0
+
+
+async def one_request(client: OmniClient, question: str, sizes: Sizes, cell: Cell) -> None:
+    rate = load_pipeline(VOICE).outputs
+    assert rate is not None and rate.audio_stage is not None
+    t0 = time.perf_counter()
+    ttft = ttfa = None
+    text: list[str] = []
+    audio_s = 0.0
+    heard = Playback()
+    try:
+        rid = await client.submit(question, params={"max_tokens": sizes.max_tokens})
+        async for out in client.stream(rid, timeout_s=120):
+            now = time.perf_counter()
+            if out.error is not None:
+                cell.errors.append(f"stage {out.stage_id}: {out.error}")
+                return
+            if out.stage_id == rate.text_stage and out.data:
+                text.append(str(out.data))
+                ttft = ttft or now
+            elif out.stage_id == rate.audio_stage and out.data is not None:
+                pcm = np.asarray(out.data)
+                if pcm.size:
+                    seconds = audio_seconds(pcm, rate.sample_rate)
+                    audio_s += seconds
+                    ttfa = ttfa or now
+                    heard.add(now, seconds)
+    except TimeoutError as e:
+        cell.errors.append(str(e))
+        return
+    end = time.perf_counter()
+    if not "".join(text).strip() or ttft is None or ttfa is None or audio_s <= 0:
+        cell.errors.append(f"{len(text)} text pieces, {audio_s:.2f} s of audio")
+        return
+    for metric, t in (("ttft", ttft), ("ttfa", ttfa), ("e2e", end)):
+        cell.ms[metric].append((t - t0) * 1e3)
+    cell.rtf.append((end - t0) / audio_s)
+    cell.heard.append(heard)
+
+
+async def closed_loop(d: Deployment, conc: int, n: int, sizes: Sizes, offset: int) -> Cell:
+    cell = Cell(d.mode, conc)
+    todo = list(range(n))
+    started = time.perf_counter()
+    async with OmniClient(d.settings) as client:
+
+        async def user() -> None:
+            while todo:
+                i = todo.pop()
+                await one_request(client, QUESTIONS[(offset + i) % len(QUESTIONS)], sizes, cell)
+
+        await asyncio.gather(*(user() for _ in range(conc)))
+    cell.wall_s = time.perf_counter() - started
+    return cell
+
+
+async def measure(sizes: Sizes, redis_url: str) -> list[Cell]:
+    deployments = {m: Deployment(redis_url, VOICE, f"voice-{m[:3]}", mode=m) for m in MODES}
+    try:
+        for d in deployments.values():
+            d.start()
+        for d in deployments.values():
+            await d.wait_ready()
+        all_d = list(deployments.values())
+        for d in all_d:  # warm-up: model pages, ONNX sessions, connections
+            await watched(all_d, closed_loop(d, 1, sizes.warmup, sizes, 0), 300)
+        cells = []
+        for conc in sizes.concurrencies:
+            for mode in MODES:
+                cell = await watched(
+                    all_d, closed_loop(deployments[mode], conc, sizes.requests, sizes, conc), 900
+                )
+                print(f"  {mode:<10} c={conc} {sizes.requests} requests, {len(cell.errors)} "
+                      f"errors, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+                cells.append(cell)
+        return cells
+    finally:
+        for d in deployments.values():
+            d.stop()
+
+
+def cell_table(cells: list[Cell]) -> str:
+    lines = [
+        "| concurrency | mode | TTFT | TTFA | end to end | RTF | no gap > 200 ms | worst gap "
+        "| requests/s | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        cols = [f"{c.p(m, 50) or 0:.0f} ({c.p(m, 99) or 0:.0f})" for m in ("ttft", "ttfa", "e2e")]
+        gaps = [h.worst_gap_s * 1e3 for h in c.heard if h.started_at is not None] or [0.0]
+        cols += [
+            f"{c.p('rtf', 50) or 0:.2f}",
+            f"{c.continuous_share:.0%}",
+            f"{percentile(gaps, 50):.0f} ({percentile(gaps, 99):.0f})",
+            f"{len(c.ms['e2e']) / max(c.wall_s, 1e-9):.2f}",
+        ]
+        lines.append(f"| {c.concurrency} | {c.mode} | {' | '.join(cols)} | {len(c.errors)} |")
+    return "\n".join(lines)
+
+
+def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
+    cells = asyncio.run(measure(sizes, ctx.redis_url))
+    print("\nLatency, ms: p50 (p99)\n" + cell_table(cells) + "\n")
+    rows = []
+    for conc in sizes.concurrencies:
+        seq, st = (next(c for c in cells if c.mode == m and c.concurrency == conc) for m in MODES)
+        ok = not seq.errors and not st.errors
+        notes = [f"{c.mode}: {len(c.errors)} failed, e.g. {c.errors[0]}" for c in (seq, st) if c.errors]
+        for metric in ("ttfa", "e2e", "rtf"):
+            value, base = st.p(metric, 50), seq.p(metric, 50)
+            if metric == "ttfa":
+                r, target = ratio(base, value), f"seq/stream >= {TARGET_TTFA:g}x" if conc == 1 else ""
+                met = (ok and r is not None and r >= TARGET_TTFA) if conc == 1 else None
+            elif metric == "e2e":
+                r, target = ratio(value, base), f"stream/seq <= {TARGET_E2E:g}x" if conc == 1 else ""
+                met = (ok and r is not None and r <= TARGET_E2E) if conc == 1 else None
+            else:
+                r, target, met = ratio(value, base), "", None
+            unit = "x" if metric == "rtf" else "ms"
+            rows.append(Row(
+                "real_pipeline", f"c={conc}, streaming", f"{metric.upper()} p50", unit,
+                value or float("nan"), None, None, value if unit == "ms" else None,
+                st.p(metric, 99) if unit == "ms" else None, baseline="sequential",
+                baseline_value=base, ratio=r, ratio_of="seq/stream" if metric == "ttfa" else
+                "stream/seq", target=target, met=met, notes=notes,
+                details={"requests": len(st.ms["e2e"]), "sequential_p99": seq.p(metric, 99)},
+            ))  # fmt: skip
+        need = TARGET_CONTINUITY if conc == 4 else None
+        rows.append(Row(
+            "real_pipeline", f"c={conc}, streaming", "continuity", "%", 100 * st.continuous_share,
+            baseline="sequential", baseline_value=100 * seq.continuous_share,
+            target=f">= {need:.0%} no gap > {GAP_S * 1e3:g} ms" if need else "",
+            met=None if need is None else ok and st.continuous_share >= need,
+        ))  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(scenario.main("real_pipeline", __doc__, run, FULL, QUICK))
