@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from omni_runtime.keys import MAX_SLOTS
+from omni_runtime.errors import CodecError
+from omni_runtime.keys import MAX_SLOTS as MAX_SLOTS
 
 WIRE_VERSION: Final = 1
 REDIS_LOST_STATE: Final = "Redis restarted and lost this request's state"
@@ -191,6 +192,19 @@ class DurableRequest(_Wire):
     )
     out_seq: Seq = 0
     params: Params | None = None
+
+
+def checked_request(**fields: Any) -> RequestMsg:
+    """A `RequestMsg`, or a `CodecError` naming the first bad field (what a reader would
+    have refused: the submitter hears it at once, not as a dead letter)."""
+    try:
+        return RequestMsg(**fields)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        loc = ".".join(str(part) for part in errors[0]["loc"]) if errors else "<root>"
+        first = errors[0]["msg"] if errors else str(e)
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CodecError(f"invalid request: {loc}: {first}{more}") from None
 
 
 ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]
