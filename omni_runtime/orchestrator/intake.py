@@ -63,7 +63,9 @@ def answerable(fields: Mapping[bytes, bytes] | None, max_bytes: int) -> tuple[st
 
 
 def invalid(error: str) -> str:
-    return clip_error(f"{INVALID_REQUEST}: {error}")
+    """The reader's reason, worded as `messages.checked_request` words it at submit."""
+    reason = error.removeprefix("invalid request message: ").removeprefix("request.")
+    return clip_error(f"{INVALID_REQUEST}: {reason}")
 
 
 def same_request(prompt: Any, params: Any, cmd: RequestView) -> bool:
