@@ -10,7 +10,9 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+import hypothesis
 import msgpack
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from omni_runtime import messages as m
@@ -293,3 +295,26 @@ def any_docs(kind: str) -> st.SearchStrategy[dict[str, Any]]:
         optional={n: json_scalars | payloads for n in [*VALID[kind], "v", "other"]},
     )
     return st.one_of(valid_docs(kind), hostile_docs(kind), anything)
+
+
+def draw_many(strategy: st.SearchStrategy[Any], n: int, seed: int = 0) -> list[Any]:
+    """`n` values of `strategy` as hypothesis's own engine generates them (one `given` run
+    that keeps what it is handed, no shrinking), for a load rather than a property: the
+    same values as the property tests meet, in bulk. Repeated if it stopped short."""
+    out: list[Any] = []
+
+    @settings(
+        max_examples=n,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(value: Any) -> None:
+        out.append(value)
+
+    hypothesis.seed(seed)(collect)()
+    while out and len(out) < n:
+        out.extend(out[: n - len(out)])
+    return out

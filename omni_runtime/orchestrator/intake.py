@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+import msgspec
 from pydantic import TypeAdapter, ValidationError
 
 from omni_runtime import codec, keys
@@ -44,20 +45,32 @@ def duplicate(request_id: str) -> str:
     return f"{DUPLICATE_ID}: request {request_id!r} is in flight already"
 
 
+class _Address(msgspec.Struct):
+    """The fields that say whom to answer; every other field is skipped, not built."""
+
+    type: Any = None
+    request_id: Any = None
+    client_id: Any = None
+
+
+_ADDRESS_OF: Final = msgspec.msgpack.Decoder(_Address)
+
+
 def answerable(fields: Mapping[bytes, bytes] | None, max_bytes: int) -> tuple[str, str] | None:
     """(request id, client id) of a malformed requests-stream entry that is a request whose
-    id and client are themselves valid; None when there is nobody to answer."""
+    id and client are themselves valid; None when there is nobody to answer (or the entry
+    is past reading at all: nested past msgspec's recursion, ~1,000 levels)."""
     raw = fields.get(_PAYLOAD) if fields else None
-    if raw is None:
+    if raw is None or len(raw) > max_bytes:
         return None
     try:
-        doc = codec.decode(raw, max_bytes=max_bytes)
-    except CodecError:
+        got = _ADDRESS_OF.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
         return None
-    if not isinstance(doc, dict) or doc.get("type") != "request":
+    if got.type != "request":
         return None
     try:
-        return _ADDRESS.validate_python((doc.get("request_id"), doc.get("client_id")))
+        return _ADDRESS.validate_python((got.request_id, got.client_id))
     except ValidationError:
         return None
 
