@@ -340,7 +340,7 @@ class SlotService:
     def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
         """Answer a request that will not run with its one error final."""
         self.shared.metrics.inc("omni_requests_refused_total", reason=reason)
-        log.warning("request refused: %s", error, extra={"request_id": cmd.request_id})
+        log.info("request refused: %s", error, extra={"request_id": cmd.request_id})
         self.outbox.refuse(cmd.request_id, cmd.client_id, error)
 
     def _ack(self, entry_id: bytes) -> None:
