@@ -23,7 +23,7 @@ from omni_runtime import codec, keys, wire_views
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError, RequestTimeoutError, StartupTimeoutError, TransportError
-from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, RequestMsg
+from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, checked_request
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.pipeline import OutputsConfig
@@ -168,7 +168,7 @@ class OmniClient:
         request_id = request_id or uuid.uuid4().hex
         if (tracer := self.tracer or (self._on_demand if trace else None)) is not None:
             tracer.stamp("client_submitted", request_id)
-        msg = RequestMsg(
+        msg = checked_request(
             request_id=request_id,
             client_id=self.client_id,
             prompt=prompt,
@@ -176,6 +176,8 @@ class OmniClient:
             trace=trace,
             params=params or None,
         )
+        if deadline_s is not None and deadline_s > self.settings.max_deadline_s:
+            raise CodecError(f"deadline_s={deadline_s:g} exceeds OMNI_MAX_DEADLINE_S")
         fields = entry_fields(msg)
         size = len(fields[keys.PAYLOAD_FIELD])
         if size > self.settings.max_message_bytes:

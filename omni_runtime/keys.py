@@ -82,6 +82,8 @@ ORCHESTRATOR_CONSUMER = "orchestrator"
 """The consumer name of orchestrator slot 0 in its groups (see `orchestrator_consumer`)."""
 ORCHESTRATOR_LEASE_TTL_S = 5.0
 """An orchestrator slot whose lease is older than this is taken over by a live one."""
+MAX_SLOTS = 1024
+"""Orchestrator slots are 0 .. MAX_SLOTS - 1 (a stage input names its owner slot)."""
 
 
 def orchestrator_consumer(slot: int) -> str:

@@ -3,28 +3,105 @@
 Each model forbids extra fields and carries its `type` and a version `v`, so a
 reader can reject a message from an incompatible peer with a clear error
 instead of misreading it.
+
+Every field is bounded, because anyone who may write to the streams can send any
+value: a number is finite and in range (so no later arithmetic overflows: a
+deadline becomes a `PEXPIREAT` in milliseconds), a string, list or map has a
+maximum length, and the codec bounds how deep a message nests
+(`codec.MAX_DEPTH`). The models are strict: a value of the wrong type is
+refused, never coerced (`finished=1` is not `True`, `"5"` is not 5). These
+bounds are part of the wire format, the same in every process (a reader that
+refused what a writer accepted would dead-letter it): they are constants, not
+settings. What a deployer sets is policy, checked where a request comes in
+(`Settings.max_deadline_s`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from omni_runtime.errors import CodecError
+from omni_runtime.keys import MAX_SLOTS as MAX_SLOTS
 
 WIRE_VERSION: Final = 1
 REDIS_LOST_STATE: Final = "Redis restarted and lost this request's state"
 """The error final of a request in flight when Redis came back empty."""
 
-RequestId = Annotated[str, Field(min_length=1, max_length=256, strict=True)]
-"""Strict: an id sent as bytes (or a number) is refused, never coerced into another id."""
+MAX_DEADLINE_S: Final = 366 * 86400.0
+"""The longest deadline a request may carry (a year): `OMNI_MAX_DEADLINE_S` is at most this."""
+MAX_WALL_CLOCK_S: Final = 10_000_000_000.0
+"""The latest wall-clock time (s since the epoch, year 2286) a durable state's deadline may
+name: its expiry in ms stays far inside Redis's range."""
+MAX_STAGES: Final = 256
+"""Stage ids are 0 .. MAX_STAGES - 1 (`pipeline.PipelineConfig` allows no more)."""
+MAX_SEQ: Final = 2**32 - 1
+"""Outputs of one request at one stage (and to its client): per-request counters."""
+MAX_REASON_CHARS: Final = 1000
+MAX_ERROR_CHARS: Final = 4000
+"""An error longer than this is cut (`clip_error`) by whoever writes it."""
+MAX_PARAMS: Final = 32
+MAX_PARAM_KEY_CHARS: Final = 64
+MAX_PARAM_STR_CHARS: Final = 4096
+MAX_PARAM_LIST: Final = 256
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**63 - 1
+"""A parameter's integers: int64 (msgpack carries up to 2**64 - 1; msgspec bounds int64)."""
+FLOAT_MAX: Final = 1.7976931348623157e308
+"""The largest finite float: bounds written with it refuse `inf` and `nan`."""
+
+RequestId = Annotated[
+    str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$", strict=True)
+]
+"""Strict: an id sent as bytes (or a number) is refused, never coerced into another id.
+No control characters: ids go into logs and key names."""
 ClientId = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$", strict=True)
 ]
+StageId = Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+Seq = Annotated[int, Field(ge=0, le=MAX_SEQ)]
+Slot = Annotated[int, Field(ge=0, lt=MAX_SLOTS)]
+DeadlineS = Annotated[float, Field(gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)]
+WallClock = Annotated[float, Field(ge=0, le=MAX_WALL_CLOCK_S, allow_inf_nan=False)]
+Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
+Error = Annotated[str, Field(min_length=1, max_length=MAX_ERROR_CHARS)]
+"""Non-empty: an empty error would read as no error."""
+
+
+def _not_an_int(value: object) -> object:
+    """A float parameter is a float: an int out of the int range is refused, not widened."""
+    if type(value) is int:
+        raise ValueError(f"integer out of range {INT_MIN} .. {INT_MAX}")
+    return value
+
+
+ParamScalar = (
+    None
+    | bool
+    | Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
+    | Annotated[float, BeforeValidator(_not_an_int), Field(ge=-FLOAT_MAX, le=FLOAT_MAX)]
+    | Annotated[str, Field(max_length=MAX_PARAM_STR_CHARS)]
+)
+Params = Annotated[
+    dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_PARAM_KEY_CHARS)],
+        ParamScalar | Annotated[list[ParamScalar], Field(max_length=MAX_PARAM_LIST)],
+    ],
+    Field(max_length=MAX_PARAMS),
+]
+"""Per-request parameters: JSON-like scalars, or short lists of them, under short names."""
+
+
+def clip_error(error: str) -> str:
+    """`error` cut to what a message may carry (`MAX_ERROR_CHARS`), its cut marked."""
+    return error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 1] + "…"
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = WIRE_VERSION
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    v: Annotated[int, Field(ge=WIRE_VERSION, le=WIRE_VERSION)] = WIRE_VERSION
+    """An int (`Literal[1]` would take `True` and `1.0` for 1)."""
 
 
 class RequestMsg(_Wire):
@@ -34,10 +111,10 @@ class RequestMsg(_Wire):
     request_id: RequestId
     client_id: ClientId
     prompt: Any
-    deadline_s: Annotated[float, Field(gt=0)] | None = None
+    deadline_s: DeadlineS | None = None
     trace: bool = False
     """Trace this request (every process stamps it into Redis) even with tracing off."""
-    params: dict[str, Any] | None = None
+    params: Params | None = None
     """Per-request parameters (`max_tokens`, `voice`, ...): every stage gets them all and
     takes the ones it knows."""
 
@@ -47,7 +124,7 @@ class AbortMsg(_Wire):
 
     type: Literal["abort"] = "abort"
     request_id: RequestId
-    reason: str = "aborted"
+    reason: Reason = "aborted"
 
 
 class StageInputMsg(_Wire):
@@ -59,9 +136,9 @@ class StageInputMsg(_Wire):
     """The request is traced on demand: the worker stamps it too."""
     data: Any
     streaming: bool = False
-    owner: Annotated[int, Field(ge=0)] = 0
+    owner: Slot = 0
     """The orchestrator slot that owns the request: its outputs go to that slot's stream."""
-    params: dict[str, Any] | None = None
+    params: Params | None = None
     """The request's parameters (`RequestMsg.params`)."""
 
 
@@ -72,8 +149,8 @@ class StageOutputMsg(_Wire):
     request_id: RequestId
     data: Any
     finished: bool
-    error: str | None = None
-    seq: Annotated[int, Field(ge=0)] = 0
+    error: Error | None = None
+    seq: Seq = 0
     """Index of this output within the request at this stage: a replica that re-runs a
     request taken over from a dead one repeats seqs the orchestrator already has."""
 
@@ -83,11 +160,11 @@ class OrchOutputMsg(_Wire):
 
     type: Literal["orch_output"] = "orch_output"
     request_id: RequestId
-    stage_id: int
+    stage_id: StageId
     data: Any
     finished: bool
-    error: str | None = None
-    seq: Annotated[int, Field(ge=0)]
+    error: Error | None = None
+    seq: Seq
     """0, 1, 2, ... per request, assigned by the orchestrator as it emits: the client drops
     repeats and turns a gap into an error instead of a success that misses data."""
 
@@ -104,13 +181,30 @@ class DurableRequest(_Wire):
     request_id: RequestId
     client_id: ClientId
     prompt: Any
-    deadline_at: float | None
-    submitted: list[int]
-    finished: list[int]
-    stage_data: dict[int, list[Any]] = Field(default_factory=dict)
-    stage_seq: dict[int, int] = Field(default_factory=dict)
-    out_seq: Annotated[int, Field(ge=0)] = 0
-    params: dict[str, Any] | None = None
+    deadline_at: WallClock | None
+    submitted: Annotated[list[StageId], Field(max_length=MAX_STAGES)]
+    finished: Annotated[list[StageId], Field(max_length=MAX_STAGES)]
+    stage_data: Annotated[dict[StageId, list[Any]], Field(max_length=MAX_STAGES)] = Field(
+        default_factory=dict
+    )
+    stage_seq: Annotated[dict[StageId, Seq], Field(max_length=MAX_STAGES)] = Field(
+        default_factory=dict
+    )
+    out_seq: Seq = 0
+    params: Params | None = None
+
+
+def checked_request(**fields: Any) -> RequestMsg:
+    """A `RequestMsg`, or a `CodecError` naming the first bad field (what a reader would
+    have refused: the submitter hears it at once, not as a dead letter)."""
+    try:
+        return RequestMsg(**fields)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        loc = ".".join(str(part) for part in errors[0]["loc"]) if errors else "<root>"
+        first = errors[0]["msg"] if errors else str(e)
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CodecError(f"invalid request: {loc}: {first}{more}") from None
 
 
 ClientCommand = Annotated[RequestMsg | AbortMsg, Field(discriminator="type")]

@@ -48,6 +48,10 @@ COUNTERS: Mapping[str, str] = {
     "omni_redis_restarts_total": "Redis restarts that lost the state (the epoch key vanished).",
     "omni_stage_down_total": "Times a stage was found with no live replica.",
     "omni_requests_refused_total": "Requests answered with an error at once, by reason.",
+    "omni_contained_errors_total": (
+        "Unexpected exceptions a loop caught and went on from, by where; "
+        "the request concerned ended with one error."
+    ),
 }
 """Every counter name the runtime uses, with its help text."""
 

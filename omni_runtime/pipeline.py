@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from omni_runtime.errors import ConfigError
+from omni_runtime.messages import MAX_STAGES
 
 EntryPoint = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
 """`package.module:callable`."""
@@ -71,7 +72,8 @@ class PipelineConfig(BaseModel):
     final_stage_ids: Annotated[list[int], Field(min_length=1)]
     forward: EntryPoint | None = None
     """`forward_fn(next_stage_id, prompt, previous_stage_data)`; default: the data as is."""
-    stages: Annotated[list[StageConfig], Field(min_length=1)]
+    stages: Annotated[list[StageConfig], Field(min_length=1, max_length=MAX_STAGES)]
+    """Stage ids are 0, 1, 2, ... in order: at most `messages.MAX_STAGES` of them."""
     outputs: OutputsConfig | None = None
     """Which final stages carry text and audio (needed by `omni-runtime serve`)."""
     source_dir: Path | None = Field(default=None, exclude=True)

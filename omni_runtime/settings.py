@@ -19,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from omni_runtime import keys
+from omni_runtime import keys, messages
 
 if TYPE_CHECKING:  # imported when used: importing redis-py takes ~0.3 s
     from omni_runtime.redis_io.backoff import Backoff
@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     """Client side: longest wait for a request's next output."""
     deadline_s: PositiveFloat = 600.0
     """Orchestrator side: a request still running after this long ends with an error."""
+    max_deadline_s: Annotated[
+        float, Field(gt=0, le=messages.MAX_DEADLINE_S, allow_inf_nan=False)
+    ] = 3600.0
+    """The longest deadline a request may ask for: longer is refused with one error, at
+    submit and by the orchestrator (at least `deadline_s`; at most a year)."""
     input_timeout_s: PositiveFloat = 60.0
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
@@ -109,6 +114,15 @@ class Settings(BaseSettings):
                 f"redis_url must start with redis://, rediss:// or unix://, got {url!r}"
             )
         return url
+
+    @model_validator(mode="after")
+    def _deadline_within_its_limit(self) -> Settings:
+        if not self.deadline_s <= self.max_deadline_s:
+            raise ValueError(
+                f"OMNI_DEADLINE_S={self.deadline_s:g} is longer than "
+                f"OMNI_MAX_DEADLINE_S={self.max_deadline_s:g}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_outlives_its_refresh(self) -> Settings:

@@ -5,11 +5,12 @@ one message per chunk, and each stage's worker reads its input. Parsing each int
 (msgpack, then validation) cost ~11 µs of CPU on a 2-core VM; msgspec decodes the same
 bytes straight into these structs, with the same checks, in ~1 µs.
 
-A mirror accepts a subset of what its model accepts: it refuses what the model would
-coerce (`finished=1`, taken as True). Whatever a mirror refuses, `redis_io.entries`
-hands to the model, which accepts it (coerced) or says why. So a reader given a view
-accepts exactly the messages, values and errors its model would.
-`tests/unit/test_wire_views.py` holds each mirror to its model.
+A mirror accepts exactly what its model accepts (the models are strict: nothing is
+coerced), with the same bounds (`messages`); whatever a mirror refuses, `redis_io.entries`
+hands to the model, which says why. So a reader given a view accepts exactly the
+messages, values and errors its model would. `tests/unit/test_wire_views.py` and
+`tests/unit/test_wire_schema.py` (property tests, hostile values) hold each mirror to its
+model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 from pydantic import BaseModel, TypeAdapter
 
 from omni_runtime import codec
+from omni_runtime import messages as m
 from omni_runtime.errors import CodecError
 from omni_runtime.messages import (
     WIRE_VERSION,
@@ -31,13 +33,35 @@ from omni_runtime.messages import (
     StageOutputMsg,
 )
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Seq = Annotated[int, msgspec.Meta(ge=0)]
+RequestId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"\A[^\x00-\x1f\x7f]+\Z")
+]
 ClientId = Annotated[
     str, msgspec.Meta(min_length=1, max_length=128, pattern=r"\A[A-Za-z0-9_.-]+\Z")
 ]
 """`messages.ClientId`, anchored at the very end: Python's `$` also matches before a final
 newline, pydantic's does not."""
+Seq = Annotated[int, msgspec.Meta(ge=0, le=m.MAX_SEQ)]
+StageId = Annotated[int, msgspec.Meta(ge=0, lt=m.MAX_STAGES)]
+Slot = Annotated[int, msgspec.Meta(ge=0, lt=m.MAX_SLOTS)]
+DeadlineS = Annotated[float, msgspec.Meta(gt=0, le=m.MAX_DEADLINE_S)]
+"""A bound refuses `nan` and `inf` as well (msgspec has no `allow_inf_nan`)."""
+Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_REASON_CHARS)]
+Error = Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_ERROR_CHARS)]
+ParamScalar = (
+    None
+    | bool
+    | Annotated[int, msgspec.Meta(ge=m.INT_MIN, le=m.INT_MAX)]
+    | Annotated[float, msgspec.Meta(ge=-m.FLOAT_MAX, le=m.FLOAT_MAX)]
+    | Annotated[str, msgspec.Meta(max_length=m.MAX_PARAM_STR_CHARS)]
+)
+Params = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_PARAM_KEY_CHARS)],
+        ParamScalar | Annotated[list[ParamScalar], msgspec.Meta(max_length=m.MAX_PARAM_LIST)],
+    ],
+    msgspec.Meta(max_length=m.MAX_PARAMS),
+]
 
 
 class _View(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -52,9 +76,9 @@ class RequestView(
     request_id: RequestId
     client_id: ClientId
     prompt: Any
-    deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    deadline_s: DeadlineS | None = None
     trace: bool = False
-    params: dict[str, Any] | None = None
+    params: Params | None = None
 
 
 class AbortView(
@@ -63,7 +87,7 @@ class AbortView(
     """`messages.AbortMsg`, as the orchestrator reads it off the requests stream."""
 
     request_id: RequestId
-    reason: str = "aborted"
+    reason: Reason = "aborted"
 
 
 ClientCommandView = RequestView | AbortView
@@ -78,8 +102,8 @@ class StageInputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     trace: bool = False
     data: Any
     streaming: bool = False
-    owner: Seq = 0
-    params: dict[str, Any] | None = None
+    owner: Slot = 0
+    params: Params | None = None
 
 
 class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -89,7 +113,7 @@ class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     request_id: RequestId
     data: Any
     finished: bool
-    error: str | None = None
+    error: Error | None = None
     seq: Seq = 0
 
 
@@ -107,10 +131,10 @@ class OrchOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
     type: Literal["orch_output"]
     request_id: RequestId
-    stage_id: int
+    stage_id: StageId
     data: Any
     finished: bool
-    error: str | None = None
+    error: Error | None = None
     seq: Seq
 
 
@@ -122,6 +146,15 @@ MODEL_OF: Final[dict[Any, type[BaseModel] | TypeAdapter[Any]]] = {
     OrchOutputView: OrchOutputMsg,
 }
 """Each view's model: the authority on whatever the view refuses."""
+
+
+_FREE_FORM: Final[dict[type, str]] = {
+    RequestView: "prompt",
+    StageInputView: "data",
+    StageOutputView: "data",
+    OrchOutputView: "data",
+}
+"""Each view's one field of any shape (`Any`), whose depth the decoder did not bound."""
 
 
 def is_view(model: object) -> bool:
@@ -139,16 +172,25 @@ def _decoder(view: Any, batches: bool) -> msgspec.msgpack.Decoder[Any]:
     return decoder
 
 
+_PAYLOAD_DEPTH: Final = codec.MAX_DEPTH - 1
+"""How deep a message's free-form field (`prompt`, `data`) may nest: one level below the
+message's map, as `codec.decode` counts it."""
+
+
 def decode_views(raw: bytes, view: Any, batches: bool) -> list[Any] | None:
     """The message (or, with `batches`, the batch) in `raw` as views; None when the view
-    refuses it (the caller asks the model, for a coerced value or the reason)."""
+    refuses it (the caller asks the model for the reason)."""
     try:
         got = _decoder(view, batches).decode(raw)
         msgs = got if isinstance(got, list) else [got]
-        if view is StageOutputRelayView:
-            for msg in msgs:
-                codec.check(msg.data)
-    except (msgspec.MsgspecError, CodecError):
+        for msg in msgs:
+            if type(msg) is StageOutputRelayView:
+                codec.check(msg.data, _PAYLOAD_DEPTH)
+                continue
+            free = _FREE_FORM.get(type(msg))
+            if free is not None and not codec.within(getattr(msg, free), _PAYLOAD_DEPTH):
+                return None
+    except (msgspec.MsgspecError, CodecError, RecursionError):  # deep: `decode` says why
         return None
     return msgs
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,6 +30,11 @@ from omni_runtime.core.types import (
     StageOutput,
     forward_previous_data,
 )
+
+log = logging.getLogger(__name__)
+
+READ_RETRY_S = 0.1
+"""A stage reader that raised tries again after this long (a Redis error is retried inside)."""
 
 OutputSink = Callable[[OrchOutput], None]
 ChangeHook = Callable[[str, ReqState | None], None]
@@ -75,6 +82,8 @@ class OrchestratorLoops:
         """Per-request deadline overrides, read once by the handler."""
         self._deadlines = Deadlines()
         self._deadline_added = asyncio.Event()
+        self._answered: set[str] = set()
+        """Requests whose final went out during the step in progress (see `_contain`)."""
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -110,6 +119,8 @@ class OrchestratorLoops:
         error output and is aborted at every stage.
         """
         if deadline_s is not None:
+            if not math.isfinite(deadline_s):  # NaN would break the deadline heap's order
+                raise ValueError(f"deadline_s must be a finite number of seconds, not {deadline_s}")
             self._deadline_s[request_id] = deadline_s
         await self._req_q.put(("add", request_id, (prompt, params)))
 
@@ -119,6 +130,11 @@ class OrchestratorLoops:
         A request that already ended is left alone: it got its one final output.
         """
         await self._req_q.put(("abort", request_id, reason))
+
+    def fail_soon(self, request_id: str, error: str) -> None:
+        """`abort_request` from synchronous code: the handler ends the request (if live)
+        with one error output, `error`."""
+        self._req_q.put_nowait(("abort", request_id, error))
 
     def restore_request(self, request_id: str, state: ReqState, deadline_s: float | None) -> bool:
         """Take over a request routed before (its state saved elsewhere): registered as is,
@@ -144,13 +160,19 @@ class OrchestratorLoops:
     async def _handler_loop(self) -> None:
         while True:
             kind, request_id, payload = await self._req_q.get()
-            if kind == "add":
-                prompt, params = payload
-                await self._handle_add(request_id, prompt, params)
-                if self.step_done is not None and self._req_q.empty():
-                    self.step_done()
-            else:
-                await self._handle_abort(request_id, payload)
+            self._answered.clear()
+            live = request_id in self.request_states
+            try:
+                if kind == "add":
+                    prompt, params = payload
+                    await self._handle_add(request_id, prompt, params)
+                else:
+                    await self._handle_abort(request_id, payload)
+            except Exception as e:  # fails this request alone (CancelledError passes)
+                needs_final = not live if kind == "add" else live
+                await self._contain(f"handling its {kind}", request_id, e, needs_final)
+            if kind == "add" and self._req_q.empty():
+                self._step_done()
 
     async def _deadline_loop(self) -> None:
         """Sleeps until the earliest deadline; a request still live then is aborted."""
@@ -159,7 +181,11 @@ class OrchestratorLoops:
             self._deadline_added.clear()
             request_id = self._deadlines.pop_due(loop.time())
             if request_id is not None:
-                await self._handle_abort(request_id, "deadline exceeded")
+                self._answered.clear()
+                try:
+                    await self._handle_abort(request_id, "deadline exceeded")
+                except Exception as e:
+                    await self._contain("ending it at its deadline", request_id, e, True)
                 continue
             at = self._deadlines.next_at()
             with contextlib.suppress(TimeoutError):
@@ -170,19 +196,59 @@ class OrchestratorLoops:
         """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
         stage = self.stages[stage_id]
         while True:
-            outputs = await stage.get_output()
+            try:
+                outputs = await stage.get_output()
+            except Exception as e:  # a reader that stopped would stall every request
+                self._count_contained(f"reading stage {stage_id}")
+                log.error("stage %d: reading outputs failed: %r", stage_id, e, exc_info=e)
+                await asyncio.sleep(READ_RETRY_S)
+                continue
             for out in outputs:
                 self._ready_q.put_nowait((stage_id, out))
 
     async def _dispatcher_loop(self) -> None:
         while True:
             stage_id, out = await self._ready_q.get()
-            await self._handle_output(stage_id, out)
+            self._answered.clear()
+            live = out.request_id in self.request_states
+            try:
+                await self._handle_output(stage_id, out)
+            except Exception as e:
+                await self._contain(f"routing a stage {stage_id} output", out.request_id, e, live)
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
                 managed.output_handled(out)
-            if self.step_done is not None and self._ready_q.empty():
-                self.step_done()
+            if self._ready_q.empty():
+                self._step_done()
+
+    def _step_done(self) -> None:
+        if self.step_done is None:
+            return
+        try:
+            self.step_done()
+        except Exception as e:  # the shell's hook: the writer task sends what it left
+            self._count_contained("step_done")
+            log.error("step_done failed: %r", e, exc_info=e)
+
+    def _count_contained(self, where: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("omni_contained_errors_total", where=where)
+
+    async def _contain(self, what: str, request_id: str, e: Exception, needs_final: bool) -> None:
+        """An exception while handling one request: that request ends with one error final
+        (unless it has had one: `needs_final` False, or one went out during this step) and
+        the loop goes on. Logged with the request id, counted."""
+        self._count_contained(what)
+        log.error(
+            "request failed while %s: %r", what, e, exc_info=e, extra={"request_id": request_id}
+        )
+        if not needs_final or request_id in self._answered:
+            return
+        try:
+            await self._end_with_error(request_id, f"internal error: {type(e).__name__}: {e}")
+        except Exception as again:
+            self._count_contained("ending a failed request")
+            log.error("could not end a failed request: %r", again, extra={"request_id": request_id})
 
     # --- hooks -----------------------------------------------------------------
 
@@ -192,6 +258,8 @@ class OrchestratorLoops:
             self.sink(out)
         else:
             self._out_q.put_nowait(out)
+        if out.finished:
+            self._answered.add(out.request_id)
 
     def _changed(self, request_id: str, state: ReqState | None) -> None:
         if self.on_change is not None:
@@ -206,4 +274,7 @@ class OrchestratorLoops:
         raise NotImplementedError
 
     async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
+        raise NotImplementedError
+
+    async def _end_with_error(self, request_id: str, error: str) -> None:
         raise NotImplementedError

@@ -156,6 +156,16 @@ class Orchestrator(OrchestratorLoops):
         if state is not None:
             await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 
+    async def _end_with_error(self, request_id: str, error: str) -> None:
+        """`_fail` for a request that failed here, not at a stage (`OrchestratorLoops._contain`):
+        every stage that may hold it is aborted; one never registered gets its final too."""
+        state = self.request_states.get(request_id)
+        stage_id = max(state.submitted, default=0) if state is not None else 0
+        self._cleanup(request_id)
+        self._emit(OrchOutput(request_id, stage_id, None, True, error=error))
+        if state is not None:
+            await self._abort_stages(request_id, state.submitted - state.finished)
+
     def _drop(self, stage_id: int, out: StageOutput) -> None:
         log.debug("output of stage %d dropped", stage_id, extra={"request_id": out.request_id})
         self.dropped_outputs += 1

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -32,7 +32,9 @@ from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
+from omni_runtime.orchestrator import intake
 from omni_runtime.orchestrator.build import build_orchestrator
+from omni_runtime.orchestrator.control import ControlGuard
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.clients import is_cluster
@@ -42,7 +44,7 @@ from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
 from omni_runtime.redis_io.outbox import ClientOutbox
 from omni_runtime.redis_io.request_store import RequestStore, to_state
 from omni_runtime.redis_io.stage_client import RedisStageClient
-from omni_runtime.redis_io.streams import GroupReader, ensure_group
+from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
@@ -124,20 +126,29 @@ class SlotService:
             backoff=backoff,
             block_budget=self._block_ms,
         )
+        self.requests.on_bad = self._answer_malformed
+        self.control = ControlGuard(shared, slot, home)
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of
         """request id → client id, for the requests in flight."""
         self.store = RequestStore(
-            shared.writer, names, slot, self._describe, enabled=s.durable_requests
+            shared.writer,
+            names,
+            slot,
+            self._describe,
+            enabled=s.durable_requests,
+            failed=self._state_failed,
         )
         self.deadline_at: dict[str, float] = {}
-        self._entry_of: dict[str, bytes] = {}
-        """request id → its requests-stream entry, acknowledged once its state is registered."""
+        self._entry_of: dict[str, tuple[bytes, RequestView]] = {}
+        """request id → its requests-stream entry (and request), acknowledged once its state
+        is registered."""
         self.backlog_done = False
         self.restored = 0
         """Requests in flight this slot's previous holder left, restored by `start`."""
         self._stopping = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
+        self._control_reader: asyncio.Task[None] | None = None
 
     def _block_ms(self) -> int:
         """How long a read of this slot may block: `block_ms` with requests in flight; idle,
@@ -147,12 +158,13 @@ class SlotService:
         return min(most, self.shared.leases.read_block_ms())
 
     def streams(self) -> list[str]:
-        return [self.names.requests, *(st.out_stream for st in self.stages)]
+        return [self.names.requests, self.names.control, *(st.out_stream for st in self.stages)]
 
     @property
     def idle(self) -> bool:
         """Nothing left to finish: a slot taken over may be given back."""
-        return self.backlog_done and not self.core.request_states and not self._entry_of
+        done = self.backlog_done and self.control.backlog_done
+        return done and not self.core.request_states and not self._entry_of
 
     async def start(self) -> int:
         """Restore the slot's durable states, then serve; the number of requests restored."""
@@ -161,6 +173,7 @@ class SlotService:
         self.restored = restored = await self._restore()
         await self.core.start()
         self._reader = asyncio.create_task(self._read_requests(), name=f"requests-{self.slot}")
+        self._control_reader = asyncio.create_task(self.control.run(), name=f"control-{self.slot}")
         return restored
 
     def stop_reading(self) -> None:
@@ -168,14 +181,16 @@ class SlotService:
         stays pending: the slot's next holder reads it as backlog)."""
         self._stopping.set()
         self.requests.interrupt()
+        self.control.interrupt()
 
     async def stop(self) -> None:
         """Stop reading requests, then the stages' readers and the core."""
         self.stop_reading()
-        if self._reader is not None:
+        readers = [t for t in (self._reader, self._control_reader) if t is not None]
+        if readers:
             s = self.shared.settings
-            await asyncio.wait([self._reader], timeout=s.block_ms / 1000 + 5.0)
-            await cancel_and_wait([self._reader])
+            await asyncio.wait(readers, timeout=s.block_ms / 1000 + 5.0)
+            await cancel_and_wait(readers)
         for stage in self.stages:
             await stage.quiesce()
         await self.core.shutdown()
@@ -239,14 +254,16 @@ class SlotService:
         self.store.changed(rid, state)
         if state is None:
             self.deadline_at.pop(rid, None)
-        entry = self._entry_of.pop(rid, None)
-        if entry is not None:  # registered (or refused): the request entry is handled
-            self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
+        queued = self._entry_of.pop(rid, None)
+        if queued is not None:  # registered (or refused): the request entry is handled
+            self._ack(queued[0])
 
     def _deliver(self, out: OrchOutput) -> None:
-        entry = self._entry_of.pop(out.request_id, None)
-        if entry is not None:  # refused before it was registered (a duplicate id)
-            self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
+        queued = self._entry_of.pop(out.request_id, None)
+        if queued is not None:  # ended before it was registered (refused, or failed)
+            self._ack(queued[0])
+        if out.finished:
+            self.deadline_at.pop(out.request_id, None)
         self.outbox.send(out)
         if out.finished and self.shared.tracer is not None:
             self.shared.tracer.stamp(FINISHED, out.request_id)
@@ -270,32 +287,94 @@ class SlotService:
                 with contextlib.suppress(RedisError):
                     await shared.recheck_stages()
             for entry_id, cmd in batch:
-                await self._take(entry_id, cmd)
+                try:
+                    await self._take(entry_id, cmd)
+                except Exception as e:  # this request fails alone; the slot serves on
+                    self._take_failed(entry_id, cmd, e)
             await asyncio.sleep(0)  # what was taken is submitted before the next read is sent
 
     async def _take(self, entry_id: bytes, cmd: RequestView | AbortView) -> None:
-        core, outbox, writer = self.core, self.outbox, self.shared.writer
+        core, shared = self.core, self.shared
         if isinstance(cmd, AbortView):
             await core.abort_request(cmd.request_id, cmd.reason)
-        elif cmd.request_id in self.client_of:
-            if self.client_of[cmd.request_id] != cmd.client_id:
-                outbox.refuse(cmd.request_id, cmd.client_id, "duplicate request id")
-            # else read again (a lost reply, a retried write): it is in flight
-        elif self.shared.stage_watch.down:
-            error = no_live_worker(min(self.shared.stage_watch.down))
-            self.shared.metrics.inc("omni_requests_refused_total", reason=error)
-            outbox.refuse(cmd.request_id, cmd.client_id, error)
-        else:
-            rid = cmd.request_id
-            if cmd.trace and self.shared.begin_trace is not None:
-                self.shared.begin_trace(rid)  # traced on demand: this process stamps it too
-            if self.shared.tracer is not None:
-                self.shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
-            self.client_of[rid] = cmd.client_id
-            deadline_s = cmd.deadline_s or self.shared.settings.deadline_s
-            self.deadline_at[rid] = time.time() + deadline_s
-            self._entry_of[rid] = entry_id
-            self.shared.timer.started(rid)
-            await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
-            return  # acknowledged with the batch that writes its state
-        writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id, delete=True)
+            self._ack(entry_id)
+            return
+        rid = cmd.request_id
+        if rid in self.client_of:
+            queued = self._entry_of.get(rid)
+            if queued is not None and queued[0] == entry_id:
+                return  # read again (a backlog re-read): acknowledged once registered
+            if not self._retransmitted(rid, cmd):
+                self._refuse(cmd, intake.DUPLICATE_ID, intake.duplicate(rid))
+            self._ack(entry_id)
+            return
+        refused = intake.refusal(cmd, shared.settings)
+        if refused is None and shared.stage_watch.down:
+            error = no_live_worker(min(shared.stage_watch.down))
+            refused = (error, error)
+        if refused is not None:
+            self._refuse(cmd, *refused)
+            self._ack(entry_id)
+            return
+        if cmd.trace and shared.begin_trace is not None:
+            shared.begin_trace(rid)  # traced on demand: this process stamps it too
+        if shared.tracer is not None:
+            shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
+        self.client_of[rid] = cmd.client_id
+        self.deadline_at[rid] = time.time() + (cmd.deadline_s or shared.settings.deadline_s)
+        self._entry_of[rid] = (entry_id, cmd)
+        shared.timer.started(rid)
+        await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
+        # acknowledged with the batch that writes its state
+
+    def _retransmitted(self, rid: str, cmd: RequestView) -> bool:
+        """The same client asking for the same thing under a live id: its write retried."""
+        if self.client_of[rid] != cmd.client_id:
+            return False
+        queued = self._entry_of.get(rid)
+        if queued is not None:
+            return intake.same_request(queued[1].prompt, queued[1].params, cmd)
+        state = self.core.request_states.get(rid)
+        return state is not None and intake.same_request(state.prompt, state.params, cmd)
+
+    def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
+        """Answer a request that will not run with its one error final."""
+        self.shared.metrics.inc("omni_requests_refused_total", reason=reason)
+        log.info("request refused: %s", error, extra={"request_id": cmd.request_id})
+        self.outbox.refuse(cmd.request_id, cmd.client_id, error)
+
+    def _ack(self, entry_id: bytes) -> None:
+        self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry_id, True)
+
+    def _take_failed(self, entry_id: bytes, cmd: RequestView | AbortView, e: Exception) -> None:
+        """`_take` raised: a request it had not handed to the core gets one error final."""
+        rid = cmd.request_id
+        self.shared.metrics.inc("omni_contained_errors_total", where="taking a request")
+        log.error("taking a request failed: %r", e, exc_info=e, extra={"request_id": rid})
+        queued = self._entry_of.get(rid)
+        if isinstance(cmd, RequestView) and queued is not None and queued[0] == entry_id:
+            if rid not in self.core.request_states:  # registered (or queued): the core ends it
+                self._entry_of.pop(rid)
+                self.client_of.pop(rid, None)
+                self.deadline_at.pop(rid, None)
+                self.outbox.refuse(rid, cmd.client_id, f"internal error: {type(e).__name__}: {e}")
+        elif isinstance(cmd, RequestView) and rid not in self.client_of:
+            self.outbox.refuse(rid, cmd.client_id, f"internal error: {type(e).__name__}: {e}")
+        self._ack(entry_id)
+
+    def _answer_malformed(self, bad: Sequence[BadEntry]) -> None:
+        """Malformed requests are dead-lettered (by the reader); one that names a valid
+        request id and client also gets one error final saying why."""
+        for _entry_id, fields, error in bad:
+            address = intake.answerable(fields, self.shared.settings.max_message_bytes)
+            if address is not None:
+                self.shared.metrics.inc(
+                    "omni_requests_refused_total", reason=intake.INVALID_REQUEST
+                )
+                self.outbox.refuse(*address, intake.invalid(error))
+
+    def _state_failed(self, rid: str, e: Exception) -> None:
+        """The request's durable state could not be written: it fails (one error final)."""
+        self.shared.metrics.inc("omni_contained_errors_total", where="saving a request state")
+        log.error("request state not saved: %r", e, exc_info=e, extra={"request_id": rid})
+        self.core.fail_soon(rid, f"request state cannot be saved: {type(e).__name__}: {e}")

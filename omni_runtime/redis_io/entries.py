@@ -8,6 +8,7 @@ readers and the dead-letter path (import from there).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from omni_runtime import codec, keys
 from omni_runtime.errors import CodecError
 from omni_runtime.wire_views import MODEL_OF, decode_views, is_view, view_of
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M")
 Entry = tuple[bytes, Mapping[bytes, bytes]]
@@ -169,3 +172,6 @@ class SortedEntries(Generic[M]):
                     self.good.append((entry_id, parse_entry(fields, model, max_bytes)))
             except CodecError as e:
                 self.bad.append((entry_id, fields, str(e)))
+            except Exception as e:  # untrusted: whatever else breaks on it is its own fault
+                log.exception("reading entry %s failed", entry_id)
+                self.bad.append((entry_id, fields, f"unreadable: {type(e).__name__}: {e}"))

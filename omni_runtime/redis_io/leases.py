@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FRESH_FRACTION = 0.75
 """Share of the TTL after a round's start during which the leases count as held."""
-MAX_SLOTS = 1024
+MAX_SLOTS = keys.MAX_SLOTS
 
 
 class Fence(Protocol):

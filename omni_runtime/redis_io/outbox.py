@@ -15,7 +15,7 @@ from typing import Any
 
 from omni_runtime import codec, keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import WIRE_VERSION
+from omni_runtime.messages import WIRE_VERSION, clip_error
 from omni_runtime.redis_io.writer import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ClientOutbox:
             "stage_id": stage_id,
             "data": data,
             "finished": finished,
-            "error": error,
+            "error": None if error is None else clip_error(error),
             "seq": seq,
         }
         stream = self.names.client_out(client_id)

@@ -12,6 +12,10 @@ Expiry: a state records its deadline; the hash expires 60 s after the latest
 deadline it holds (PEXPIREAT, moved only forward), and a state whose deadline is
 that long past when the slot is loaded is dropped unread, as a key of its own
 with that TTL would have expired.
+
+A request whose state cannot be written (it cannot be encoded, its deadline is out
+of range) fails alone: `failed` hears of it (the orchestrator ends it with one error)
+and the batch goes on without it, so no one request can stop the slot's writes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pydantic import ValidationError
 from omni_runtime import codec, keys
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import DurableRequest
+from omni_runtime.messages import MAX_WALL_CLOCK_S, DurableRequest
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, Op
 from omni_runtime.redis_io.writer import StreamWriter
 
@@ -38,6 +42,16 @@ GRACE_S = 60.0
 
 Describe = Callable[[str, ReqState], dict[str, Any] | None]
 """A request's `DurableRequest` fields (None: do not keep it)."""
+Failed = Callable[[str, Exception], None]
+"""A request whose state could not be written, and why."""
+
+
+def expiry_ms(deadline_at: float) -> int:
+    """When a state with this deadline may go: ms since the epoch, for PEXPIREAT.
+    Raises `ValueError` for a deadline no state may carry (Redis would refuse it)."""
+    if not 0 <= deadline_at <= MAX_WALL_CLOCK_S:  # NaN too
+        raise ValueError(f"deadline_at {deadline_at!r} is out of range")
+    return int((deadline_at + GRACE_S) * 1000)
 
 
 class RequestStore:
@@ -51,6 +65,7 @@ class RequestStore:
         describe: Describe,
         enabled: bool = True,
         clock: Callable[[], float] = time.time,
+        failed: Failed | None = None,
     ) -> None:
         self.writer = writer
         self.names = names
@@ -59,6 +74,7 @@ class RequestStore:
         self.describe = describe
         self.enabled = enabled
         self.clock = clock
+        self.failed = failed
         self._dirty: dict[str, ReqState | None] = {}
         self._stored: set[str] = set()
         """Requests with a field in the hash."""
@@ -92,19 +108,24 @@ class RequestStore:
         puts: dict[str, bytes] = {}
         drops: list[str] = []
         for rid, state in dirty.items():
-            doc = None if state is None else self.describe(rid, state)
-            if doc is None:
-                if rid in self._stored:  # else never written (it ended within one batch)
-                    self._stored.discard(rid)
-                    drops.append(rid)
-                continue
             try:
+                doc = None if state is None else self.describe(rid, state)
+                if doc is None:
+                    if rid in self._stored:  # else never written (it ended within one batch)
+                        self._stored.discard(rid)
+                        drops.append(rid)
+                    continue
+                deadline_at = doc["deadline_at"]
+                until = None if deadline_at is None else expiry_ms(deadline_at)
                 puts[rid] = codec.encode_decoded(doc)  # prompt and data as read
-            except CodecError as e:  # its data cannot be kept: it still runs, not durably
-                log.error("request state not saved: %s", e, extra={"request_id": rid})
+            except Exception as e:  # this request fails; the others' states are written
+                self._failed(rid, e)
                 continue
             self._stored.add(rid)
-            self._extend(doc["deadline_at"])
+            if until is None:
+                self._forever = True
+            else:
+                self._expiry_ms = max(self._expiry_ms, until)
         out: list[Op] = []
         if puts:
             out.append(HashPut(self.key, puts))
@@ -117,11 +138,11 @@ class RequestStore:
             out.append(ExpireAt(self.key, None if self._forever else self._expiry_ms))
         return out
 
-    def _extend(self, deadline_at: float | None) -> None:
-        if deadline_at is None:
-            self._forever = True
+    def _failed(self, rid: str, e: Exception) -> None:
+        if self.failed is not None:
+            self.failed(rid, e)
         else:
-            self._expiry_ms = max(self._expiry_ms, int((deadline_at + GRACE_S) * 1000))
+            log.error("request state not saved: %r", e, extra={"request_id": rid})
 
     async def load(self, client: aioredis.Redis, max_bytes: int) -> list[DurableRequest]:
         """Every state in the slot's hash; unreadable ones and those whose deadline passed
@@ -143,7 +164,10 @@ class RequestStore:
                 continue
             found.append(doc)
             self._stored.add(rid)
-            self._extend(doc.deadline_at)
+            if doc.deadline_at is None:
+                self._forever = True
+            else:  # in range: the model bounds it
+                self._expiry_ms = max(self._expiry_ms, expiry_ms(doc.deadline_at))
         self._set = (self._expiry_ms, self._forever) if found else (0, False)
         if stale:
             await client.hdel(self.key, *stale)

@@ -55,7 +55,12 @@ from redis.exceptions import RedisError, ResponseError
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
-from omni_runtime.redis_io.dead_letters import DEFAULT_BACKOFF, DeadLetters, SyncDeadLetters
+from omni_runtime.redis_io.dead_letters import (
+    DEFAULT_BACKOFF,
+    BadEntry,
+    DeadLetters,
+    SyncDeadLetters,
+)
 from omni_runtime.redis_io.entries import (
     BacklogCursor,
     Entry,
@@ -72,6 +77,7 @@ from omni_runtime.redis_io.raw_reads import xreadgroup_sync
 
 __all__ = [
     "BacklogCursor",
+    "BadEntry",
     "DeadLetters",
     "Entry",
     "GroupReader",
@@ -112,6 +118,9 @@ class _ReaderBase(Generic[M]):
         self.batches = False
         """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
         self.joint: JointRead | None = None
+        self.on_bad: Callable[[Sequence[BadEntry]], None] | None = None
+        """Told of each read's malformed entries (as they are dead-lettered): a reader's
+        owner may answer whoever sent them."""
         self._model = model
         self._read_policy = replace(backoff or DEFAULT_BACKOFF, failures=0, max_attempts=None)
 
@@ -135,6 +144,11 @@ class _ReaderBase(Generic[M]):
         batch = SortedEntries(entries, self._model, self.max_bytes, self.batches)
         if batch.bad:
             self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
+            if self.on_bad is not None:
+                try:
+                    self.on_bad(batch.bad)
+                except Exception:  # the answer is a courtesy: the entries go dead all the same
+                    log.exception("answering malformed entries of %s failed", self.stream)
         return batch
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from omni_runtime import codec
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.messages import WIRE_VERSION
+from omni_runtime.messages import WIRE_VERSION, clip_error
 from omni_runtime.metrics import Metrics
 from omni_runtime.stage_api import (
     ChunkStream,
@@ -90,7 +90,27 @@ class WorkerCore:
         return actions
 
     def on_input(self, inp: Input, now: float) -> None:
-        """Start a request; a redelivery of one running here, or of an aborted one, is acked."""
+        """Start a request; a redelivery of one running here, or of an aborted one, is acked.
+        Whatever raises while taking it fails that request alone (one error output)."""
+        try:
+            self._on_input(inp, now)
+        except Exception as e:
+            self._contain(inp.msg.request_id, "taking its input", e, inp.entry_id)
+
+    def _contain(self, rid: str, what: str, e: Exception, entry_id: bytes | None) -> None:
+        """An exception while handling one request: it ends with one error output, counted
+        and logged; the worker goes on."""
+        self.metrics.inc("omni_contained_errors_total", where=f"worker {what}")
+        log.error("stage %d: %s failed: %r", self.stage_id, what, e, exc_info=e, extra=_rid(rid))
+        error = f"stage {self.stage_id} internal error: {type(e).__name__}: {e}"
+        if rid in self._active:
+            self._fail(rid, error)
+        elif entry_id is not None:  # never started here: answered and acked all the same
+            self.metrics.inc("omni_requests_failed_total", stage=self._stage)
+            self._publish_error(rid, error, 0, entry_id)
+            self._actions.freed_slots += 1
+
+    def _on_input(self, inp: Input, now: float) -> None:
         rid, refused = inp.msg.request_id, inp.refused
         if refused is None and inp.msg.streaming != self.receives_chunks:
             refused = (
@@ -170,7 +190,10 @@ class WorkerCore:
             if req is None or req.stream is None or not chunks:
                 continue
             req.last_input_at = now
-            req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
+            try:
+                req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
+            except Exception as e:
+                self._contain(rid, "taking its chunks", e, None)
         return bool(ready)
 
     def on_publish_failed(self, lost: Sequence[Outgoing], reason: str) -> None:
@@ -299,4 +322,5 @@ class WorkerCore:
 def _encode_output(rid: str, data: Any, finished: bool, error: str | None, seq: int) -> bytes:
     """A `StageOutputMsg`'s wire bytes from a dict: no model per chunk (the reader validates)."""
     msg = {"v": WIRE_VERSION, "type": "stage_output", "request_id": rid, "data": data}
+    error = None if error is None else clip_error(error)
     return codec.encode(msg | {"finished": finished, "error": error, "seq": seq})

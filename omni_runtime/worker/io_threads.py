@@ -18,7 +18,6 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime.errors import CodecError
 from omni_runtime.messages import AbortMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
@@ -234,10 +233,11 @@ class ControlThread(_Loop):
                     self._last_id = entry_id
                     try:
                         aborts.append(parse_entry(fields, AbortMsg, self.max_bytes).request_id)
-                    except CodecError as e:
-                        # Broadcast, not a group: every worker sees it, so none dead-letters it.
+                    except Exception as e:  # CodecError, or whatever else breaks on it
+                        # Broadcast: every worker sees it; the orchestrators' group on this
+                        # stream dead-letters it (`orchestrator/control.py`).
                         self.metrics.inc("omni_malformed_entries_total", stream=self.stream)
-                        log.error("malformed control entry %s ignored: %s", entry_id, e)
+                        log.warning("malformed control entry %s skipped: %s", entry_id, e)
             if aborts:
                 self.deliver(aborts)
 

@@ -190,7 +190,7 @@ async def test_200_concurrent_requests_no_loss_no_duplicate_no_leftovers(
         # streams, heartbeats (and the epoch key), the published stats of live processes,
         # the orchestrator slot registry and live leases; never a request's state
         allowed = re.compile(
-            rf"^{d.namespace}:(requests|stage:\d+:(in|out)|hb:.*|stats:.*|orch:\{{slots\}}:(registry|lease:\d+|gen:\d+))$"
+            rf"^{d.namespace}:(requests|control|stage:\d+:(in|out)|hb:.*|stats:.*|orch:\{{slots\}}:(registry|lease:\d+|gen:\d+))$"
         )
         assert [k for k in leftovers if not allowed.match(k)] == []
         assert not [k for k in leftovers if "req-" in k]

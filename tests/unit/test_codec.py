@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from omni_runtime.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_DEPTH,
     NDARRAY_EXT_CODE,
     check,
     decode,
@@ -405,3 +406,48 @@ def test_module_imports_and_works_without_numpy() -> None:
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+
+def _nest(depth: int) -> Any:
+    out: Any = 0
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize("enc", [encode, encode_decoded], ids=["encode", "encode_decoded"])
+def test_nesting_is_bounded_the_same_both_ways(enc: Any) -> None:
+    """MAX_DEPTH levels of lists and maps (a message's map is one) travel; one more is a
+    CodecError when written, and when read (a hostile writer's bytes), before any recursion
+    limit could be met; an array at the root (a batch) is free."""
+    ok = {"data": _nest(MAX_DEPTH - 1)}
+    assert decode(enc(ok)) == ok
+    assert decode(enc([ok, ok])) == [ok, ok]
+    deep = {"data": _nest(MAX_DEPTH)}
+    with pytest.raises(CodecError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        enc(deep)
+    with pytest.raises(CodecError, match="nested deeper"):
+        enc({"k": {"k": deep}})
+    with pytest.raises(CodecError, match="nested deeper"):
+        decode(msgpack.packb(deep))
+    for depth in (1_000, 200_000):  # msgspec alone: a bare RecursionError near 1,000
+        with pytest.raises(CodecError, match="nested deeper"):
+            decode(b"\x91" * depth + b"\x00")
+        with pytest.raises(CodecError, match="nested deeper"):
+            check(b"\x91" * depth + b"\x00")
+
+
+def test_nesting_through_map_keys_counts_too() -> None:
+    key: Any = 0
+    for _ in range(MAX_DEPTH + 2):
+        key = (key,)
+    raw = msgpack.packb({key: 1})
+    with pytest.raises(CodecError, match="nested deeper"):
+        decode(raw)
+
+
+def test_check_bounds_relayed_data_by_what_is_left_of_the_depth() -> None:
+    raw = encode(_nest(10))
+    check(raw, max_depth=10)
+    with pytest.raises(CodecError, match="nested deeper than 9"):
+        check(raw, max_depth=9)

@@ -129,12 +129,16 @@ def test_the_requests_streams_commands_read_as_their_union_model_reads_them(kind
     assert read(ClientCommandView, GOOD[kind], False).startswith("('ok'")
 
 
-def test_a_lax_value_the_model_coerces_takes_the_models_path() -> None:
-    doc = {**GOOD[StageOutputView], "finished": 1}
-    assert decode_views(codec.encode(doc), StageOutputView, False) is None
-    (out,) = parse_entries({FIELD: codec.encode(doc)}, StageOutputView, 1 << 20)
-    assert isinstance(out, StageOutputView)
-    assert out.finished is True
+def test_a_lax_value_is_refused_by_view_and_model_alike() -> None:
+    """Strict: `finished=1` is not True, "5" is not 5 (nothing is coerced into another value)."""
+    for doc in (
+        {**GOOD[StageOutputView], "finished": 1},
+        {**GOOD[StageOutputView], "seq": "5"},
+        {**GOOD[StageOutputView], "v": True},
+    ):
+        assert decode_views(codec.encode(doc), StageOutputView, False) is None
+        with pytest.raises(CodecError, match="invalid stage_output message"):
+            parse_entries({FIELD: codec.encode(doc)}, StageOutputView, 1 << 20)
 
 
 def test_arrays_in_data_arrive_as_the_codec_gives_them() -> None:
