@@ -48,6 +48,12 @@ COUNTERS: Mapping[str, str] = {
     "omni_redis_restarts_total": "Redis restarts that lost the state (the epoch key vanished).",
     "omni_stage_down_total": "Times a stage was found with no live replica.",
     "omni_requests_refused_total": "Requests answered with an error at once, by reason.",
+    "omni_late_successes_total": (
+        "Success finals a client got for a request already ended with an error, by its kind."
+    ),
+    "omni_redis_oom_refusals_total": (
+        "Commands Redis refused for memory (maxmemory, noeviction), by source."
+    ),
 }
 """Every counter name the runtime uses, with its help text."""
 
