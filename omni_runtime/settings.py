@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     """Client side: longest wait for a request's next output."""
     deadline_s: PositiveFloat = 600.0
     """Orchestrator side: a request still running after this long ends with an error."""
+    deadline_grace_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
+    """Client side: a request with no final this long past its deadline ends at the client,
+    with an error saying what it knows (Redis unreachable, out of memory, no answer)."""
     input_timeout_s: PositiveFloat = 60.0
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256
