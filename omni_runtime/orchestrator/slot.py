@@ -35,6 +35,7 @@ from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.leases import Leases
@@ -131,6 +132,8 @@ class SlotService:
             shared.writer, names, slot, self._describe, enabled=s.durable_requests
         )
         self.deadline_at: dict[str, float] = {}
+        self.read_at: dict[str, float] = {}
+        """request id → when it was read (loop time): was Redis short of memory since?"""
         self._entry_of: dict[str, bytes] = {}
         """request id → its requests-stream entry, acknowledged once its state is registered."""
         self.backlog_done = False
@@ -239,6 +242,7 @@ class SlotService:
         self.store.changed(rid, state)
         if state is None:
             self.deadline_at.pop(rid, None)
+            self.read_at.pop(rid, None)
         entry = self._entry_of.pop(rid, None)
         if entry is not None:  # registered (or refused): the request entry is handled
             self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
@@ -247,6 +251,10 @@ class SlotService:
         entry = self._entry_of.pop(out.request_id, None)
         if entry is not None:  # refused before it was registered (a duplicate id)
             self.shared.writer.xack(self.names.requests, keys.ORCHESTRATOR_GROUP, entry, True)
+        if out.error == DEADLINE_EXCEEDED:  # say why, if Redis refused writes meanwhile
+            why = self.shared.writer.memory.since(self.read_at.get(out.request_id, 0.0))
+            if why is not None:
+                out = OrchOutput(out.request_id, out.stage_id, None, True, f"{out.error}; {why}")
         self.outbox.send(out)
         if out.finished and self.shared.tracer is not None:
             self.shared.tracer.stamp(FINISHED, out.request_id)
@@ -294,6 +302,7 @@ class SlotService:
             self.client_of[rid] = cmd.client_id
             deadline_s = cmd.deadline_s or self.shared.settings.deadline_s
             self.deadline_at[rid] = time.time() + deadline_s
+            self.read_at[rid] = asyncio.get_running_loop().time()
             self._entry_of[rid] = entry_id
             self.shared.timer.started(rid)
             await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
