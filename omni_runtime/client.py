@@ -4,6 +4,15 @@ Each client owns one output stream (`<ns>:client:<client id>`) that the
 orchestrator writes every output of this client's requests to; one reader
 task fans them out to per-request queues. The stream expires if the client
 goes away, and is deleted when it closes.
+
+Every request ends with one final at the client, whatever Redis and the orchestrators
+do: the client keeps each request's deadline too, and ends one still waiting past it
+(plus `OMNI_DEADLINE_GRACE_S`) itself, saying what it knows (`client_deadlines`). A
+submission Redis refuses for memory fails at once (`RedisOutOfMemoryError`), never
+written later. Redis coming back empty ends nothing here: a request whose orchestrator
+still holds it may yet succeed, and one it lost ends with its orchestrator's error
+final ("Redis restarted and lost this request's state"); a request no orchestrator
+had read yet ends at its deadline.
 """
 
 from __future__ import annotations
@@ -17,18 +26,27 @@ from types import TracebackType
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_runtime import codec, keys, wire_views
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.errors import CodecError, RequestTimeoutError, StartupTimeoutError, TransportError
-from omni_runtime.messages import REDIS_LOST_STATE, AbortMsg, checked_request
+from omni_runtime.errors import (
+    CodecError,
+    RedisOutOfMemoryError,
+    RequestTimeoutError,
+    StartupTimeoutError,
+    TransportError,
+)
+from omni_runtime.messages import AbortMsg, checked_request
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
-from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
+from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.inbox import IdleWait, Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
@@ -76,6 +94,19 @@ class OmniClient:
         self._closing = False
         self.metrics = metrics or Metrics()
         self.inbox = Inbox(self.metrics, settings.client_buffer_outputs)
+        self.redis_condition = RedisCondition()
+        """What this client last learned of Redis (unreachable, out of memory)."""
+        self._deadlines = ClientDeadlines(settings.deadline_grace_s, self.redis_condition)
+        self._refused: dict[str, TransportError] = {}
+        """request id → why its submission was given up (the writer's `on_failed`)."""
+        self._deadline_task: asyncio.Task[None] | None = None
+        self._errorstats = True
+        """Redis's count of refused writes is read with each beat (`INFO errorstats`)."""
+
+    @property
+    def out_of_memory(self) -> str | None:
+        """What Redis said, while it refuses this client's writes for memory (`/ready`)."""
+        return self.redis_condition.out_of_memory
 
     @property
     def dropped_outputs(self) -> int:
@@ -85,19 +116,24 @@ class OmniClient:
     async def __aenter__(self) -> OmniClient:
         codec.warm_up()
         self.redis: aioredis.Redis = self.clients.aio()
+        self._errorstats = not is_cluster(self.redis)  # INFO of which node?
         self._reads = AsyncHeldReads(self.redis)  # this client's output reads, by hand
         self._writer = StreamWriter(
             self.redis,
             self.settings.stream_maxlen,
             metrics=self.metrics,
             backoff=self.settings.backoff(bounded=True),
+            hold_refused=False,  # a refused submission fails at once
         )
+        self._writer.on_failed = self._write_failed
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
         self._epoch = StateEpoch(self.redis, self.names.epoch)
         self._dead = DeadLetters(self.redis, self.names.dead_letters, metrics=self.metrics)
         await self._beat()
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
+        ending = self._deadlines.run(self._deadline_passed)
+        self._deadline_task = asyncio.create_task(ending, name="client-deadlines")
         return self
 
     async def __aexit__(
@@ -125,6 +161,9 @@ class OmniClient:
                 async with asyncio.timeout(2):
                     await self._writer.flushed()
             await cancel_and_wait([self._writer_task])
+        if self._deadline_task is not None:
+            await cancel_and_wait([self._deadline_task])
+            self._deadline_task = None
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.out_stream, self._heartbeat_key)
         await self.redis.aclose()
@@ -164,7 +203,10 @@ class OmniClient:
         params: dict[str, Any] | None = None,
     ) -> str:
         """Send a request (outputs queue up until `stream`); `trace`: record its timeline;
-        `params`: per-request parameters every stage receives (`docs/stages.md`)."""
+        `params`: per-request parameters every stage receives (`docs/stages.md`).
+        Raises `RedisOutOfMemoryError` at once while Redis refuses writes for memory (the
+        request was not submitted), `TransportError` if it could not be sent otherwise."""
+        started = asyncio.get_running_loop().time()  # the request's deadline counts from here
         request_id = request_id or uuid.uuid4().hex
         if (tracer := self.tracer or (self._on_demand if trace else None)) is not None:
             tracer.stamp("client_submitted", request_id)
@@ -183,11 +225,19 @@ class OmniClient:
         if size > self.settings.max_message_bytes:
             raise CodecError(f"request of {size} bytes exceeds OMNI_MAX_MESSAGE_BYTES")
         self.inbox.open(request_id)
-        self._writer.xadd(self.names.requests, fields, urgent=True)
+        self._writer.xadd(self.names.requests, fields, urgent=True, owner=request_id)
         self._writer.send_now()  # at once with no round trip in flight, else in the next one
-        if not await self._writer.written():
+        written = await self._writer.written()  # False: this write, or another, was not
+        refused = self._refused.pop(request_id, None)
+        if refused is not None or (not written and self._writer.stopped):
             self.inbox.requests.pop(request_id, None)
-            raise TransportError(f"request {request_id!r} could not be sent to Redis")
+            if isinstance(refused, RedisOutOfMemoryError):
+                self.metrics.inc("omni_requests_refused_total", reason="redis out of memory")
+                raise RedisOutOfMemoryError(f"{refused}; request {request_id!r} not submitted")
+            why = refused or "the client is closing"
+            raise TransportError(f"request {request_id!r} could not be sent to Redis: {why}")
+        self.redis_condition.room()  # an XADD went through
+        self._deadlines.add(request_id, deadline_s or self.settings.deadline_s, started)
         return request_id
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -224,6 +274,7 @@ class OmniClient:
                     return
         finally:
             waiter.close()
+            self._deadlines.cancel(request_id)
             if finished and playback.started_at is not None:
                 self.metrics.observe("omni_audio_gap_seconds", playback.worst_gap_s)
             self.inbox.close(request_id, asyncio.get_running_loop().time())
@@ -239,15 +290,31 @@ class OmniClient:
             yield out
 
     async def _beat(self) -> None:
-        """Refresh the heartbeat; Redis back empty lost every request in flight: end each
-        with one error at once instead of letting it wait."""
-        await self.redis.set(self._heartbeat_key, 1, px=self.settings.heartbeat_ttl_ms)
-        if await self._epoch.lost():
-            now = asyncio.get_running_loop().time()
-            lost = self.inbox.end_all(REDIS_LOST_STATE, now)
-            log.error("Redis restarted: %d requests in flight lost their state", len(lost))
-            for request_id in lost:
-                self._abort_upstream(request_id, REDIS_LOST_STATE)
+        """Refresh the heartbeat, in one round trip with a look at the epoch. Redis out of
+        memory refuses the SET, not the PEXPIRE: the key lives on (the orchestrator must
+        not take this client for gone), and the refusal tells the client Redis is full.
+        Redis back empty: outputs are read from the new stream's start; nothing ends here."""
+        ttl_ms = self.settings.heartbeat_ttl_ms
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._heartbeat_key, 1, px=ttl_ms)
+            pipe.pexpire(self._heartbeat_key, ttl_ms)
+            pipe.get(self.names.epoch)
+            if self._errorstats:
+                pipe.info("errorstats")
+            beat, _kept, seen, *stats = await pipe.execute(raise_on_error=False)
+        now = asyncio.get_running_loop().time()
+        if isinstance(beat, RedisError):
+            self.metrics.inc("omni_redis_oom_refusals_total", source="client heartbeat")
+        self._errorstats &= self.redis_condition.beat(beat, stats, now)
+        if isinstance(seen, RedisError):
+            raise seen
+        if await self._epoch.lost_given(seen):
+            self.redis_condition.restarted_at = now
+            log.error(
+                "Redis restarted empty: %d requests in flight wait for their orchestrator's "
+                "word or their deadline",
+                len(self.inbox.requests),
+            )
             self._last_id = b"0-0"
 
     async def _read_outputs(self) -> None:
@@ -258,12 +325,15 @@ class OmniClient:
         while not self._closing:
             try:
                 if loop.time() >= beat_at:
-                    await self._beat()
                     beat_at = loop.time() + self.settings.heartbeat_interval_s
+                    await self._beat()
                 streams = {self.out_stream: self._last_id}
                 batch = await self._reads.xread(streams, s.read_count, s.block_ms)
                 backoff.succeeded()
-            except RedisError as e:
+                self.redis_condition.reachable()
+            except Exception as e:  # a reader that dies leaves every request to its deadline
+                if isinstance(e, RedisConnectionError | RedisTimeoutError):
+                    self.redis_condition.unreachable(e, loop.time())
                 delay_s = backoff.failed() or 0.0
                 log.warning("reading outputs failed, retrying in %.2fs: %r", delay_s, e)
                 self.metrics.inc("omni_retries_total", stream=self.out_stream)
@@ -295,6 +365,24 @@ class OmniClient:
                     "request %r ended by the client: %s", rid, error, extra={"request_id": rid}
                 )
                 self._abort_upstream(rid, error)
+
+    def _write_failed(self, request_ids: list[str], error: TransportError) -> None:
+        """The writer gave up on writes of these requests (submissions: `submit` raises)."""
+        if isinstance(error, RedisOutOfMemoryError):
+            now = asyncio.get_running_loop().time()
+            self.redis_condition.refused_for_memory(str(error), now)
+        for rid in request_ids:
+            if rid in self.inbox.requests:
+                self._refused[rid] = error
+
+    def _deadline_passed(self, request_id: str, error: str) -> None:
+        """No final by the request's deadline and grace: the client ends it itself."""
+        now = asyncio.get_running_loop().time()
+        if self.inbox.end(request_id, 0, error, now) is None:
+            return  # it had ended
+        self.metrics.inc("omni_deadline_exceeded_total", source="client")
+        log.error("request %r ended by the client: %s", request_id, error)
+        self._abort_upstream(request_id, error)
 
     def _abort_upstream(self, request_id: str, reason: str) -> None:
         """The client gave up on the request: free the pipeline of its work."""

@@ -19,6 +19,18 @@ class TransportError(RecoverableError):
     """Redis could not be reached or answered with an error after bounded retries."""
 
 
+class RedisOutOfMemoryError(TransportError):
+    """Redis refused a write: it is at `maxmemory` and may evict nothing (`noeviction`).
+
+    Its own kind, because retrying at once will not help: memory comes back as requests
+    end and their entries are deleted, or when maxmemory is raised. A submission gets it
+    at once (shed load); the message always starts with `OOM_MESSAGE`."""
+
+
+OOM_MESSAGE = "Redis is out of memory"
+"""How every error caused by Redis refusing writes for memory begins (`maxmemory`)."""
+
+
 class CodecError(FatalError, ValueError):
     """Bytes that are not a valid message: malformed msgpack or failed validation."""
 

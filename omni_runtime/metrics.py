@@ -52,6 +52,12 @@ COUNTERS: Mapping[str, str] = {
         "Unexpected exceptions a loop caught and went on from, by where; "
         "the request concerned ended with one error."
     ),
+    "omni_late_successes_total": (
+        "Success finals a client got for a request already ended with an error, by its kind."
+    ),
+    "omni_redis_oom_refusals_total": (
+        "Commands Redis refused for memory (maxmemory, noeviction), by source."
+    ),
 }
 """Every counter name the runtime uses, with its help text."""
 

@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from omni_runtime import codec, keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
+from omni_runtime.errors import TransportError
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.start import start_observability
@@ -75,6 +76,7 @@ class OrchestratorService:
         else:  # one pool per node: the time fence alone (docs/operations.md)
             self.leases.can_disconnect = False
         self.writer.fence = self.leases
+        self.writer.on_failed = self._writes_failed
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
         self.shared = Shared(
@@ -96,6 +98,15 @@ class OrchestratorService:
         """(slot, requests restored, seconds from noticing the lapse to serving)."""
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
+
+    def _writes_failed(self, request_ids: list[str], error: TransportError) -> None:
+        """Redis refused writes of these requests for good (or for memory, too long): each
+        ends alone, with one error final saying so; the rest of their batch was written."""
+        for slot in self.slots.values():
+            for rid in request_ids:
+                if rid in slot.client_of:
+                    self.metrics.inc("omni_aborts_total", reason="write refused")
+                    slot.core.abort_soon(rid, str(error))
 
     @property
     def orchestrator(self) -> Orchestrator:

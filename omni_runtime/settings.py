@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     ] = 3600.0
     """The longest deadline a request may ask for: longer is refused with one error, at
     submit and by the orchestrator (at least `deadline_s`; at most a year)."""
+    deadline_grace_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
+    """Client side: a request with no final this long past its deadline ends at the client,
+    with an error saying what it knows (Redis unreachable, out of memory, no answer)."""
     input_timeout_s: PositiveFloat = 60.0
     """Worker side: longest wait for an upstream chunk before the request fails."""
     worker_max_concurrency: Annotated[int, Field(gt=0, le=4096)] = 256

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import fakeredis
@@ -26,6 +27,7 @@ import redis.cluster
 from omni_runtime.errors import OmniError
 from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
 from tests.backends import REAL_REDIS_FIXTURES
+from tests.redis_full import FullableRedis
 from tests.services import unavailable
 
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
@@ -163,6 +165,19 @@ def fake_redis(fake_server: fakeredis.FakeServer) -> Iterator[fakeredis.FakeRedi
         client.close()
 
 
+@pytest.fixture
+def full_redis(tmp_path: Path) -> Iterator[FullableRedis]:
+    """A redis-server of the test's own; inside `full()` it refuses every write for memory."""
+    if redis_server_binary() is None:
+        _unavailable("no redis-server on PATH")
+    server = FullableRedis(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tag every test that needs a real redis-server (`-m "not redis_server"` skips them)."""
     for item in items:
@@ -172,5 +187,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             "redis_cluster_server_url",
             "valkey_server_url",
             "any_redis_url",
+            "full_redis",
         }:
             item.add_marker(pytest.mark.redis_server)

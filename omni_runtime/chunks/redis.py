@@ -10,6 +10,8 @@ On a Redis Cluster nothing may span slots and a batch spans requests, so round t
 their shape, not their atomicity: a put is the SETs' pipeline, then the wake-ups' (never
 before: an inline-served value's delete must not overtake its SET; a retry re-puts the
 batch), a read is per-key GETDELs and UNLINKs beside the wake-ups' LPOP (docs/cluster.md).
+A read takes that shape on one server too while Redis is out of memory: it refuses every
+command inside a MULTI then, and a chunk read is one that frees memory.
 Inside: read-ahead in one MGET, wake-ups with small values inline (`redis_wakeups`), a
 route cache, puts packed by hand on a held connection (`redis_packed`), deletes of
 inline-served keys riding the next round trip. Redis failures raise `TransportError`
@@ -27,7 +29,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from redis.retry import Retry
 
 from omni_runtime import codec, keys
@@ -149,29 +151,38 @@ class RedisConnector:
         missing = [n for n in names if n not in raws]
         if missing:
             owed = list(self._inbox.unlink)
+            per_key = self._cluster
             try:
-                with self.client.pipeline(transaction=not self._cluster) as pipe:
-                    if self._cluster:  # one slot per command: per-key deletes, GETDELs
-                        for name in owed:
-                            pipe.unlink(name)
-                        for name in missing:
-                            pipe.getdel(name)
-                    else:
-                        if owed:
-                            pipe.unlink(*owed)
-                        pipe.mget(missing)
-                        pipe.unlink(*missing)
-                    pipe.lpop(self.notify_key, WAKEUP_BATCH)
-                    replies = pipe.execute()
+                try:
+                    replies = self._read_round(owed, missing, per_key)
+                except OutOfMemoryError:  # Redis full refuses all of a MULTI, reads too:
+                    per_key = True  # per-key GETDELs, which it runs (and which free memory)
+                    replies = self._read_round(owed, missing, per_key)
             except RedisError as e:
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
             self._inbox.paid(owed)
-            fetched = replies[-1 - len(missing) : -1] if self._cluster else replies[-3]
+            fetched = replies[-1 - len(missing) : -1] if per_key else replies[-3]
             raws.update(zip(missing, fetched, strict=True))
             self._inbox.read(n for n, raw in zip(missing, fetched, strict=True) if raw is not None)
             self._inbox.take(replies[-1] or [])
             self._fresh = True
         return [self._fetched(n, raws[n]) for n in names]
+
+    def _read_round(self, owed: list[str], missing: list[str], per_key: bool) -> list[Any]:
+        """One round trip: owed UNLINKs, the reads, the wake-ups queued meanwhile."""
+        with self.client.pipeline(transaction=not per_key) as pipe:
+            if per_key:  # one slot per command (a cluster): per-key deletes, GETDELs
+                for name in owed:
+                    pipe.unlink(name)
+                for name in missing:
+                    pipe.getdel(name)
+            else:
+                if owed:
+                    pipe.unlink(*owed)
+                pipe.mget(missing)
+                pipe.unlink(*missing)
+            pipe.lpop(self.notify_key, WAKEUP_BATCH)
+            return list(pipe.execute())
 
     def discard(self, keys: Sequence[str]) -> int:
         """UNLINK whichever exist, in one command (any thread: the inbox is not touched)."""

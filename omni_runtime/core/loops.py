@@ -129,7 +129,11 @@ class OrchestratorLoops:
 
         A request that already ended is left alone: it got its one final output.
         """
-        await self._req_q.put(("abort", request_id, reason))
+        self.abort_soon(request_id, reason)
+
+    def abort_soon(self, request_id: str, reason: str = "aborted") -> None:
+        """`abort_request` from synchronous code (a writer that gave up on its writes)."""
+        self._req_q.put_nowait(("abort", request_id, reason))
 
     def fail_soon(self, request_id: str, error: str) -> None:
         """`abort_request` from synchronous code: the handler ends the request (if live)

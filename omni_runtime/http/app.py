@@ -13,7 +13,13 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
-from omni_runtime.http.errors import ApiError, BodyLimit, error_response, install_error_handlers
+from omni_runtime.http.errors import (
+    ApiError,
+    BodyLimit,
+    error_response,
+    install_error_handlers,
+    out_of_memory,
+)
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.routes import media_router
 from omni_runtime.http.schemas import ModelCard, ModelList
@@ -100,7 +106,11 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """The orchestrator and a worker of every stage up to the last final one beat."""
+        """The orchestrator and a worker of every stage up to the last final one beat, and
+        Redis takes writes."""
+        oom = gateway.out_of_memory()
+        if oom is not None:
+            return error_response(out_of_memory(oom))
         missing = await gateway.missing()
         if missing:
             return error_response(

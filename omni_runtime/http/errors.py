@@ -32,11 +32,24 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = 1
+"""What a 429 or 503 tells a client to wait, unless the error knows better."""
+OOM_RETRY_AFTER_S = 5
+"""Redis out of memory: memory comes back as requests in flight end (seconds), or when
+an operator raises maxmemory; retrying sooner is refused again."""
+
+
 class ApiError(Exception):
     """Raised by routes; becomes an OpenAI error response with this status."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int = RETRY_AFTER_S,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,7 +60,12 @@ class ApiError(Exception):
         if status == 401:
             self.headers["WWW-Authenticate"] = "Bearer"
         if status in (429, 503):
-            self.headers["Retry-After"] = "1"
+            self.headers["Retry-After"] = str(retry_after_s)
+
+
+def out_of_memory(message: str) -> ApiError:
+    """503 while Redis refuses writes for memory: the request was not submitted."""
+    return ApiError(503, message, code="redis_out_of_memory", retry_after_s=OOM_RETRY_AFTER_S)
 
 
 def error_response(err: ApiError) -> JSONResponse:

@@ -17,9 +17,9 @@ import numpy.typing as npt
 from redis.exceptions import RedisError
 
 from omni_runtime.client import OmniClient, RequestTimeoutError
-from omni_runtime.errors import CodecError, ConfigError, OmniError
+from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
-from omni_runtime.http.errors import ApiError
+from omni_runtime.http.errors import ApiError, out_of_memory
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
@@ -116,8 +116,14 @@ class Gateway:
         self._missing, self._ready_at = missing, loop.time()
         return missing
 
+    def out_of_memory(self) -> str | None:
+        """What Redis said, while it refuses writes for memory (as this server's client
+        last saw it: its own writes, its heartbeat, Redis's count of refusals)."""
+        return None if self.client is None else self.client.out_of_memory
+
     async def open(self, prompt: str, audio: bool, trace: bool = False) -> Run:
-        """Admit and submit one request; 503 when not ready, 429 when at `max_inflight`.
+        """Admit and submit one request; 503 when not ready or Redis is out of memory (with
+        `Retry-After`), 429 when at `max_inflight`.
         `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`."""
         missing = await self.missing()
         if missing:
@@ -135,6 +141,9 @@ class Gateway:
         except CodecError as e:
             self.inflight -= 1
             raise ApiError(413, str(e), code="request_too_large") from e
+        except RedisOutOfMemoryError as e:  # shed at once, with Retry-After
+            self.inflight -= 1
+            raise out_of_memory(str(e)) from e
         except (OmniError, RedisError) as e:
             self.inflight -= 1
             raise ApiError(503, f"could not submit: {e}", code="unavailable") from e

@@ -62,7 +62,44 @@ def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
         "dead_letters": dead,
         "request_rate_per_s": redis_stats.request_rate(client, names, now_ms),
         "stats": redis_stats.read_stats(client, names),
+        "redis_memory": redis_memory(client),
     }
+
+
+def redis_memory(client: redis.Redis) -> dict[str, Any] | None:
+    """Redis's memory against its `maxmemory`, and the writes it refused for memory so far
+    (`INFO memory`, `INFO errorstats`; on a cluster, the fullest node). `out_of_memory`:
+    at maxmemory with nothing it may evict, so it refuses writes. None if INFO is denied."""
+    try:
+        nodes = _per_node(client.info("memory"))
+        refused = sum(
+            int(stats.get("errorstat_OOM", {}).get("count", 0))
+            for stats in _per_node(client.info("errorstats"))
+        )
+    except RedisError:  # an ACL without INFO: nothing to say
+        return None
+    used, limit, policy = max(
+        (int(n.get("used_memory", 0)), int(n.get("maxmemory", 0)), str(n.get("maxmemory_policy")))
+        for n in nodes
+    )
+    full = limit > 0 and used >= limit and policy == "noeviction"
+    return {
+        "used_bytes": used,
+        "maxmemory_bytes": limit,
+        "policy": policy,
+        "out_of_memory": full,
+        "oom_refusals": refused,
+    }
+
+
+def _per_node(info: Any) -> list[dict[str, Any]]:
+    """A cluster client's INFO maps each node to its reply; a server's is the reply."""
+    if not isinstance(info, dict):
+        return []
+    ours = any(k.startswith(("used_memory", "errorstat_")) for k in info)
+    if info and not ours and all(isinstance(v, dict) for v in info.values()):
+        return list(info.values())
+    return [info]
 
 
 def _age(seconds: float | None) -> str:
@@ -166,6 +203,17 @@ def render(snap: dict[str, Any]) -> Group:
         ("  dead letters " + str(snap["dead_letters"]), "red" if snap["dead_letters"] else ""),
     )
     parts: list[Any] = [head]
+    memory = snap.get("redis_memory")
+    if memory and memory["maxmemory_bytes"]:
+        mb = 1024 * 1024
+        line = (
+            f"Redis memory {memory['used_bytes'] / mb:.1f} of {memory['maxmemory_bytes'] / mb:.1f} "
+            f"MiB ({memory['policy']}); writes refused for memory so far: {memory['oom_refusals']}"
+        )
+        if memory["out_of_memory"]:
+            parts.append(Text(f"Redis is out of memory: {line}", style="bold red"))
+        else:
+            parts.append(Text(line))
     if snap["orchestrators"] == 0:
         parts.append(Text("no orchestrator heartbeat", style="bold red"))
     if missing:
@@ -183,7 +231,8 @@ def run_status(
     client: redis.Redis | None = None,
     console: Console | None = None,
 ) -> int:
-    """The `status` subcommand; 0 when an orchestrator and a worker of every stage are alive."""
+    """The `status` subcommand; 0 when an orchestrator and a worker of every stage are alive
+    and Redis is not out of memory."""
     client = client if client is not None else connect(settings)
     if console is None:  # piped: wide enough that no column is cut
         console = Console(width=None if sys.stdout.isatty() else 160)
@@ -194,7 +243,12 @@ def run_status(
             console.file.write(json.dumps(snap, indent=1) + "\n")
         else:
             console.print(render(snap))
-        healthy = snap["orchestrators"] > 0 and all(snap["workers_per_stage"].values())
+        memory = snap["redis_memory"]
+        healthy = (
+            snap["orchestrators"] > 0
+            and all(snap["workers_per_stage"].values())
+            and not (memory and memory["out_of_memory"])
+        )
         return 0 if healthy else 1
     good: Any = Text("reading Redis ...")
     with Live(good, console=console, auto_refresh=False) as live:

@@ -37,6 +37,7 @@ from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.leases import Leases
@@ -140,6 +141,8 @@ class SlotService:
             failed=self._state_failed,
         )
         self.deadline_at: dict[str, float] = {}
+        self.read_at: dict[str, float] = {}
+        """request id → when it was read (loop time): was Redis short of memory since?"""
         self._entry_of: dict[str, tuple[bytes, RequestView]] = {}
         """request id → its requests-stream entry (and request), acknowledged once its state
         is registered."""
@@ -254,6 +257,7 @@ class SlotService:
         self.store.changed(rid, state)
         if state is None:
             self.deadline_at.pop(rid, None)
+            self.read_at.pop(rid, None)
         queued = self._entry_of.pop(rid, None)
         if queued is not None:  # registered (or refused): the request entry is handled
             self._ack(queued[0])
@@ -264,6 +268,10 @@ class SlotService:
             self._ack(queued[0])
         if out.finished:
             self.deadline_at.pop(out.request_id, None)
+        if out.error == DEADLINE_EXCEEDED:  # say why, if Redis refused writes meanwhile
+            why = self.shared.writer.memory.since(self.read_at.get(out.request_id, 0.0))
+            if why is not None:
+                out = OrchOutput(out.request_id, out.stage_id, None, True, f"{out.error}; {why}")
         self.outbox.send(out)
         if out.finished and self.shared.tracer is not None:
             self.shared.tracer.stamp(FINISHED, out.request_id)
@@ -322,6 +330,7 @@ class SlotService:
             shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
         self.client_of[rid] = cmd.client_id
         self.deadline_at[rid] = time.time() + (cmd.deadline_s or shared.settings.deadline_s)
+        self.read_at[rid] = asyncio.get_running_loop().time()
         self._entry_of[rid] = (entry_id, cmd)
         shared.timer.started(rid)
         await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)

@@ -13,10 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from omni_runtime import keys
 from omni_runtime.messages import REDIS_LOST_STATE
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.redis_io.liveness import Absence, Replicas, StateEpoch, no_live_worker
+from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import ensure_group
 
 log = logging.getLogger(__name__)
@@ -34,25 +37,28 @@ class Watch:
 
     async def once(self, now: float) -> None:
         """One look: beat, Redis restarts, stages, clients (raises `RedisError`). One
-        round trip while every stage keeps its known replica."""
+        round trip while every stage keeps its known replica. Redis out of memory refuses
+        the heartbeat's SET, not its PEXPIRE: the look goes on, and clients still see an
+        orchestrator."""
         s = self.shared.settings
         client_ids = sorted({cid for slot in self.slots() for cid in slot.client_of.values()})
+        heartbeat = self.names.orchestrator_heartbeat()
         async with self.shared.client.pipeline(transaction=False) as pipe:
-            pipe.set(
-                self.names.orchestrator_heartbeat(),
-                self.shared.pipeline.name,
-                px=s.heartbeat_ttl_ms,
-            )
+            pipe.set(heartbeat, self.shared.pipeline.name, px=s.heartbeat_ttl_ms)
+            pipe.pexpire(heartbeat, s.heartbeat_ttl_ms)  # kept alive if Redis refuses the SET
             pipe.get(self.names.epoch)
             queued = self.replicas.queue(pipe)
             for cid in client_ids:
                 pipe.exists(self.names.client_heartbeat(cid))
-            replies = await pipe.execute()
-        if await self._epoch.lost_given(replies[1]):
+            replies = await pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):  # out of memory refuses the SET alone
+            if isinstance(reply, RedisError) and not (i == 0 and is_oom(reply)):
+                raise reply
+        if await self._epoch.lost_given(replies[2]):
             await self.redis_restarted(now)
-        stage_replies = replies[2 : 2 + len(queued)]
+        stage_replies = replies[3 : 3 + len(queued)]
         await self._stages_are(await self.replicas.settle(queued, stage_replies), now)
-        await self._clients_are(client_ids, replies[2 + len(queued) :], now)
+        await self._clients_are(client_ids, replies[3 + len(queued) :], now)
 
     def busy(self) -> bool:
         """Whether any slot served here has requests in flight."""

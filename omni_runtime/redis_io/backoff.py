@@ -34,3 +34,14 @@ class Backoff:
 
     def succeeded(self) -> None:
         self.failures = 0
+
+    def budget_s(self) -> float:
+        """How long this policy retries in all, from its first failure to giving up
+        (≈ 25 s with the settings' defaults; unbounded: infinite)."""
+        if self.max_attempts is None:
+            return float("inf")
+        fresh = Backoff(self.initial_s, self.max_s, self.max_attempts)
+        total = 0.0
+        while (delay := fresh.failed()) is not None:
+            total += delay
+        return total

@@ -10,6 +10,7 @@ every map here follows the live requests plus that age-limited memory.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.metrics import Metrics
 from omni_runtime.wire_views import OrchOutputView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +30,8 @@ class Pending:
     next_seq: int = 0
     ended: bool = False
     """Its final (or the error the client ended it with) is queued: nothing more goes in."""
+    error: str | None = None
+    """The error it ended with (its final's, or the client's own)."""
 
 
 _IDLE = OrchOutput("", -1, None, False)
@@ -87,8 +92,9 @@ class Inbox:
         self.buffer_limit = buffer_limit
         self.recent_s = recent_s
         self.requests: dict[str, Pending] = {}
-        self._recent: OrderedDict[str, float] = OrderedDict()
-        """request id → when the client ended it itself (oldest first)."""
+        self._recent: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
+        """request id → when the client let it go, and the error it had ended with (oldest
+        first)."""
 
     def open(self, request_id: str) -> Pending:
         pending = self.requests[request_id] = Pending()
@@ -97,8 +103,8 @@ class Inbox:
     def close(self, request_id: str, now: float) -> None:
         """The consumer is done with it; late outputs for it drop quietly for a while."""
         pending = self.requests.pop(request_id, None)
-        if pending is not None and not pending.ended:
-            self._remember(request_id, now)
+        if pending is not None and (not pending.ended or pending.error is not None):
+            self._remember(request_id, now, pending.error)
 
     def deliver(self, msg: OrchOutputView, now: float) -> str | None:
         """Queue `msg` for its request; the error to abort the request upstream with, if the
@@ -107,8 +113,12 @@ class Inbox:
         rid = msg.request_id
         pending = self.requests.get(rid)
         if pending is None or pending.ended:
-            why = "ended" if pending is not None or rid in self._recent else "unknown"
+            recent = self._recent.get(rid)
+            why = "ended" if pending is not None or recent is not None else "unknown"
             self.metrics.inc("omni_dropped_outputs_total", source="client", reason=why)
+            ended_with = pending.error if pending is not None else recent and recent[1]
+            if msg.finished and msg.error is None and ended_with:
+                self._late_success(rid, ended_with)
             return None
         if msg.seq < pending.next_seq:
             self.metrics.inc("omni_duplicate_outputs_total", source="client")
@@ -127,6 +137,7 @@ class Inbox:
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
         pending.queue.put_nowait(OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error))
         pending.ended = msg.finished
+        pending.error = msg.error
         return None
 
     def end(
@@ -139,21 +150,30 @@ class Inbox:
         if drop_buffered:
             pending.queue = asyncio.Queue()  # the reader takes the new queue: memory freed
         pending.queue.put_nowait(OrchOutput(rid, stage_id, None, True, error=error))
-        pending.ended = True
-        self._remember(rid, now)
+        pending.ended, pending.error = True, error
+        self._remember(rid, now, error)
         return error
 
-    def end_all(self, error: str, now: float) -> list[str]:
-        """End every request still waiting (their state was lost); the ids ended."""
-        return [rid for rid in list(self.requests) if self.end(rid, 0, error, now) is not None]
+    def _late_success(self, rid: str, ended_with: str) -> None:
+        """A success final for a request already ended with an error: the user was told it
+        failed. Only a gap (`outputs lost`) may rightly come before one; counted by the
+        error's kind (`omni_late_successes_total`)."""
+        kind = ended_with.split(":", 1)[0]
+        self.metrics.inc("omni_late_successes_total", reason=kind)
+        log.warning(
+            "request %r: a success final arrived after it ended with %r",
+            rid,
+            ended_with,
+            extra={"request_id": rid},
+        )
 
-    def _remember(self, rid: str, now: float) -> None:
-        self._recent[rid] = now
+    def _remember(self, rid: str, now: float, error: str | None = None) -> None:
+        self._recent[rid] = (now, error)
         self._recent.move_to_end(rid)
 
     def _forget_old(self, now: float) -> None:
         while self._recent:
-            rid, at = next(iter(self._recent.items()))
+            rid, (at, _error) = next(iter(self._recent.items()))
             if now - at < self.recent_s:
                 return
             del self._recent[rid]

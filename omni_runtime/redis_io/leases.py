@@ -3,7 +3,9 @@
 A slot (0, 1, 2, …) is a lease key holding one process's token with a TTL. Whoever
 holds it reads the slot's consumer backlog and owns its requests. The lease is kept
 by one transaction per round that reads and extends it (its reply proves it held;
-a lease found another's deposes this process), and is set again only by a
+a lease found another's deposes this process; while Redis is out of memory, which
+refuses every command inside a MULTI, by the same commands without one), and is set
+again only by a
 check-and-set transaction (WATCH, compare, SET), so a process never takes back a
 lease another has taken. A key that vanished (it lapsed,
 or Redis came back empty) is taken back only if nobody took it meanwhile: every take
@@ -33,10 +35,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import OutOfMemoryError, RedisError, WatchError
 
 from omni_runtime import keys
 from omni_runtime.errors import FatalError
@@ -163,12 +165,14 @@ class Leases:
             return None
         started = self.clock()
         slots = sorted(self.held)
-        async with self.client.pipeline(transaction=True) as pipe:
-            for slot in slots:
-                pipe.get(self.names.orchestrator_lease(slot))
-                pipe.pexpire(self.names.orchestrator_lease(slot), self.ttl_ms)
-            pipe.hkeys(self.names.orchestrator_slots)
-            replies = await pipe.execute()
+        try:
+            replies = await self._round(slots, transaction=True)
+        except OutOfMemoryError:
+            # Redis out of memory refuses every command queued in a MULTI, even a GET: the
+            # round again without one. Its few commands arrive in one read, which Redis
+            # runs without another client's between them; and while Redis refuses writes
+            # for memory, nobody can SET a lapsed lease anyway.
+            replies = await self._round(slots, transaction=False)
         values, known = replies[0:-1:2], {int(m) for m in replies[-1]}
         taken = [s for s, v in zip(slots, values, strict=True) if not self._mine(v)]
         if taken:
@@ -178,6 +182,15 @@ class Leases:
         self._kept_at = started
         self._changed.set()
         return known
+
+    async def _round(self, slots: list[int], transaction: bool) -> list[Any]:
+        """GET and PEXPIRE of each lease, then the registry's slots."""
+        async with self.client.pipeline(transaction=transaction) as pipe:
+            for slot in slots:
+                pipe.get(self.names.orchestrator_lease(slot))
+                pipe.pexpire(self.names.orchestrator_lease(slot), self.ttl_ms)
+            pipe.hkeys(self.names.orchestrator_slots)
+            return list(await pipe.execute())
 
     async def _refresh_watched(self, started: float) -> set[int] | None:
         """The check-and-set round (WATCH, MGET, the transaction) that may set a lapsed

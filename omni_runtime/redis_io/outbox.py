@@ -87,5 +87,5 @@ class ClientOutbox:
         }
         stream = self.names.client_out(client_id)
         fields = {keys.PAYLOAD_FIELD: codec.encode_decoded(msg)}  # data as a stage's output read
-        self.writer.xadd(stream, fields, merge_up_to=self.max_message_bytes)
+        self.writer.xadd(stream, fields, merge_up_to=self.max_message_bytes, owner=request_id)
         self.writer.expire(stream, self.stream_ttl_s)

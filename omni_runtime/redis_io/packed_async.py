@@ -5,9 +5,11 @@ and redis-py's pipeline spends more Python per command (its command stack, a ret
 wrapper, a response callback looked up per reply) than packing and parsing do. Only
 the commands `write_ops.fill_pipeline` queues, on a connection taken from the client's
 pool for the call or one the caller holds; `send` alone writes them at once, from a
-plain function, and `replies` reads them later. A failed call drops its connection (a
-half-read reply must not be read again) and raises. Cluster clients keep redis-py's
-pipeline (it routes).
+plain function, and `replies` reads them later. Every reply is read, error replies
+included (Redis ran the commands around a refused one): the caller gets each command's
+result or error (`raise_on_error=False`), or the first error. A call that fails otherwise
+drops its connection (a half-read reply must not be read again) and raises. Cluster
+clients keep redis-py's pipeline (it routes).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 
 class AsyncPackedPipe:
@@ -68,20 +71,21 @@ class AsyncPackedPipe:
     def expire(self, name: str, time: int) -> None:
         self.commands.append(("EXPIRE", name, time))
 
-    async def execute(self, conn: Any = None) -> list[Any]:
-        """Every reply, raw; an error reply raises (`ResponseError`), as redis-py's would.
+    async def execute(self, conn: Any = None, raise_on_error: bool = True) -> list[Any]:
+        """Every reply, raw; an error reply raises (`ResponseError`), as redis-py's would,
+        or with `raise_on_error=False` takes its command's place in the list.
         `conn`: a connection the caller holds (else one is taken from the pool for the call)."""
         if not self.commands:
             return []
         if conn is not None:
             await conn.connect()
             self.send(conn)
-            return await self.replies(conn)
+            return await self.replies(conn, raise_on_error)
         pool = self.client.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
             self.send(conn)
-            return await self.replies(conn)
+            return await self.replies(conn, raise_on_error)
         finally:
             await pool.release(conn)
 
@@ -92,12 +96,24 @@ class AsyncPackedPipe:
         # redis-py's own send is a coroutine only for its drain and timer; the write is not.
         conn._writer.writelines(conn.pack_commands(self._sent))
 
-    async def replies(self, conn: Any) -> list[Any]:
-        """The replies of what `send` wrote; on any failure the connection is dropped (a
-        half-read reply must not be read as the next command's) and the error raised."""
+    async def replies(self, conn: Any, raise_on_error: bool = True) -> list[Any]:
+        """The replies of what `send` wrote, an error reply as its `ResponseError` (raised
+        after every reply was read, the first one, unless `raise_on_error` is False). On
+        any other failure the connection is dropped (a half-read reply must not be read as
+        the next command's) and the error raised."""
+        out: list[Any] = []
         try:
             await conn._writer.drain()
-            return [await conn.read_response() for _ in self._sent]
+            for _ in self._sent:
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as e:  # read whole: the connection is still in step
+                    out.append(e)
         except BaseException:
             await conn.disconnect()
             raise
+        if raise_on_error:
+            for reply in out:
+                if isinstance(reply, ResponseError):
+                    raise reply
+        return out

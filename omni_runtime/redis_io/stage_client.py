@@ -156,7 +156,8 @@ class RedisStageClient:
         if params:
             msg["params"] = params
         fields = {keys.PAYLOAD_FIELD: codec.encode(msg)}  # bad data raises here
-        self.writer.xadd(self.in_stream, fields, urgent=True, trace=(request_id, self.stage_id))
+        trace_id = (request_id, self.stage_id)
+        self.writer.xadd(self.in_stream, fields, urgent=True, trace=trace_id, owner=request_id)
 
     async def abort(self, request_id: str) -> None:
         """Broadcast on the control stream: whichever worker holds the request drops it."""

@@ -40,6 +40,8 @@ class XAdd:
     """If > 0: may share one entry (a batch, `codec.encode_batch`) with the next ones of
     its stream in the same pipeline, up to this many payload bytes. For a stream whose
     reader takes batches and acknowledges nothing (a client's)."""
+    owner: str | None = None
+    """The request the entry belongs to: if Redis refuses it for good, that request fails."""
 
 
 @dataclass(slots=True)
@@ -88,15 +90,29 @@ class ExpireAt:
 
     key: str
     at_ms: int | None
+    owner: str | None = None
+    """The request whose deadline asked for this expiry: if Redis refuses it, that request
+    fails (an expiry out of Redis's range)."""
 
 
 Op = XAdd | XAck | XDel | Expire | HashPut | HashDrop | ExpireAt
 
 
-def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
-    """The XADDs in order, urgent ones last; then one XACK per stream with all its ids (and
-    one XDEL of those to delete) and one EXPIRE per key, after the writes they follow (never
-    an ack before its consequences).
+def owners(op: Op) -> list[str]:
+    """The requests a write belongs to: a write Redis refuses for good fails them."""
+    if isinstance(op, XAdd | ExpireAt):
+        return [] if op.owner is None else [op.owner]
+    if isinstance(op, HashPut):
+        return list(op.fields)
+    return []
+
+
+def fill_pipeline(pipe: Any, ops: list[Op]) -> list[list[Op]]:
+    """The XADDs in order, urgent ones last; then each hash's states (one HSET, one HDEL,
+    its expiry); then one XACK per stream with all its ids (and one XDEL of those to
+    delete) and one EXPIRE per key, after the writes they follow (never an ack before its
+    consequences). Returns, per command queued, the ops it carries: what to write again
+    if that command alone fails.
 
     Urgent last, because Redis answers the readers a pipeline wakes last-woken first (its
     list of clients to write to is pushed at the head): of two readers blocked on streams
@@ -105,42 +121,93 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> None:
     first's last (mean ranks 1.3 / 2.0 / 2.7). Urgent entries keep the order they were
     queued in, so the last queued is answered first: a streaming request's inputs are
     submitted downstream first, and stage 0's, whose first token the user waits for, is
-    heard first. Only XADDs wake readers; the rest answer this process alone."""
-    adds = merged([op for op in ops if isinstance(op, XAdd)])
-    for add in sorted(adds, key=lambda a: a.urgent):  # stable: order kept otherwise
+    heard first. Only XADDs wake readers; the rest answer this process alone.
+
+    A hash's ops are coalesced, the later winning per field: a state refused once (Redis
+    out of memory) and written again with newer ones can never overwrite them."""
+    carried: list[list[Op]] = []
+    groups = merged_groups([op for op in ops if isinstance(op, XAdd)])
+    for add, parts in sorted(groups, key=lambda g: g[0].urgent):  # stable: order kept otherwise
         if add.max_age_s is None:
             pipe.xadd(add.stream, xadd_fields(add.fields), maxlen=add.maxlen, approximate=True)
         else:
             minid = int((time.time() - add.max_age_s) * 1000)
             pipe.xadd(add.stream, xadd_fields(add.fields), minid=minid, approximate=False)
-    for op in ops:  # states after the entries they record, before the acks they allow
-        if isinstance(op, HashPut):
-            pipe.hset(op.key, mapping=op.fields)
-        elif isinstance(op, HashDrop):
-            pipe.hdel(op.key, *op.fields)
-        elif isinstance(op, ExpireAt):
-            if op.at_ms is None:
-                pipe.persist(op.key)
+        carried.append(list(parts))
+    for key, h in _hashes(ops).items():
+        if h.put:  # carries itself, coalesced: written again, it is exactly this command
+            pipe.hset(key, mapping=h.put)
+            carried.append([HashPut(key, h.put)])
+        if h.drop:
+            pipe.hdel(key, *h.drop)
+            carried.append([HashDrop(key, list(h.drop))])
+        if h.expiry is not None:
+            if h.expiry.at_ms is None:
+                pipe.persist(key)
             else:
-                pipe.pexpireat(op.key, op.at_ms)
-    acks: dict[tuple[str, str], list[bytes]] = {}
-    deletes: dict[str, list[bytes]] = {}
-    expires: dict[str, int] = {}
+                pipe.pexpireat(key, h.expiry.at_ms)
+            carried.append([h.expiry])
+    acks: dict[tuple[str, str], tuple[list[bytes], list[Op]]] = {}
+    deletes: dict[str, tuple[list[bytes], list[Op]]] = {}
+    expires: dict[str, tuple[int, list[Op]]] = {}
     for op in ops:
         if isinstance(op, XAck):
-            acks.setdefault((op.stream, op.group), []).append(op.entry_id)
+            _add(acks, (op.stream, op.group), [op.entry_id], op)
             if op.delete:
-                deletes.setdefault(op.stream, []).append(op.entry_id)
+                _add(deletes, op.stream, [op.entry_id], op)
         elif isinstance(op, XDel):
-            deletes.setdefault(op.stream, []).extend(op.entry_ids)
+            _add(deletes, op.stream, op.entry_ids, op)
         elif isinstance(op, Expire):
-            expires[op.key] = max(op.ttl_s, expires.get(op.key, 0))
-    for (stream, group), ids in acks.items():
+            ttl_s, them = expires.get(op.key, (0, []))
+            expires[op.key] = (max(op.ttl_s, ttl_s), [*them, op])
+    for (stream, group), (ids, them) in acks.items():
         pipe.xack(stream, group, *ids)
-    for stream, ids in deletes.items():
+        carried.append(them)
+    for stream, (ids, them) in deletes.items():
         pipe.xdel(stream, *ids)
-    for key, ttl_s in expires.items():
+        carried.append(them)
+    for key, (ttl_s, them) in expires.items():
         pipe.expire(key, ttl_s)
+        carried.append(them)
+    return carried
+
+
+def _add(into: dict[Any, tuple[list[bytes], list[Op]]], key: Any, ids: list[bytes], op: Op) -> None:
+    got = into.setdefault(key, ([], []))
+    got[0].extend(ids)
+    got[1].append(op)
+
+
+@dataclass(slots=True)
+class _Hash:
+    """One hash's ops of a batch, coalesced: fields to set and to delete (disjoint, the
+    later op on a field winning), the last expiry asked for."""
+
+    put: dict[str, bytes]
+    drop: dict[str, None]
+    expiry: ExpireAt | None = None
+
+
+def _hashes(ops: list[Op]) -> dict[str, _Hash]:
+    """Per hash, in order of first use."""
+    out: dict[str, _Hash] = {}
+    for op in ops:
+        if not isinstance(op, HashPut | HashDrop | ExpireAt):
+            continue
+        h = out.get(op.key)
+        if h is None:
+            h = out[op.key] = _Hash({}, {})
+        if isinstance(op, HashPut):
+            h.put.update(op.fields)
+            for f in op.fields:
+                h.drop.pop(f, None)
+        elif isinstance(op, HashDrop):
+            for f in op.fields:
+                h.put.pop(f, None)
+                h.drop[f] = None
+        else:
+            h.expiry = op
+    return out
 
 
 def merged(adds: list[XAdd]) -> list[XAdd]:
@@ -148,6 +215,11 @@ def merged(adds: list[XAdd]) -> list[XAdd]:
     each at most `merge_up_to` payload bytes, where the stream's first one was: a client
     that gets the outputs of many requests costs one XADD per round trip, not one each.
     (A stream's entries are either all mergeable or none.)"""
+    return [add for add, _parts in merged_groups(adds)]
+
+
+def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
+    """`merged`, each entry with the adds it carries."""
     order: list[XAdd | str] = []
     mergeable: dict[str, list[XAdd]] = {}
     for add in adds:
@@ -158,13 +230,32 @@ def merged(adds: list[XAdd]) -> list[XAdd]:
         else:
             mergeable[add.stream] = [add]
             order.append(add.stream)
-    out: list[XAdd] = []
+    out: list[tuple[XAdd, list[XAdd]]] = []
     for item in order:
         if isinstance(item, XAdd):
-            out.append(item)
+            out.append((item, [item]))
             continue
         group = mergeable[item]
         first = group[0]
-        payloads = codec.pack_batches([add.fields[PAYLOAD] for add in group], first.merge_up_to)
-        out.extend(replace(first, fields={PAYLOAD: p}, merge_up_to=0) for p in payloads)
+        for parts in _packed(group, first.merge_up_to):
+            payloads = [add.fields[PAYLOAD] for add in parts]
+            payload = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
+            out.append((replace(first, fields={PAYLOAD: payload}, merge_up_to=0), parts))
+    return out
+
+
+def _packed(group: list[XAdd], max_bytes: int) -> list[list[XAdd]]:
+    """Consecutive adds as few batches as fit in `max_bytes` each (`codec.pack_batches`)."""
+    out: list[list[XAdd]] = []
+    parts: list[XAdd] = []
+    size = 0
+    for add in group:
+        one = len(add.fields[PAYLOAD])
+        if parts and size + one > max_bytes - codec.BATCH_HEADER_BYTES:
+            out.append(parts)
+            parts, size = [], 0
+        parts.append(add)
+        size += one
+    if parts:
+        out.append(parts)
     return out

@@ -3,9 +3,19 @@
 Whatever accumulated while the previous round trip was in flight goes out as one pipeline:
 one round trip per message would cap a process at a few thousand messages per second on
 loopback. With nothing in flight, a caller whose step queued writes may send the batch at
-once (`send_now`); the writer task then only reads its replies. A batch that
-keeps failing is retried with the bounded `Backoff`, then given up, counted and reported
-(`written()` → False). The operations, and how a batch becomes one pipeline: `write_ops`.
+once (`send_now`); the writer task then only reads its replies. The operations, and
+how a batch becomes one pipeline: `write_ops`.
+
+Redis answers each command on its own, and runs the rest of a pipeline around one it
+refuses, so only the writes whose command failed are written again (an XADD sent twice
+would be two entries): refused for now, at once, within the bounded `Backoff`; for
+memory (`maxmemory` with `noeviction`), held and written again later, in order, while
+the batches after them (acknowledgements and deletions, which free memory) go on
+(`held_writes`); for good (an expiry out of range), never. A round trip that
+fails whole (a dropped connection, a timeout) is written again whole: which of its
+commands ran is unknown, and a consumer drops a repeated entry by its `seq`. What is
+given up is counted, reported (`written()` → False) and, for writes that belong to a
+request, told to `on_failed`, so that request ends with an error instead of waiting.
 
 An orchestrator adds two things: `sources` give, as a batch is taken, the durable
 request states changed since the last one (written after the entries they follow and
@@ -16,6 +26,7 @@ while the process's lease is not known fresh, and refuses it once the lease is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,12 +35,15 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from omni_runtime.errors import RedisOutOfMemoryError, TransportError
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.held_writes import HeldWrites
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.packing import one_timeout
-from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline
+from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
+from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
 from omni_runtime.tracing import Tracer
 
 if TYPE_CHECKING:
@@ -53,6 +67,13 @@ class _Batch:
     traced: list[tuple[str, int]]
     pipe: AsyncPackedPipe | None = None
     """Set once sent ahead by `send_now` (its replies still to read)."""
+    carried: list[list[Op]] | None = None
+    """Per command sent ahead, the ops it carries."""
+
+
+FailedHook = Callable[[list[str], TransportError], None]
+"""Told the requests whose writes were given up, and why (`RedisOutOfMemoryError`, or a
+`TransportError` naming what Redis said)."""
 
 
 class StreamWriter:
@@ -66,13 +87,22 @@ class StreamWriter:
         *,
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
+        hold_refused: bool = True,
     ) -> None:
         self.client = client
         self.maxlen = maxlen
         self.tracer = tracer
         self.metrics = metrics or Metrics()
-        self.backoff = backoff or Backoff(0.01, 1.0, DEFAULT_ATTEMPTS)
+        self.backoff = b = backoff or Backoff(0.01, 1.0, DEFAULT_ATTEMPTS)
         """Bounded: after `max_attempts` failures a batch is dropped and reported."""
+        self.hold_refused = hold_refused
+        """Writes refused for memory are held and written again later (an orchestrator: its
+        requests go on once memory is freed); else given up at once (a client: a refused
+        submission is answered at once, and never written behind its caller's back)."""
+        self.on_failed: FailedHook | None = None
+        self.memory = MemorySeen()
+        bounded = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
+        self._held = HeldWrites(b.initial_s, bounded.budget_s())
         self.sources: list[Callable[[], list[Op]]] = []
         """Called as each batch is taken: the ops that record state changed since."""
         self.fence: Fence | None = None
@@ -107,13 +137,16 @@ class StreamWriter:
         trace: tuple[str, int] | None = None,
         max_age_s: float | None = None,
         merge_up_to: int = 0,
+        owner: str | None = None,
     ) -> None:
         """`urgent` entries (a stage's next input) go last in their pipeline, so that their
         reader is answered first (`fill_pipeline`), before the clients given outputs. `trace`
-        (request id, stage id) stamps when the pipeline carrying the entry starts and ends."""
+        (request id, stage id) stamps when the pipeline carrying the entry starts and ends.
+        `owner`: the request the entry belongs to (`on_failed` hears if it is given up)."""
         if trace is not None and self.tracer is not None:
             self._traced.append(trace)
-        self.queue(XAdd(stream, fields, maxlen or self.maxlen, urgent, max_age_s, merge_up_to))
+        maxlen = maxlen or self.maxlen
+        self.queue(XAdd(stream, fields, maxlen, urgent, max_age_s, merge_up_to, owner))
 
     def xack(self, stream: str, group: str, entry_id: bytes, delete: bool = False) -> None:
         """`delete`: also XDEL it (a stream read by one group only)."""
@@ -136,13 +169,24 @@ class StreamWriter:
         self._idle.clear()
         self._pending.set()
 
+    @property
+    def out_of_memory(self) -> str | None:
+        """What Redis said, while it refuses this writer's writes for memory."""
+        return self.memory.now
+
+    @property
+    def stopped(self) -> bool:
+        """`run` has ended: nothing queued will be written any more."""
+        return self._gone
+
     async def flushed(self) -> None:
         """Wait until everything queued so far reached Redis (or was given up on)."""
         await self._idle.wait()
 
     async def written(self) -> bool:
-        """Wait for the batch holding everything queued so far; False if it was given up on.
-        Unlike `flushed`, later writes do not make the caller wait longer."""
+        """Wait for the batch holding everything queued so far; False unless all of it was
+        written (some was given up on, or held for memory). Unlike `flushed`, later writes
+        do not make the caller wait longer."""
         if self._gone:  # nothing queued will be written any more
             return False
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -158,10 +202,10 @@ class StreamWriter:
             await self._run()
         finally:
             self._gone = True
-            if self._ops:
-                log.warning("stream writer stopped with %d writes unsent", len(self._ops))
-                self._dropped(self._ops)
-                self._ops = []
+            unsent, self._ops = [*self._held.drain(), *self._ops], []
+            if unsent:
+                log.warning("stream writer stopped with %d writes unsent", len(unsent))
+                self._dropped(unsent)
             for fut in [*(self._in_flight.done if self._in_flight else []), *self._done]:
                 if not fut.done():
                     fut.set_result(False)
@@ -169,7 +213,10 @@ class StreamWriter:
 
     async def _run(self) -> None:
         while True:
-            await self._pending.wait()
+            due_at = self._held.due_at
+            with contextlib.suppress(TimeoutError):  # held writes: written again when due
+                async with asyncio.timeout_at(due_at):
+                    await self._pending.wait()
             self._pending.clear()
             batch, self._sent = self._sent, None
             self._busy = True
@@ -179,7 +226,7 @@ class StreamWriter:
                 self._busy = False
             if self._ops or self._done:  # queued meanwhile (a batch sent ahead took none)
                 self._pending.set()
-            else:
+            elif not self._held:
                 self._idle.set()
 
     def send_now(self) -> None:
@@ -194,7 +241,7 @@ class StreamWriter:
             return  # the writer task waits for the fence, as for any batch
         batch = self._take()
         pipe = AsyncPackedPipe(self.client)
-        fill_pipeline(pipe, batch.ops)
+        batch.carried = fill_pipeline(pipe, batch.ops)
         self._stamp("input_write_start", batch.traced)
         try:
             pipe.send(conn)
@@ -208,6 +255,7 @@ class StreamWriter:
         ops, self._ops = self._ops, []
         for src in self.sources:
             ops.extend(src())
+        ops = self._held.take(ops, asyncio.get_running_loop().time())
         done, self._done = self._done, []
         traced, self._traced = self._traced, []
         self._in_flight = _Batch(ops, done, traced)
@@ -225,14 +273,19 @@ class StreamWriter:
     async def _settle(self, batch: _Batch) -> bool:
         """The replies of a batch `send_now` sent; if they fail, written again the usual way
         (bounded retries), once the fence holds again."""
-        if batch.pipe is not None:
+        if batch.pipe is not None and batch.carried is not None:
             try:
                 async with one_timeout(WRITE_TIMEOUT_S):
-                    await batch.pipe.replies(self._conn)
-                return self._settled(batch, True)
+                    replies = await batch.pipe.replies(self._conn, raise_on_error=False)
             except (RedisError, TimeoutError, OSError) as e:
                 log.warning("stream write failed, retrying: %r", e)
                 self.metrics.inc("omni_retries_total", source="writer")
+            else:
+                sorted_ = sort_replies(replies, batch.carried)
+                ok = self._sorted(sorted_)
+                if sorted_.again:  # refused for now: those alone, the usual way
+                    ok = await self._guarded(sorted_.again) and ok
+                return self._settled(batch, ok)
             if self.fence is not None and not await self.fence.hold():
                 self._dropped(batch.ops)  # deposed meanwhile (a stall): never written late
                 return self._settled(batch, False)
@@ -241,9 +294,9 @@ class StreamWriter:
     async def _guarded(self, ops: list[Op]) -> bool:
         try:
             return await self._write(ops) if ops else True
-        except Exception:  # never die with callers waiting on `written`
+        except Exception as e:  # never die with callers waiting on `written`
             log.exception("stream writer failed on a batch of %d writes", len(ops))
-            self._dropped(ops)
+            self._give_up(ops, TransportError(f"stream writer failed: {e!r}"))
             return False
 
     def _settled(self, batch: _Batch, ok: bool) -> bool:
@@ -263,37 +316,81 @@ class StreamWriter:
             where = op.stream if isinstance(op, XAdd | XAck | XDel) else op.key
             self.metrics.inc("omni_dropped_writes_total", stream=where, source="writer")
 
-    async def _execute(self, ops: list[Op]) -> None:
+    def _give_up(self, ops: list[Op], error: TransportError) -> None:
+        """Dropped and counted; the requests they belong to are told (`on_failed`)."""
+        if not ops:
+            return
+        self._dropped(ops)
+        rids = list(dict.fromkeys(rid for op in ops for rid in owners(op)))
+        if rids and self.on_failed is not None:
+            self.on_failed(rids, error)
+
+    def _sorted(self, replies: Replies) -> bool:
+        """Settle what one round trip's replies decided (all but `again`); whether every op
+        was written."""
+        now = asyncio.get_running_loop().time()
+        self._held.forget(replies.written)
+        if replies.needed_memory:
+            if self.memory.now is not None:
+                log.warning("Redis takes writes again (%d held)", len(self._held))
+                self.memory.now = None
+            self._held.room(now)
+        for ops, e in replies.out_of_memory:
+            self.metrics.inc("omni_redis_oom_refusals_total", source="writer")
+            first = self.memory.now is None
+            message = self.memory.refused(e, now)
+            if first:
+                log.error("%s: %d writes refused", message, len(ops))
+            over = self._held.hold(ops, now) if self.hold_refused else ops
+            self._give_up(over, RedisOutOfMemoryError(message))
+        for ops, e in replies.failed:
+            log.error("Redis refused %d writes for good: %r", len(ops), e)
+            self._held.forget(ops)
+            self._give_up(ops, TransportError(f"Redis refused a write: {e}"))
+        return not (replies.out_of_memory or replies.failed)
+
+    async def _execute(self, ops: list[Op]) -> tuple[list[Any], list[list[Op]]]:
         """One round trip: packed by hand on the held connection of a single server;
-        redis-py's pipeline on a cluster (it routes)."""
+        redis-py's pipeline on a cluster (it routes). Each command's reply or error, and
+        the ops it carried."""
         if self._cluster:
             async with self.client.pipeline(transaction=False) as pipe:
-                fill_pipeline(pipe, ops)
-                await pipe.execute()
-            return
+                carried = fill_pipeline(pipe, ops)
+                return await pipe.execute(raise_on_error=False), carried
         if self._conn is None:  # held for good: the pool still closes it with the client
             self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
         packed = AsyncPackedPipe(self.client)
-        fill_pipeline(packed, ops)
-        await packed.execute(self._conn)
+        carried = fill_pipeline(packed, ops)
+        return await packed.execute(self._conn, raise_on_error=False), carried
 
     async def _write(self, ops: list[Op]) -> bool:
+        """Write `ops`; what is refused for now, again (alone) until the retries run out."""
         b = self.backoff
         policy = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
+        ok = True
         while True:
+            error: BaseException
             try:
                 async with one_timeout(WRITE_TIMEOUT_S):
-                    await self._execute(ops)
-                return True
-            except (RedisError, TimeoutError) as e:
-                delay = policy.failed()
-                if delay is None:
-                    self._dropped(ops)
-                    log.error("giving up on %d stream writes: %r", len(ops), e)
-                    return False
-                self.metrics.inc("omni_retries_total", source="writer")
-                log.warning("stream write failed (attempt %d), retrying: %r", policy.failures, e)
-                await asyncio.sleep(delay)
-                if self.fence is not None and not await self.fence.hold():
-                    self._dropped(ops)  # the lease was lost meanwhile: never write it late
-                    return False
+                    replies, carried = await self._execute(ops)
+            except (RedisError, TimeoutError) as e:  # which commands ran is unknown: all again
+                error = e
+            else:
+                sorted_ = sort_replies(replies, carried)
+                ok = self._sorted(sorted_) and ok
+                if not sorted_.again:
+                    return ok
+                ops = sorted_.again
+                error = next(r for r in replies if isinstance(r, RedisError))
+            delay = policy.failed()
+            if delay is None:
+                log.error("giving up on %d stream writes: %r", len(ops), error)
+                self._held.forget(ops)
+                self._give_up(ops, TransportError(f"Redis write failed: {error!r}"))
+                return False
+            self.metrics.inc("omni_retries_total", source="writer")
+            log.warning("stream write failed (attempt %d), retrying: %r", policy.failures, error)
+            await asyncio.sleep(delay)
+            if self.fence is not None and not await self.fence.hold():
+                self._dropped(ops)  # the lease was lost meanwhile: never write it late
+                return False

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime.messages import AbortMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
@@ -277,8 +278,17 @@ class HeartbeatThread(_Loop):
         super().start()
 
     def beat(self) -> None:
+        """SET the document; Redis out of memory refuses the SET, not the PEXPIRE after
+        it, so the key lives on (its document a beat old) and the worker is not taken for
+        dead while Redis is full."""
         doc = json.dumps(self.status(), separators=(",", ":"))
-        self.client.set(self.key, doc, px=self.ttl_ms)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(self.key, doc, px=self.ttl_ms)
+            pipe.pexpire(self.key, self.ttl_ms)
+            beat, kept = pipe.execute(raise_on_error=False)
+        for reply in (beat, kept):
+            if isinstance(reply, RedisError) and not is_oom(reply):
+                raise reply
 
     def forget(self) -> None:
         """Delete the key at shutdown: a stopped worker is gone at once, not after the TTL."""

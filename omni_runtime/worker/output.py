@@ -2,14 +2,17 @@
 
 Outputs and acknowledgements queue here and go out as one pipeline per round trip
 (whatever accumulated meanwhile). A failed write is retried with the bounded policy
-(`Settings.backoff(bounded=True)`); once that gives up, the batch is reported through
-`on_lost`, so its requests end with an error instead of being dropped silently, and
+(`Settings.backoff(bounded=True)`): only the commands Redis refused (an entry written
+twice would reach the orchestrator twice); a refusal for memory is tried again after a
+short delay (`held_writes.PROBE_MAX_S` at most), within the same time in all. Once that
+gives up, or Redis refuses an entry for good, the outputs are reported through
+`on_lost`, so their requests end with an error instead of being dropped silently, and
 later outputs of those requests are skipped until their error output comes through
 (a request must never end "successfully" with a chunk missing).
 
 Each request's outputs go to the output stream of the orchestrator slot that owns it
 (`StageInputMsg.owner`, recorded by `route` as its input is handed to the core). The
-outputs of one round trip for one stream share entries (`codec.pack_batches`, up to
+outputs of one round trip for one stream share entries (`output_io.pack_entries`, up to
 `max_batch_bytes` each): one XADD per stream and round trip, however many requests.
 
 When no write is in flight, `publish` sends a small batch from the loop itself on the
@@ -25,14 +28,21 @@ import time
 from collections.abc import Callable, Sequence
 
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from omni_runtime import codec
 from omni_runtime.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.held_writes import PROBE_MAX_S
+from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import Fence
-from omni_runtime.worker.output_io import LOOP_SEND_MAX_BYTES, HeldConnection, OutputBatch
+from omni_runtime.worker.output_io import (
+    LOOP_SEND_MAX_BYTES,
+    HeldConnection,
+    OutputBatch,
+    pack_entries,
+)
 from omni_runtime.worker.output_routes import OwnerRoutes
 
 log = logging.getLogger(__name__)
@@ -209,8 +219,8 @@ class OutputThread:
         """A batch the loop took: read its replies, or write it (again) if they failed."""
         if batch.sent and self._held is not None:
             try:
-                self._held.replies(batch.sent)
-                return
+                if self._settle(batch, self._held.replies(batch.sent)) is None:
+                    return
             except RedisError as e:
                 self.metrics.inc("omni_retries_total", stream=self.out_stream)
                 log.warning("outputs sent from the loop got no reply, writing again: %r", e)
@@ -249,41 +259,87 @@ class OutputThread:
         return kept, acks
 
     def _batch(self, outputs: list[Outgoing], acks: list[bytes]) -> OutputBatch:
-        by_stream: dict[str, list[bytes]] = {}
+        by_stream: dict[str, list[Outgoing]] = {}
         for out in outputs:
-            by_stream.setdefault(self.routes.stream_of(out), []).append(out.payload)
+            by_stream.setdefault(self.routes.stream_of(out), []).append(out)
         entries = [
-            (stream, payload)
-            for stream, payloads in by_stream.items()
-            for payload in codec.pack_batches(payloads, self.max_batch_bytes)
+            entry
+            for stream, outs in by_stream.items()
+            for entry in pack_entries(stream, outs, self.max_batch_bytes)
         ]
         ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
         return OutputBatch(outputs, entries, ack_ids)
 
     def _write(self, batch: OutputBatch) -> None:
+        """Write the batch; what Redis refuses, again, alone: for memory after a probe's
+        delay, else the policy's, both within the policy's time in all."""
         policy = self.backoff()
+        probe = Backoff(policy.initial_s, PROBE_MAX_S)
+        give_up_at = time.monotonic() + policy.budget_s()
         while True:
+            error: RedisError | None
             try:
-                if self._held is not None:
-                    commands = batch.pack(self.in_stream, self.maxlen)
-                    self._held.send(commands)
-                    self._held.replies(len(commands))
-                    return
-                with self.client.pipeline(transaction=False) as pipe:
-                    batch.on_pipeline(pipe, self.in_stream, self.maxlen)
-                    pipe.execute()
+                error = self._settle(batch, self._round_trip(batch))
+            except RedisError as e:  # the round trip failed whole: all of it again
+                error = e
+            if error is None:
                 return
-            except RedisError as e:
+            if isinstance(error, ResponseError) and refusal(error) is Refusal.OUT_OF_MEMORY:
+                self.metrics.inc("omni_redis_oom_refusals_total", source="worker")
+                batch.per_request()
+                delay = probe.failed() if time.monotonic() < give_up_at else None
+            else:
                 delay = policy.failed()
-                if delay is None or (self._stop and policy.failures >= STOPPING_ATTEMPTS):
-                    self._give_up(batch.outputs, policy.failures, e)
-                    return
-                self.metrics.inc("omni_retries_total", stream=self.out_stream)
-                log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, e)
-                time.sleep(delay)
+            if delay is None or (
+                self._stop and policy.failures + probe.failures >= STOPPING_ATTEMPTS
+            ):
+                self._give_up(batch.outputs, policy.failures + probe.failures, error)
+                return
+            self.metrics.inc("omni_retries_total", stream=self.out_stream)
+            log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, error)
+            time.sleep(delay)
+
+    def _round_trip(self, batch: OutputBatch) -> list[object]:
+        """Every command's reply, an error reply as its `ResponseError`."""
+        if self._held is not None:
+            commands = batch.pack(self.in_stream, self.maxlen)
+            self._held.send(commands)
+            return self._held.replies(len(commands))
+        with self.client.pipeline(transaction=False) as pipe:
+            batch.on_pipeline(pipe, self.in_stream, self.maxlen)
+            return list(pipe.execute(raise_on_error=False))
+
+    def _settle(self, batch: OutputBatch, replies: list[object]) -> ResponseError | None:
+        """Narrow the batch to what Redis refused; the refusal to retry it for, or None.
+        An entry refused for good (a key of the wrong type, an ACL) fails the requests
+        whose outputs its stream carried, now; acknowledgements refused for good are let
+        go, logged."""
+        n = len(batch.entries)
+        forever = [
+            (e, r)
+            for e, r in zip(batch.entries, replies[:n], strict=True)
+            if isinstance(r, ResponseError) and _for_good(r)
+        ]
+        errors = batch.narrow(list(replies))
+        if forever:
+            gone = {id(e) for e, _r in forever}
+            batch.entries = [e for e in batch.entries if id(e) not in gone]
+            batch.outputs = [o for e in batch.entries for o in e.outputs]
+            self._give_up([o for e, _r in forever for o in e.outputs], 1, forever[0][1])
+        if any(_for_good(r) for r in replies[n:]):
+            log.error("acknowledging inputs failed for good: %r", replies[n:])
+            batch.acked, batch.commands = True, []
+        if not batch.entries and (batch.acked or not batch.ack_ids):
+            return None
+        return next((e for e in errors if not _for_good(e)), None)
 
     def _give_up(self, outputs: list[Outgoing], attempts: int, e: RedisError) -> None:
-        reason = f"Redis unreachable after {attempts} attempts ({type(e).__name__})"
+        if isinstance(e, ResponseError) and refusal(e) is Refusal.OUT_OF_MEMORY:
+            reason = oom_message(e)
+        elif isinstance(e, ResponseError) and refusal(e) is Refusal.PERMANENT:
+            reason = f"Redis refused the write: {e}"
+        else:
+            reason = f"Redis unreachable after {attempts} attempts ({type(e).__name__})"
         log.error(
             "dropping %d outputs of stage stream %s: %s", len(outputs), self.out_stream, reason
         )
@@ -291,3 +347,8 @@ class OutputThread:
         self._lost.update(o.request_id for o in outputs if not o.is_error)
         if outputs:
             self.on_lost(outputs, reason)
+
+
+def _for_good(reply: object) -> bool:
+    """An error reply that will come again however often the command is sent."""
+    return isinstance(reply, ResponseError) and refusal(reply) is Refusal.PERMANENT

@@ -15,6 +15,11 @@ The loop never connects and never sends much: it sends only on a connection that
 and only batches below `LOOP_SEND_MAX_BYTES`, so it cannot block on a connect or on a
 full socket buffer. A failure drops the connection; the output thread writes the batch
 again through its retry path and connects anew when it next writes.
+
+Every reply is read, error replies included: Redis ran the rest of the batch around a
+command it refused (out of memory refuses the XADDs, never the XACK and XDEL), so only
+the refused commands are sent again (`OutputBatch.narrow`); an entry sent twice would
+reach the orchestrator twice.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from typing import Any
 
 import redis
 from redis.connection import Connection
+from redis.exceptions import ResponseError
 
-from omni_runtime import keys
+from omni_runtime import codec, keys
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.worker.actions import Outgoing
@@ -38,41 +44,100 @@ busy step engine's batches are big: packed on the thread, they overlap its next 
 Command = tuple[Any, ...]
 
 
+@dataclass(slots=True)
+class Entry:
+    """One XADD: a stream, its payload (one output, or a batch), the outputs it carries."""
+
+    stream: str
+    payload: bytes
+    outputs: list[Outgoing]
+
+
+def pack_entries(stream: str, outputs: list[Outgoing], max_bytes: int) -> list[Entry]:
+    """Consecutive outputs as few entries as fit in `max_bytes` each (`codec.pack_batches`)."""
+    out: list[Entry] = []
+    group: list[Outgoing] = []
+    size = 0
+    for o in outputs:
+        if group and size + len(o.payload) > max_bytes - codec.BATCH_HEADER_BYTES:
+            out.append(_entry(stream, group))
+            group, size = [], 0
+        group.append(o)
+        size += len(o.payload)
+    if group:
+        out.append(_entry(stream, group))
+    return out
+
+
+def _entry(stream: str, group: list[Outgoing]) -> Entry:
+    payloads = [o.payload for o in group]
+    return Entry(stream, payloads[0] if len(group) == 1 else codec.encode_batch(payloads), group)
+
+
 @dataclass
 class OutputBatch:
     """One round trip: entries per orchestrator slot stream, then the handled inputs
     acknowledged and deleted (so their memory comes back)."""
 
     outputs: list[Outgoing]
-    entries: list[tuple[str, bytes]]
-    """(stream, payload): routed once, as routing forgets ended requests."""
+    entries: list[Entry]
+    """Routed once, as routing forgets ended requests."""
     ack_ids: list[bytes]
     sent: int = 0
     """Commands the loop sent ahead, whose replies are still to read (0: not sent)."""
     commands: list[Command] = field(default_factory=list)
+    acked: bool = False
+    """The XACK and XDEL went through: a retry sends only the refused entries."""
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(p) for _s, p in self.entries)
+        return sum(len(e.payload) for e in self.entries)
 
     def pack(self, in_stream: str, maxlen: int) -> list[Command]:
         """The commands, built once (a retry sends the same)."""
         if not self.commands:
             self.commands = [
-                ("XADD", stream, "MAXLEN", "~", maxlen, "*", keys.PAYLOAD_FIELD, payload)
-                for stream, payload in self.entries
+                ("XADD", e.stream, "MAXLEN", "~", maxlen, "*", keys.PAYLOAD_FIELD, e.payload)
+                for e in self.entries
             ]
-            if self.ack_ids:
+            if self.ack_ids and not self.acked:
                 self.commands.append(("XACK", in_stream, keys.WORKERS_GROUP, *self.ack_ids))
                 self.commands.append(("XDEL", in_stream, *self.ack_ids))
         return self.commands
 
+    def narrow(self, replies: list[Any]) -> list[ResponseError]:
+        """Keep only what Redis refused (replies in `pack` order, or `on_pipeline`'s): the
+        errors, none if all of it went through."""
+        errors = [r for r in replies if isinstance(r, ResponseError)]
+        if errors:
+            n = len(self.entries)
+            added = zip(self.entries, replies[:n], strict=True)
+            self.entries = [e for e, r in added if isinstance(r, ResponseError)]
+            self.acked = self.acked or not any(isinstance(r, ResponseError) for r in replies[n:])
+            self.outputs = [o for e in self.entries for o in e.outputs]
+            self.commands = []
+        return errors
+
+    def per_request(self) -> None:
+        """One entry per request instead of one per stream: Redis short of memory refuses
+        a command bigger than the room it has left (its own bytes count), so smaller ones
+        get through as memory comes back. Each request's outputs stay in one entry, in
+        order (two could pass each other)."""
+        split: list[Entry] = []
+        for e in self.entries:
+            mine: dict[str, list[Outgoing]] = {}
+            for o in e.outputs:
+                mine.setdefault(o.request_id, []).append(o)
+            split.extend(_entry(e.stream, group) for group in mine.values())
+        if len(split) != len(self.entries):
+            self.entries, self.commands = split, []
+
     def on_pipeline(self, pipe: Any, in_stream: str, maxlen: int) -> None:
         """The same round trip through redis-py (a cluster routes each command by key)."""
-        for stream, payload in self.entries:
-            fields = xadd_fields({keys.PAYLOAD_FIELD: payload})
-            pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
-        if self.ack_ids:
+        for e in self.entries:
+            fields = xadd_fields({keys.PAYLOAD_FIELD: e.payload})
+            pipe.xadd(e.stream, fields, maxlen=maxlen, approximate=True)
+        if self.ack_ids and not self.acked:
             pipe.xack(in_stream, keys.WORKERS_GROUP, *self.ack_ids)
             pipe.xdel(in_stream, *self.ack_ids)
 
@@ -109,17 +174,23 @@ class HeldConnection:
             raise
         self.up = True
 
-    def replies(self, count: int) -> None:
-        """Read `count` replies (the output thread only); the first error reply raises."""
+    def replies(self, count: int) -> list[Any]:
+        """Read `count` replies (the output thread only), an error reply as its
+        `ResponseError` (read whole: the connection is still in step)."""
         conn = self._conn
         if conn is None:
             raise redis.exceptions.ConnectionError("the held connection was dropped")
+        out: list[Any] = []
         try:
             for _ in range(count):
-                conn.read_response()
+                try:
+                    out.append(conn.read_response())
+                except ResponseError as e:
+                    out.append(e)
         except BaseException:
             self._drop()  # replies left unread: the connection is out of step
             raise
+        return out
 
     def close(self) -> None:
         if self._conn is not None:

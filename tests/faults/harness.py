@@ -53,6 +53,9 @@ class FaultReport:
     memory_before: int = 0
     memory_after: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    late_successes: dict[str, int] = field(default_factory=dict)
+    """Success finals that reached the client after it had ended the request with an
+    error, by that error's kind (only a gap, `outputs lost`, may rightly come first)."""
 
     def line(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
@@ -242,6 +245,8 @@ async def run_load(
         if fault_task is not None:
             await fault_task
         report.duplicated = client.dropped_outputs
+        late = client.metrics.snapshot().get("omni_late_successes_total", {})
+        report.late_successes = {dict(labels)["reason"]: int(n) for labels, n in late.items()}
     for rid, outs in outcomes.items():
         if outs is None or not outs or not outs[-1].finished:
             report.lost += 1

@@ -10,7 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_runtime.errors import OOM_MESSAGE
 from omni_runtime.http.app import create_app
+from omni_runtime.http.errors import OOM_RETRY_AFTER_S
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import OutputsConfig, load_pipeline
@@ -30,6 +32,7 @@ from tests.integration.http_support import (
     omni,
     sse_events,
 )
+from tests.redis_full import FullableRedis
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -177,3 +180,37 @@ async def test_stage_failure_is_an_openai_error(
             events = sse_events((await api.post(CHAT, json={**body, "stream": True})).text)
             assert "boom" in events[-1]["error"]["message"]
             assert app.state.gateway.inflight == 0
+
+
+async def test_redis_out_of_memory_answers_503_with_retry_after_and_ready_says_so(
+    full_redis: FullableRedis,
+) -> None:
+    """A submission Redis refuses for memory is shed at once; `/ready` names the condition
+    while it lasts; once Redis has room, requests are served again."""
+    settings = fast_settings().model_copy(update={"redis_url": full_redis.url})
+    clients = RedisClients.from_url(full_redis.url)
+    async with (
+        InProcessCluster(omni(), settings, clients) as cluster,
+        http(create_app(gateway_for(cluster))) as api,
+    ):
+        with full_redis.full():
+            resp = await api.post(CHAT, json=chat_body())
+            error = assert_error(resp, 503)
+            assert error["code"] == "redis_out_of_memory"
+            assert error["message"].startswith(OOM_MESSAGE)
+            assert resp.headers["Retry-After"] == str(OOM_RETRY_AFTER_S)
+
+            ready = await api.get("/ready")
+            for _ in range(100):  # the server's client hears it with its next heartbeat
+                if ready.status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+                ready = await api.get("/ready")
+            assert assert_error(ready, 503)["code"] == "redis_out_of_memory"
+        for _ in range(100):
+            ready = await api.get("/ready")
+            if ready.status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert ready.status_code == 200
+        assert (await api.post(CHAT, json=chat_body())).status_code == 200

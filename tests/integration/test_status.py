@@ -28,6 +28,7 @@ from omni_runtime.ops.dead_letters import (
 )
 from omni_runtime.ops.status import add_status_arguments, run_status
 from omni_runtime.settings import Settings
+from tests.redis_full import FullableRedis
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,3 +209,28 @@ def test_live_view_refreshes_and_survives_a_redis_error(monkeypatch: pytest.Monk
     console, buf = _console()
     assert run_status(_args("--interval", "0.1"), SETTINGS, client=r, console=console) == 0
     assert frames["n"] == 3 and "gpu-a" in buf.getvalue()
+
+
+def test_status_says_when_redis_is_out_of_memory(full_redis: FullableRedis) -> None:
+    """At maxmemory with noeviction Redis refuses writes: status says so, with the count of
+    writes refused, and is unhealthy while it lasts."""
+    client = redis.Redis.from_url(full_redis.url)
+    try:
+        _deployment(client)
+        client.set(N.stage_heartbeat(2, "w2"), "{}", ex=keys.HEARTBEAT_TTL_S)
+        console, buf = _console()
+        assert run_status(_args("--json"), SETTINGS, client=client, console=console) == 0
+        assert json.loads(buf.getvalue())["redis_memory"]["out_of_memory"] is False
+        with full_redis.full():
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                client.set("x", 1)
+            console, buf = _console()
+            assert run_status(_args("--json"), SETTINGS, client=client, console=console) == 1
+            memory = json.loads(buf.getvalue())["redis_memory"]
+            assert memory["out_of_memory"] is True and memory["policy"] == "noeviction"
+            assert memory["maxmemory_bytes"] == 1 and memory["oom_refusals"] >= 1
+            console, buf = _console()
+            run_status(_args("--once"), SETTINGS, client=client, console=console)
+            assert "Redis is out of memory" in buf.getvalue()
+    finally:
+        client.close()

@@ -42,6 +42,7 @@ class FlakyPipe:
     def __init__(self, owner: FlakyRedis) -> None:
         self.owner = owner
         self.ops: list[tuple[str, Any]] = []
+        self.commands = 0
 
     def __enter__(self) -> FlakyPipe:
         return self
@@ -50,22 +51,26 @@ class FlakyPipe:
         pass
 
     def xadd(self, stream: str, fields: dict[str, bytes], **_kw: Any) -> None:
+        self.commands += 1
         entry = {k.encode(): v for k, v in fields.items()}
         for msg in parse_entries(entry, StageOutputMsg, 1 << 20):  # one round trip's batch
             self.ops.append(("xadd", (msg.request_id, msg.seq, msg.error)))
 
     def xack(self, stream: str, group: str, *ids: bytes) -> None:
+        self.commands += 1
         self.ops.extend(("xack", i) for i in ids)
 
     def xdel(self, stream: str, *ids: bytes) -> None:
+        self.commands += 1
         self.ops.extend(("xdel", i) for i in ids)
 
-    def execute(self) -> None:
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
         with self.owner.lock:
             if self.owner.failures > 0:
                 self.owner.failures -= 1
                 raise redis.exceptions.ConnectionError("down")
             self.owner.written.extend(self.ops)
+        return [1] * self.commands
 
 
 def out(rid: str, seq: int, ends: bool = False, error: str | None = None) -> Outgoing:
