@@ -7,13 +7,14 @@ this module is the runtime's side, so stage authors never import it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig, resolve_entry
@@ -247,6 +248,15 @@ async def _collect_async(
     finally:
         await agen.aclose()
     sink.end()
+
+
+def engine_factory(stage: StageConfig, source_dir: Path | None) -> Callable[[], StageEngine] | None:
+    """How to build a step engine anew (`cls(**options)`), so the worker can start it over
+    after a failed step; None for a function stage (its calls do not fail as a batch)."""
+    entry = resolve_entry(stage.entry, source_dir)
+    if not inspect.isclass(entry):
+        return None
+    return cast("Callable[[], StageEngine]", functools.partial(entry, **stage.options))
 
 
 def load_engine(
