@@ -53,6 +53,8 @@ class FaultReport:
     memory_before: int = 0
     memory_after: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    error_texts: dict[str, str] = field(default_factory=dict)
+    """The first full error text of each reason in `errors`."""
 
     def line(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
@@ -249,6 +251,7 @@ async def run_load(
             report.failed += 1
             reason = outs[-1].error.split(":")[0]
             report.errors[reason] = report.errors.get(reason, 0) + 1
+            report.error_texts.setdefault(reason, outs[-1].error)
         elif [(o.stage_id, o.data, o.finished) for o in outs] == expected(prompts[rid]):
             report.ok += 1
         else:
