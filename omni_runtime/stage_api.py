@@ -8,8 +8,11 @@ Two shapes of stage code (see docs/stages.md):
   finished when the generator ends. `with_last(data)` tells, without delay,
   whether an upstream chunk is the last one.
 * **A step engine** (a class, built as `cls(**options)`): `add_request`,
-  `step`, `abort`, `has_work` — for real model engines that batch many
-  requests per step (the shape of vLLM's `LLMEngine`).
+  `step`, `abort`, `has_work`, and optionally `close` and `reset` — for real
+  model engines that batch many requests per step (the shape of vLLM's
+  `LLMEngine`). After `step()` raises, the worker resets the engine and runs
+  the step's requests again to find the one that broke it; it must re-run a
+  request alike (seeded per request).
 * **An async engine** (a class): `start`, `generate` (an async iterator per
   request), `abort`, `check_health`, `stats`, `close` — for engines that own
   their threads (the shape of vLLM's `AsyncLLM`, llama.cpp's server).

@@ -118,7 +118,8 @@ class EngineDriver:
             log.error("stage %d: %s (requests %s)", self.stage_id, error, e.request_ids)
             return Stepped(failed=failed + [(rid, error) for rid in e.request_ids])
         except Exception as e:
-            return Stepped(failed=failed + self._start_over(self.describe(method, e)), again=True)
+            ended, again = self._start_over(self.describe(method, e))
+            return Stepped(failed=failed + ended, again=again)
         if self._counts:
             outputs = self._unsent(outputs, failed)
         admitted = self.quarantine.stepped()
@@ -134,10 +135,11 @@ class EngineDriver:
         log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)
         return f"{self.stage_name} {method}() raised {type(e).__name__}: {e}"
 
-    def _start_over(self, error: str) -> Failures:
-        """After a failed step: reset the engine and give it back the step's requests."""
+    def _start_over(self, error: str) -> tuple[Failures, bool]:
+        """After a failed step: reset the engine and give it back the step's requests. The
+        requests that end, and whether any went back in (to step again at once)."""
         if not self._reset():  # the engine is as the failure left it: its requests end
-            return [(rid, error) for rid in self.quarantine.in_engine]
+            return [(rid, error) for rid in self.quarantine.in_engine], False
         verdict = self.quarantine.failed()
         self.metrics.inc("omni_engine_resets_total", stage=self._stage)
         log.warning(
@@ -153,7 +155,7 @@ class EngineDriver:
             self.metrics.inc("omni_poison_requests_total", stage=self._stage)
             log.error("stage %d: poison: in %d failed steps", self.stage_id, n, extra=_rid(rid))
             failed.append((rid, f"{error} (poison: this request was in {n} failed steps)"))
-        return failed + self._give_all(verdict.readmitted)
+        return failed + self._give_all(verdict.readmitted), bool(verdict.readmitted)
 
     def _reset(self) -> bool:
         """The engine's `reset()`, else a new one from the factory; False: neither worked."""
