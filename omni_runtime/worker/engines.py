@@ -252,9 +252,10 @@ async def _collect_async(
 
 def engine_factory(stage: StageConfig, source_dir: Path | None) -> Callable[[], StageEngine] | None:
     """How to build a step engine anew (`cls(**options)`), so the worker can start it over
-    after a failed step; None for a function stage (its calls do not fail as a batch)."""
+    after a failed step; None for any other stage (a function's calls do not fail as a
+    batch; another engine shape is wrapped, and not rebuilt this way)."""
     entry = resolve_entry(stage.entry, source_dir)
-    if not inspect.isclass(entry):
+    if not (inspect.isclass(entry) and issubclass(entry, StageEngine)):
         return None
     return cast("Callable[[], StageEngine]", functools.partial(entry, **stage.options))
 

@@ -10,9 +10,12 @@ import pytest
 from omni_runtime import codec
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.pipeline import StageConfig
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.core import WorkerCore
+from omni_runtime.worker.engines import engine_factory
+from tests.faults.poison import BatchPoisonEngine
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -249,3 +252,43 @@ def test_a_held_back_request_that_is_aborted_ends_without_reaching_the_engine() 
     seen = run(core)
     assert "c" not in seen and seen["p"][-1][3] is not None
     assert seen["a"] == expected(["1", "2"]) and seen["b"] == expected(["1", "2"])
+
+
+class AsyncShaped:
+    """Not a step engine: no add_request/step/has_work."""
+
+    async def generate(self, request_id: str, data: Any) -> Any:
+        return data
+
+
+def test_the_factory_builds_a_step_engine_anew_with_its_options_and_nothing_else() -> None:
+    def stage(entry: str, **options: Any) -> StageConfig:
+        return StageConfig(id=1, name="s", entry=entry, options=options)
+
+    build = engine_factory(stage("tests.faults.poison:BatchPoisonEngine", step_ms=3), None)
+    assert build is not None
+    first, second = build(), build()
+    assert first is not second and isinstance(first, BatchPoisonEngine)
+    assert isinstance(second, BatchPoisonEngine) and second.step_ms == 3
+    assert engine_factory(stage("workers.seed:upper_all"), None) is None
+    assert engine_factory(stage("tests.unit.test_worker_reset:AsyncShaped"), None) is None
+
+
+def test_a_re_admitted_request_gets_its_params_again() -> None:
+    class WithParams(ResettableEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.params: list[tuple[str, Any]] = []
+
+        def add_request(self, request_id: str, data: Any, params: Any = None) -> None:
+            self.params.append((request_id, params))
+            super().add_request(request_id, data)
+
+    engine = WithParams()
+    core = make(engine)
+    msg = StageInputMsg(request_id="a", data=["1", "2"], params={"voice": "x"})
+    core.on_input(Input(b"a-0", msg), now=0)
+    core.on_input(inp("p", ["poison"]), now=0)
+    seen = run(core)
+    assert seen["a"] == expected(["1", "2"])
+    assert [p for rid, p in engine.params if rid == "a"] == [{"voice": "x"}] * 3
