@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     worker_quick_call_ms: Annotated[float, Field(ge=0, le=100)] = 1.0
     """A function stage whose calls average less than this runs them on the worker thread
     that received their inputs instead of a pool thread (0: always the pool)."""
+    worker_poison_strikes: Annotated[int, Field(gt=0, le=100)] = 2
+    """A step engine's request blamed alone for this many of its failed steps (step()
+    raised; the worker resets the engine and runs the step's requests again) ends with an
+    error, as the poison; the others go on."""
     client_buffer_outputs: Annotated[int, Field(gt=0)] = keys.CLIENT_BUFFER_OUTPUTS
     """Outputs a client buffers for one request its consumer does not read; past this the
     request is aborted (one error final) and its buffer freed."""

@@ -8,8 +8,11 @@ Two shapes of stage code (see docs/stages.md):
   finished when the generator ends. `with_last(data)` tells, without delay,
   whether an upstream chunk is the last one.
 * **A step engine** (a class, built as `cls(**options)`): `add_request`,
-  `step`, `abort`, `has_work` — for real model engines that batch many
-  requests per step (the shape of vLLM's `LLMEngine`).
+  `step`, `abort`, `has_work`, and optionally `close` and `reset` — for real
+  model engines that batch many requests per step (the shape of vLLM's
+  `LLMEngine`). After `step()` raises, the worker resets the engine and runs
+  the step's requests again to find the one that broke it; it must re-run a
+  request alike (seeded per request).
 * **An async engine** (a class): `start`, `generate` (an async iterator per
   request), `abort`, `check_health`, `stats`, `close` — for engines that own
   their threads (the shape of vLLM's `AsyncLLM`, llama.cpp's server).
@@ -121,11 +124,25 @@ class ClosableEngine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ResettableEngine(Protocol):
+    """An engine that can start over after a failed step: `reset()` drops every request it
+    holds and whatever state the failed step left, as a new engine would be.
+
+    Optional. After any exception from `step()` (other than `StepFailed`) the worker
+    calls it, or without it builds the engine anew (`cls(**options)`, closing the old one),
+    then gives the engine the requests of the failed step again (docs/stages.md).
+    """
+
+    def reset(self) -> None: ...
+
+
 class StepFailed(OmniError):
     """Raise from `step()` to say which requests a failed step concerns.
 
-    Only those end with an error; any other exception from `step()` fails every
-    request the engine holds, since the worker cannot tell which were in the step.
+    Only those end with an error, and the engine goes on as it is. After any other
+    exception the worker cannot tell which request broke the step: it resets the
+    engine and runs the step's requests again, until the one that keeps failing is found.
     """
 
     def __init__(self, request_ids: Iterable[str], cause: str) -> None:
@@ -192,6 +209,12 @@ class ChunkStream:
         """True once the upstream's last chunk arrived."""
         with self._cv:
             return self._closed
+
+    def rewind(self) -> None:
+        """Make `take` start again from the first chunk (the worker's, when it gives the
+        request to a reset engine); chunks keep arriving as before."""
+        with self._cv:
+            self._taken = 0
 
     def take(self) -> list[Any]:
         """The chunks that arrived since the last `take` (never blocks)."""

@@ -4,14 +4,15 @@ The process shell (`proc.py`) feeds it what its I/O threads delivered, lets it d
 the engine (`step`, `tick`) and carries out the `Actions` it hands back. Every rule of
 a request's life on a worker — one final per request, per-request output sequence
 numbers, an abort beats a late input, a silent upstream times out, a failing engine
-fails only the requests it concerns — lives here, testable with no Redis.
+fails only the requests it concerns — lives here, testable with no Redis. Its hands on
+the engine, which start a failed step engine over, are `driver.EngineDriver`'s.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omni_runtime import codec
@@ -19,14 +20,10 @@ from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.messages import WIRE_VERSION, clip_error
 from omni_runtime.metrics import Metrics
-from omni_runtime.stage_api import (
-    ChunkStream,
-    EngineOutput,
-    StageEngine,
-    StepFailed,
-    takes_params,
-)
+from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
+from omni_runtime.worker.driver import EngineDriver
+from omni_runtime.worker.poison import POISON_STRIKES
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +49,12 @@ class WorkerCore:
         reports_outputs: bool = True,
         abort_memory_s: float = ABORT_MEMORY_S,
         abort_memory_max: int = ABORT_MEMORY_MAX,
+        rebuild: Callable[[], StageEngine] | None = None,
+        poison_strikes: int = POISON_STRIKES,
     ) -> None:
-        self.engine = engine
-        self._engine_takes_params = takes_params(engine.add_request)
+        self.driver = EngineDriver(
+            engine, stage_id, stage_name, metrics, rebuild=rebuild, poison_strikes=poison_strikes
+        )
         self.stage_id = stage_id
         self.stage_name = stage_name
         self.sends_chunks = sends_chunks
@@ -73,6 +73,11 @@ class WorkerCore:
         self._actions = Actions()
         self._last_check: Ownership | None = None
         """The latest ownership snapshot: an input read before a stall may arrive after it."""
+
+    @property
+    def engine(self) -> StageEngine:
+        """The engine now: a reset may have built a new one (`driver`)."""
+        return self.driver.engine
 
     @property
     def in_flight(self) -> int:
@@ -137,14 +142,9 @@ class WorkerCore:
             req.stream = data = ChunkStream()
             self._actions.receiver_loads.append(rid)
         self._active[rid] = req
-        try:
-            if self._engine_takes_params:
-                add: Any = self.engine.add_request  # declares `params` (checked above)
-                add(rid, data, params=inp.msg.params)
-            else:
-                self.engine.add_request(rid, data)
-        except Exception as e:
-            self._fail(rid, self._engine_error("add_request", e))
+        error = self.driver.add(rid, data, inp.msg.params)
+        if error is not None:
+            self._fail(rid, error)
 
     def on_abort(self, request_id: str, now: float) -> None:
         """Drop the request: engine, chunk sender and receiver, its input entry. A receiving
@@ -160,7 +160,7 @@ class WorkerCore:
             if first and self.receives_chunks:
                 self._actions.discards.append(request_id)
             return
-        self._abort_engine(request_id)
+        self.driver.drop(request_id, abort=True)
         self._actions.discards.append(request_id)
         self._actions.acks.append(req.entry_id)
         self._actions.freed_slots += 1
@@ -173,7 +173,7 @@ class WorkerCore:
         lost = [rid for rid, req in self._active.items() if ownership.lost(req.entry_id)]
         for rid in lost:
             del self._active[rid]
-            self._abort_engine(rid)
+            self.driver.drop(rid, abort=True)
             if self.receives_chunks:  # locally only: the chunk keys are the new owner's now
                 self._actions.receiver_cleanups.append(rid)
             self._actions.freed_slots += 1
@@ -216,28 +216,17 @@ class WorkerCore:
             self._publish_error(rid, error, max(o.seq for o in outs) + 1, ack)
 
     def step(self) -> bool:
-        """Step the engine if it has work; True if that produced outputs or failures."""
-        method = "has_work"
-        try:
-            if not self.engine.has_work():
-                return False
-            method = "step"
-            outputs = self.engine.step()
-        except StepFailed as e:
-            error = f"{self.stage_name} step() failed: {e}"
-            failed = [rid for rid in e.request_ids if rid in self._active]
-            log.error("stage %d: %s (requests %s)", self.stage_id, error, failed)
-            for rid in failed:
+        """Step the engine if it has work; True if that produced outputs or failures (or
+        started the engine over: the next step comes at once)."""
+        stepped = self.driver.step()
+        if stepped is None:
+            return False
+        for rid, error in stepped.failed:
+            if rid in self._active:
                 self._fail(rid, error)
-            return True
-        except Exception as e:
-            error = self._engine_error(method, e)
-            for rid in list(self._active):
-                self._fail(rid, error)
-            return True
-        for out in outputs:
+        for out in stepped.outputs:
             self._emit(out)
-        return bool(outputs)
+        return bool(stepped.outputs or stepped.failed or stepped.again)
 
     def tick(self, now: float) -> None:
         """Housekeeping: fail requests whose upstream went silent, forget old aborts."""
@@ -292,31 +281,20 @@ class WorkerCore:
     def _fail(self, rid: str, error: str, abort_engine: bool = True) -> None:
         """End an active request with one error output; the engine stops working on it."""
         req = self._active[rid]
-        if abort_engine:
-            self._abort_engine(rid)
         log.error("stage %d: request failed: %s", self.stage_id, error, extra=_rid(rid))
         self._actions.discards.append(rid)
         self._publish_error(rid, error, req.seq, req.entry_id)
-        self._end(rid, failed=True)
+        self._end(rid, failed=True, abort_engine=abort_engine)
 
-    def _end(self, rid: str, failed: bool) -> None:
+    def _end(self, rid: str, failed: bool, abort_engine: bool = False) -> None:
         del self._active[rid]
+        self.driver.drop(rid, abort=abort_engine)
         if self.receives_chunks:
             self._actions.receiver_cleanups.append(rid)
         self._actions.freed_slots += 1
         self.metrics.inc("omni_requests_completed_total", stage=self._stage)
         if failed:
             self.metrics.inc("omni_requests_failed_total", stage=self._stage)
-
-    def _abort_engine(self, rid: str) -> None:
-        try:
-            self.engine.abort(rid)
-        except Exception:
-            log.exception("stage %d: abort() raised", self.stage_id, extra=_rid(rid))
-
-    def _engine_error(self, method: str, e: Exception) -> str:
-        log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)
-        return f"{self.stage_name} {method}() raised {type(e).__name__}: {e}"
 
 
 def _encode_output(rid: str, data: Any, finished: bool, error: str | None, seq: int) -> bytes:

@@ -7,13 +7,14 @@ this module is the runtime's side, so stage authors never import it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig, resolve_entry
@@ -247,6 +248,16 @@ async def _collect_async(
     finally:
         await agen.aclose()
     sink.end()
+
+
+def engine_factory(stage: StageConfig, source_dir: Path | None) -> Callable[[], StageEngine] | None:
+    """How to build a step engine anew (`cls(**options)`), so the worker can start it over
+    after a failed step; None for any other stage (a function's calls do not fail as a
+    batch; another engine shape is wrapped, and not rebuilt this way)."""
+    entry = resolve_entry(stage.entry, source_dir)
+    if not (inspect.isclass(entry) and issubclass(entry, StageEngine)):
+        return None
+    return cast("Callable[[], StageEngine]", functools.partial(entry, **stage.options))
 
 
 def load_engine(

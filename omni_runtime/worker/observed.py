@@ -74,4 +74,6 @@ class WorkerObservation:
             "malformed_inputs": self.count("omni_malformed_entries_total", stream=self.in_stream),
             "takeovers": self.count("omni_takeovers_total"),
             "deposed": self.count("omni_deposed_requests_total"),
+            "engine_resets": self.count("omni_engine_resets_total"),
+            "poisoned": self.count("omni_poison_requests_total"),
         }

@@ -23,11 +23,10 @@ from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
-from omni_runtime.stage_api import ClosableEngine
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.core import WorkerCore
-from omni_runtime.worker.engines import GeneratorEngine, load_engine
+from omni_runtime.worker.engines import GeneratorEngine, engine_factory, load_engine
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.observed import WorkerObservation
@@ -89,7 +88,6 @@ class StageWorker:
                                   self._wake.set, ended, self._turn.defer,
                                   s.worker_quick_call_ms / 1000)  # fmt: skip
         self._turn.shared = isinstance(self.engine, GeneratorEngine)
-        self._closable = self.engine if isinstance(self.engine, ClosableEngine) else None
         self.core = WorkerCore(
             self.engine,
             stage_id,
@@ -100,6 +98,8 @@ class StageWorker:
             input_timeout_s=s.input_timeout_s,
             metrics=self.metrics,
             reports_outputs=not self.sends_chunks or stage_id in pipeline.final_stage_ids,
+            rebuild=engine_factory(self.stage, pipeline.source_dir),
+            poison_strikes=s.worker_poison_strikes,
         )
         self._connector: RedisConnector | None = None
         self.adapter: ChunkAdapter | None = None  # streaming only: built (and started) in `run`
@@ -289,11 +289,7 @@ class StageWorker:
         self._heartbeat.forget()
         if self._connector is not None:
             self._connector.close()
-        if self._closable is not None:
-            try:
-                self._closable.close()
-            except Exception:
-                log.exception("stage %d engine close() raised", self.stage_id)
+        self.core.driver.close()
         self.observed.close()
         self._client.close()
         counts = [f"{k}={v}" for k, v in self.status().items() if isinstance(v, int) and k != "pid"]

@@ -56,6 +56,8 @@ class FaultReport:
     late_successes: dict[str, int] = field(default_factory=dict)
     """Success finals that reached the client after it had ended the request with an
     error, by that error's kind (only a gap, `outputs lost`, may rightly come first)."""
+    error_texts: dict[str, str] = field(default_factory=dict)
+    """The first full error text of each reason in `errors`."""
 
     def line(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
@@ -254,6 +256,7 @@ async def run_load(
             report.failed += 1
             reason = outs[-1].error.split(":")[0]
             report.errors[reason] = report.errors.get(reason, 0) + 1
+            report.error_texts.setdefault(reason, outs[-1].error)
         elif [(o.stage_id, o.data, o.finished) for o in outs] == expected(prompts[rid]):
             report.ok += 1
         else:

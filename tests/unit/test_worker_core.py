@@ -204,7 +204,7 @@ def test_an_output_that_cannot_travel_fails_its_request() -> None:
     assert core.metrics.value("omni_requests_failed_total", stage=1) == 1
 
 
-def test_a_step_that_raises_fails_every_request_it_holds_once_and_the_core_goes_on() -> None:
+def test_a_step_that_raises_with_no_reset_and_no_factory_fails_every_request_it_holds() -> None:
     core, engine = make()
     core.on_input(inp("a", [1, 2]), now=0)
     core.on_input(inp("b", [3, 4]), now=0)
