@@ -229,15 +229,16 @@ class ProcessGroup:
 
 
 def child_env(redis_url: str, extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
-    """This process's environment for a child, with `extra` over it (None: unset)."""
+    """This process's environment for a child, with `extra` over it (None: unset) and the
+    Redis URL over both."""
     env = dict(os.environ)
-    env["OMNI_REDIS_URL"] = redis_url
     env.setdefault("PYTHONUNBUFFERED", "1")
     for name, value in (extra or {}).items():
         if value is None:
             env.pop(name, None)
         else:
             env[name] = value
+    env["OMNI_REDIS_URL"] = redis_url
     return env
 
 

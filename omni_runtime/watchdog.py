@@ -191,7 +191,8 @@ class Watchdog:
             self.on_stuck(stuck)
         except Exception:
             log.exception("giving back what the process holds failed")
-        logging.shutdown()  # flush the lines above: the exit skips every cleanup
+        for handler in logging.getLogger().handlers:  # the exit skips every cleanup
+            handler.flush()
         sys.stdout.flush()
         sys.stderr.flush()
         self._exit(WEDGED_EXIT_CODE)

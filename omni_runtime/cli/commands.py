@@ -249,7 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"serve needs the serve extra: pip install 'omni-runtime[serve]' ({e})"
         ) from None
-    return run_serve(args, settings_of(args))
+    exit_now(run_serve(args, settings_of(args)))  # stopped and closed: no teardown to wait for
 
 
 def cmd_status(args: argparse.Namespace) -> int:

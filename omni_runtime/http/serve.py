@@ -49,9 +49,9 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
     serve = serve_settings(args)
     serve.check_exposure()
-    # Until uvicorn takes SIGINT and SIGTERM, and after (it re-raises the signal that stopped
-    # it once it has shut down), all three are a KeyboardInterrupt: their default action
-    # would end this process before it stops the processes it started.
+    # Before and after serving (`_serve`), SIGTERM and SIGHUP are a KeyboardInterrupt, as
+    # SIGINT is: their default action would end this process before it stops the processes
+    # it started.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:
@@ -94,12 +94,16 @@ async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> 
         log_config=None,  # keep the process's logging setup
     )
     server = uvicorn.Server(config)
-    # SIGHUP as uvicorn takes SIGTERM: a graceful shutdown (uvicorn does not take it itself)
-    previous = signal.signal(signal.SIGHUP, server.handle_exit)
+    # Each stop signal is a graceful shutdown, SIGHUP too (uvicorn takes only SIGINT and
+    # SIGTERM), from now on (uvicorn takes them only once it runs) and once uvicorn has
+    # stopped (it raises the signal again then, for a KeyboardInterrupt in a task).
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in stop_signals}
     try:
         return await _serve_until_stopped(server, group)
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def _serve_until_stopped(server: uvicorn.Server, group: ProcessGroup | None) -> int:
