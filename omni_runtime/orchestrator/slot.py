@@ -281,6 +281,7 @@ class SlotService:
             ended = None if task is None or task.cancelled() else task.exception()
             return f"(the request loop has ended: {ended!r})"
         out = io.StringIO()
+        out.write(f"{self._in_hand} entries in hand; ")
         task.print_stack(file=out)
         return out.getvalue()
 
