@@ -133,7 +133,6 @@ class ProcessGroup:
         self.final_logs: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}
         """With OMNI_METRICS_PORT=P in `env`, process i (orchestrator first) serves on P + i."""
-        self._at_start: Callable[[], None] | None = None
 
     def start(self) -> None:
         if self.fork and can_fork():
@@ -151,8 +150,7 @@ class ProcessGroup:
         """Start one process; `extra_env` adds to (or overrides) the group's variables."""
         env = {**self.env, **(extra_env or {})}
         base = env.get("OMNI_METRICS_PORT", "").strip()
-        if self._at_start is None:
-            self._at_start = exit_with_parent()
+        at_start = exit_with_parent()  # per start: the kernel follows the starting thread
         if base.isdigit() and int(base) > 0:  # one port each: the same one would fail all but one
             port = self.metrics_ports[name] = int(base) + len(self.procs)
             env = {**env, "OMNI_METRICS_PORT": str(port)}
@@ -161,16 +159,14 @@ class ProcessGroup:
         proc: subprocess.Popen[bytes] | ForkedProcess
         if self.fork and can_fork():  # cmd[3:]: the arguments after `python -m omni_runtime.cli`
             siblings = [f for _n, _p, f in self.procs]
-            proc = fork_main(
-                cmd[3:], env, logfile, siblings, self._stage_packages(), self._at_start
-            )
+            proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages(), at_start)
         else:
             proc = subprocess.Popen(
                 cmd,
                 env=env,
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
-                preexec_fn=self._at_start,
+                preexec_fn=at_start,
             )
         self.procs.append((name, proc, logfile))
 
