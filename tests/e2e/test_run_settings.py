@@ -10,9 +10,12 @@ stamps in the private Redis from the orchestrator and a worker of every stage.""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,22 @@ SETTINGS_LINE = re.compile(r" settings: (\{.*\})$", re.MULTILINE)
 PROMPT = "hi there how are you today"
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free now, below the ephemeral range
+    (where a free port found there may be taken by any outgoing connection meanwhile)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _attempt in range(100):
+        base = random.randrange(10_000, low - count)
+        with contextlib.ExitStack() as bound:
+            try:
+                for port in range(base, base + count):
+                    bound.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
 def settings_logged(log: str) -> dict[str, Any]:
     found = SETTINGS_LINE.findall(log)
     assert len(found) == 1, log[-3000:]
@@ -47,7 +66,7 @@ def settings_logged(log: str) -> dict[str, Any]:
 
 
 def test_every_setting_given_to_run_reaches_every_process_it_starts(tmp_path: Path) -> None:
-    metrics_base = free_port()
+    metrics_base = free_ports(len(PROCESSES))
     wanted = {k: v for k, v in NON_DEFAULT.items() if k != "redis_url"}  # `run` starts one
     wanted |= {"deadline_s": 0.1, "trace_file": str(tmp_path / "trace.txt")}
     wanted["metrics_port"] = metrics_base
@@ -108,7 +127,7 @@ def metrics_of(port: int) -> str:
 
 
 def test_serve_passes_metrics_port_and_trace_to_every_process_it_starts() -> None:
-    port, metrics_base = free_port(), free_port()
+    port, metrics_base = free_port(), free_ports(len(PROCESSES))
     args = ("--pipeline", OMNI, "--port", str(port), "--metrics-port", str(metrics_base))
     with launched("serve", *args, "--trace") as serve:
         wait_until(lambda: serve_ready(serve, port), START_DEADLINE_S)
