@@ -75,11 +75,12 @@ async def test_a_wedged_slot_loop_stops_its_process_and_loses_nothing(
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
     assert exit_code == WEDGED_EXIT_CODE, wedged_log
     assert noticed is not None, wedged_log
-    assert WATCHDOG_S < float(noticed[1]) <= WATCHDOG_S + 2 * period_s, wedged_log
+    assert WATCHDOG_S < float(noticed[1]) <= WATCHDOG_S + 5 * period_s, wedged_log
     assert "in _read_requests" in wedged_log, "the log shows where the loop is stuck"
     assert taken is not None and taken[1] == "1", healthy_log
     # The lease was given back: the slot is taken over at the healthy one's next renewal
-    # round (every quarter TTL), not once the lease lapsed (a TTL after the last renewal).
+    # round (every quarter TTL), not once the lease lapsed (a TTL after the last renewal,
+    # itself at most a quarter TTL before the exit: 3/4 TTL after it at the earliest).
     handed_over = logged_at(healthy_log, taken[0]) - logged_at(wedged_log, GIVEN_BACK)
     print(f"slot given back -> taken over: {handed_over.total_seconds():.3f} s")
-    assert handed_over.total_seconds() < LEASE_TTL_S / 2, (wedged_log, healthy_log)
+    assert handed_over.total_seconds() < LEASE_TTL_S * 3 / 4, (wedged_log, healthy_log)
