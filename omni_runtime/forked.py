@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
 PRELOAD = (
@@ -124,6 +124,7 @@ def fork_main(
     log: IO[bytes],
     inherited: Iterable[IO[bytes]] = (),
     fresh: Iterable[str] = (),
+    at_start: Callable[[], None] | None = None,
 ) -> ForkedProcess:
     """Fork a child running `omni-runtime ARGV` with environment `env`, output to `log`.
 
@@ -131,7 +132,8 @@ def fork_main(
     `inherited` are the parent's files the child must not keep (its siblings' logs).
     `fresh` are packages the child imports again itself, as a new process would: the
     stage code, which the parent imported only to check its options and which may
-    depend, when imported, on the child's environment.
+    depend, when imported, on the child's environment. `at_start` runs first thing in the
+    child (`parent_death.exit_with_parent`).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -140,6 +142,8 @@ def fork_main(
         return ForkedProcess(pid)
     code = 1
     try:
+        if at_start is not None:
+            at_start()
         code = _child(argv, env, log, inherited, fresh)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -163,6 +167,7 @@ def _child(
     """As a fresh interpreter would start: default signals, stdin closed, output to `log`."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # `run` and `serve` take it themselves
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

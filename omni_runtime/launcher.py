@@ -9,6 +9,7 @@ benchmarks and CI start); an embedded fakeredis TCP server in this process
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -19,12 +20,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic_core import to_jsonable_python
+
 from omni_runtime.errors import FatalError
 from omni_runtime.forked import ForkedProcess, can_fork, fork_main, preload
+from omni_runtime.parent_death import exit_with_parent
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_cluster import RedisCluster as RedisCluster
 from omni_runtime.redis_server import RedisServer as RedisServer
@@ -32,6 +36,7 @@ from omni_runtime.redis_server import free_port as free_port
 from omni_runtime.redis_server import ping as ping
 from omni_runtime.redis_server import redis_server_binary as redis_server_binary
 from omni_runtime.redis_server import wait_for_ping as wait_for_ping
+from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +109,10 @@ class ProcessGroup:
     With `fork=True` (what `run` and `serve` use) the processes are forked from this one
     once it has imported the runtime (`forked`), when it safely can, instead of each
     starting an interpreter and importing it again: start-up drops from seconds to
-    tens of milliseconds."""
+    tens of milliseconds.
+
+    Each process dies with this one, however it ends (`parent_death`); `args` are added
+    to each one's command line (`run`'s and `serve`'s logging flags)."""
 
     def __init__(
         self,
@@ -113,11 +121,13 @@ class ProcessGroup:
         env: dict[str, str],
         *,
         fork: bool = False,
+        args: Sequence[str] = (),
     ) -> None:
         self.pipeline_path = pipeline_path
         self.pipeline = pipeline
         self.env = env
         self.fork = fork
+        self.args = list(args)
         self.procs: list[tuple[str, subprocess.Popen[bytes] | ForkedProcess, IO[bytes]]] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="omni-runtime-"))
         self.final_logs: dict[str, str] = {}
@@ -129,14 +139,18 @@ class ProcessGroup:
             preload()
         base = [sys.executable, "-m", "omni_runtime.cli"]
         common = ["--pipeline", str(self.pipeline_path), "--mode", self.pipeline.mode]
+        common += self.args
         self._spawn("orchestrator", [*base, "orchestrator", *common])
         for stage in self.pipeline.stages[: self.pipeline.last_stage + 1]:
             for r in range(stage.replicas):
                 name = f"stage{stage.id}-{stage.name}-{r}"
                 self._spawn(name, [*base, "worker", *common, "--stage", str(stage.id)])
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        env, base = self.env, self.env.get("OMNI_METRICS_PORT", "").strip()
+    def _spawn(self, name: str, cmd: list[str], extra_env: Mapping[str, str] | None = None) -> None:
+        """Start one process; `extra_env` adds to (or overrides) the group's variables."""
+        env = {**self.env, **(extra_env or {})}
+        base = env.get("OMNI_METRICS_PORT", "").strip()
+        at_start = exit_with_parent()  # per start: the kernel follows the starting thread
         if base.isdigit() and int(base) > 0:  # one port each: the same one would fail all but one
             port = self.metrics_ports[name] = int(base) + len(self.procs)
             env = {**env, "OMNI_METRICS_PORT": str(port)}
@@ -145,9 +159,15 @@ class ProcessGroup:
         proc: subprocess.Popen[bytes] | ForkedProcess
         if self.fork and can_fork():  # cmd[3:]: the arguments after `python -m omni_runtime.cli`
             siblings = [f for _n, _p, f in self.procs]
-            proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages())
+            proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages(), at_start)
         else:
-            proc = subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                preexec_fn=at_start,
+            )
         self.procs.append((name, proc, logfile))
 
     def _stage_packages(self) -> set[str]:
@@ -172,7 +192,11 @@ class ProcessGroup:
     def stop(
         self, timeout_s: float = 10.0, *, keep_failed_logs: bool = False, failed: bool = False
     ) -> Path | None:
-        """SIGTERM everyone (graceful), SIGKILL stragglers; keeps the logs readable by `tail`.
+        """Stop everyone, SIGKILL stragglers after `timeout_s`; keeps the logs readable by `tail`.
+
+        Each process gets SIGTERM then SIGINT: an orchestrator stops on either, a worker
+        stops on the first and, on the second, without draining its requests in flight
+        (`StageWorker.stop`): whoever would read their outputs is stopping too.
 
         The log directory is deleted, except with `keep_failed_logs` when the caller's run
         `failed` or a process exited non-zero (or was killed): then it stays for a
@@ -182,6 +206,7 @@ class ProcessGroup:
         for _name, proc, _f in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for name, proc, logfile in self.procs:
             try:
@@ -199,9 +224,37 @@ class ProcessGroup:
         return None
 
 
-def child_env(redis_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(redis_url: str, extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """This process's environment for a child, with `extra` over it (None: unset) and the
+    Redis URL over both."""
     env = dict(os.environ)
-    env["OMNI_REDIS_URL"] = redis_url
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(extra or {})
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env["OMNI_REDIS_URL"] = redis_url
     return env
+
+
+def settings_env(settings: Settings) -> dict[str, str | None]:
+    """Every setting as its `OMNI_*` variable, for `child_env`: the processes `run` and
+    `serve` start then use exactly the settings they were given, whether by a flag, a
+    variable or the settings file (whose precedence was applied here, once). None unsets
+    a variable (a setting that is None); the settings file is not read again."""
+    env: dict[str, str | None] = {"OMNI_SETTINGS_FILE": None}
+    for name, value in settings.model_dump().items():
+        env[f"OMNI_{name.upper()}"] = _env_value(value)
+    return env
+
+
+def _env_value(value: object) -> str | None:
+    """How pydantic-settings reads the value back from a variable (`inf` included)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float | Path):
+        return str(value)
+    return json.dumps(to_jsonable_python(value))  # a complex setting: JSON, as pydantic reads it

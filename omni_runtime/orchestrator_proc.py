@@ -8,12 +8,14 @@ on the slot's own output streams. Request state is kept in Redis as it changes, 
 when a slot's lease lapses (its process died or stalled) a live process takes the
 slot over, restores its requests and finishes them, then gives the slot back. A
 process that finds one of its leases taken stops: it was deposed, and its writes
-are refused from the moment its lease could have lapsed.
+are refused from the moment its lease could have lapsed. A process whose slot loop (or
+event loop) stops making progress gives its leases back and exits (`watchdog`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -41,11 +43,14 @@ from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.watchdog import Progress, Stuck, Watchdog
 from omni_runtime.wire_views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 2.0
+GIVE_BACK_S = 3.0
+"""A wedged process's last act, giving its leases back, gets this long (else they lapse)."""
 
 
 class OrchestratorService:
@@ -98,6 +103,8 @@ class OrchestratorService:
         """(slot, requests restored, seconds from noticing the lapse to serving)."""
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
+        self.watchdog: Watchdog | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _writes_failed(self, request_ids: list[str], error: TransportError) -> None:
         """Redis refused writes of these requests for good (or for memory, too long): each
@@ -143,6 +150,9 @@ class OrchestratorService:
             self.shared.traced = switch.on_demand.requests
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")
+        self._loop = asyncio.get_running_loop()
+        if self.settings.watchdog_s > 0:
+            self.watchdog = Watchdog(self.settings.watchdog_s, self._give_back_from_thread)
         try:
             slot = await self.leases.take_lowest_free()
             self.home = await self._serve(slot, home=True)
@@ -150,6 +160,9 @@ class OrchestratorService:
                 asyncio.create_task(self._keep_leases(), name="leases"),
                 asyncio.create_task(self._watch(), name="watch"),
             ]
+            if self.watchdog is not None:
+                loops.append(asyncio.create_task(self._tick(self.watchdog), name="tick"))
+                self.watchdog.start()
             self.ready.set()
             log.info(
                 "orchestrator of %r ready (%s mode, slot %d)",
@@ -192,6 +205,37 @@ class OrchestratorService:
             if not await self.leases.others_alive():
                 await self.client.delete(self.names.orchestrator_heartbeat())
 
+    async def _tick(self, watchdog: Watchdog) -> None:
+        """The event loop's own progress: a loop blocked by a call that never returns
+        stops every task of the process at once, whatever each had in hand."""
+        progress = watchdog.watch(Progress("the orchestrator's event loop"))
+        while not self._stopping.is_set():
+            progress.beat()
+            await pause(self._stopping, watchdog.limit_s / 4)
+
+    def _give_back_from_thread(self, _stuck: list[Stuck]) -> None:
+        """The watchdog's last act (on its thread): give the leases back, so that a live
+        process takes the slots over at once; if the event loop cannot (it is the one
+        wedged), the leases lapse after their TTL instead."""
+        if self._loop is None:
+            return
+        done = asyncio.run_coroutine_threadsafe(self._give_back(), self._loop)
+        try:
+            done.result(GIVE_BACK_S)
+        except (concurrent.futures.TimeoutError, RedisError, OSError) as e:
+            log.error("the leases could not be given back (%r): they lapse on their own", e)
+
+    async def _give_back(self) -> None:
+        for served in self.slots.values():
+            served.stop_reading()
+        with contextlib.suppress(TimeoutError):  # what the slots had written goes out first
+            async with asyncio.timeout(FLUSH_TIMEOUT_S / 2):
+                await self.writer.written()
+        self.leases.lost = True  # nothing more is written: the next holder owns the slots
+        for slot in list(self.leases.held):
+            await self.leases.release(slot)
+        log.error("orchestrator slots given back; exiting")
+
     def _trace_with(self, tracer: Tracer | None) -> None:
         """Every component stamps through this tracer (process-wide, or on demand)."""
         self.tracer = self.writer.tracer = self.shared.tracer = tracer
@@ -202,6 +246,8 @@ class OrchestratorService:
     async def _serve(self, slot: int, home: bool) -> SlotService:
         served = SlotService(self.shared, slot, home)
         self.slots[slot] = served
+        if self.watchdog is not None:
+            self.watchdog.watch(served.progress)
         await served.start()
         return served
 
@@ -266,6 +312,8 @@ class OrchestratorService:
     async def _drop_slot(self, slot: int) -> None:
         served = self.slots.pop(slot, None)
         if served is not None:
+            if self.watchdog is not None:
+                self.watchdog.forget(served.progress)
             await served.stop()
             await self.writer.written()  # its last states (deletions) are in Redis
             served.store.detach()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
+from omni_runtime.parent_death import exit_with_parent
 
 
 def free_port() -> int:
@@ -78,6 +79,8 @@ class RedisServer:
     `timeout_s`, retries on another port if the server dies at start (a port
     taken in between), and raises StartupTimeoutError with the log's tail;
     FatalError if there is no binary. Use as a context manager, or `start()`/`stop()`.
+    Started from a main thread on Linux, the server dies with the process that started
+    it, even a SIGKILLed one (`parent_death`).
     """
 
     def __init__(
@@ -122,7 +125,11 @@ class RedisServer:
             # Its own session: a Ctrl-C in the terminal must not kill it before the
             # processes using it have stopped (whoever started it stops it, last).
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=exit_with_parent(),
             )
         except OSError as e:
             raise FatalError(f"cannot start {self.binary}: {e}") from e

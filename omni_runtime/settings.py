@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     """How long a request's trace stays in Redis after its last stamp."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """Serve Prometheus metrics on this port at /metrics; 0: off."""
+    watchdog_s: Annotated[float, Field(ge=0)] = 30.0
+    """A loop (an orchestrator slot's, a worker's scheduler or I/O thread) with work in hand
+    that has not gone around for this long stops its process, which gives back its lease
+    first (`omni_runtime/watchdog.py`); 0: off."""
 
     @field_validator("redis_url")
     @classmethod

@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 from pydantic_settings import CliSettingsSource
@@ -22,10 +24,28 @@ from omni_runtime.errors import ConfigError, OmniError
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
 
+log = logging.getLogger(__name__)
+
 
 def settings_of(args: argparse.Namespace) -> Settings:
     source: CliSettingsSource[Settings] = args.settings_source
     return Settings.load(source(parsed_args=args), args.settings_file)
+
+
+def logging_args(args: argparse.Namespace) -> list[str]:
+    """The logging flags this process was given, for the processes it starts."""
+    level = "DEBUG" if args.verbose else args.log_level
+    return ["--log-level", level, "--log-format", args.log_format]
+
+
+def log_settings(settings: Settings) -> None:
+    """What this process runs with, whichever way each setting came (debug logging)."""
+    from omni_runtime.redis_io.clients import redacted
+
+    values = settings.model_dump()
+    if values.get("redis_url"):
+        values["redis_url"] = redacted(values["redis_url"])
+    log.debug("settings: %s", json.dumps(values, default=str, sort_keys=True))
 
 
 def _pipeline(args: argparse.Namespace) -> PipelineConfig:
@@ -43,12 +63,14 @@ def _wav_rate(pipeline: PipelineConfig) -> int:
 def cmd_orchestrator(args: argparse.Namespace) -> int:
     from omni_runtime.orchestrator_proc import OrchestratorService
 
-    service = OrchestratorService(_pipeline(args), settings_of(args))
+    settings = settings_of(args)
+    log_settings(settings)
+    service = OrchestratorService(_pipeline(args), settings)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         await service.run(stop)
 
@@ -63,7 +85,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     block_stop_signals()  # before any thread starts: the stage code's imports may start some
     pipeline = _pipeline(args)
     check_stage_options(pipeline, [args.stage])
-    worker = StageWorker(pipeline, args.stage, settings_of(args), worker_id=args.worker_id)
+    settings = settings_of(args)
+    log_settings(settings)
+    worker = StageWorker(pipeline, args.stage, settings, worker_id=args.worker_id)
     take_stop_signals(worker.stop)
     worker.run()
     stuck = [
@@ -124,21 +148,40 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 1 if printer.failed else 0
 
 
+_STOPPED_BY: list[int] = []
+"""The stop signals `run` received, first first."""
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM and SIGHUP do what Ctrl-C does, by whatever takes SIGINT at the moment:
+    `asyncio.run`'s handler (the request's task is cancelled) or a KeyboardInterrupt."""
+    _STOPPED_BY.append(signum)
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):
+        raise KeyboardInterrupt
+    handler(signal.SIGINT, frame)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Its start-up overlaps: the redis-server starts while this process imports and
     checks what its children need, and they are forked from it (`forked`). Once every
-    process has stopped it leaves at once (`exit_now`), after a Ctrl-C as well."""
+    process has stopped it leaves at once (`exit_now`), after a Ctrl-C as well.
+
+    SIGINT, SIGTERM and SIGHUP stop it alike: every process it started, then its Redis,
+    and it exits with 128 + the signal's number."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_stop_signal)
     try:
         code = _run(args)
     except KeyboardInterrupt:
-        code = 130
+        code = 128 + (_STOPPED_BY[0] if _STOPPED_BY else signal.SIGINT)
     exit_now(code)
 
 
 def _run(args: argparse.Namespace) -> int:
     from omni_runtime.cli.startup import import_redis
     from omni_runtime.forked import preload
-    from omni_runtime.launcher import ProcessGroup, child_env, starting_redis
+    from omni_runtime.launcher import ProcessGroup, child_env, settings_env, starting_redis
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
@@ -155,12 +198,12 @@ def _run(args: argparse.Namespace) -> int:
         preload()
         url, how = redis_ready()
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
-        env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
-        group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True)
+        run_settings = settings.model_copy(update={"redis_url": url})
+        env = child_env(url, settings_env(run_settings))  # every setting, however given
+        group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True, args=logging_args(args))
         failed = True  # until the request has ended well; a Ctrl-C is no failure
-        group.start()
         try:
-            run_settings = settings.model_copy(update={"redis_url": url})
+            group.start()
             stage_ids = list(range(pipeline.last_stage + 1))
             asyncio.run(_watch(group, _submit_and_print(run_settings, prompt, printer, stage_ids)))
             failed = printer.failed
@@ -206,7 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"serve needs the serve extra: pip install 'omni-runtime[serve]' ({e})"
         ) from None
-    return run_serve(args, settings_of(args))
+    exit_now(run_serve(args, settings_of(args)))  # stopped and closed: no teardown to wait for
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """The `serve` process: the HTTP app on uvicorn, over a given Redis or an embedded deployment.
 
 With no Redis URL it starts what `run` starts (a private Redis, the orchestrator
-and every worker as subprocesses) and stops them when it exits; with one, it is
-just another client and any number of replicas may run side by side.
+and every worker as subprocesses, each with every setting `serve` was given) and
+stops them when it exits, on SIGINT, SIGTERM or SIGHUP alike; they die with it if it
+is killed (`parent_death`). With a URL, it is just another client and any number of
+replicas may run side by side.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from omni_runtime.http.app import create_app
 from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
 from omni_runtime.http.gateway import Gateway, outputs_of
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.launcher import ProcessGroup, child_env, local_redis
-from omni_runtime.pipeline import load_pipeline
+from omni_runtime.launcher import ProcessGroup, child_env, local_redis, settings_env
+from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 
@@ -41,27 +43,42 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
+    from omni_runtime.cli.commands import logging_args
+
     pipeline = load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
     outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
     serve = serve_settings(args)
     serve.check_exposure()
+    # Before and after serving (`_serve`), SIGTERM and SIGHUP are a KeyboardInterrupt, as
+    # SIGINT is: their default action would end this process before it stops the processes
+    # it started.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+    try:
+        return _run_serve(args, settings, pipeline, serve, logging_args(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _run_serve(
+    args: argparse.Namespace,
+    settings: Settings,
+    pipeline: PipelineConfig,
+    serve: ServeSettings,
+    log_args: list[str],
+) -> int:
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
         group = None
-        if settings.redis_url is None:
-            env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
-            group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True)
-            group.start()
+        embedded = settings.redis_url is None
+        settings = settings.model_copy(update={"redis_url": url})
         try:
+            if embedded:  # every setting, however given, reaches every process started
+                env = child_env(url, settings_env(settings))
+                group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True, args=log_args)
+                group.start()
             log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)
-            settings = settings.model_copy(update={"redis_url": url})
             gateway = Gateway(pipeline, settings, RedisClients.from_settings(settings), serve)
-            # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's
-            # default action would kill this process before it stops its embedded children.
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
-            try:
-                return asyncio.run(_serve(create_app(gateway), serve, group))
-            except KeyboardInterrupt:
-                return 0
+            return asyncio.run(_serve(create_app(gateway), serve, group))
         finally:
             if group is not None:
                 group.stop()
@@ -77,6 +94,19 @@ async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> 
         log_config=None,  # keep the process's logging setup
     )
     server = uvicorn.Server(config)
+    # Each stop signal is a graceful shutdown, SIGHUP too (uvicorn takes only SIGINT and
+    # SIGTERM), from now on (uvicorn takes them only once it runs) and once uvicorn has
+    # stopped (it raises the signal again then, for a KeyboardInterrupt in a task).
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in stop_signals}
+    try:
+        return await _serve_until_stopped(server, group)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve_until_stopped(server: uvicorn.Server, group: ProcessGroup | None) -> int:
     task = asyncio.create_task(server.serve())
     while group is not None and not task.done() and not server.should_exit:
         try:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -49,9 +51,19 @@ from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.watchdog import Progress
 from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
+
+TEST_WEDGE_AFTER = "OMNI_TEST_WEDGE_AFTER"
+"""A test hook, for the watchdog's fault scenario only: set to N, a slot's request loop
+blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
+
+
+def _wedge_after() -> int | None:
+    value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
+    return int(value) if value.isdigit() else None
 
 
 @dataclass
@@ -152,6 +164,16 @@ class SlotService:
         self._stopping = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
         self._control_reader: asyncio.Task[None] | None = None
+        self._in_hand = 0
+        """Entries of the batch read that are not taken yet: the loop's work in hand."""
+        self.taken = 0
+        self.progress = Progress(
+            f"orchestrator slot {slot}'s request loop",
+            lambda: self._in_hand > 0,
+            where=self._where,
+        )
+        """Watched by the process's watchdog: a batch in hand must be taken, entry by entry."""
+        self._wedge_after = _wedge_after()
 
     def _block_ms(self) -> int:
         """How long a read of this slot may block: `block_ms` with requests in flight; idle,
@@ -277,9 +299,21 @@ class SlotService:
             self.shared.tracer.stamp(FINISHED, out.request_id)
         self.shared.timer.output(out.request_id, out.data, out.finished, out.error)
 
+    def _where(self) -> str:
+        """The request loop's stack (its thread is the event loop's, rarely where it is stuck)."""
+        task = self._reader
+        if task is None or task.done():
+            ended = None if task is None or task.cancelled() else task.exception()
+            return f"(the request loop has ended: {ended!r})"
+        out = io.StringIO()
+        out.write(f"{self._in_hand} entries in hand; ")
+        task.print_stack(file=out)
+        return out.getvalue()
+
     async def _read_requests(self) -> None:
         s, shared = self.shared.settings, self.shared
         while not self._stopping.is_set():
+            self.progress.beat()
             if not await shared.leases.hold():
                 return  # deposed: never read (and so take) another entry
             if self.home:
@@ -294,11 +328,20 @@ class SlotService:
             if batch and shared.stage_watch.down and shared.recheck_stages is not None:
                 with contextlib.suppress(RedisError):
                     await shared.recheck_stages()
+            self._in_hand = len(batch)
             for entry_id, cmd in batch:
+                if self.taken == self._wedge_after:
+                    log.warning(
+                        "%s: slot %d's request loop blocks for good", TEST_WEDGE_AFTER, self.slot
+                    )
+                    await asyncio.Event().wait()
                 try:
                     await self._take(entry_id, cmd)
                 except Exception as e:  # this request fails alone; the slot serves on
                     self._take_failed(entry_id, cmd, e)
+                self.taken += 1
+                self._in_hand -= 1
+                self.progress.beat()
             await asyncio.sleep(0)  # what was taken is submitted before the next read is sent
 
     async def _take(self, entry_id: bytes, cmd: RequestView | AbortView) -> None:

@@ -24,6 +24,7 @@ from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Tracer
+from omni_runtime.watchdog import Progress
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.unblock import OwnConnection
@@ -59,6 +60,11 @@ class Handoff(Generic[T]):
         with self._lock:
             items, self._items = self._items, []
         return items
+
+    @property
+    def waiting(self) -> bool:
+        """Items were delivered that the loop has not taken (a read, without the lock)."""
+        return bool(self._items)
 
 
 class Slots:
@@ -100,12 +106,14 @@ class Slots:
 
 class _Loop:
     """A daemon thread running `_run` until `request_stop()`; a reading one blocks on its
-    own connection (`own`), whose read `request_stop` and `join` end."""
+    own connection (`own`), whose read `request_stop` and `join` end. Each round of `_run`
+    beats `progress` (the process's watchdog watches it until the thread is stopped)."""
 
     def __init__(self, name: str, stop: threading.Event | None = None) -> None:
         self._stop = stop or threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.own: OwnConnection | None = None
+        self.progress = Progress(f"the worker's {name} thread", lambda: not self._stop.is_set())
 
     def start(self) -> None:
         self._thread.start()
@@ -168,6 +176,7 @@ class InputThread(_Loop):
     def _run(self) -> None:
         block_ms = self.own.block_ms(self.block_ms) if self.own is not None else self.block_ms
         while not self._stop.is_set():
+            self.progress.beat()
             n = self.slots.take_up_to(self.read_count, SLOT_WAIT_S)
             if n == 0:
                 continue
@@ -218,6 +227,7 @@ class ControlThread(_Loop):
         own = self.own or OwnConnection(self.client, "control-reader")
         block_ms = own.block_ms(self.block_ms)
         while not self._stop.is_set():
+            self.progress.beat()
             try:
                 reply = own.client.xread(
                     {self.stream: self._last_id}, count=self.read_count, block=block_ms
@@ -297,6 +307,7 @@ class HeartbeatThread(_Loop):
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self.progress.beat()
             try:
                 started = time.monotonic()
                 self.beat()

@@ -2,7 +2,8 @@
 connections named for it) and threads: input, control, heartbeat (and takeovers), output and,
 streaming, the ChunkAdapter's. Its loop never blocks on Redis: hand the core what the threads
 delivered, step the engine, carry out the core's actions, sleep until woken. For a function
-stage, a thread that delivers work runs that pass itself when the loop is idle (`turn`)."""
+stage, a thread that delivers work runs that pass itself when the loop is idle (`turn`).
+The loop and the reading threads report their progress to a watchdog (`watchdog`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
+from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.core import WorkerCore
@@ -81,6 +83,11 @@ class StageWorker:
         self._slots = Slots(s.worker_max_concurrency)
         self._in_flight = 0
         """The core's count, published by the loop for other threads (one int store)."""
+        self._progress = Progress(
+            f"stage {stage_id}'s scheduler loop",
+            lambda: self._in_flight > 0 or self._inputs.waiting or self._aborts.waiting,
+        )
+        self._watchdog: Watchdog | None = None
         self._client = self.clients.sync()
         name_connections(self._client, self.names, stage_id, self.worker_id)
         ended = self._turn.deliver  # a stage call's last output: its pass runs there
@@ -172,11 +179,37 @@ class StageWorker:
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts
         self._input.start()
+        self._start_watchdog()
         log.info("worker %s of stage %d (%s) ready", self.worker_id, self.stage_id, self.stage.name)
         try:
             self._loop()
         finally:
             self._shut_down()
+
+    def _start_watchdog(self) -> None:
+        """The scheduler loop is watched while it has requests in flight (or inputs handed
+        over); the reading threads, which wait on Redis alone, all along, with the longest
+        Redis retry on top of the limit."""
+        s = self.settings
+        if s.watchdog_s <= 0:
+            return
+        self._watchdog = Watchdog(s.watchdog_s, self._give_back)
+        self._watchdog.watch(self._progress)
+        retries_s = redis_retries_s(s.retry_attempts, s.retry_max_s)
+        for thread, wait_s in (
+            (self._input, 0.0),
+            (self._control, 0.0),
+            (self._heartbeat, s.heartbeat_interval_s),
+        ):
+            thread.progress.slack_s = retries_s + wait_s
+            self._watchdog.watch(thread.progress)
+        self._watchdog.start()
+
+    def _give_back(self, _stuck: list[Stuck]) -> None:
+        """The watchdog's last act: the heartbeat goes at once, so that a live replica
+        claims this worker's inputs now rather than once the heartbeat's TTL ran out."""
+        self._heartbeat.request_stop()
+        self._heartbeat.forget()
 
     def stop(self) -> None:
         """Stop reading inputs and drain; called again, stop without draining (a second
@@ -224,6 +257,7 @@ class StageWorker:
 
     def _pass(self, now: float, housekeeping: bool) -> bool:
         """One pass of the loop (under `turn.lock`); True if it did work."""
+        self._progress.beat()
         busy = self._feed(now)
         busy |= self.core.step()
         if housekeeping:
@@ -278,6 +312,8 @@ class StageWorker:
 
     def _shut_down(self) -> None:
         """Signal every thread, then join them all: one wait, not one per thread."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._turn.close()
         threads = (self._input, self._control, self._heartbeat, self._output)
         for t in threads:

@@ -1,4 +1,4 @@
-"""A worker process's stop signals, taken by a thread of their own.
+"""A worker process's stop signals (SIGINT, SIGTERM, SIGHUP), taken by a thread of their own.
 
 Left to the kernel, a process-directed SIGINT or SIGTERM goes to any thread that does not
 block it. Python runs its handler on the main thread only, at the main thread's next
@@ -14,7 +14,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 def block_stop_signals() -> None:

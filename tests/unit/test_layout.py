@@ -81,9 +81,10 @@ def test_no_import_cycle_in_the_package() -> None:
         visit(name, [])
 
 
-def test_no_module_is_over_400_lines() -> None:
-    """A module has one role, read in one sitting; it is never split only to be shorter."""
+def test_no_module_is_over_450_lines() -> None:
+    """A module has one role, read in one sitting; few pass 400 lines, none 450, and none is
+    split only to be shorter."""
     for folder in (PACKAGE, ROOT / "benchmarks"):
         for path in folder.rglob("*.py"):
             lines = len(path.read_text().splitlines())
-            assert lines <= 400, f"{path.relative_to(ROOT)} has {lines} lines"
+            assert lines <= 450, f"{path.relative_to(ROOT)} has {lines} lines"
