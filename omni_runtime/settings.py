@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     worker_quick_call_ms: Annotated[float, Field(ge=0, le=100)] = 1.0
     """A function stage whose calls average less than this runs them on the worker thread
     that received their inputs instead of a pool thread (0: always the pool)."""
+    engine_start_timeout_s: PositiveFloat = 600.0
+    """Longest start of an async engine (its model load) before its worker gives up."""
+    engine_health_interval_s: PositiveFloat = 5.0
+    """An async engine's `check_health` runs this often and must return within it; one that
+    fails takes its replica out of service (the worker exits, its inputs are taken over)."""
     client_buffer_outputs: Annotated[int, Field(gt=0)] = keys.CLIENT_BUFFER_OUTPUTS
     """Outputs a client buffers for one request its consumer does not read; past this the
     request is aborted (one error final) and its buffer freed."""
