@@ -27,6 +27,7 @@ from omni_runtime.logs import for_request as _rid
 from omni_runtime.stage_api import (
     MARKS_FINAL_ATTR,
     AsyncStageEngine,
+    ChunkStream,
     EngineDead,
     EngineOutput,
     EngineStats,
@@ -77,6 +78,8 @@ class AsyncEngineDriver:
         self._closed = False
         # On the loop's thread only:
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._streams: dict[str, ChunkStream] = {}
+        """Streamed inputs of running requests: an abort ends their iteration anywhere."""
         self._health: asyncio.Task[None] | None = None
 
     # --- the worker's side (its loop thread) ----------------------------------------
@@ -210,9 +213,8 @@ class AsyncEngineDriver:
         with self._lock:
             if request_id not in self._live:  # aborted before its task started
                 return
-        old = self._tasks.pop(request_id, None)
-        if old is not None:  # an abort's cancel is still queued behind this: it was handled
-            old.cancel()
+        if isinstance(data, ChunkStream):
+            self._streams[request_id] = data
         task = asyncio.get_running_loop().create_task(self._serve(request_id, data, params))
         self._tasks[request_id] = task
 
@@ -242,6 +244,7 @@ class AsyncEngineDriver:
                     await aclose()
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
+                self._streams.pop(request_id, None)
 
     def _emit(self, request_id: str, data: Any, finished: bool, error: str | None = None) -> bool:
         """Queue one output; False once the request is not wanted (aborted, engine dead)."""
@@ -260,9 +263,14 @@ class AsyncEngineDriver:
         self._ended()
 
     def _cancel(self, request_id: str) -> None:
+        """Stop the request's iteration (and its input's, which the engine may read on a
+        task of its own), then tell the engine."""
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.abort()
         asyncio.get_running_loop().create_task(self._abort_engine(request_id))
 
     async def _abort_engine(self, request_id: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from omni_runtime.errors import StartupTimeoutError
+from omni_runtime.metrics import Metrics
 from omni_runtime.pipeline import StageConfig
 from omni_runtime.stage_api import (
     ChunkStream,
@@ -23,6 +24,7 @@ from omni_runtime.stage_api import (
 )
 from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.engines import load_engine
+from omni_runtime.worker.observed import WorkerObservation
 from tests.engines.tiny_async import TinyAsyncEngine
 from tests.waiting import wait_until
 
@@ -330,3 +332,17 @@ def test_engine_dead_is_an_omni_error() -> None:
     from omni_runtime.errors import OmniError
 
     assert issubclass(EngineDead, OmniError)
+
+
+def test_engine_stats_show_in_the_heartbeat_and_the_gauges() -> None:
+    metrics = Metrics()
+    observed = WorkerObservation(metrics, 3, "w1", "ns:stage:3:in")
+    assert "engine" not in observed.status(0)  # a function stage counts nothing of its own
+    stats = [EngineStats(running=2, waiting=1, capacity=4)]
+    observed.watch_engine(lambda: stats[0])
+    assert observed.status(3)["engine"] == {"running": 2, "waiting": 1, "capacity": 4}
+    gauges = {f: metrics.gauge(f"omni_engine_{f}", stage=3) for f in ("running", "waiting")}
+    assert gauges == {"running": 2, "waiting": 1}
+    assert metrics.gauge("omni_engine_capacity", stage=3) == 4
+    stats[0] = EngineStats(running=0, waiting=0, capacity=4)
+    assert metrics.gauge("omni_engine_running", stage=3) == 0  # read when scraped
