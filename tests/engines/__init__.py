@@ -1,1 +1,2 @@
-"""Engines for tests: a fake of vLLM's AsyncLLM and a tiny async engine."""
+"""Engine adapters' own tests, and engines for tests: a fake of vLLM's AsyncLLM, a tiny async
+engine."""
