@@ -118,6 +118,9 @@ GAUGES: Mapping[str, str] = {
     "omni_stream_pending_entries": "Entries read and not acknowledged, by stream and group.",
     "omni_stream_oldest_pending_seconds": "Age of the oldest pending entry, by stream and group.",
     "omni_workers_alive": "Workers whose heartbeat key is live, by stage.",
+    "omni_engine_running": "Requests an async engine is running (in its batch), by stage.",
+    "omni_engine_waiting": "Requests an async engine holds waiting for a batch slot, by stage.",
+    "omni_engine_capacity": "Requests an async engine can run at once (batch slots), by stage.",
 }
 """Every gauge name, with its help text."""
 

@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     """A step engine's request blamed alone for this many of its failed steps (step()
     raised; the worker resets the engine and runs the step's requests again) ends with an
     error, as the poison; the others go on."""
+    engine_start_timeout_s: PositiveFloat = 600.0
+    """Longest start of an async engine (its model load) before its worker gives up."""
+    engine_health_interval_s: PositiveFloat = 5.0
+    """An async engine's `check_health` runs this often and must return within it; one that
+    fails takes its replica out of service (the worker exits, its inputs are taken over)."""
     client_buffer_outputs: Annotated[int, Field(gt=0)] = keys.CLIENT_BUFFER_OUTPUTS
     """Outputs a client buffers for one request its consumer does not read; past this the
     request is aborted (one error final) and its buffer freed."""

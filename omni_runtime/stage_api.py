@@ -28,6 +28,8 @@ same code runs in both modes. How the worker drives both shapes lives in
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -183,7 +185,8 @@ class ChunkStream:
     """The upstream chunks of one request, in order; filled by the worker as they arrive.
 
     Iterating blocks for the next chunk (stage code runs on its own thread);
-    `take` never blocks (for step engines).
+    `async for` waits without blocking its event loop (async engines); `take` never
+    blocks (for step engines).
     """
 
     def __init__(self, items: Iterable[Any] = (), closed: bool = False) -> None:
@@ -192,17 +195,26 @@ class ChunkStream:
         self._closed = closed
         self._aborted = False
         self._taken = 0
+        self._listeners: list[Callable[[], None]] = []
+        """Async iterations waiting on an event loop: each is told of every change."""
 
     def extend(self, items: Iterable[Any], closed: bool) -> None:
         with self._cv:
             self._items.extend(items)
             self._closed = self._closed or closed
             self._cv.notify_all()
+            listeners = list(self._listeners) if self._listeners else None
+        if listeners:
+            for tell in listeners:
+                tell()
 
     def abort(self) -> None:
         with self._cv:
             self._aborted = True
             self._cv.notify_all()
+            listeners = list(self._listeners)
+        for tell in listeners:
+            tell()
 
     @property
     def closed(self) -> bool:
@@ -241,6 +253,47 @@ class ChunkStream:
     def __iter__(self) -> Iterator[Any]:
         for item, _ in self.iter_with_last():
             yield item
+
+    async def aiter_with_last(self) -> AsyncIterator[tuple[Any, bool]]:
+        """`iter_with_last` for an event loop: waits for chunks without blocking the loop
+        (`extend` and `abort`, on other threads, set an event of this loop's)."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def tell() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(changed.set)
+
+        with self._cv:
+            self._listeners.append(tell)
+        try:
+            i = 0
+            while True:
+                with self._cv:
+                    if self._aborted:
+                        raise RequestAborted("request aborted while waiting for input")
+                    if i < len(self._items):
+                        item, is_last = self._items[i], self._closed and i == len(self._items) - 1
+                    elif self._closed:
+                        return
+                    else:  # cleared under the lock: a change after this check sets it again
+                        changed.clear()
+                        item = _NOTHING
+                if item is _NOTHING:
+                    await changed.wait()
+                    continue
+                i += 1
+                yield item, is_last
+        finally:
+            with self._cv:
+                self._listeners.remove(tell)
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        async for item, _ in self.aiter_with_last():
+            yield item
+
+
+_NOTHING = object()
 
 
 def with_last(data: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

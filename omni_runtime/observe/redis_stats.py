@@ -98,6 +98,8 @@ class ProcessInfo:
     in_flight: int | None = None
     completed: int | None = None
     value: str | None = None
+    engine: dict[str, Any] | None = None
+    """An async engine's `running`, `waiting` and `capacity` (its worker's heartbeat)."""
 
 
 def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: float) -> ProcessInfo:
@@ -116,6 +118,8 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
     info.in_flight = doc.get("in_flight")
     info.completed = doc.get("completed")
     info.value = doc.get("value")
+    engine = doc.get("engine")
+    info.engine = engine if isinstance(engine, dict) else None
     return info
 
 

@@ -120,7 +120,8 @@ def _opt(value: Any) -> str:
 
 def _processes_table(snap: dict[str, Any]) -> Table:
     t = Table(title="processes", title_justify="left", expand=False)
-    for col in ("kind", "stage", "name", "host", "pid", "up", "last beat", "in flight", "done"):
+    cols = ("kind", "stage", "name", "host", "pid", "up", "last beat", "in flight", "done")
+    for col in (*cols, "engine"):
         t.add_column(col, justify="right" if col in ("pid", "in flight", "done") else "left")
     for p in snap["processes"]:
         if p["kind"] == "client":
@@ -135,8 +136,18 @@ def _processes_table(snap: dict[str, Any]) -> Table:
             _age(p["last_beat_s"]),
             _opt(p["in_flight"]),
             _opt(p["completed"]),
+            _engine(p.get("engine")),
         )
     return t
+
+
+def _engine(stats: dict[str, Any] | None) -> str:
+    """An async engine's batch: `running+waiting/capacity`, e.g. `4+2/4`."""
+    if not stats:
+        return "-"
+    if "error" in stats:
+        return f"stats failed: {stats['error']}"
+    return f"{stats.get('running')}+{stats.get('waiting')}/{stats.get('capacity')}"
 
 
 def _streams_table(snap: dict[str, Any]) -> Table:

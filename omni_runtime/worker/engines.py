@@ -20,6 +20,7 @@ from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig, resolve_entry
 from omni_runtime.stage_api import (
     MARKS_FINAL_ATTR,
+    AsyncStageEngine,
     ChunkStream,
     EngineOutput,
     Final,
@@ -268,16 +269,33 @@ def load_engine(
     ended: Callable[[], None] | None = None,
     defer: Defer | None = None,
     quick_call_s: float = QUICK_CALL_S,
+    *,
+    on_dead: Callable[[str], None] | None = None,
+    start_timeout_s: float | None = None,
+    health_interval_s: float | None = None,
 ) -> StageEngine:
-    """A class entry is a step engine (`cls(**options)`); a callable is wrapped (`wake`,
-    `ended`, `defer` and `quick_call_s`: see `GeneratorEngine`)."""
+    """A class entry is a step engine (`cls(**options)`), or an async engine wrapped in an
+    `AsyncEngineDriver` (`on_dead`, `start_timeout_s`, `health_interval_s`: see it; its
+    `start()` is the caller's); a callable is wrapped (`wake`, `ended`, `defer` and
+    `quick_call_s`: see `GeneratorEngine`)."""
     entry = resolve_entry(stage.entry, source_dir)
     if inspect.isclass(entry):
         engine = entry(**stage.options)
-        if not isinstance(engine, StageEngine):
-            raise ConfigError(
-                f"stage {stage.id} entry {stage.entry!r} is a class but not a StageEngine "
-                "(add_request, step, abort, has_work)"
+        if isinstance(engine, StageEngine):
+            return engine
+        if isinstance(engine, AsyncStageEngine):
+            from omni_runtime.worker import async_engine  # it builds on this module
+
+            timing = {
+                "start_timeout_s": start_timeout_s or async_engine.START_TIMEOUT_S,
+                "health_interval_s": health_interval_s or async_engine.HEALTH_INTERVAL_S,
+            }
+            return async_engine.AsyncEngineDriver(
+                engine, stage.name, wake, ended, on_dead=on_dead, **timing
             )
-        return engine
+        raise ConfigError(
+            f"stage {stage.id} entry {stage.entry!r} is a class but neither a StageEngine "
+            "(add_request, step, abort, has_work) nor an AsyncStageEngine (start, generate, "
+            "abort, check_health, stats, close)"
+        )
     return GeneratorEngine(entry, stage.options, max_concurrency, wake, ended, defer, quick_call_s)

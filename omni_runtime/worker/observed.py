@@ -10,12 +10,14 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.start import Observability, start_observability
 from omni_runtime.observe.timings import StageTimer
 from omni_runtime.settings import Settings
+from omni_runtime.stage_api import EngineStats
 from omni_runtime.worker.actions import Actions, Input
 
 
@@ -28,6 +30,18 @@ class WorkerObservation:
         self.started_at = time.time()
         self.timer = StageTimer(metrics, stage_id)
         self._obs: Observability | None = None
+        self._engine_stats: Callable[[], EngineStats] | None = None
+
+    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
+        """An engine that counts its own requests (an async engine): its running, waiting
+        and capacity go into the heartbeat (`status`) and the gauges `omni_engine_*`."""
+        self._engine_stats = stats
+        for field in ("running", "waiting", "capacity"):
+
+            def read(field: str = field) -> float:
+                return float(getattr(stats(), field))
+
+            self.metrics.gauge_callback(f"omni_engine_{field}", read, stage=self.stage_id)
 
     def start(self, settings: Settings, redis_client: Callable[[], Any]) -> Observability:
         """The metrics endpoint, tracers and stats poller `settings` ask for."""
@@ -76,4 +90,13 @@ class WorkerObservation:
             "deposed": self.count("omni_deposed_requests_total"),
             "engine_resets": self.count("omni_engine_resets_total"),
             "poisoned": self.count("omni_poison_requests_total"),
-        }
+        } | self._engine_status()
+
+    def _engine_status(self) -> dict[str, Any]:
+        if self._engine_stats is None:
+            return {}
+        try:
+            stats = self._engine_stats()
+        except Exception as e:  # a broken count must not stop the heartbeat
+            return {"engine": {"error": f"{type(e).__name__}: {e}"}}
+        return {"engine": asdict(stats)}

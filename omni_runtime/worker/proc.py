@@ -24,9 +24,11 @@ from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
+from omni_runtime.stage_api import EngineDead
 from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
+from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import GeneratorEngine, engine_factory, load_engine
 from omni_runtime.worker.fence import StallGuard
@@ -91,10 +93,16 @@ class StageWorker:
         self._client = self.clients.sync()
         name_connections(self._client, self.names, stage_id, self.worker_id)
         ended = self._turn.deliver  # a stage call's last output: its pass runs there
+        self._engine_dead: str | None = None
         self.engine = load_engine(self.stage, pipeline.source_dir, s.worker_max_concurrency,
                                   self._wake.set, ended, self._turn.defer,
-                                  s.worker_quick_call_ms / 1000)  # fmt: skip
+                                  s.worker_quick_call_ms / 1000, on_dead=self._engine_died,
+                                  start_timeout_s=s.engine_start_timeout_s,
+                                  health_interval_s=s.engine_health_interval_s)  # fmt: skip
         self._turn.shared = isinstance(self.engine, GeneratorEngine)
+        self._async = self.engine if isinstance(self.engine, AsyncEngineDriver) else None
+        if self._async is not None:
+            self.observed.watch_engine(self._async.stats)
         self.core = WorkerCore(
             self.engine,
             stage_id,
@@ -162,6 +170,8 @@ class StageWorker:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
         s = self.settings
         codec.warm_up()
+        if self._async is not None:  # loaded before the first input is read
+            self._async.start()
         ensure_group_sync(self._client, self.in_stream, keys.WORKERS_GROUP)
         if self.streaming:
             self._connector = RedisConnector(
@@ -247,6 +257,8 @@ class StageWorker:
             with turn.lock:
                 if turn.failure is not None:
                     raise turn.failure
+                if self._engine_dead is not None:  # out of service: inputs go to a live replica
+                    raise EngineDead(f"stage {self.stage_id} engine: {self._engine_dead}")
                 housekeeping = now >= next_housekeeping
                 if housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
@@ -305,6 +317,13 @@ class StageWorker:
                 adapter.cleanup_receiver(rid)
         self._in_flight = self.core.in_flight
         self._slots.give_back(actions.freed_slots)
+
+    def _engine_died(self, reason: str) -> None:
+        """Leave service: read no more input and exit, unacked, so that another replica
+        takes this one's inputs over (`takeover.py`) once its heartbeat is gone."""
+        self._engine_dead = reason
+        self._input_stop.set()
+        self._wake.set()
 
     def _take_over(self, inputs: list[Input]) -> None:
         self._slots.force_take(len(inputs))

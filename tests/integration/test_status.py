@@ -46,6 +46,7 @@ def _deployment(r: redis.Redis) -> None:
         "started_at": time.time() - 90,
         "in_flight": 3,
         "completed": 7,
+        "engine": {"running": 2, "waiting": 1, "capacity": 2},
     }
     r.set(N.stage_heartbeat(0, "w0"), json.dumps(doc), ex=keys.HEARTBEAT_TTL_S)
     r.set(N.stage_heartbeat(1, "w1"), msgpack.packb({"host": "gpu-b", "pid": 42}), ex=5)
@@ -94,6 +95,8 @@ def test_status_json_shows_processes_streams_and_rate(client: redis.Redis) -> No
     assert by_name["w0"]["host"] == "gpu-a" and by_name["w0"]["in_flight"] == 3
     assert 80 < by_name["w0"]["uptime_s"] < 600
     assert by_name["w1"]["pid"] == 42 and by_name["w1"]["completed"] is None
+    assert by_name["w0"]["engine"] == {"running": 2, "waiting": 1, "capacity": 2}
+    assert by_name["w1"]["engine"] is None
     assert 0 <= by_name["w0"]["last_beat_s"] <= keys.HEARTBEAT_TTL_S
     streams = {s["name"]: s for s in snap["streams"]}
     assert set(streams) >= {N.requests, N.stage_in(0), N.stage_in(2), N.client_out("c1")}
@@ -109,6 +112,7 @@ def test_status_once_prints_tables_and_warns(client: redis.Redis) -> None:
     run_status(_args("--once"), SETTINGS, client=client, console=console)
     text = buf.getvalue()
     assert "gpu-a" in text and "stage:0:in" in text and "client:c1" in text
+    assert "2+1/2" in text  # the async engine's batch: running+waiting/capacity
     assert "no live worker for stage 2" in text
 
 

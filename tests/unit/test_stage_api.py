@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -9,9 +10,16 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, marks_final, with_last
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineOutput,
+    Final,
+    RequestAborted,
+    marks_final,
+    with_last,
+)
 from omni_runtime.worker.engines import GeneratorEngine
-from tests.waiting import wait_until
+from tests.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -171,6 +179,47 @@ def test_chunk_stream_take_never_blocks_and_returns_only_what_is_new() -> None:
     stream.extend([3], closed=True)
     assert stream.take() == [3] and stream.closed
     assert stream.take() == []
+
+
+async def test_async_iteration_of_a_chunk_stream_waits_without_blocking_its_loop() -> None:
+    stream = ChunkStream()
+    got: list[tuple[Any, bool]] = []
+
+    async def read() -> None:
+        async for pair in stream.aiter_with_last():
+            got.append(pair)
+
+    reader = asyncio.create_task(read())
+    ticks = 0
+    while ticks < 20:  # the loop runs other tasks while the reader waits
+        await asyncio.sleep(0.001)
+        ticks += 1
+    assert got == [] and not reader.done()
+    feeder = threading.Thread(target=stream.extend, args=([1, 2], False))
+    feeder.start()
+    await wait_for(lambda: len(got) == 2)
+    assert got == [(1, False), (2, False)]
+    threading.Thread(target=stream.extend, args=([3], True)).start()
+    await asyncio.wait_for(reader, 10)
+    assert got[-1] == (3, True)
+    assert [x async for x in stream] == [1, 2, 3]  # iterated again: from the start
+    feeder.join()
+
+
+async def test_async_iteration_of_an_aborted_chunk_stream_raises_request_aborted() -> None:
+    stream = ChunkStream(["a"])
+    seen: list[Any] = []
+
+    async def read() -> None:
+        async for item in stream:
+            seen.append(item)
+
+    reader = asyncio.create_task(read())
+    await wait_for(lambda: seen == ["a"])
+    threading.Thread(target=stream.abort).start()
+    with pytest.raises(RequestAborted):
+        await asyncio.wait_for(reader, 10)
+    assert not stream._listeners, "an ended iteration stops listening"
 
 
 def test_close_after_requests_ended_leaves_no_pool_thread_behind() -> None:
