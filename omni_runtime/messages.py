@@ -95,9 +95,12 @@ class OrchOutputMsg(_Wire):
 class DurableRequest(_Wire):
     """A request's routing state as its owner keeps it in Redis, so another can finish it.
 
-    `stage_data` holds only what `forward_fn` will still need (sequential mode, stages
-    not yet finished); `stage_seq` is, per stage, the next output seq not yet handled;
-    `out_seq` the seq of the client's next output; `deadline_at` a wall-clock time.
+    The stage data `forward_fn` will still need (sequential mode, stages not yet
+    finished) is kept beside it, one hash field per chunk, written once each:
+    `stage_chunks` says how many there are per stage (`redis_io/request_store.py`).
+    `stage_data` holds it inline, as states were written before. `stage_seq` is, per
+    stage, the next output seq not yet handled; `out_seq` the seq of the client's next
+    output; `deadline_at` a wall-clock time.
     """
 
     type: Literal["request_state"] = "request_state"
@@ -108,6 +111,7 @@ class DurableRequest(_Wire):
     submitted: list[int]
     finished: list[int]
     stage_data: dict[int, list[Any]] = Field(default_factory=dict)
+    stage_chunks: dict[int, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     stage_seq: dict[int, int] = Field(default_factory=dict)
     out_seq: Annotated[int, Field(ge=0)] = 0
     params: dict[str, Any] | None = None

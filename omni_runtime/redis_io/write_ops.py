@@ -71,7 +71,7 @@ class HashPut:
     """HSET every field of `fields` into hash `key`: many requests' states, one command."""
 
     key: str
-    fields: dict[str, bytes]
+    fields: dict[str | bytes, bytes]
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class HashDrop:
     """HDEL `fields` from hash `key` (the hash goes with its last field)."""
 
     key: str
-    fields: list[str]
+    fields: list[str | bytes]
 
 
 @dataclass(slots=True)
