@@ -51,9 +51,9 @@ class Sizes:
     """(chunks per request, requests per load); the first is the baseline."""
 
 
-FULL = Sizes(reps=5, chunk_bytes=4096, gap_ms=2.0, concurrency=4,
+FULL = Sizes(reps=6, chunk_bytes=4096, gap_ms=2.0, concurrency=4,
              loads=((100, 160), (2000, 8)))  # fmt: skip
-QUICK = Sizes(reps=3, chunk_bytes=4096, gap_ms=2.0, concurrency=4,
+QUICK = Sizes(reps=4, chunk_bytes=4096, gap_ms=2.0, concurrency=4,
               loads=((100, 80), (2000, 4)))  # fmt: skip
 
 
@@ -81,8 +81,9 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
         if (pid := server_pid(ctx.redis_url)) is not None:
             pids["redis-server"] = pid
         sampler = CpuSampler(pids)
-        for n, _ in sizes.loads:  # warm-up: one request at a time, each size
-            load(clients, d, 2, 1, f"warm{n}", prompt(sizes, n), expect(sizes, n))
+        for n, _ in sizes.loads:  # warm-up as measured: Redis's memory grown once
+            c = sizes.concurrency
+            load(clients, d, c, c, f"warm{n}", prompt(sizes, n), expect(sizes, n))
         for rep in range(sizes.reps):
             for n, requests in sizes.loads:
                 gc.collect()

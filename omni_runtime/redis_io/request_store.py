@@ -45,8 +45,11 @@ log = logging.getLogger(__name__)
 GRACE_S = 60.0
 """A state outlives its request's deadline by this long (a takeover then ends it)."""
 
+_NONE: dict[Any, Any] = {}
+"""No stage data (never written to)."""
+
 Describe = Callable[[str, ReqState], dict[str, Any] | None]
-"""A request's `DurableRequest` fields (None: do not keep it)."""
+"""A request's `DurableRequest` fields, a dict of its own (None: do not keep it)."""
 
 
 class RequestStore:
@@ -116,25 +119,36 @@ class RequestStore:
                 if rid in self._stored:  # else never written (it ended within one batch)
                     self._stored.discard(rid)
                     drops.append(rid)
-                    drops.extend(_fields(rid, self._chunks.pop(rid, {}), {}))
+                    if had := self._chunks.pop(rid, None):
+                        drops.extend(_fields(rid, had, _NONE))
                 continue
-            had = self._chunks.get(rid, {})
-            counts = {sid: len(data) for sid, data in doc["stage_data"].items()}
+            kept: dict[int, list[Any]] = doc["stage_data"]
+            had = self._chunks.get(rid, _NONE)
+            new: dict[str | bytes, bytes] = _NONE
+            counts: dict[int, int] = _NONE
             try:
-                new: dict[str | bytes, bytes] = {
-                    keys.state_chunk_field(rid, sid, i): codec.encode_decoded(data[i])
-                    for sid, data in doc["stage_data"].items()
-                    for i in range(0 if rid in renewed else had.get(sid, 0), len(data))
-                }  # data as read
-                blob = codec.encode_decoded({**doc, "stage_data": {}, "stage_chunks": counts})
+                if kept:
+                    counts = {sid: len(data) for sid, data in kept.items()}
+                    new = {
+                        keys.state_chunk_field(rid, sid, i): codec.encode_decoded(data[i])
+                        for sid, data in kept.items()
+                        for i in range(0 if rid in renewed else had.get(sid, 0), len(data))
+                    }  # data as read
+                doc["stage_data"], doc["stage_chunks"] = _NONE, counts  # `describe` made it
+                blob = codec.encode_decoded(doc)
             except CodecError as e:  # its data cannot be kept: it still runs, not durably
                 log.error("request state not saved: %s", e, extra={"request_id": rid})
                 self._renewed |= {rid} & renewed  # its next try still starts from index 0
                 continue
-            puts.update(new)
+            if new:
+                puts.update(new)
             puts[rid] = blob
-            drops.extend(_fields(rid, had, counts))
-            self._chunks[rid] = counts
+            if had:
+                drops.extend(_fields(rid, had, counts))
+            if counts:
+                self._chunks[rid] = counts
+            else:
+                self._chunks.pop(rid, None)
             self._stored.add(rid)
             self._extend(doc["deadline_at"])
         out: list[Op] = []

@@ -129,7 +129,7 @@ def test_the_hash_goes_with_its_last_state(ended: bool) -> None:
 
 def describe_kept(rid: str, state: ReqState) -> dict[str, Any]:
     """As the orchestrator's: the data of every stage not finished (sequential mode)."""
-    doc = describe_with({rid: None})(rid, state)
+    doc: dict[str, Any] = describe_with({rid: None})(rid, state)
     doc["stage_data"] = {s: d for s, d in state.stage_data.items() if s not in state.finished}
     return doc
 
