@@ -39,6 +39,7 @@ SCENARIOS = (
     "throughput",
     "hops",
     "durability",
+    "long_outputs",
     "orchestrators",
     "handoff",
     "ttfp",

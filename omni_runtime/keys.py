@@ -91,6 +91,30 @@ def orchestrator_consumer(slot: int) -> str:
     return ORCHESTRATOR_CONSUMER if slot == 0 else f"{ORCHESTRATOR_CONSUMER}-{slot}"
 
 
+STATE_CHUNK_MARK = b"\xff"
+"""Splits a chunk field of a slot's states hash from its request id: 0xFF never occurs in
+UTF-8, so in no request id, and a field is either a request's state or one of its chunks."""
+
+
+def state_chunk_field(request_id: str, stage_id: int, index: int) -> bytes:
+    """The field of a slot's states hash holding chunk `index` of stage `stage_id`'s data
+    kept for a request: `<request id>\\xff<stage>.<index>`."""
+    return b"%s\xff%d.%d" % (request_id.encode(), stage_id, index)
+
+
+def split_state_chunk_field(field: bytes) -> tuple[str, int, int] | None:
+    """(request id, stage, index) of a chunk field; None for a state's field (a request id)
+    or a field that is neither."""
+    rid, mark, where = field.rpartition(STATE_CHUNK_MARK)
+    stage, dot, index = where.partition(b".")
+    if not mark or not dot or not stage.isdigit() or not index.isdigit():
+        return None
+    try:
+        return rid.decode(), int(stage), int(index)
+    except UnicodeDecodeError:
+        return None
+
+
 WORKERS_GROUP = "workers"
 """Consumer group the replicas of one stage share its input stream through."""
 STREAM_MAXLEN = 100_000
@@ -191,7 +215,8 @@ class Names:
 
     def orchestrator_states(self, slot: int) -> str:
         """A hash: request id → durable routing state (msgpack) of each request in flight
-        that `slot` owns; it expires 60 s after the latest deadline it holds."""
+        that `slot` owns, and one field per chunk of the stage data a state keeps
+        (`state_chunk_field`); it expires 60 s after the latest deadline it holds."""
         return f"{self.prefix}orch:states:{slot}"
 
     @property

@@ -172,9 +172,12 @@ class OrchOutputMsg(_Wire):
 class DurableRequest(_Wire):
     """A request's routing state as its owner keeps it in Redis, so another can finish it.
 
-    `stage_data` holds only what `forward_fn` will still need (sequential mode, stages
-    not yet finished); `stage_seq` is, per stage, the next output seq not yet handled;
-    `out_seq` the seq of the client's next output; `deadline_at` a wall-clock time.
+    The stage data `forward_fn` will still need (sequential mode, stages not yet
+    finished) is kept beside it, one hash field per chunk, written once each:
+    `stage_chunks` says how many there are per stage (`redis_io/request_store.py`).
+    `stage_data` holds it inline, as states were written before. `stage_seq` is, per
+    stage, the next output seq not yet handled; `out_seq` the seq of the client's next
+    output; `deadline_at` a wall-clock time.
     """
 
     type: Literal["request_state"] = "request_state"
@@ -187,6 +190,11 @@ class DurableRequest(_Wire):
     stage_data: Annotated[dict[StageId, list[Any]], Field(max_length=MAX_STAGES)] = Field(
         default_factory=dict
     )
+    stage_chunks: Annotated[dict[StageId, Seq], Field(max_length=MAX_STAGES)] = Field(
+        default_factory=dict
+    )
+    """Per stage, how many chunks of its data the store keeps beside the state (fields of
+    their own, written once each: `redis_io/request_store.py`)."""
     stage_seq: Annotated[dict[StageId, Seq], Field(max_length=MAX_STAGES)] = Field(
         default_factory=dict
     )

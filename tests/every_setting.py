@@ -38,6 +38,11 @@ NON_DEFAULT: dict[str, Any] = {
     "trace_ttl_s": 3601,
     "metrics_port": 9399,
     "watchdog_s": 29.5,
+    "max_deadline_s": 3599.5,
+    "deadline_grace_s": 2.5,
+    "worker_poison_strikes": 3,
+    "engine_start_timeout_s": 599.5,
+    "engine_health_interval_s": 4.5,
 }
 
 

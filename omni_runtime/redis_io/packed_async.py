@@ -50,10 +50,10 @@ class AsyncPackedPipe:
         pairs = [part for pair in fields.items() for part in pair]
         self.commands.append(("XADD", name, *trim, "*", *pairs))
 
-    def hset(self, name: str, mapping: dict[str, bytes]) -> None:
+    def hset(self, name: str, mapping: dict[str | bytes, bytes]) -> None:
         self.commands.append(("HSET", name, *(part for pair in mapping.items() for part in pair)))
 
-    def hdel(self, name: str, *keys: str) -> None:
+    def hdel(self, name: str, *keys: str | bytes) -> None:
         self.commands.append(("HDEL", name, *keys))
 
     def persist(self, name: str) -> None:

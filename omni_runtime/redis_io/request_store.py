@@ -8,6 +8,15 @@ they record (stage inputs, client outputs) and before the acknowledgements they
 allow, in the same pipeline, so a state never claims what Redis does not have.
 Coalesced: a request changed twice between batches is written once.
 
+The stage data a state keeps (sequential mode: every chunk of the stage running, until
+it finishes and `forward_fn` has them all) is not in the state's own field: each chunk
+is a field of its own in the same hash (`keys.state_chunk_field`), written in the HSET
+of the batch that recorded it and never again, and the state counts them
+(`stage_chunks`). A state re-encoded with all its data on every change made a stage of
+N chunks cost O(N) bytes per chunk, in the orchestrator and in Redis. Chunk fields go
+in the same HSET as their state and leave in the same HDEL, so a state never counts a
+chunk Redis does not have (a retried HSET writes the same fields again).
+
 Expiry: a state records its deadline; the hash expires 60 s after the latest
 deadline it holds (PEXPIREAT, moved only forward), and a state whose deadline is
 that long past when the slot is loaded is dropped unread, as a key of its own
@@ -40,8 +49,11 @@ log = logging.getLogger(__name__)
 GRACE_S = 60.0
 """A state outlives its request's deadline by this long (a takeover then ends it)."""
 
+_NONE: dict[Any, Any] = {}
+"""No stage data (never written to)."""
+
 Describe = Callable[[str, ReqState], dict[str, Any] | None]
-"""A request's `DurableRequest` fields (None: do not keep it)."""
+"""A request's `DurableRequest` fields, a dict of its own (None: do not keep it)."""
 Failed = Callable[[str, Exception], None]
 """A request whose state could not be written, and why."""
 
@@ -78,6 +90,11 @@ class RequestStore:
         self._dirty: dict[str, ReqState | None] = {}
         self._stored: set[str] = set()
         """Requests with a field in the hash."""
+        self._chunks: dict[str, dict[int, int]] = {}
+        """Request → stage → chunk fields in the hash (indexes 0 .. n-1)."""
+        self._renewed: set[str] = set()
+        """Requests that ended since the last batch: one dirty again is a new request under
+        the same id, whose chunks are written anew from index 0."""
         self._expiry_ms = 0
         """The latest expiry its states need, ms since the epoch (0: none yet)."""
         self._forever = False
@@ -94,33 +111,66 @@ class RequestStore:
         """`state` None: the request ended (its field goes)."""
         if self.enabled:
             self._dirty[request_id] = state
+            if state is None:
+                self._renewed.add(request_id)
             self.writer.wake()
 
     def detach(self) -> None:
         """This slot is given up: nothing more of it is written."""
         self._dirty.clear()
         self._stored.clear()
+        self._chunks.clear()
+        self._renewed.clear()
         if self.ops in self.writer.sources:
             self.writer.sources.remove(self.ops)
 
     def ops(self) -> list[Op]:
         dirty, self._dirty = self._dirty, {}
-        puts: dict[str, bytes] = {}
-        drops: list[str] = []
+        renewed, self._renewed = self._renewed, set()
+        puts: dict[str | bytes, bytes] = {}
+        drops: list[str | bytes] = []
         for rid, state in dirty.items():
             try:
                 doc = None if state is None else self.describe(rid, state)
-                if doc is None:
-                    if rid in self._stored:  # else never written (it ended within one batch)
-                        self._stored.discard(rid)
-                        drops.append(rid)
-                    continue
-                deadline_at = doc["deadline_at"]
-                until = None if deadline_at is None else expiry_ms(deadline_at)
-                puts[rid] = codec.encode_decoded(doc)  # prompt and data as read
             except Exception as e:  # this request fails; the others' states are written
                 self._failed(rid, e)
                 continue
+            if doc is None:
+                if rid in self._stored:  # else never written (it ended within one batch)
+                    self._stored.discard(rid)
+                    drops.append(rid)
+                    if had := self._chunks.pop(rid, None):
+                        drops.extend(_fields(rid, had, _NONE))
+                continue
+            kept: dict[int, list[Any]] = doc.get("stage_data") or {}
+            had = self._chunks.get(rid, _NONE)
+            new: dict[str | bytes, bytes] = _NONE
+            counts: dict[int, int] = _NONE
+            try:
+                if kept:
+                    counts = {sid: len(data) for sid, data in kept.items()}
+                    new = {
+                        keys.state_chunk_field(rid, sid, i): codec.encode_decoded(data[i])
+                        for sid, data in kept.items()
+                        for i in range(0 if rid in renewed else had.get(sid, 0), len(data))
+                    }  # data as read
+                doc["stage_data"], doc["stage_chunks"] = _NONE, counts  # `describe` made it
+                deadline_at = doc["deadline_at"]
+                until = None if deadline_at is None else expiry_ms(deadline_at)
+                blob = codec.encode_decoded(doc)
+            except Exception as e:  # this request fails; the others' states are written
+                self._failed(rid, e)
+                self._renewed |= {rid} & renewed  # its next try still starts from index 0
+                continue
+            if new:
+                puts.update(new)
+            puts[rid] = blob
+            if had:
+                drops.extend(_fields(rid, had, counts))
+            if counts:
+                self._chunks[rid] = counts
+            else:
+                self._chunks.pop(rid, None)
             self._stored.add(rid)
             if until is None:
                 self._forever = True
@@ -144,34 +194,80 @@ class RequestStore:
         else:
             log.error("request state not saved: %r", e, extra={"request_id": rid})
 
+    def _extend(self, deadline_at: float | None) -> None:
+        if deadline_at is None:
+            self._forever = True
+        else:  # in range: the model bounds it
+            self._expiry_ms = max(self._expiry_ms, expiry_ms(deadline_at))
+
     async def load(self, client: aioredis.Redis, max_bytes: int) -> list[DurableRequest]:
-        """Every state in the slot's hash; unreadable ones and those whose deadline passed
-        more than `GRACE_S` ago are dropped from it."""
+        """Every state in the slot's hash, its stage data read back into `stage_data`;
+        unreadable ones (a chunk missing or unreadable too), those whose deadline passed
+        more than `GRACE_S` ago and chunks no state counts are dropped from it."""
         fields = cast("dict[bytes, bytes]", await client.hgetall(self.key))
+        chunks: dict[str, dict[tuple[int, int], bytes]] = {}
+        states: dict[str, bytes] = {}
+        stale: list[str | bytes] = []
+        for field, raw in fields.items():
+            where = keys.split_state_chunk_field(field)
+            if where is not None:
+                chunks.setdefault(where[0], {})[where[1:]] = raw
+                continue
+            try:
+                states[field.decode()] = raw
+            except UnicodeDecodeError:
+                log.error("unreadable request state field dropped: %r", field[:64])
+                stale.append(field)
         found: list[DurableRequest] = []
-        stale: list[str] = []
         now = self.clock()
-        for raw_id, raw in sorted(fields.items()):
-            rid = raw_id.decode()
+        for rid, raw in sorted(states.items()):
             try:
                 doc = codec.decode_model(raw, DurableRequest, max_bytes=max_bytes)
+                if doc.deadline_at is None or doc.deadline_at + GRACE_S >= now:
+                    doc = _with_chunks(doc, chunks.get(rid, {}), max_bytes)
+                    found.append(doc)
+                    self._chunks[rid] = dict(doc.stage_chunks)
+                    self._stored.add(rid)
+                    self._extend(doc.deadline_at)
+                    continue
             except (CodecError, ValidationError) as e:
                 log.error("unreadable request state dropped: %s", e, extra={"request_id": rid})
-                stale.append(rid)
-                continue
-            if doc.deadline_at is not None and doc.deadline_at + GRACE_S < now:
-                stale.append(rid)
-                continue
-            found.append(doc)
-            self._stored.add(rid)
-            if doc.deadline_at is None:
-                self._forever = True
-            else:  # in range: the model bounds it
-                self._expiry_ms = max(self._expiry_ms, expiry_ms(doc.deadline_at))
+            stale.append(rid)
+        for rid, held in chunks.items():  # the stale states' chunks, and any no state counts
+            counts = self._chunks.get(rid, {})
+            stale.extend(
+                keys.state_chunk_field(rid, sid, i)
+                for sid, i in held
+                if rid not in self._stored or i >= counts.get(sid, 0)
+            )
         self._set = (self._expiry_ms, self._forever) if found else (0, False)
         if stale:
             await client.hdel(self.key, *stale)
         return found
+
+
+def _fields(rid: str, had: dict[int, int], counts: dict[int, int]) -> list[str | bytes]:
+    """The chunk fields a request had beyond what it keeps now (a stage finished: all)."""
+    return [
+        keys.state_chunk_field(rid, sid, i)
+        for sid, n in had.items()
+        for i in range(counts.get(sid, 0), n)
+    ]
+
+
+def _with_chunks(
+    doc: DurableRequest, held: dict[tuple[int, int], bytes], max_bytes: int
+) -> DurableRequest:
+    """`doc` with the chunks it counts read into its `stage_data`; one missing is an error."""
+    if not doc.stage_chunks:
+        return doc  # written before chunk fields (its data inline), or keeping none
+    data = dict(doc.stage_data)
+    for sid, n in doc.stage_chunks.items():
+        missing = [i for i in range(n) if (sid, i) not in held]
+        if missing:
+            raise CodecError(f"stage {sid} data: {len(missing)} of {n} chunks missing")
+        data[sid] = [codec.decode(held[sid, i], max_bytes=max_bytes) for i in range(n)]
+    return doc.model_copy(update={"stage_data": data})
 
 
 def to_state(doc: DurableRequest) -> ReqState:

@@ -73,7 +73,7 @@ class HashPut:
     """HSET every field of `fields` into hash `key`: many requests' states, one command."""
 
     key: str
-    fields: dict[str, bytes]
+    fields: dict[str | bytes, bytes]
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ class HashDrop:
     """HDEL `fields` from hash `key` (the hash goes with its last field)."""
 
     key: str
-    fields: list[str]
+    fields: list[str | bytes]
 
 
 @dataclass(slots=True)
@@ -102,8 +102,8 @@ def owners(op: Op) -> list[str]:
     """The requests a write belongs to: a write Redis refuses for good fails them."""
     if isinstance(op, XAdd | ExpireAt):
         return [] if op.owner is None else [op.owner]
-    if isinstance(op, HashPut):
-        return list(op.fields)
+    if isinstance(op, HashPut):  # a state's field is its request id (its chunks', bytes)
+        return [f for f in op.fields if isinstance(f, str)]
     return []
 
 
@@ -183,8 +183,8 @@ class _Hash:
     """One hash's ops of a batch, coalesced: fields to set and to delete (disjoint, the
     later op on a field winning), the last expiry asked for."""
 
-    put: dict[str, bytes]
-    drop: dict[str, None]
+    put: dict[str | bytes, bytes]
+    drop: dict[str | bytes, None]
     expiry: ExpireAt | None = None
 
 

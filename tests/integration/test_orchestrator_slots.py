@@ -177,6 +177,52 @@ async def test_a_new_orchestrator_finishes_what_a_stopped_one_left_in_flight(
     await raw.aclose()
 
 
+async def test_a_new_orchestrator_gets_every_chunk_of_a_stage_still_streaming(
+    settings: Settings, clients: RedisClients
+) -> None:
+    """Sequential mode keeps the chunks of the stage running, each in a field of its own:
+    stopped mid-stream, the first orchestrator leaves them all to the next one, which
+    forwards the whole list (the early chunks exist nowhere else any more)."""
+    seed = load_pipeline(WORKERS / "seed.yaml")
+    streamer = seed.stages[0].model_copy(
+        update={"entry": "workers.omni:thinker", "options": {"token_delay_ms": 40}}
+    )
+    pipeline = seed.model_copy(
+        update={"stages": [streamer, seed.stages[1]], "final_stage_ids": [1]}
+    )
+    words = [f"w{i}" for i in range(25)]
+    raw = clients.aio()
+    key = settings.names.orchestrator_states(0)
+    first = OrchestratorService(pipeline, settings, clients)
+    with Workers(pipeline, settings, clients):
+        stop, task = await start(first)
+        async with OmniClient(settings, clients) as client:
+            await client.wait_ready([0, 1], timeout_s=20)
+            await client.submit(" ".join(words), request_id="r1")
+            result = asyncio.create_task(collect(client, "r1"))
+            deadline = time.monotonic() + 20
+            while len(await raw.hkeys(key)) < 4:  # the state and three chunks of stage 0
+                assert time.monotonic() < deadline, "stage 0's chunks never kept"
+                await asyncio.sleep(0.01)
+            stop.set()
+            await task
+            blob = await raw.hget(key, "r1")
+            doc = codec.decode_model(cast(bytes, blob), DurableRequest)
+            assert doc.finished == [] and doc.stage_data == {}  # stage 0 still streaming
+            kept = doc.stage_chunks[0]
+            assert 3 <= kept < len(words) and await raw.hlen(key) == 1 + kept
+            second = OrchestratorService(pipeline, settings, clients)
+            stop2, task2 = await start(second)
+            assert second.home is not None and second.home.restored == 1
+            assert await result == [(1, [w.upper() for w in words], True)]
+            await wait_for(lambda: second.orchestrator.request_states == {})
+            await second.writer.written()
+            assert await raw.exists(key) == 0  # the state and its chunks went together
+            stop2.set()
+            await task2
+    await raw.aclose()
+
+
 async def test_an_idle_slot_reads_long_one_in_flight_short_neither_past_the_fence(
     clients: RedisClients,
 ) -> None:
