@@ -62,12 +62,14 @@ def bundled_voice() -> Path:
 
 
 def load_voice(
-    model: str | Path | None = None, with_session: bool = True, num_threads: int = 0
+    model: str | Path | None = None, with_session: bool = True, num_threads: int = 1
 ) -> Any:
     """This process's `PiperVoice` for `model` (default: the bundled voice), loaded once.
 
     Without `with_session` only the config is read (enough to phonemize: the talker).
-    `num_threads`: onnxruntime's intra-op threads (0: its default, one per core).
+    `num_threads`: onnxruntime's threads per synthesis (0: one per core). One, without
+    spinning, is the default: concurrent requests run on threads of their own anyway, and
+    idle threads spinning for work take the cores the other stages need.
     """
     path = Path(model) if model else bundled_voice()
     key = (str(path), with_session, num_threads if with_session else 0)
@@ -91,6 +93,7 @@ def _load(path: Path, with_session: bool, num_threads: int) -> Any:
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = num_threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = onnxruntime.InferenceSession(
             str(path), sess_options=options, providers=["CPUExecutionProvider"]
         )
@@ -173,15 +176,15 @@ def vocoder(
     speed: float = 1.0,
     max_chunk_ms: int = DEFAULT_MAX_CHUNK_MS,
     normalize: bool = True,
-    num_threads: int = 0,
+    num_threads: int = 1,
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
     """The talker's chunks → PCM chunks (float32, mono; `normalize`: each clause's peak at 1,
     as piper does per sentence). `speed` scales the voice's phoneme lengths by 1/speed."""
     from piper.config import SynthesisConfig
 
-    if max_chunk_ms < 10:
-        raise ConfigError("piper vocoder: max_chunk_ms must be at least 10")
+    if max_chunk_ms < 10 or not 0 <= num_threads <= 64:
+        raise ConfigError("piper vocoder: max_chunk_ms must be at least 10, num_threads 0-64")
     chosen = voice_params(params, voice, speed)
     path, spk = resolve_voice(chosen.voice, model, speaker, voices)
     piper_voice = load_voice(path, with_session=True, num_threads=num_threads)
