@@ -154,7 +154,9 @@ def main() -> None:
     print(speed_row("piper, 2 onnxruntime threads", lambda t: piper_chain(t, 2), runs))
     print(speed_row("espeak-ng", espeak_chain, runs))
     for c in (2, 4):
-        print(f"piper at c = {c}: RTF of the audio made together {concurrent_rtf(piper_chain, c):.3f}")
+        print(
+            f"piper at c = {c}: RTF of the audio made together {concurrent_rtf(piper_chain, c):.3f}"
+        )
         print(f"espeak-ng at c = {c}: {concurrent_rtf(espeak_chain, c):.4f}")
 
     def piper_pcm(text: str) -> Pcm:
