@@ -76,6 +76,7 @@ class Espeak:
                 "(or apt-get install libespeak-ng1)"
             )
         self.buflength_ms = buflength_ms
+        self.library = found[0]
         self.lock = threading.Lock()
         self._lib: Any = ctypes.CDLL(found[0])
         self._lib.espeak_Initialize.argtypes = [
@@ -200,15 +201,16 @@ _engine: Espeak | None = None
 
 
 def get_espeak(buflength_ms: int = 100, library: str | None = None) -> Espeak:
-    """This process's espeak-ng (initialised once: a second buffer length is a config error)."""
+    """This process's espeak-ng (initialised once: another buffer length or library is a
+    config error)."""
     global _engine
     with _engine_lock:
         if _engine is None:
             _engine = Espeak(buflength_ms, library)
-        elif _engine.buflength_ms != buflength_ms:
+        elif (_engine.buflength_ms, _engine.library) != (buflength_ms, library or _engine.library):
             raise ConfigError(
-                f"espeak: initialised with buflength_ms={_engine.buflength_ms}; "
-                f"one process cannot also use {buflength_ms}"
+                f"espeak: initialised with buflength_ms={_engine.buflength_ms} and "
+                f"{_engine.library}; one process cannot also use {buflength_ms} and {library}"
             )
         return _engine
 

@@ -9,8 +9,11 @@ little-endian bytes), or a list (or streamed `ChunkStream`) of those, decoded pi
 piece as they arrive. Audio is resampled to the model's 16 kHz by linear interpolation.
 Output: the recognised text, one string.
 
-Loading a decoder takes ~0.5 s, so each process keeps the ones it made and reuses them
-(a decoder serves one request at a time).
+A decoder takes ~0.5 s to load and ~90 MB of memory, and serves one request at a
+time; each process keeps the ones it made, at most `max_decoders` (4) per model, and
+a request beyond them waits for one to be free (recognition is CPU-bound: more decoders
+than cores would not finish sooner). A streamed request holds its decoder while its
+audio arrives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import threading
 import wave
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,35 +36,58 @@ MODEL_RATE = 16_000
 MIN_RATE = 4_000
 MAX_RATE = 384_000
 DEFAULT_MAX_SECONDS = 600.0
+DEFAULT_MAX_DECODERS = 4
 Floats = npt.NDArray[np.float32]
+ModelKey = tuple[str | None, str | None, str | None]
 
-_pool_lock = threading.Lock()
-_idle: dict[tuple[str | None, str | None, str | None], list[Any]] = {}
+
+@dataclass
+class _Decoders:
+    idle: list[Any] = field(default_factory=list)
+    made: int = 0
+
+
+_pool = threading.Condition()
+_decoders: dict[ModelKey, _Decoders] = {}
 
 
 @contextmanager
-def _decoder(hmm: str | None, lm: str | None, dictionary: str | None) -> Iterator[Any]:
-    """An idle decoder for this model (made if none is idle), returned to the pool after."""
-    key = (hmm, lm, dictionary)
-    with _pool_lock:
-        idle = _idle.setdefault(key, [])
-        decoder = idle.pop() if idle else None
+def _decoder(key: ModelKey, max_decoders: int) -> Iterator[Any]:
+    """An idle decoder for this model, made if fewer than `max_decoders` exist, else the
+    next one freed; back to the pool after."""
+    with _pool:
+        mine = _decoders.setdefault(key, _Decoders())
+        _pool.wait_for(lambda: bool(mine.idle) or mine.made < max_decoders)
+        decoder = mine.idle.pop() if mine.idle else None
+        if decoder is None:
+            mine.made += 1
     if decoder is None:
-        from pocketsphinx import Config, Decoder
-
-        config = Config(samprate=MODEL_RATE, loglevel="FATAL")
-        for name, value in (("hmm", hmm), ("lm", lm), ("dict", dictionary)):
-            if value is not None:
-                config[name] = value
         try:
-            decoder = Decoder(config)
-        except (RuntimeError, ValueError) as e:
-            raise ConfigError(f"pocketsphinx: cannot load the model {key}: {e}") from e
+            decoder = _load(key)
+        except BaseException:
+            with _pool:
+                mine.made -= 1
+                _pool.notify()
+            raise
     try:
         yield decoder
     finally:
-        with _pool_lock:
-            _idle[key].append(decoder)
+        with _pool:
+            mine.idle.append(decoder)
+            _pool.notify()
+
+
+def _load(key: ModelKey) -> Any:
+    from pocketsphinx import Config, Decoder
+
+    config = Config(samprate=MODEL_RATE, loglevel="FATAL")
+    for name, value in zip(("hmm", "lm", "dict"), key, strict=True):
+        if value is not None:
+            config[name] = value
+    try:
+        return Decoder(config)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"pocketsphinx: cannot load the model {key}: {e}") from e
 
 
 def resample(audio: Floats, from_rate: int, to_rate: int) -> Floats:
@@ -135,11 +162,14 @@ def transcribe(
     lm: str | None = None,
     dictionary: str | None = None,
     max_seconds: float = DEFAULT_MAX_SECONDS,
+    max_decoders: int = DEFAULT_MAX_DECODERS,
     params: dict[str, Any] | None = None,
 ) -> str:
     """Speech (see the module doc) → its text. `hmm`, `lm`, `dictionary`: another model's
     files instead of the bundled `en-us` ones. `params` is accepted for a uniform stage
     signature; no request parameter changes recognition."""
+    if not 1 <= max_decoders <= 64 or not max_seconds > 0:
+        raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
     pieces: Iterable[Any]
     if isinstance(data, ChunkStream):
         pieces, whole = data, False
@@ -149,7 +179,7 @@ def transcribe(
         pieces, whole = [data], True
     limit = int(max_seconds * MODEL_RATE) * 2
     used = 0
-    with _decoder(hmm, lm, dictionary) as decoder:
+    with _decoder((hmm, lm, dictionary), max_decoders) as decoder:
         decoder.start_utt()
         try:
             for piece in pieces:

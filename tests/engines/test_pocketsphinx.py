@@ -65,13 +65,25 @@ def test_pieces_are_decoded_as_they_arrive(speech: Floats) -> None:
     assert wer(SENTENCES, heard) <= MAX_WER, heard
 
 
-def test_requests_at_once_each_get_a_decoder(speech: Floats) -> None:
+def test_requests_at_once_share_at_most_max_decoders(speech: Floats) -> None:
+    from pocketsphinx import get_model_path
+
+    from omni_runtime.engines import pocketsphinx
+
+    # the bundled dictionary named explicitly: a model key (and a pool) of this test's own
+    dictionary = get_model_path("en-us/cmudict-en-us.dict")
     half = speech.size // 2
-    inputs = [{"pcm": speech, "sample_rate": RATE}, {"pcm": speech[:half], "sample_rate": RATE}]
-    with ThreadPoolExecutor(2) as pool:
-        whole, first = pool.map(transcribe, inputs)
-    assert wer(SENTENCES, whole) <= MAX_WER
+    inputs = [speech, speech[:half], speech]
+
+    def hear(pcm: Floats) -> str:
+        data = {"pcm": pcm, "sample_rate": RATE}
+        return transcribe(data, dictionary=dictionary, max_decoders=1)
+
+    with ThreadPoolExecutor(3) as pool:
+        whole, first, again = pool.map(hear, inputs)
+    assert wer(SENTENCES, whole) <= MAX_WER and wer(SENTENCES, again) <= MAX_WER
     assert len(first.split()) < len(whole.split())
+    assert pocketsphinx._decoders[(None, None, dictionary)].made == 1
 
 
 def test_a_quiet_room_says_nothing(needs_pocketsphinx: None) -> None:
