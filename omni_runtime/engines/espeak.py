@@ -102,7 +102,7 @@ class Espeak:
         self._voice: str | None = None
 
     def select_voice(self, name: str) -> None:
-        """Make `name` (e.g. `en-us`, `en-gb`) the voice; call with `lock` held."""
+        """Make `name` (e.g. `en-us`; `en` is British) the voice; call with `lock` held."""
         if name != self._voice:
             if self._lib.espeak_SetVoiceByName(name.encode()) != 0:
                 self._voice = None
