@@ -1,0 +1,194 @@
+"""Speech to text with CMU pocketsphinx (PyPI `pocketsphinx`, its bundled US English model).
+
+A real speech-input stage for audio-in pipelines, offline, and the runtime's check that
+synthesised speech is intelligible (TTS → 16 kHz → recognise → word error rate, `wer`).
+
+Input: WAV bytes (PCM, any rate, mono or averaged channels), or `{"pcm": array or
+bytes, "sample_rate": N}` (a float array in [-1, 1], an int16 array, or int16
+little-endian bytes), or a list (or streamed `ChunkStream`) of those, decoded piece by
+piece as they arrive. Audio is resampled to the model's 16 kHz by linear interpolation.
+Output: the recognised text, one string.
+
+A decoder takes ~0.5 s to load and ~90 MB of memory, and serves one request at a
+time; each process keeps the ones it made, at most `max_decoders` (4) per model, and
+a request beyond them waits for one to be free (recognition is CPU-bound: more decoders
+than cores would not finish sooner). A streamed request holds its decoder while its
+audio arrives.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import wave
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from omni_runtime.errors import ConfigError
+from omni_runtime.stage_api import ChunkStream
+
+MODEL_RATE = 16_000
+MIN_RATE = 4_000
+MAX_RATE = 384_000
+DEFAULT_MAX_SECONDS = 600.0
+DEFAULT_MAX_DECODERS = 4
+Floats = npt.NDArray[np.float32]
+ModelKey = tuple[str | None, str | None, str | None]
+
+
+@dataclass
+class _Decoders:
+    idle: list[Any] = field(default_factory=list)
+    made: int = 0
+
+
+_pool = threading.Condition()
+_decoders: dict[ModelKey, _Decoders] = {}
+
+
+@contextmanager
+def _decoder(key: ModelKey, max_decoders: int) -> Iterator[Any]:
+    """An idle decoder for this model, made if fewer than `max_decoders` exist, else the
+    next one freed; back to the pool after."""
+    with _pool:
+        mine = _decoders.setdefault(key, _Decoders())
+        _pool.wait_for(lambda: bool(mine.idle) or mine.made < max_decoders)
+        decoder = mine.idle.pop() if mine.idle else None
+        if decoder is None:
+            mine.made += 1
+    if decoder is None:
+        try:
+            decoder = _load(key)
+        except BaseException:
+            with _pool:
+                mine.made -= 1
+                _pool.notify()
+            raise
+    try:
+        yield decoder
+    finally:
+        with _pool:
+            mine.idle.append(decoder)
+            _pool.notify()
+
+
+def _load(key: ModelKey) -> Any:
+    from pocketsphinx import Config, Decoder
+
+    config = Config(samprate=MODEL_RATE, loglevel="FATAL")
+    for name, value in zip(("hmm", "lm", "dict"), key, strict=True):
+        if value is not None:
+            config[name] = value
+    try:
+        return Decoder(config)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"pocketsphinx: cannot load the model {key}: {e}") from e
+
+
+def resample(audio: Floats, from_rate: int, to_rate: int) -> Floats:
+    """Linear interpolation: enough for a recogniser that reads up to 8 kHz."""
+    if from_rate == to_rate or audio.size == 0:
+        return audio
+    n = round(audio.size * to_rate / from_rate)
+    at = np.arange(n, dtype=np.float64) * (from_rate / to_rate)
+    return np.interp(at, np.arange(audio.size), audio).astype(np.float32)
+
+
+def read_wav(data: bytes) -> tuple[Floats, int]:
+    """A PCM WAV file's samples (float32 in [-1, 1], channels averaged) and rate."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as w:
+            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+            raw = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as e:
+        raise ValueError(f"not a PCM WAV file: {e}") from None
+    if width == 1:
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width == 2:
+        samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+    elif width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend 24 bits
+        samples = ints.astype(np.float32) / 8388608.0
+    else:
+        samples = np.frombuffer(raw, "<i4").astype(np.float32) / 2147483648.0
+    return samples.reshape(-1, channels).mean(axis=1, dtype=np.float32), rate
+
+
+def to_model_pcm(item: Any) -> bytes:
+    """One input piece as the model reads it: 16 kHz mono int16 bytes."""
+    if isinstance(item, bytes | bytearray | memoryview):
+        audio, rate = read_wav(bytes(item))
+    elif isinstance(item, dict) and "pcm" in item and "sample_rate" in item:
+        audio, rate = _pcm_samples(item["pcm"]), item["sample_rate"]
+    else:
+        raise TypeError(
+            "expected WAV bytes or {'pcm': array or bytes, 'sample_rate': int}, "
+            f"got {type(item).__name__}"
+        )
+    if not isinstance(rate, int) or isinstance(rate, bool) or not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"sample_rate must be an int in {MIN_RATE}..{MAX_RATE}, got {rate!r}")
+    pcm = resample(audio, rate, MODEL_RATE)
+    return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def _pcm_samples(pcm: Any) -> Floats:
+    if isinstance(pcm, bytes | bytearray | memoryview):
+        if len(pcm) % 2:
+            raise ValueError("PCM bytes must be int16 samples (an even number of bytes)")
+        return np.frombuffer(bytes(pcm), "<i2").astype(np.float32) / 32768.0
+    if not isinstance(pcm, np.ndarray) or pcm.ndim not in (1, 2):
+        raise TypeError("pcm must be int16 bytes or a 1-D (or samples x channels) numpy array")
+    if pcm.dtype == np.int16:
+        samples = pcm.astype(np.float32) / 32768.0
+    elif np.issubdtype(pcm.dtype, np.floating):
+        samples = pcm.astype(np.float32)
+        if not np.all(np.isfinite(samples)):
+            raise ValueError("pcm has NaN or infinite samples")
+    else:
+        raise TypeError(f"pcm arrays must be float or int16, got {pcm.dtype}")
+    return samples if samples.ndim == 1 else samples.mean(axis=1, dtype=np.float32)
+
+
+def transcribe(
+    data: Any,
+    *,
+    hmm: str | None = None,
+    lm: str | None = None,
+    dictionary: str | None = None,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    max_decoders: int = DEFAULT_MAX_DECODERS,
+    params: dict[str, Any] | None = None,
+) -> str:
+    """Speech (see the module doc) → its text. `hmm`, `lm`, `dictionary`: another model's
+    files instead of the bundled `en-us` ones. `params` is accepted for a uniform stage
+    signature; no request parameter changes recognition."""
+    if not 1 <= max_decoders <= 64 or not max_seconds > 0:
+        raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
+    pieces: Iterable[Any]
+    if isinstance(data, ChunkStream):
+        pieces, whole = data, False
+    elif isinstance(data, list | tuple):
+        pieces, whole = data, len(data) == 1
+    else:
+        pieces, whole = [data], True
+    limit = int(max_seconds * MODEL_RATE) * 2
+    used = 0
+    with _decoder((hmm, lm, dictionary), max_decoders) as decoder:
+        decoder.start_utt()
+        try:
+            for piece in pieces:
+                pcm = to_model_pcm(piece)
+                used += len(pcm)
+                if used > limit:
+                    raise ValueError(f"audio longer than max_seconds={max_seconds:g}")
+                decoder.process_raw(pcm, False, whole)
+        finally:
+            decoder.end_utt()
+        hyp = decoder.hyp()
+    return str(hyp.hypstr) if hyp is not None else ""

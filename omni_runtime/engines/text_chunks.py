@@ -1,0 +1,152 @@
+"""Cut a stream of text deltas (an LLM's token pieces) into speakable clauses, as each ends.
+
+A TTS engine speaks whole clauses well and half-words badly, and the first audio can
+start only once the first clause is complete; so the talker cuts where a speaker would
+pause, as soon as it can tell:
+
+* after a sentence end (`.`, `!`, `?`, `…`, with any closing quotes or brackets) that is
+  followed by whitespace — so `3.14`, `e.g.` and `Dr. Smith` are not cuts, and a `.` at
+  the end of a delta waits for the next delta's first character;
+* after a newline;
+* after a clause mark (`,`, `;`, `:`) followed by whitespace, once the clause has
+  `min_clause_chars` characters (short clauses sound choppy);
+* at the last space before `max_clause_chars` when a clause runs on without any mark
+  (bounding the wait for the first audio and the TTS input).
+
+Pieces keep every character (whitespace starts the next piece), so their concatenation is
+the input; and a cut depends only on the text, never on where the deltas split it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from omni_runtime.stage_api import ChunkStream, with_last
+
+SENTENCE_ENDS = frozenset(".!?…")
+CLAUSE_MARKS = frozenset(",;:")
+CLOSERS = frozenset("\"')]}\u201d\u2019\u00bb")  # and the closing curly quotes, guillemet
+OPENERS = "\"'([{\u201c\u2018\u00ab"
+ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "e.g", "i.e", "cf", "approx", "fig"}
+)
+DEFAULT_MIN_CLAUSE_CHARS = 20
+DEFAULT_MAX_CLAUSE_CHARS = 200
+
+
+class ClauseCutter:
+    """Feed text deltas, get back the pieces that are complete; `flush` gives the rest."""
+
+    def __init__(
+        self,
+        min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
+        max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+    ) -> None:
+        if not 1 <= min_clause_chars <= max_clause_chars:
+            raise ValueError("need 1 <= min_clause_chars <= max_clause_chars")
+        self.min_clause_chars = min_clause_chars
+        self.max_clause_chars = max_clause_chars
+        self._buf = ""
+        self._scan = 0
+        """Where scanning resumes: every index before it was decided not to be a cut."""
+
+    def feed(self, delta: str) -> list[str]:
+        self._buf += delta
+        pieces: list[str] = []
+        while (cut := self._next_cut()) is not None:
+            pieces.append(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            self._scan = 0
+        return pieces
+
+    def flush(self) -> list[str]:
+        """The text after the last cut (the stream ended), if any."""
+        rest, self._buf, self._scan = self._buf, "", 0
+        return [rest] if rest else []
+
+    def _next_cut(self) -> int | None:
+        """The end of the first complete piece in the buffer, or None (need more text)."""
+        buf, limit = self._buf, self.max_clause_chars
+        i = self._scan
+        while i < len(buf):
+            if i >= limit:  # a run-on clause: cut at its last space (or hard, if none)
+                space = max(buf.rfind(" ", 1, limit), buf.rfind("\n", 1, limit))
+                return space if space > 0 and buf[:space].strip() else limit
+            c = buf[i]
+            if c == "\n" and _has_words(buf[:i]):
+                return i + 1
+            if c in SENTENCE_ENDS or c in CLAUSE_MARKS:
+                j = i + 1
+                while j < len(buf) and j < limit and (buf[j] in CLOSERS or buf[j] in SENTENCE_ENDS):
+                    j += 1
+                if j >= limit:
+                    return limit
+                if j == len(buf):
+                    self._scan = i  # what follows decides: wait for the next delta
+                    return None
+                if buf[j].isspace() and self._ends_clause(buf[:j], c):
+                    return j
+                i = j
+                continue
+            i += 1
+        self._scan = i
+        return None
+
+    def _ends_clause(self, piece: str, mark: str) -> bool:
+        if not _has_words(piece):
+            return False
+        if mark in CLAUSE_MARKS:
+            return len(piece.strip()) >= self.min_clause_chars
+        if mark == ".":
+            word = piece.rstrip("".join(CLOSERS) + ".").rsplit(None, 1)[-1].lstrip(OPENERS)
+            if word.lower() in ABBREVIATIONS or (len(word) == 1 and word.isupper()):
+                return False
+        return True
+
+
+def _has_words(text: str) -> bool:
+    return any(ch.isalnum() for ch in text)
+
+
+def cut_text(text: str, **limits: int) -> list[str]:
+    """A whole text's pieces (the same as feeding it in any number of deltas)."""
+    cutter = ClauseCutter(**limits)
+    return [*cutter.feed(text), *cutter.flush()]
+
+
+def clauses_with_last(
+    data: Any,
+    min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
+    max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+) -> Iterator[tuple[str, bool]]:
+    """Each clause of a stage's text input (stripped, never blank), with whether it is the last.
+
+    `data` is a string (a prompt) or text deltas (a list, or a `ChunkStream` read as the
+    chunks arrive); `None` deltas (an upstream's closing chunk) are skipped. A clause goes
+    out as soon as it is complete. When the input ends after the last clause was already
+    given, a closing `("", True)` says so.
+    """
+    cutter = ClauseCutter(min_clause_chars, max_clause_chars)
+    if isinstance(data, str):
+        deltas: Iterable[Any] = [data]
+    elif isinstance(data, ChunkStream | list | tuple):
+        deltas = data
+    else:
+        raise TypeError(
+            f"expected text (a str, or a list of str deltas), got {type(data).__name__}"
+        )
+    ended = False
+    for delta, is_last in with_last(deltas):
+        if delta is not None and not isinstance(delta, str):
+            raise TypeError(f"expected text deltas (str), got {type(delta).__name__}")
+        pieces = cutter.feed(delta or "")
+        if is_last:
+            pieces += cutter.flush()
+        spoken = [p.strip() for p in pieces if p.strip()]
+        for k, clause in enumerate(spoken):
+            last = is_last and k == len(spoken) - 1
+            ended = ended or last
+            yield clause, last
+    if not ended:
+        yield "", True

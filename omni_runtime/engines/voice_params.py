@@ -1,0 +1,38 @@
+"""The per-request voice parameters every TTS stage honours: `voice` and `speed`.
+
+A request's `params` win over the stage's options; keys meant for other stages
+(`max_tokens`, `temperature`, ...) pass by. Bad values fail the request with a clear
+error instead of being clamped or ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+
+
+class VoiceParams(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    voice: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    speed: Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED, allow_inf_nan=False, strict=True)] = (
+        1.0
+    )
+
+
+def voice_params(params: dict[str, Any] | None, voice: str | None, speed: float) -> VoiceParams:
+    """The voice and speed for one request: its `params`, else the stage's options."""
+    merged: dict[str, Any] = {"voice": voice, "speed": speed}
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"request params must be a dict, got {type(params).__name__}")
+        merged.update({k: params[k] for k in ("voice", "speed") if params.get(k) is not None})
+    try:
+        return VoiceParams.model_validate(merged)
+    except ValidationError as e:
+        errors = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise ValueError(f"bad voice parameters: {errors}") from None

@@ -1,0 +1,128 @@
+"""Piper as talker (text deltas → phoneme ids per clause) and vocoder (ids → PCM), for real."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_runtime.engines import piper
+from omni_runtime.engines.wer import wer
+from omni_runtime.errors import ConfigError
+from omni_runtime.stage_api import ChunkStream, Final, RequestAborted
+from tests.engines.speech import MAX_WER, SENTENCES, audio, token_deltas, unwrap
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("needs_piper")]
+RATE = 22_050
+
+
+def talk(data: Any, **options: Any) -> list[dict[str, Any]]:
+    return unwrap(piper.talker(data, **options))
+
+
+def test_the_talker_sends_each_clause_as_soon_as_it_is_complete() -> None:
+    stream = ChunkStream()
+    stream.extend(token_deltas("Good morning to you all. It"), closed=False)
+    chunks = piper.talker(stream)
+    assert next(chunks)["text"] == "Good morning to you all."  # the input is still open
+    stream.extend([" rains", ".", None], closed=True)
+    assert [c.data["text"] for c in chunks if isinstance(c, Final)] == ["It rains."]
+
+
+def test_the_talker_gives_the_voices_phoneme_ids_for_each_clause() -> None:
+    chunks = talk([*token_deltas(SENTENCES), None])
+    assert [c["text"] for c in chunks] == [
+        "The quick brown fox jumps over the lazy dog.",
+        "Please call me back when you get home tonight.",
+        "I would like a cup of coffee and a piece of cake,",
+        "please.",
+    ]
+    symbols = piper.load_voice(with_session=False).config.num_symbols
+    for c in chunks:
+        ids = c["phoneme_ids"]
+        assert len(ids) > len(c["text"]) / 2 and all(0 <= i < symbols for i in ids)
+    assert talk("A prompt string works too.")[0]["text"] == "A prompt string works too."
+
+
+def test_the_vocoder_makes_float32_pcm_in_range_for_each_clause() -> None:
+    chunks = talk(SENTENCES)
+    pcm = unwrap(piper.vocoder(chunks))
+    assert len(pcm) >= len(chunks)
+    assert all(p.dtype == np.float32 and p.ndim == 1 for p in pcm)
+    whole = audio(pcm)
+    assert 5.0 < whole.size / RATE < 15.0  # ~8 s of speech
+    assert float(np.max(np.abs(whole))) <= 1.0 and float(np.std(whole)) > 0.02
+
+
+def test_long_clauses_come_in_pieces_of_at_most_max_chunk_ms() -> None:
+    pcm = unwrap(piper.vocoder(talk(SENTENCES), max_chunk_ms=200))
+    assert all(p.size <= RATE // 5 for p in pcm)
+    assert sum(p.size == RATE // 5 for p in pcm) >= 20
+
+
+def test_nothing_to_say_still_ends_the_request() -> None:
+    assert talk([None]) == [{"text": "", "phoneme_ids": []}]
+    assert [p.size for p in unwrap(piper.vocoder([{"text": "", "phoneme_ids": []}]))] == [0]
+    assert [p.size for p in unwrap(piper.vocoder([]))] == [0]
+
+
+def test_speed_shortens_the_speech() -> None:
+    chunks = talk(SENTENCES)
+    normal = audio(unwrap(piper.vocoder(chunks))).size
+    fast = audio(unwrap(piper.vocoder(chunks, params={"speed": 2.0}))).size
+    slow = audio(unwrap(piper.vocoder(chunks, speed=0.5))).size
+    assert 0.4 < fast / normal < 0.65 and 1.6 < slow / normal < 2.5
+
+
+def test_a_request_can_name_the_voice_and_an_unknown_one_fails() -> None:
+    model = str(piper.bundled_voice())
+    for params in ({"voice": "joe"}, {"voice": "en_US-joe-medium"}, {"voice": "alloy"}):
+        assert talk("Hi.", voices={"alloy": model}, params=params)[0]["text"] == "Hi."
+    with pytest.raises(ValueError, match="unknown voice or speaker 'alloy'"):
+        talk("Hi.", params={"voice": "alloy"})
+    with pytest.raises(ValueError, match="speed"):
+        talk("Hi.", params={"speed": 9})
+
+
+@pytest.mark.parametrize(
+    ("chunk", "error"),
+    [
+        ("some text", TypeError),
+        ({"text": "x"}, TypeError),
+        ({"phoneme_ids": [1, "2"]}, TypeError),
+        ({"phoneme_ids": [1, 10_000]}, ValueError),
+    ],
+)
+def test_chunks_that_are_not_the_talkers_fail_clearly(chunk: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"talker chunk|phoneme ids"):
+        list(piper.vocoder([chunk]))
+
+
+def test_a_missing_model_is_a_config_error(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="need a voice model"):
+        talk("Hi.", model=str(tmp_path / "none.onnx"))
+
+
+def test_an_aborted_request_stops_the_talker_and_the_vocoder() -> None:
+    text_in, ids_in = ChunkStream(), ChunkStream()
+    text_in.extend(token_deltas("Say this much first. And"), closed=False)
+    talker = piper.talker(text_in)
+    ids_in.extend([next(talker)], closed=False)
+    vocoder = piper.vocoder(ids_in, max_chunk_ms=5000)  # a clause in one piece
+    assert next(vocoder).size > RATE // 2  # the first clause's audio, before the input ends
+    text_in.abort()
+    ids_in.abort()
+    with pytest.raises(RequestAborted):
+        next(talker)
+    with pytest.raises(RequestAborted):
+        next(vocoder)
+
+
+@pytest.mark.usefixtures("needs_pocketsphinx")
+def test_the_speech_is_understood_by_a_recogniser() -> None:
+    from omni_runtime.engines.pocketsphinx import transcribe
+
+    pcm = audio(unwrap(piper.vocoder(talk([*token_deltas(SENTENCES), None]))))
+    heard = transcribe({"pcm": pcm, "sample_rate": RATE})
+    assert wer(SENTENCES, heard) <= MAX_WER, heard
