@@ -1,8 +1,10 @@
 """The `serve` process: the HTTP app on uvicorn, over a given Redis or an embedded deployment.
 
 With no Redis URL it starts what `run` starts (a private Redis, the orchestrator
-and every worker as subprocesses) and stops them when it exits; with one, it is
-just another client and any number of replicas may run side by side.
+and every worker of each pipeline as subprocesses) and stops them when it exits;
+with one, it is just another client and any number of replicas may run side by side.
+Several pipelines (`--pipeline` repeated, or a comma list) run each in a namespace of
+its own (`gateway.namespace_for`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uvicorn
 from omni_runtime.errors import OmniError
 from omni_runtime.http.app import create_app
 from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
-from omni_runtime.http.gateway import Gateway, outputs_of
+from omni_runtime.http.gateway import Gateway, check_served
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.launcher import ProcessGroup, child_env, local_redis
 from omni_runtime.pipeline import load_pipeline
@@ -39,35 +41,47 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**given)
 
 
+def pipeline_paths(given: str | list[str]) -> list[str]:
+    """`--pipeline` values, each a file or a comma list of files."""
+    values = [given] if isinstance(given, str) else given
+    return [p.strip() for v in values for p in v.split(",") if p.strip()]
+
+
 def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
-    pipeline = load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
-    outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
+    paths = pipeline_paths(args.pipeline)
+    pipelines = [load_pipeline(p, mode=getattr(args, "mode", None)) for p in paths]
+    # what no request could fix (no `outputs`, two of one name) fails now
+    namespaces = check_served(pipelines, settings.namespace)
     serve = serve_settings(args)
     serve.check_exposure()
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
-        group = None
-        if settings.redis_url is None:
-            env = child_env(url, {"OMNI_NAMESPACE": settings.namespace})
-            group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True)
-            group.start()
+        groups: list[ProcessGroup] = []
         try:
-            log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)
+            for path, pipeline, namespace in zip(paths, pipelines, namespaces, strict=True):
+                if settings.redis_url is None:
+                    env = child_env(url, {"OMNI_NAMESPACE": namespace})
+                    groups.append(ProcessGroup(Path(path), pipeline, env, fork=True))
+                    groups[-1].start()
+                log.info(
+                    "pipeline %r (%s mode) in namespace %r on %s",
+                    pipeline.name, pipeline.mode, namespace, how,
+                )  # fmt: skip
             settings = settings.model_copy(update={"redis_url": url})
-            gateway = Gateway(pipeline, settings, RedisClients.from_settings(settings), serve)
+            gateway = Gateway(pipelines, settings, RedisClients.from_settings(settings), serve)
             # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's
             # default action would kill this process before it stops its embedded children.
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             try:
-                return asyncio.run(_serve(create_app(gateway), serve, group))
+                return asyncio.run(_serve(create_app(gateway), serve, groups))
             except KeyboardInterrupt:
                 return 0
         finally:
-            if group is not None:
+            for group in groups:
                 group.stop()
 
 
-async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> int:
+async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup]) -> int:
     config = uvicorn.Config(
         app,
         host=serve.host,
@@ -78,9 +92,10 @@ async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> 
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    while group is not None and not task.done() and not server.should_exit:
+    while groups and not task.done() and not server.should_exit:
         try:
-            group.check_alive()
+            for group in groups:
+                group.check_alive()
         except OmniError as e:  # a dead embedded worker: stop serving, say why
             log.error("%s", e)
             server.should_exit = True
