@@ -178,6 +178,8 @@ class OrchestratorService:
             if crashed:  # a loop died: fail loudly (a supervisor restarts the process)
                 raise cast(BaseException, crashed[0].exception())
         finally:
+            if self.watchdog is not None:  # the service may end with its process going on
+                self.watchdog.stop()
             await cancel_and_wait([writer_task])
             obs.close()
             await self.client.aclose()

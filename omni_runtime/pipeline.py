@@ -54,6 +54,10 @@ class OutputsConfig(BaseModel):
     """Sample rate of the audio stage's chunks, in Hz."""
     text_separator: Annotated[str, Field(max_length=8)] = ""
     """Put between consecutive text pieces (" " for a stage emitting bare words)."""
+    input: Literal["text", "chat", "audio"] = "text"
+    """What stage 0 takes as the prompt a front end builds: `text`, a string (a chat's last
+    user message); `chat`, `{"messages": [{"role", "content"}, ...]}`; `audio`,
+    `{"wav": <bytes of a PCM WAV file>}` (a speech-to-text pipeline)."""
 
     @model_validator(mode="after")
     def _names_something(self) -> OutputsConfig:

@@ -139,6 +139,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "serve",
         "serve the pipeline over HTTP, OpenAI-compatible, with a playground page at / "
         "(starts Redis, the orchestrator and workers if no Redis URL is given)",
+        pipeline=False,  # its own --pipeline, given once per pipeline served (http/flags.py)
     )
     serve_flags(serve)
     serve.set_defaults(func=cmd_serve)

@@ -23,6 +23,8 @@ from omni_runtime.http.errors import (
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.routes import media_router
 from omni_runtime.http.schemas import ModelCard, ModelList
+from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
+from omni_runtime.http.transcriptions import transcriptions_router
 from omni_runtime.observe.prometheus import metrics_asgi_app
 
 
@@ -64,7 +66,7 @@ class AsgiEndpoint:
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    """The app over one gateway; the gateway's OmniClient lives as long as the app's lifespan."""
+    """The app over one gateway; its OmniClients live as long as the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -75,7 +77,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             await gateway.close()
 
     app = FastAPI(
-        title=f"omni-runtime: {gateway.pipeline.name}",
+        title=f"omni-runtime: {', '.join(gateway.served)}",
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
@@ -84,6 +86,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     install_error_handlers(app)
     started = int(time.time())
     page = _playground_html()
+    talks = [s for s in gateway.served.values() if s.outputs.input != "audio"]
+    shown = talks[0] if talks else gateway.first
+    """The playground's pipeline: the first that takes text."""
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
@@ -93,9 +98,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def playground_config() -> dict[str, Any]:
         """What the page cannot know: the model name, the audio rate, whether keys are needed."""
         return {
-            "model": gateway.pipeline.name,
-            "sample_rate": gateway.outputs.sample_rate,
-            "audio": gateway.outputs.audio_stage is not None,
+            "model": shown.name,
+            "sample_rate": shown.outputs.sample_rate,
+            "audio": shown.outputs.audio_stage is not None,
             "auth_required": bool(gateway.serve.api_keys),
         }
 
@@ -106,8 +111,8 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """The orchestrator and a worker of every stage up to the last final one beat, and
-        Redis takes writes."""
+        """The orchestrator and a worker of every stage up to the last final one beat, in
+        every pipeline served, and Redis takes writes."""
         oom = gateway.out_of_memory()
         if oom is not None:
             return error_response(out_of_memory(oom))
@@ -116,7 +121,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             return error_response(
                 ApiError(503, f"not ready: no {', '.join(missing)}", code="not_ready")
             )
-        return JSONResponse({"status": "ready", "pipeline": gateway.pipeline.name})
+        names = list(gateway.served)
+        return JSONResponse({"status": "ready", "pipeline": names[0], "pipelines": names})
 
     # The gateway's registry (its OmniClient's counters, HTTP-side TTFT/TTFP); no API key,
     # like /health: Prometheus scrapes it, and it holds no request content.
@@ -125,22 +131,21 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(gateway))])
 
-    def card() -> ModelCard:
-        return ModelCard(id=gateway.pipeline.name, created=started)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=started)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        """Each pipeline served, by the name a request's `model` gives."""
+        return ModelList(data=[card(name) for name in gateway.served])
 
     @v1.get("/models/{model_id}")
     async def model(model_id: str) -> ModelCard:
-        if model_id != gateway.pipeline.name:
-            raise ApiError(
-                404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
-            )
-        return card()
+        return card(gateway.model(model_id).name)
 
     v1.include_router(media_router(gateway))
+    v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)
-    app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes)
+    uploads = {UPLOAD_PATH: gateway.serve.max_upload_bytes}
+    app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes, paths=uploads)
     return app

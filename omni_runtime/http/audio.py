@@ -1,9 +1,12 @@
-"""Float32 PCM chunks → what HTTP clients play: 16-bit PCM, WAV (whole or streamed), base64."""
+"""Float32 PCM chunks → what HTTP clients play: 16-bit PCM, WAV (whole or streamed), base64;
+and uploaded WAV files checked and re-written whole for a speech-to-text pipeline."""
 
 from __future__ import annotations
 
 import base64
+import io
 import struct
+import wave
 from typing import Any
 
 import numpy as np
@@ -17,7 +20,7 @@ STREAMING_SIZE = 0xFFFFFFFF
 
 
 class AudioFormatError(ValueError):
-    """An audio-stage output that is not mono float PCM."""
+    """An audio-stage output that is not mono float PCM, or an upload that is no PCM WAV."""
 
 
 def as_pcm(data: Any) -> npt.NDArray[np.float32]:
@@ -61,3 +64,26 @@ def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+def whole_wav(data: bytes) -> bytes:
+    """An uploaded WAV file as a stage can read it: integer PCM with at least one frame,
+    re-written with its true sizes (a streamed WAV's header, as `/v1/audio/speech` sends
+    it, says "until the end"); AudioFormatError for anything else."""
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            params = w.getparams()
+            frames = w.readframes(w.getnframes())
+    except (wave.Error, EOFError, struct.error) as e:
+        raise AudioFormatError(f"not a PCM WAV file ({e or type(e).__name__})") from None
+    frame_bytes = params.nchannels * params.sampwidth
+    whole = len(frames) - len(frames) % frame_bytes
+    if whole == 0:
+        raise AudioFormatError("the WAV file holds no audio")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(params.nchannels)
+        w.setsampwidth(params.sampwidth)
+        w.setframerate(params.framerate)
+        w.writeframes(frames[:whole])
+    return out.getvalue()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -78,6 +80,20 @@ def error_json(err: ApiError) -> bytes:
     return json.dumps(ErrorResponse(error=err.body).model_dump()).encode()
 
 
+FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def field_path(loc: Sequence[int | str]) -> list[str]:
+    """A validation error's place as the client named it: without `body`, and without the
+    union members pydantic names (`voice.constrained-str`, `stop.list[constrained-str].0`)."""
+    return [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p != "body" and FIELD.match(p) and p not in TYPE_TAGS)
+    ]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -87,9 +103,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         first: dict[str, Any] = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = field_path(first.get("loc", ()))
         message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            f"{'.'.join(field_path(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
             for e in errors[:5]
         )
         code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_value"
@@ -113,23 +129,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Reads the request body up front, refusing (413) one larger than `max_bytes`.
+    """Reads the request body up front, refusing (413) one larger than `max_bytes`, or than
+    the limit `paths` gives its path (an upload's).
 
     Buffering is bounded by the limit itself; the app then gets the body in one
     message, and later `receive` calls (disconnect notices) pass through.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_bytes = max_bytes
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.default_bytes)
         declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._refuse(send, limit)
             return
         chunks: list[bytes] = []
         size = 0
@@ -139,8 +158,8 @@ class BodyLimit:
                 return
             body = message.get("body", b"")
             size += len(body)
-            if size > self.max_bytes:
-                await self._refuse(send)
+            if size > limit:
+                await self._refuse(send, limit)
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -156,10 +175,8 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        err = ApiError(
-            413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large"
-        )
+    async def _refuse(self, send: Send, limit: int) -> None:
+        err = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         body = error_json(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 413, "headers": headers})

@@ -1,16 +1,22 @@
-"""The bridge between HTTP requests and the pipeline: one shared OmniClient per process.
+"""The bridge between HTTP requests and the pipelines: one OmniClient per pipeline served.
 
-It admits requests (readiness, the in-flight bound), turns a request's OrchOutputs
-into text and audio events using the pipeline file's `outputs` mapping, and makes
-sure a request the HTTP side gives up on is aborted at every stage.
+It finds a request's pipeline by its `model` (the pipeline's name), admits it
+(readiness, the in-flight bound), turns its OrchOutputs into text and audio events
+using the pipeline file's `outputs` mapping, and makes sure a request the HTTP side
+gives up on is aborted at every stage.
+
+One pipeline is served in the namespace given (`OMNI_NAMESPACE`); several are each
+in one of their own, `<namespace>.<pipeline name>` (`namespace_for`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+import re
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -59,73 +65,164 @@ def outputs_of(pipeline: PipelineConfig) -> OutputsConfig:
     return pipeline.outputs
 
 
+NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+"""What `Settings.namespace` allows."""
+
+
+def namespace_for(namespace: str, pipelines: Sequence[PipelineConfig], name: str) -> str:
+    """The namespace pipeline `name` runs in: the one given when it is served alone, else
+    `<namespace>.<name>` (its orchestrator and workers must run there too)."""
+    if len(pipelines) == 1:
+        return namespace
+    combined = f"{namespace}.{name}"
+    if not NAMESPACE.match(combined):
+        raise ConfigError(
+            f"pipeline {name!r} served with others runs in namespace {combined!r}, which is "
+            "not one: a pipeline name of letters, digits, '_', '.', '-' is needed, and at "
+            "most 64 characters with the namespace"
+        )
+    return combined
+
+
+def check_served(pipelines: Sequence[PipelineConfig], namespace: str) -> list[str]:
+    """Fail at start-up for what no request could fix: a pipeline without `outputs`, two of
+    one name (a request's `model` chooses one), a name no namespace can hold. Returns the
+    namespaces, in order."""
+    names = [p.name for p in pipelines]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"pipelines served at once need different names: {twice} twice")
+    for p in pipelines:
+        outputs_of(p)
+    return [namespace_for(namespace, pipelines, n) for n in names]
+
+
+class Served:
+    """One pipeline this server fronts: what it outputs and takes, its client, its readiness."""
+
+    def __init__(self, pipeline: PipelineConfig, settings: Settings) -> None:
+        self.pipeline = pipeline
+        self.outputs = outputs_of(pipeline)
+        self.settings = settings
+        """The server's settings in this pipeline's namespace."""
+        self.client: OmniClient | None = None
+        self.ready_at = -1.0
+        self.missing: list[str] = ["startup"]
+
+    @property
+    def name(self) -> str:
+        return self.pipeline.name
+
+
 class Gateway:
     def __init__(
         self,
-        pipeline: PipelineConfig,
+        pipelines: PipelineConfig | Sequence[PipelineConfig],
         settings: Settings,
         clients: RedisClients,
         serve: ServeSettings,
     ) -> None:
-        self.pipeline = pipeline
-        self.outputs = outputs_of(pipeline)
+        listed = [pipelines] if isinstance(pipelines, PipelineConfig) else list(pipelines)
+        namespaces = check_served(listed, settings.namespace)
+        self.served = {
+            p.name: Served(p, settings.model_copy(update={"namespace": ns}))
+            for p, ns in zip(listed, namespaces, strict=True)
+        }
+        """By model name, in the order given: the first is the playground's."""
         self.settings = settings
         self.clients = clients
         self.serve = serve
         self.metrics = Metrics()
-        """This process's one registry (its client counts here too), served at GET /metrics."""
+        """This process's one registry (its clients count here too), served at GET /metrics."""
         self.timer = RequestTimer(self.metrics)
         """Time to first token / audio and end to end as the HTTP side sees them."""
         self.inflight = 0
-        self.client: OmniClient | None = None
+        """Requests in flight over every pipeline: `max_inflight` bounds the server."""
         self._aborts: set[asyncio.Task[None]] = set()
-        self._ready_at = -1.0
-        self._missing: list[str] = ["startup"]
+
+    @property
+    def first(self) -> Served:
+        return next(iter(self.served.values()))
+
+    def model(self, name: str) -> Served:
+        """The pipeline a request's `model` names; 404 (as OpenAI answers) for none."""
+        served = self.served.get(name)
+        if served is None:
+            raise ApiError(
+                404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        return served
 
     async def start(self) -> None:
-        client = OmniClient(self.settings, self.clients, metrics=self.metrics, outputs=self.outputs)
-        await client.__aenter__()
-        self.client = client
+        for served in self.served.values():
+            client = OmniClient(
+                served.settings, self.clients, metrics=self.metrics, outputs=served.outputs
+            )
+            await client.__aenter__()
+            served.client = client
         self._probe = self.clients.aio()
 
     async def close(self) -> None:
         if self._aborts:
             await asyncio.wait(self._aborts, timeout=2)
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        started = [s for s in self.served.values() if s.client is not None]
+        for served in started:
+            assert served.client is not None
+            await served.client.close()
+            served.client = None
+        if started:
             await self._probe.aclose()
 
-    async def missing(self) -> list[str]:
-        """What is not up yet (empty: ready); cached so probes and requests cost no scans."""
+    async def missing(self, only: Served | None = None) -> list[str]:
+        """What is not up yet (empty: ready), of one pipeline or of all (each named when
+        several are served); cached so probes and requests cost no scans."""
+        several = only is None and len(self.served) > 1
+        missing: list[str] = []
+        for served in [only] if only is not None else self.served.values():
+            lacking = await self._missing(served)
+            missing += [f"{served.name}: {m}" for m in lacking] if several else lacking
+        return missing
+
+    async def _missing(self, served: Served) -> list[str]:
         loop = asyncio.get_running_loop()
-        if self.client is None:
+        if served.client is None:
             return ["http client"]
-        if loop.time() - self._ready_at < self.serve.ready_cache_s:
-            return self._missing
-        names = self.settings.names
+        if loop.time() - served.ready_at < self.serve.ready_cache_s:
+            return served.missing
+        names = served.settings.names
         missing: list[str] = []
         try:
             if not await self._probe.exists(names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
-            for sid in range(self.pipeline.last_stage + 1):
+            for sid in range(served.pipeline.last_stage + 1):
                 if not await stage_has_live_replica(self._probe, names, sid):
                     missing.append(f"stage {sid} worker")
         except (RedisError, OSError) as e:
             missing = [f"redis ({type(e).__name__})"]
-        self._missing, self._ready_at = missing, loop.time()
+        served.missing, served.ready_at = missing, loop.time()
         return missing
 
     def out_of_memory(self) -> str | None:
-        """What Redis said, while it refuses writes for memory (as this server's client
-        last saw it: its own writes, its heartbeat, Redis's count of refusals)."""
-        return None if self.client is None else self.client.out_of_memory
+        """What Redis said, while it refuses writes for memory (as this server's clients
+        last saw it: their own writes, their heartbeats, Redis's count of refusals)."""
+        for served in self.served.values():
+            if served.client is not None and served.client.out_of_memory is not None:
+                return served.client.out_of_memory
+        return None
 
-    async def open(self, prompt: str, audio: bool, trace: bool = False) -> Run:
+    async def open(
+        self,
+        served: Served,
+        prompt: Any,
+        audio: bool,
+        trace: bool = False,
+        params: dict[str, Any] | None = None,
+    ) -> Run:
         """Admit and submit one request; 503 when not ready or Redis is out of memory (with
         `Retry-After`), 429 when at `max_inflight`.
-        `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`."""
-        missing = await self.missing()
+        `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`;
+        `params`: the request's parameters, which every stage receives."""
+        missing = await self.missing(served)
         if missing:
             self.metrics.inc("omni_requests_refused_total", reason="not ready")
             raise ApiError(503, f"not ready: no {', '.join(missing)}", code="not_ready")
@@ -134,10 +231,11 @@ class Gateway:
             raise ApiError(
                 429, f"{self.serve.max_inflight} requests in flight; retry later", code="busy"
             )
-        assert self.client is not None
+        client = served.client
+        assert client is not None
         self.inflight += 1
         try:
-            request_id = await self.client.submit(prompt, trace=trace)
+            request_id = await client.submit(prompt, trace=trace, params=params)
         except CodecError as e:
             self.inflight -= 1
             raise ApiError(413, str(e), code="request_too_large") from e
@@ -148,7 +246,7 @@ class Gateway:
             self.inflight -= 1
             raise ApiError(503, f"could not submit: {e}", code="unavailable") from e
         self.timer.started(request_id)
-        return Run(self, self.client, request_id, audio)
+        return Run(self, served, client, request_id, audio)
 
     def abort_later(self, client: OmniClient, request_id: str) -> None:
         """Abort from a `finally` that may be under cancellation: a task of its own."""
@@ -169,8 +267,11 @@ class Gateway:
 class Run:
     """One admitted request: iterate `events()`, and always `close()` it."""
 
-    def __init__(self, gateway: Gateway, client: OmniClient, request_id: str, audio: bool) -> None:
+    def __init__(
+        self, gateway: Gateway, served: Served, client: OmniClient, request_id: str, audio: bool
+    ) -> None:
         self.gateway = gateway
+        self.served = served
         self.client = client
         self.request_id = request_id
         self.audio = audio
@@ -179,10 +280,10 @@ class Run:
         self._closed = False
 
     async def events(self) -> AsyncGenerator[Event, None]:
-        out_cfg = self.gateway.outputs
+        out_cfg = self.served.outputs
         first_text = True
         timer = self.gateway.timer
-        timeout_s = self.gateway.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S
+        timeout_s = self.served.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S
         try:
             async for out in self.client.stream(self.request_id, timeout_s=timeout_s):
                 self.ended = out.finished

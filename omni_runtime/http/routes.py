@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Header, Response
@@ -14,7 +14,15 @@ from starlette.types import Receive, Scope, Send
 
 from omni_runtime.http.audio import b64, pcm16, wav_bytes, wav_header
 from omni_runtime.http.errors import ApiError, error_json
-from omni_runtime.http.gateway import AudioEvent, Event, FailureEvent, Gateway, Run, TextEvent
+from omni_runtime.http.gateway import (
+    AudioEvent,
+    Event,
+    FailureEvent,
+    Gateway,
+    Run,
+    Served,
+    TextEvent,
+)
 from omni_runtime.http.schemas import (
     AssistantMessage,
     AudioDelta,
@@ -62,40 +70,54 @@ class GuardedStream(StreamingResponse):
             self._on_close()
 
 
+def check_prompt(gateway: Gateway, prompt: str, param: str) -> None:
+    if not prompt.strip():
+        raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
+    if len(prompt) > gateway.serve.max_prompt_chars:
+        raise ApiError(
+            400,
+            f"the prompt exceeds {gateway.serve.max_prompt_chars} characters",
+            param=param,
+            code="prompt_too_long",
+        )
+
+
+def unsupported(served: Served, what: str) -> ApiError:
+    """A request the model named cannot serve (its pipeline lacks the input or output)."""
+    return ApiError(
+        400, f"the model {served.name!r} {what}", param="model", code="unsupported_model"
+    )
+
+
+def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
+    """The conversation for a pipeline taking chat messages, else the last user message."""
+    if served.outputs.input == "audio":
+        raise unsupported(served, "takes audio: use /v1/audio/transcriptions")
+    check_prompt(gateway, req.prompt, "messages")
+    if served.outputs.input == "text":
+        return req.prompt
+    try:
+        conversation = req.conversation()
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+    check_prompt(gateway, "".join(m["content"] for m in conversation["messages"]), "messages")
+    return conversation
+
+
 def media_router(gateway: Gateway) -> APIRouter:
     router = APIRouter()
-    outputs = gateway.outputs
-
-    def check_model(model: str) -> None:
-        if model != gateway.pipeline.name:
-            raise ApiError(
-                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
-            )
-
-    def check_prompt(prompt: str, param: str) -> None:
-        if not prompt.strip():
-            raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
-        if len(prompt) > gateway.serve.max_prompt_chars:
-            raise ApiError(
-                400,
-                f"the prompt exceeds {gateway.serve.max_prompt_chars} characters",
-                param=param,
-                code="prompt_too_long",
-            )
-
-    def check_audio() -> None:
-        if outputs.audio_stage is None:
-            raise ApiError(400, "this pipeline has no audio output", param="modalities")
 
     @router.post("/chat/completions", response_model=None)
     async def chat(
         req: ChatCompletionRequest, response: Response, x_omni_trace: TraceHeader = None
     ) -> ChatCompletion | StreamingResponse:
-        check_model(req.model)
-        check_prompt(req.prompt, "messages")
-        if req.wants_audio:
-            check_audio()
-        run = await gateway.open(req.prompt, audio=req.wants_audio, trace=wants(x_omni_trace))
+        served = gateway.model(req.model)
+        prompt = chat_prompt(gateway, served, req)
+        if req.wants_audio and served.outputs.audio_stage is None:
+            raise ApiError(400, "this pipeline has no audio output", param="modalities")
+        if not req.wants_audio and served.outputs.text_stage is None:
+            raise ApiError(400, "this pipeline has no text output", param="modalities")
+        run = await gateway.open(served, prompt, req.wants_audio, wants(x_omni_trace), req.params())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return GuardedStream(
@@ -106,16 +128,21 @@ def media_router(gateway: Gateway) -> APIRouter:
             )
         response.headers[REQUEST_ID_HEADER] = run.request_id
         try:
-            return await _chat_whole(run, req, outputs.sample_rate)
+            return await _chat_whole(run, req, served.outputs.sample_rate)
         finally:
             run.close()
 
     @router.post("/audio/speech", response_model=None)
     async def speech(req: SpeechRequest, x_omni_trace: TraceHeader = None) -> StreamingResponse:
-        check_model(req.model)
-        check_prompt(req.input, "input")
-        check_audio()
-        run = await gateway.open(req.input, audio=True, trace=wants(x_omni_trace))
+        served = gateway.model(req.model)
+        check_prompt(gateway, req.input, "input")
+        outputs = served.outputs
+        if outputs.audio_stage is None:
+            raise unsupported(served, "has no audio output")
+        if outputs.input == "audio":
+            raise unsupported(served, "takes audio, not text")
+        # a chat pipeline's stage 0 takes a string as one user turn
+        run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
         events = run.events()
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)

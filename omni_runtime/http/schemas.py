@@ -1,19 +1,25 @@
 """The OpenAI-shaped request and response bodies, validated and bounded by pydantic.
 
-Requests ignore fields this server has no use for (temperature, max_tokens, …) so
-that stock OpenAI clients work; what it does use is checked and size-bounded.
+Requests ignore fields this server has no use for (logprobs, tools, …) so that stock
+OpenAI clients work; what it does use is checked and size-bounded, and the sampling
+and voice fields become the request's parameters (`params()`), which every stage
+receives and takes the keys it knows of.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000
+MAX_TOKENS = 1 << 20
+"""A bound on `max_tokens` for the front door; each thinker enforces its own, lower one."""
 Modality = Literal["text", "audio"]
+StopStr = Annotated[str, Field(min_length=1, max_length=64)]
+Speed = Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)]
 
 
 def _text_only() -> list[Modality]:
@@ -43,11 +49,15 @@ class VoiceId(_Request):
     id: ShortStr
 
 
+def voice_name(voice: str | VoiceId | None) -> str | None:
+    return voice.id if isinstance(voice, VoiceId) else voice
+
+
 class AudioParams(_Request):
     format: Literal["wav", "pcm16"] = "wav"
     """Non-streamed: `message.audio.data` as a WAV file or raw pcm16. Streamed: always pcm16."""
-    voice: ShortStr | VoiceId = "default"
-    """Accepted for compatibility; the pipeline has one voice."""
+    voice: ShortStr | VoiceId | None = None
+    """`params["voice"]`: the voice stages take it (an unknown one fails the request there)."""
 
 
 class StreamOptions(_Request):
@@ -63,12 +73,44 @@ class ChatCompletionRequest(_Request):
         default_factory=_text_only
     )
     audio: AudioParams | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    """OpenAI's newer name for `max_tokens`; it wins when both are given."""
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    """One choice per request: the pipeline makes one answer."""
 
     @model_validator(mode="after")
     def _has_user_message(self) -> ChatCompletionRequest:
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages must contain a user message (its text is the prompt)")
         return self
+
+    def params(self) -> dict[str, Any]:
+        """The request's parameters for the stages: only what the client set."""
+        given: dict[str, Any] = {
+            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "seed": self.seed,
+            "voice": voice_name(self.audio.voice) if self.audio else None,
+        }
+        return {k: v for k, v in given.items() if v is not None}
+
+    def conversation(self) -> dict[str, Any]:
+        """The messages as a chat pipeline's stage 0 takes them: roles `system`, `user`,
+        `assistant` (a `developer` message is a system one), content as plain text."""
+        messages = []
+        for m in self.messages:
+            if m.role == "tool":
+                raise ValueError("tool messages are not supported")
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": m.text()})
+        return {"messages": messages}
 
     @property
     def prompt(self) -> str:
@@ -83,11 +125,16 @@ class ChatCompletionRequest(_Request):
 class SpeechRequest(_Request):
     model: ShortStr
     input: Annotated[str, Field(min_length=1, max_length=4096)]
-    voice: ShortStr | VoiceId = "default"
+    voice: ShortStr | VoiceId | None = None
     response_format: Literal["wav", "pcm"] = "wav"
-    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    speed: Speed | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
+    """Accepted for compatibility; not passed on."""
     stream_format: Literal["audio"] = "audio"
+
+    def params(self) -> dict[str, Any]:
+        given = {"voice": voice_name(self.voice), "speed": self.speed}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 # --- responses -------------------------------------------------------------------
@@ -102,6 +149,10 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class Transcription(BaseModel):
+    text: str
 
 
 class ModelCard(BaseModel):

@@ -5,6 +5,8 @@ and every worker as subprocesses, each with every setting `serve` was given) and
 stops them when it exits, on SIGINT, SIGTERM or SIGHUP alike; they die with it if it
 is killed (`parent_death`). With a URL, it is just another client and any number of
 replicas may run side by side.
+Several pipelines (`--pipeline` repeated, or a comma list) run each in a namespace of
+its own (`gateway.namespace_for`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import uvicorn
 from omni_runtime.errors import OmniError
 from omni_runtime.http.app import create_app
 from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
-from omni_runtime.http.gateway import Gateway, outputs_of
+from omni_runtime.http.gateway import Gateway, check_served
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.launcher import ProcessGroup, child_env, local_redis, settings_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
@@ -41,12 +43,20 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**given)
 
 
+def pipeline_paths(given: str | list[str]) -> list[str]:
+    """`--pipeline` values, each a file or a comma list of files."""
+    values = [given] if isinstance(given, str) else given
+    return [p.strip() for v in values for p in v.split(",") if p.strip()]
+
+
 def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
     from omni_runtime.cli.commands import logging_args
 
-    pipeline = load_pipeline(args.pipeline, mode=getattr(args, "mode", None))
-    outputs_of(pipeline)  # a pipeline without `outputs` fails now, not at the first request
+    paths = pipeline_paths(args.pipeline)
+    pipelines = [load_pipeline(p, mode=getattr(args, "mode", None)) for p in paths]
+    # what no request could fix (no `outputs`, two of one name) fails now
+    namespaces = check_served(pipelines, settings.namespace)
     serve = serve_settings(args)
     serve.check_exposure()
     # Before and after serving (`_serve`), SIGTERM and SIGHUP are a KeyboardInterrupt, as
@@ -55,36 +65,44 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:
-        return _run_serve(args, settings, pipeline, serve, logging_args(args))
+        served = list(zip(paths, pipelines, namespaces, strict=True))
+        return _run_serve(settings, served, serve, logging_args(args))
     except KeyboardInterrupt:
         return 0
 
 
 def _run_serve(
-    args: argparse.Namespace,
     settings: Settings,
-    pipeline: PipelineConfig,
+    served: list[tuple[str, PipelineConfig, str]],
     serve: ServeSettings,
     log_args: list[str],
 ) -> int:
+    """`served`: each pipeline's file, config and namespace."""
     with local_redis(settings.redis_url, settings.startup_timeout_s) as (url, how):
-        group = None
+        groups: list[ProcessGroup] = []
         embedded = settings.redis_url is None
         settings = settings.model_copy(update={"redis_url": url})
         try:
-            if embedded:  # every setting, however given, reaches every process started
-                env = child_env(url, settings_env(settings))
-                group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True, args=log_args)
-                group.start()
-            log.info("pipeline %r (%s mode) on %s", pipeline.name, pipeline.mode, how)
-            gateway = Gateway(pipeline, settings, RedisClients.from_settings(settings), serve)
-            return asyncio.run(_serve(create_app(gateway), serve, group))
+            for path, pipeline, namespace in served:
+                if embedded:  # every setting, however given, reaches every process started
+                    own = settings.model_copy(update={"namespace": namespace})
+                    env = child_env(url, settings_env(own))
+                    group = ProcessGroup(Path(path), pipeline, env, fork=True, args=log_args)
+                    groups.append(group)
+                    group.start()
+                log.info(
+                    "pipeline %r (%s mode) in namespace %r on %s",
+                    pipeline.name, pipeline.mode, namespace, how,
+                )  # fmt: skip
+            pipelines = [pipeline for _path, pipeline, _ns in served]
+            gateway = Gateway(pipelines, settings, RedisClients.from_settings(settings), serve)
+            return asyncio.run(_serve(create_app(gateway), serve, groups))
         finally:
-            if group is not None:
+            for group in groups:
                 group.stop()
 
 
-async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> int:
+async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup]) -> int:
     config = uvicorn.Config(
         app,
         host=serve.host,
@@ -100,17 +118,18 @@ async def _serve(app: Any, serve: ServeSettings, group: ProcessGroup | None) -> 
     stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in stop_signals}
     try:
-        return await _serve_until_stopped(server, group)
+        return await _serve_until_stopped(server, groups)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-async def _serve_until_stopped(server: uvicorn.Server, group: ProcessGroup | None) -> int:
+async def _serve_until_stopped(server: uvicorn.Server, groups: list[ProcessGroup]) -> int:
     task = asyncio.create_task(server.serve())
-    while group is not None and not task.done() and not server.should_exit:
+    while groups and not task.done() and not server.should_exit:
         try:
-            group.check_alive()
+            for group in groups:
+                group.check_alive()
         except OmniError as e:  # a dead embedded worker: stop serving, say why
             log.error("%s", e)
             server.should_exit = True

@@ -24,6 +24,9 @@ class ServeSettings(BaseSettings):
     max_inflight: Annotated[int, Field(gt=0, le=100_000)] = 64
     """Requests this server runs at once; more get 429 instead of queueing unboundedly."""
     max_body_bytes: Annotated[int, Field(gt=0, le=64 * 1024 * 1024)] = 1024 * 1024
+    max_upload_bytes: Annotated[int, Field(gt=0, le=64 * 1024 * 1024)] = 16 * 1024 * 1024
+    """Largest body of `/v1/audio/transcriptions` (the multipart upload, ~8.7 minutes of
+    16 kHz 16-bit mono WAV); other requests get `max_body_bytes`."""
     max_prompt_chars: Annotated[int, Field(gt=0, le=1_000_000)] = 32_768
     ready_cache_s: Annotated[float, Field(ge=0, le=60)] = 0.5
     """Readiness is re-checked in Redis at most this often (it scans heartbeat keys)."""

@@ -1,10 +1,13 @@
-"""Helpers of the HTTP tests: the omni demo on an in-process cluster, an app client, parsers."""
+"""Helpers of the HTTP tests: the omni demo and the test pipelines on in-process clusters,
+an app client, parsers."""
 
 from __future__ import annotations
 
+import io
 import json
+import wave
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,9 @@ import httpx
 import numpy as np
 from fastapi import FastAPI
 
+from omni_runtime.http.app import create_app
 from omni_runtime.http.audio import pcm16
-from omni_runtime.http.gateway import Gateway
+from omni_runtime.http.gateway import Gateway, check_served
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
@@ -102,3 +106,43 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None) ->
     if param is not None:
         assert error["param"] == param
     return error
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def pipeline_of(name: str, **outputs: Any) -> PipelineConfig:
+    """A pipeline of tests/pipelines/ (`echo`, `transcribe`), its `outputs` changed by these."""
+    pipeline = load_pipeline(TESTS / "pipelines" / f"{name}.yaml")
+    if outputs:
+        assert pipeline.outputs is not None
+        changed = pipeline.outputs.model_copy(update=outputs)
+        pipeline = pipeline.model_copy(update={"outputs": changed})
+    return pipeline
+
+
+@asynccontextmanager
+async def serving(
+    pipelines: list[PipelineConfig], clients: RedisClients, settings: Settings, **serve: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    """One server fronting several pipelines, each an in-process cluster in its namespace."""
+    namespaces = check_served(pipelines, settings.namespace)
+    async with AsyncExitStack() as stack:
+        for pipeline, namespace in zip(pipelines, namespaces, strict=True):
+            own = settings.model_copy(update={"namespace": namespace})
+            await stack.enter_async_context(InProcessCluster(pipeline, own, clients))
+        serve.setdefault("ready_cache_s", 0)
+        gateway = Gateway(pipelines, settings, clients, ServeSettings(**serve))
+        async with http(create_app(gateway)) as client:
+            yield client, gateway
+
+
+def wav_file(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
+    """A WAV of silence, `seconds` long."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\0\0" * channels * round(seconds * rate))
+    return out.getvalue()

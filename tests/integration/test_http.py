@@ -155,14 +155,15 @@ async def test_client_disconnect_aborts_the_request(
         gateway: Gateway = app.state.gateway
         aborted: list[str] = []
         async with app.router.lifespan_context(app):
-            assert gateway.client is not None
-            real_abort = gateway.client.abort
+            client = gateway.model("omni").client
+            assert client is not None
+            real_abort = client.abort
 
             async def spy(request_id: str, reason: str = "aborted") -> None:
                 aborted.append(request_id)
                 await real_abort(request_id, reason)
 
-            gateway.client.abort = spy  # type: ignore[method-assign]
+            client.abort = spy  # type: ignore[method-assign]
             sent: list[MutableMapping[str, Any]] = []
             got_text = asyncio.Event()
             body = json.dumps(

@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from omni_runtime.cli import parse_args
 from omni_runtime.errors import ConfigError
-from omni_runtime.http.audio import AudioFormatError, as_pcm, pcm16, wav_bytes, wav_header
+from omni_runtime.http.audio import (
+    AudioFormatError,
+    as_pcm,
+    pcm16,
+    wav_bytes,
+    wav_header,
+    whole_wav,
+)
 from omni_runtime.http.schemas import ChatCompletionRequest
+from omni_runtime.http.serve import pipeline_paths
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig
 
@@ -81,10 +90,12 @@ def test_prompt_is_the_last_user_message() -> None:
                     "content": [{"type": "text", "text": "se"}, {"type": "text", "text": "cond"}],
                 },
             ],
-            "temperature": 0.2,  # accepted and ignored, like other OpenAI knobs
+            "temperature": 0.2,  # a parameter for the stages, not part of the prompt
+            "logprobs": True,  # accepted and ignored, like other OpenAI knobs
         }
     )
     assert req.prompt == "second"
+    assert req.params() == {"temperature": 0.2}
     assert not req.wants_audio
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(
@@ -109,3 +120,31 @@ def test_outputs_name_final_stages() -> None:
             PipelineConfig.model_validate(pipeline(**bad))
     with pytest.raises(ValidationError):
         PipelineConfig.model_validate(pipeline(text_stage=0, sample_rate=0))
+
+
+def test_outputs_say_what_stage_0_takes() -> None:
+    default = PipelineConfig.model_validate(pipeline(text_stage=0)).outputs
+    assert default is not None and default.input == "text"
+    for taken in ("text", "chat", "audio"):
+        config = PipelineConfig.model_validate(pipeline(text_stage=0, input=taken))
+        assert config.outputs is not None and config.outputs.input == taken
+    with pytest.raises(ValidationError, match="input"):
+        PipelineConfig.model_validate(pipeline(text_stage=0, input="video"))
+
+
+def test_serve_takes_pipelines_repeated_or_as_a_comma_list() -> None:
+    args = parse_args(["serve", "--pipeline", "a.yaml", "--pipeline", "b.yaml, c.yaml"])
+    assert pipeline_paths(args.pipeline) == ["a.yaml", "b.yaml", "c.yaml"]
+    assert pipeline_paths(parse_args(["serve", "--pipeline", "a.yaml"]).pipeline) == ["a.yaml"]
+
+
+def test_an_upload_is_checked_and_rewritten_whole() -> None:
+    pcm = np.arange(-400, 400, dtype="<i2").tobytes()
+    whole = wav_bytes(pcm, 8000)
+    assert whole_wav(whole) == whole
+    streamed = wav_header(8000) + pcm  # sizes "until the end"
+    assert whole_wav(streamed) == whole
+    assert whole_wav(whole + b"\x01") == whole  # half a frame at the end is dropped
+    for bad in (b"", b"RIFF", whole[:40], wav_bytes(b"", 8000), b"OggS" + whole[4:]):
+        with pytest.raises(AudioFormatError):
+            whole_wav(bad)

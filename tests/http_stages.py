@@ -1,0 +1,52 @@
+"""Stage code that shows the HTTP front door's prompts and parameters, for its tests.
+
+`echo_request` says what stage 0 was given, `tone` speaks it in a voice and at a speed
+a test can measure, `wav_duration` is a stand-in transcriber (it reports the WAV's length).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import wave
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+TONE_S = 0.1
+"""A tone lasts this long at speed 1."""
+
+
+def echo_request(data: Any, params: dict[str, Any] | None = None) -> str:
+    """Stage 0 (text): its prompt and parameters, as one JSON text."""
+    return json.dumps({"prompt": data, "params": params or {}}, sort_keys=True)
+
+
+def tone(
+    data: Any,
+    params: dict[str, Any] | None = None,
+    sample_rate: int = 16000,
+    voices: dict[str, float] | None = None,
+) -> npt.NDArray[np.float32]:
+    """An audio stage: a constant level per voice (`voices`; 0.1 with none given), lasting
+    TONE_S / speed; an unknown voice fails the request, as a real voice stage would."""
+    for _chunk in data:  # the upstream's text (a list, or a ChunkStream when streaming)
+        pass
+    params = params or {}
+    voice = params.get("voice")
+    levels = voices or {}
+    if voice is not None and voice not in levels:
+        raise ValueError(f"unknown voice {voice!r}")
+    level = levels[voice] if voice is not None else 0.1
+    samples = round(sample_rate * TONE_S / float(params.get("speed", 1.0)))
+    return np.full(samples, level, np.float32)
+
+
+def wav_duration(data: Any, params: dict[str, Any] | None = None) -> str:
+    """A stand-in transcriber (stage 0 of an `input: audio` pipeline): what the WAV is."""
+    with wave.open(io.BytesIO(data["wav"])) as w:
+        seconds = w.getnframes() / w.getframerate()
+        rate, channels = w.getframerate(), w.getnchannels()
+    language = (params or {}).get("language", "-")
+    return f"{seconds:.4f} s, {rate} Hz, {channels} ch, language {language}"

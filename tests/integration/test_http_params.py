@@ -1,0 +1,270 @@
+"""The front door's request parameters, chat prompts, transcriptions and several pipelines,
+over the HTTP path (an in-process cluster per pipeline on fakeredis)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from omni_runtime.errors import ConfigError
+from omni_runtime.http.audio import STREAMING_SIZE, wav_header
+from omni_runtime.http.gateway import Gateway, check_served
+from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.settings import Settings
+from tests.integration.http_support import (
+    CHAT,
+    assert_error,
+    fake_redis_clients,
+    fast_settings,
+    omni,
+    pipeline_of,
+    serving,
+    wav_file,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+TRANSCRIBE = "/v1/audio/transcriptions"
+SPEECH = "/v1/audio/speech"
+CONVERSATION = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+    {"role": "user", "content": "How are you?"},
+]
+
+
+@pytest.fixture
+def fake_clients() -> RedisClients:
+    return fake_redis_clients()
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return fast_settings()
+
+
+@pytest.fixture
+async def api(
+    fake_clients: RedisClients, settings: Settings
+) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    pipelines = [pipeline_of("echo"), pipeline_of("transcribe"), omni()]
+    async with serving(pipelines, fake_clients, settings, max_upload_bytes=64_000) as served:
+        yield served
+
+
+def echoed(resp: httpx.Response) -> dict[str, Any]:
+    """What the echo pipeline's stage 0 was given (its answer is that, as JSON)."""
+    assert resp.status_code == 200, resp.text
+    said: dict[str, Any] = json.loads(resp.json()["choices"][0]["message"]["content"])
+    return said
+
+
+def pcm_of(resp: httpx.Response) -> np.ndarray:
+    """A WAV response's samples, as floats."""
+    assert resp.status_code == 200, resp.text
+    return np.frombuffer(resp.content[44:], "<i2").astype(np.float64) / 32767
+
+
+async def test_chat_params_and_messages_reach_the_stages(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, _gateway = api
+    body = {
+        "model": "echo",
+        "messages": CONVERSATION,
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "stop": "\n",
+        "seed": 3,
+        "modalities": ["text", "audio"],
+        "audio": {"format": "wav", "voice": "low"},
+    }
+    resp = await client.post(CHAT, json=body)
+    said = echoed(resp)
+    assert said["params"] == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "stop": ["\n"],
+        "seed": 3,
+        "voice": "low",
+    }
+    roles = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")]
+    roles.append(("user", "How are you?"))
+    assert said["prompt"] == {"messages": [{"role": r, "content": c} for r, c in roles]}
+    # the voice reached the audio stage too: its level is the voice's
+    audio = resp.json()["choices"][0]["message"]["audio"]["data"]
+    pcm = np.frombuffer(base64.b64decode(audio)[44:], "<i2") / 32767
+    assert pcm.size == 1600 and np.allclose(pcm, 0.25, atol=1e-4)
+
+    newer = {"model": "echo", "messages": CONVERSATION, "max_tokens": 7}
+    newer["max_completion_tokens"] = 9
+    assert echoed(await client.post(CHAT, json=newer))["params"] == {"max_tokens": 9}
+    plain = echoed(await client.post(CHAT, json={"model": "echo", "messages": CONVERSATION}))
+    assert plain["params"] == {}
+
+
+async def test_a_text_pipeline_gets_the_last_user_message(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    async with serving([pipeline_of("echo", input="text")], fake_clients, settings) as (api, _g):
+        said = echoed(await api.post(CHAT, json={"model": "echo", "messages": CONVERSATION}))
+    assert said["prompt"] == "How are you?"
+
+
+async def test_speech_voice_and_speed_reach_the_audio_stage(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, _gateway = api
+    base = {"model": "echo", "input": "Say this"}
+    plain = pcm_of(await client.post(SPEECH, json=base))
+    assert plain.size == 1600 and np.allclose(plain, 0.1, atol=1e-4)
+    fast = pcm_of(await client.post(SPEECH, json={**base, "voice": "high", "speed": 2.0}))
+    assert fast.size == 800 and np.allclose(fast, 0.5, atol=1e-4)
+    slow = pcm_of(await client.post(SPEECH, json={**base, "voice": {"id": "low"}, "speed": 0.5}))
+    assert slow.size == 3200 and np.allclose(slow, 0.25, atol=1e-4)
+    unknown = assert_error(await client.post(SPEECH, json={**base, "voice": "alloy"}), 502)
+    assert "unknown voice 'alloy'" in unknown["message"]
+
+
+async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Gateway]) -> None:
+    client, _gateway = api
+    form = {"model": "transcribe", "language": "en"}
+    resp = await client.post(TRANSCRIBE, data=form, files={"file": ("a.wav", wav_file(1.25))})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"text": "1.2500 s, 16000 Hz, 1 ch, language en"}
+    assert resp.headers["X-Omni-Request-Id"]
+    # a streamed WAV (sizes "until the end"), as the speech endpoint sends it, as text
+    streamed = wav_header(8000, STREAMING_SIZE) + wav_file(0.5, rate=8000)[44:]
+    form = {"model": "transcribe", "response_format": "text"}
+    resp = await client.post(TRANSCRIBE, data=form, files={"file": ("s.wav", streamed)})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    assert resp.text == "0.5000 s, 8000 Hz, 1 ch, language -"
+
+
+@pytest.mark.parametrize(
+    ("data", "file", "status", "param"),
+    [
+        ({"model": "transcribe"}, b"ID3 not a wav at all", 400, "file"),
+        ({"model": "transcribe"}, wav_file(0), 400, "file"),
+        ({"model": "transcribe"}, wav_file(1.0)[:30], 400, "file"),
+        ({"model": "transcribe"}, wav_file(2.5), 413, None),
+        ({"model": "transcribe"}, None, 400, "file"),
+        ({}, wav_file(0.1), 400, "model"),
+        ({"model": "transcribe", "response_format": "srt"}, wav_file(0.1), 400, "response_format"),
+        ({"model": "transcribe", "stream": "true"}, wav_file(0.1), 400, "stream"),
+        ({"model": "echo"}, wav_file(0.1), 400, "model"),
+        ({"model": "omni"}, wav_file(0.1), 400, "model"),
+        ({"model": "whisper-1"}, wav_file(0.1), 404, "model"),
+    ],
+    ids=[
+        "not-wav", "no-frames", "cut-header", "too-large", "no-file", "no-model", "srt",
+        "stream", "chat-pipeline", "omni", "unknown-model",
+    ],
+)  # fmt: skip
+async def test_bad_transcriptions_are_openai_errors(
+    api: tuple[httpx.AsyncClient, Gateway],
+    data: dict[str, str],
+    file: bytes | None,
+    status: int,
+    param: str | None,
+) -> None:
+    client, gateway = api
+    files = {"file": ("x.wav", file)} if file is not None else {"other": ("x", b"x")}
+    error = assert_error(await client.post(TRANSCRIBE, data=data, files=files), status, param)
+    assert gateway.inflight == 0
+    if param == "file":
+        assert error["code"] in {"invalid_audio", "invalid_value"}
+
+
+async def test_models_lists_every_pipeline_and_requests_choose_theirs(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, _gateway = api
+    models = (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["echo", "transcribe", "omni"]
+    assert (await client.get("/v1/models/transcribe")).json()["id"] == "transcribe"
+    assert_error(await client.get("/v1/models/gpt-4o"), 404, "model")
+    ready = (await client.get("/ready")).json()
+    assert ready["pipelines"] == ["echo", "transcribe", "omni"]
+    said = await client.post(CHAT, json={"model": "omni", "messages": CONVERSATION})
+    assert said.json()["choices"][0]["message"]["content"] == "How are you ?"
+    config = (await client.get("/playground/config")).json()
+    assert config["model"] == "echo"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 1 << 21}, "max_completion_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"audio": {"voice": ""}, "modalities": ["text", "audio"]}, "audio.voice"),
+    ],
+)
+async def test_bad_chat_values_are_400(
+    api: tuple[httpx.AsyncClient, Gateway], extra: dict[str, Any], param: str
+) -> None:
+    client, gateway = api
+    body = {"model": "echo", "messages": CONVERSATION, **extra}
+    error = assert_error(await client.post(CHAT, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert gateway.inflight == 0
+
+
+async def test_non_finite_values_are_400(api: tuple[httpx.AsyncClient, Gateway]) -> None:
+    client, _gateway = api
+    for body, param in [
+        (b'{"model": "echo", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+         "temperature"),
+        (b'{"model": "echo", "input": "x", "speed": Infinity}', "speed"),
+    ]:  # fmt: skip
+        path = SPEECH if b'"input"' in body else CHAT
+        resp = await client.post(path, content=body, headers={"content-type": "application/json"})
+        assert_error(resp, 400, param)
+
+
+async def test_requests_a_pipeline_cannot_serve_are_400(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, _gateway = api
+    chat = {"model": "transcribe", "messages": CONVERSATION}
+    error = assert_error(await client.post(CHAT, json=chat), 400, "model")
+    assert "/v1/audio/transcriptions" in error["message"]
+    speech = {"model": "transcribe", "input": "hi"}
+    assert_error(await client.post(SPEECH, json=speech), 400, "model")
+    tool = {"model": "echo", "messages": [*CONVERSATION, {"role": "tool", "content": "42"}]}
+    assert_error(await client.post(CHAT, json=tool), 400, "messages")
+    for bad in ({"speed": 4.5}, {"speed": 0.2}, {"voice": ""}):
+        body = {"model": "echo", "input": "hi", **bad}
+        assert_error(await client.post(SPEECH, json=body), 400, next(iter(bad)))
+
+
+def test_pipelines_served_together_need_names_that_fit_a_namespace() -> None:
+    echo = pipeline_of("echo")
+    assert check_served([echo], "omni") == ["omni"]
+    assert check_served([echo, pipeline_of("transcribe")], "ns") == ["ns.echo", "ns.transcribe"]
+    with pytest.raises(ConfigError, match="different names"):
+        check_served([echo, pipeline_of("echo", input="text")], "ns")
+    spaced = echo.model_copy(update={"name": "my echo"})
+    with pytest.raises(ConfigError, match=r"namespace 'ns\.my echo'"):
+        check_served([spaced, pipeline_of("transcribe")], "ns")
+    bare = echo.model_copy(update={"outputs": None})
+    with pytest.raises(ConfigError, match="no `outputs` field"):
+        check_served([bare], "ns")
