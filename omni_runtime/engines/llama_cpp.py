@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final
+from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class LlamaCppEngine:
         params.warmup = False
         return xllamacpp.Server(params)
 
+    @marks_final  # it always ends with Final: each piece goes out as soon as it is decoded
     async def generate(
         self, request_id: str, data: Any, params: dict[str, Any] | None
     ) -> AsyncIterator[Any]:

@@ -122,13 +122,15 @@ def read_wav(data: bytes) -> tuple[Floats, int]:
 
 def to_model_pcm(item: Any) -> bytes:
     """One input piece as the model reads it: 16 kHz mono int16 bytes."""
+    if isinstance(item, dict) and isinstance(item.get("wav"), bytes):  # the HTTP upload
+        item = item["wav"]
     if isinstance(item, bytes | bytearray | memoryview):
         audio, rate = read_wav(bytes(item))
     elif isinstance(item, dict) and "pcm" in item and "sample_rate" in item:
         audio, rate = _pcm_samples(item["pcm"]), item["sample_rate"]
     else:
         raise TypeError(
-            "expected WAV bytes or {'pcm': array or bytes, 'sample_rate': int}, "
+            "expected WAV bytes, {'wav': bytes} or {'pcm': array or bytes, 'sample_rate': int}, "
             f"got {type(item).__name__}"
         )
     if not isinstance(rate, int) or isinstance(rate, bool) or not MIN_RATE <= rate <= MAX_RATE:

