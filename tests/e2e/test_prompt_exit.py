@@ -39,9 +39,10 @@ LONG_BLOCK_MS = 4_000
 reads just begun would take about this long."""
 STOP_BOUND_S = 2.0
 """Well under `LONG_BLOCK_MS`, and far above a cut read's few milliseconds."""
-READERS = 2
-"""The orchestrator's blocking reads on a single server: its requests, and one joint read
-of every stage's outputs (`redis_io/joint_read.py`)."""
+READERS = 3
+"""The orchestrator's blocking reads on a single server: its requests, one joint read of
+every stage's outputs (`redis_io/joint_read.py`), and the control stream's (its
+malformed entries are dead-lettered: `orchestrator/control.py`)."""
 
 
 class Processes:
@@ -127,7 +128,8 @@ async def test_a_request_whose_read_was_cut_short_is_served_after_a_restart(
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     await asyncio.wait_for(service.ready.wait(), 60)
-    # Its only blocked clients (no worker runs yet): the requests and the stages' outputs.
+    # Its only blocked clients (no worker runs yet): the requests, the stages' outputs and
+    # the control stream.
     await wait_for(lambda: sync.info("clients")["blocked_clients"] == READERS, 30)
     assert service.requests.reading
 
