@@ -75,7 +75,7 @@ async def test_a_wedged_slot_loop_stops_its_process_and_loses_nothing(
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
     assert exit_code == WEDGED_EXIT_CODE, wedged_log
     assert noticed is not None, wedged_log
-    assert WATCHDOG_S < float(noticed[1]) <= WATCHDOG_S + 5 * period_s, wedged_log
+    assert WATCHDOG_S <= float(noticed[1]) <= WATCHDOG_S + 5 * period_s, wedged_log  # to 0.1 s
     assert "in _read_requests" in wedged_log, "the log shows where the loop is stuck"
     assert taken is not None and taken[1] == "1", healthy_log
     # The lease was given back: the slot is taken over at the healthy one's next renewal

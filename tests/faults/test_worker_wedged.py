@@ -55,5 +55,5 @@ async def test_a_wedged_worker_loop_stops_its_process_and_loses_nothing(
     assert exit_code == WEDGED_EXIT_CODE, log
     assert noticed is not None, log
     period_s = Watchdog(WATCHDOG_S).period_s
-    assert WATCHDOG_S < float(noticed[1]) <= WATCHDOG_S + 5 * period_s, log
+    assert WATCHDOG_S <= float(noticed[1]) <= WATCHDOG_S + 5 * period_s, log  # logged to 0.1 s
     assert "threading.Event().wait()  # the fault" in log, "the log shows where it is stuck"
