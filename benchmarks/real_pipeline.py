@@ -56,8 +56,8 @@ class Sizes:
     warmup: int = 2
 
 
-FULL = Sizes(concurrencies=(1, 2, 4), requests=16, max_tokens=48)
-QUICK = Sizes(concurrencies=(1, 4), requests=8, max_tokens=32, warmup=1)
+FULL = Sizes(concurrencies=(1, 2, 4), requests=16, max_tokens=64)
+QUICK = Sizes(concurrencies=(1, 4), requests=8, max_tokens=64, warmup=1)
 
 
 @dataclass

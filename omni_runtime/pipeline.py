@@ -58,6 +58,10 @@ class OutputsConfig(BaseModel):
     """What stage 0 takes as the prompt a front end builds: `text`, a string (a chat's last
     user message); `chat`, `{"messages": [{"role", "content"}, ...]}`; `audio`,
     `{"wav": <bytes of a PCM WAV file>}` (a speech-to-text pipeline)."""
+    speaks_input: bool = True
+    """Whether the audio is the input spoken as written, so `/v1/audio/speech` may serve
+    the pipeline; false where a thinker answers the input instead (speech of the answer is
+    not what that endpoint promises)."""
 
     @model_validator(mode="after")
     def _names_something(self) -> OutputsConfig:

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from omni_runtime.engines.text_chunks import (
+    DEFAULT_FIRST_CLAUSE_CHARS,
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
     clauses_with_last,
@@ -230,6 +231,7 @@ def vocoder(
     buflength_ms: int = 100,
     min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
     max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+    first_clause_chars: int | None = DEFAULT_FIRST_CLAUSE_CHARS,
     library: str | None = None,
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
@@ -244,7 +246,9 @@ def vocoder(
     with engine.lock:
         engine.select_voice(name)  # an unknown voice fails here, before any work
     rate = rate_wpm(chosen.speed)
-    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars):
+    for clause, is_last in clauses_with_last(
+        data, min_clause_chars, max_clause_chars, first_clause_chars
+    ):
         held: Pcm | None = None  # one piece back, to mark the request's last one
         if clause:
             stream = engine.synth(clause, name, rate)

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from omni_runtime.engines.text_chunks import (
+    DEFAULT_FIRST_CLAUSE_CHARS,
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
     clauses_with_last,
@@ -153,6 +154,7 @@ def talker(
     speed: float = 1.0,
     min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
     max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+    first_clause_chars: int | None = DEFAULT_FIRST_CLAUSE_CHARS,
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
     """Text deltas (a prompt string, or the thinker's str chunks) → one chunk per clause."""
@@ -160,7 +162,9 @@ def talker(
     path, spk = resolve_voice(chosen.voice, model, speaker, voices)
     piper_voice = load_voice(path, with_session=False)
     speaker_id(piper_voice, spk)  # an unknown voice fails here, before any work
-    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars):
+    for clause, is_last in clauses_with_last(
+        data, min_clause_chars, max_clause_chars, first_clause_chars
+    ):
         chunk = {"text": clause, "phoneme_ids": phoneme_ids(piper_voice, clause) if clause else []}
         yield Final(chunk) if is_last else chunk
 

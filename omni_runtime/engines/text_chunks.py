@@ -11,7 +11,11 @@ pause, as soon as it can tell:
 * after a clause mark (`,`, `;`, `:`) followed by whitespace, once the clause has
   `min_clause_chars` characters (short clauses sound choppy);
 * at the last space before `max_clause_chars` when a clause runs on without any mark
-  (bounding the wait for the first audio and the TTS input).
+  (bounding the wait for the first audio and the TTS input);
+* for the first piece only, already at the last space before `first_clause_chars`
+  when set: the first audio waits for the LLM to write the first piece and for the TTS
+  to speak all of it, so a short first piece is what makes streaming start early (the
+  later pieces are spoken while the first plays, so they can be whole clauses).
 
 Pieces keep every character (whitespace starts the next piece), so their concatenation is
 the input; and a cut depends only on the text, never on where the deltas split it.
@@ -33,6 +37,7 @@ ABBREVIATIONS = frozenset(
 )
 DEFAULT_MIN_CLAUSE_CHARS = 20
 DEFAULT_MAX_CLAUSE_CHARS = 200
+DEFAULT_FIRST_CLAUSE_CHARS = 24
 
 
 class ClauseCutter:
@@ -42,11 +47,17 @@ class ClauseCutter:
         self,
         min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
         max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+        first_clause_chars: int | None = None,
     ) -> None:
         if not 1 <= min_clause_chars <= max_clause_chars:
             raise ValueError("need 1 <= min_clause_chars <= max_clause_chars")
+        if first_clause_chars is not None and not 1 <= first_clause_chars <= max_clause_chars:
+            raise ValueError("need 1 <= first_clause_chars <= max_clause_chars")
         self.min_clause_chars = min_clause_chars
         self.max_clause_chars = max_clause_chars
+        self.first_clause_chars = first_clause_chars
+        self._first = True
+        """No piece has been cut yet."""
         self._buf = ""
         self._scan = 0
         """Where scanning resumes: every index before it was decided not to be a cut."""
@@ -58,16 +69,20 @@ class ClauseCutter:
             pieces.append(self._buf[:cut])
             self._buf = self._buf[cut:]
             self._scan = 0
+            self._first = False
         return pieces
 
     def flush(self) -> list[str]:
         """The text after the last cut (the stream ended), if any."""
         rest, self._buf, self._scan = self._buf, "", 0
+        self._first = self._first and not rest
         return [rest] if rest else []
 
     def _next_cut(self) -> int | None:
         """The end of the first complete piece in the buffer, or None (need more text)."""
         buf, limit = self._buf, self.max_clause_chars
+        if self._first and self.first_clause_chars is not None:
+            limit = self.first_clause_chars
         i = self._scan
         while i < len(buf):
             if i >= limit:  # a run-on clause: cut at its last space (or hard, if none)
@@ -109,7 +124,7 @@ def _has_words(text: str) -> bool:
     return any(ch.isalnum() for ch in text)
 
 
-def cut_text(text: str, **limits: int) -> list[str]:
+def cut_text(text: str, **limits: Any) -> list[str]:
     """A whole text's pieces (the same as feeding it in any number of deltas)."""
     cutter = ClauseCutter(**limits)
     return [*cutter.feed(text), *cutter.flush()]
@@ -119,6 +134,7 @@ def clauses_with_last(
     data: Any,
     min_clause_chars: int = DEFAULT_MIN_CLAUSE_CHARS,
     max_clause_chars: int = DEFAULT_MAX_CLAUSE_CHARS,
+    first_clause_chars: int | None = None,
 ) -> Iterator[tuple[str, bool]]:
     """Each clause of a stage's text input (stripped, never blank), with whether it is the last.
 
@@ -127,7 +143,7 @@ def clauses_with_last(
     out as soon as it is complete. When the input ends after the last clause was already
     given, a closing `("", True)` says so.
     """
-    cutter = ClauseCutter(min_clause_chars, max_clause_chars)
+    cutter = ClauseCutter(min_clause_chars, max_clause_chars, first_clause_chars)
     if isinstance(data, str):
         deltas: Iterable[Any] = [data]
     elif isinstance(data, ChunkStream | list | tuple):

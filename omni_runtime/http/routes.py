@@ -141,6 +141,8 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise unsupported(served, "has no audio output")
         if outputs.input == "audio":
             raise unsupported(served, "takes audio, not text")
+        if not outputs.speaks_input:
+            raise unsupported(served, "answers its input instead of speaking it")
         # a chat pipeline's stage 0 takes a string as one user turn
         run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
         events = run.events()

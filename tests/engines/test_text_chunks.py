@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -16,7 +17,7 @@ MARKED_TEXT = st.text(alphabet=st.sampled_from(list("ab Dr3.,;:!?…\n\"')")), m
 ANY_TEXT = st.one_of(MARKED_TEXT, st.text(max_size=300))
 
 
-def feed_all(deltas: list[str], **limits: int) -> list[str]:
+def feed_all(deltas: list[str], **limits: Any) -> list[str]:
     cutter = ClauseCutter(**limits)
     pieces = [p for d in deltas for p in cutter.feed(d)]
     return pieces + cutter.flush()
@@ -80,9 +81,29 @@ def test_run_on_text_is_cut_at_its_last_space_before_the_limit() -> None:
     assert cut_text("x" * 70, max_clause_chars=32) == ["x" * 32, "x" * 32, "x" * 6]
 
 
+def test_the_first_piece_alone_is_cut_short_so_the_first_audio_starts_early() -> None:
+    text = "The sky looks blue because air scatters blue light more than red light. It is so."
+    pieces = cut_text(text, first_clause_chars=24)
+    assert pieces[0] == "The sky looks blue"
+    assert pieces[1:] == [" because air scatters blue light more than red light.", " It is so."]
+    assert cut_text("Yes. The sky is blue.", first_clause_chars=24) == ["Yes.", " The sky is blue."]
+
+
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError):
         ClauseCutter(min_clause_chars=50, max_clause_chars=10)
+    with pytest.raises(ValueError):
+        ClauseCutter(max_clause_chars=100, first_clause_chars=101)
+
+
+@given(ANY_TEXT, st.lists(st.integers(min_value=0), max_size=30), st.integers(1, 60))
+def test_a_short_first_piece_does_not_depend_on_the_deltas_either(
+    text: str, cuts: list[int], first: int
+) -> None:
+    pieces = feed_all(split(text, cuts), first_clause_chars=first)
+    assert pieces == cut_text(text, first_clause_chars=first)
+    assert "".join(pieces) == text
+    assert not pieces or len(pieces[0]) <= first
 
 
 @given(st.lists(ANY_TEXT, max_size=20))
