@@ -66,7 +66,9 @@ def test_a_streamed_chat_answer_comes_as_text_and_speech(client: openai.OpenAI) 
             (getattr(delta, "model_extra", None) or {}).get("audio") or {}
         ).get("data")
         if data:
-            first_audio_after = len("".join(text)) if first_audio_after is None else first_audio_after
+            first_audio_after = (
+                len("".join(text)) if first_audio_after is None else first_audio_after
+            )
             audio += base64.b64decode(data)
     answer = "".join(text)
     assert len(answer.split()) >= 3, answer
