@@ -13,16 +13,26 @@ E2E over the seconds of audio it made (below 1: made faster than it plays).
 Baseline: sequential mode at the same concurrency. Targets (c = 1): TTFA p50 at least
 3x sooner streaming; E2E no slower. At c = 4: at least 95 % of requests hear no gap
 over 200 ms once their audio started.
+
+Abort: a third deployment whose thinker has one slot. A long answer holds it, a second
+request waits for it, the first is aborted: the time from `abort` to the second's first
+token, less the same-run time to first token of a request finding the slot free, is how
+long the slot stayed taken after the abort (target: at most 100 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import redis
+import yaml
 
 from benchmarks.harness import scenario
 from benchmarks.harness.procs import Deployment, watched
@@ -38,6 +48,8 @@ GAP_S = 0.2
 TARGET_TTFA = 3.0
 TARGET_E2E = 1.0
 TARGET_CONTINUITY = 0.95
+TARGET_ABORT_MS = 100.0
+LONG = "Write a long story about a dragon and a knight, with many details."
 QUESTIONS = [
     "Why is the sky blue?", "What do bees make?", "Describe a rainy morning.",
     "Why do cats purr?", "What is a volcano?", "How do birds fly?", "What is the moon made of?",
@@ -54,10 +66,11 @@ class Sizes:
     """Per mode and concurrency."""
     max_tokens: int
     warmup: int = 2
+    aborts: int = 10
 
 
 FULL = Sizes(concurrencies=(1, 2, 4), requests=16, max_tokens=64)
-QUICK = Sizes(concurrencies=(1, 4), requests=8, max_tokens=64, warmup=1)
+QUICK = Sizes(concurrencies=(1, 4), requests=8, max_tokens=64, warmup=1, aborts=4)
 
 
 @dataclass
@@ -134,8 +147,72 @@ async def closed_loop(d: Deployment, conc: int, n: int, sizes: Sizes, offset: in
     return cell
 
 
-async def measure(sizes: Sizes, redis_url: str) -> list[Cell]:
+class FirstToken:
+    """Reads a request to its end, noting when its first text piece came."""
+
+    def __init__(self, client: OmniClient, rid: str) -> None:
+        self.rid = rid
+        self.at: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.ended = asyncio.create_task(self._read(client, rid))
+
+    async def _read(self, client: OmniClient, rid: str) -> None:
+        async for out in client.stream(rid, timeout_s=120):
+            if out.stage_id == 0 and out.data and not self.at.done():
+                self.at.set_result(time.perf_counter())
+        if not self.at.done():
+            self.at.set_exception(RuntimeError(f"{rid} ended without text"))
+
+
+def thinker_waiting(d: Deployment, r: redis.Redis) -> int:
+    """Requests waiting for a thinker slot, from the thinker's heartbeat (`status`)."""
+    for key in r.scan_iter(d.settings.names.heartbeat_pattern(0)):
+        return int(json.loads(r.get(key) or "{}").get("engine", {}).get("waiting", 0))
+    return 0
+
+
+async def abort_cell(d: Deployment, tries: int) -> tuple[list[float], list[float]]:
+    """([time to first token on a free slot], [abort → the waiting request's first token]), s."""
+    free, after_abort = [], []
+    r = redis.Redis.from_url(d.redis_url)
+    params = {"max_tokens": 400}
+    async with OmniClient(d.settings) as client:
+        for k in range(tries):
+            t0 = time.perf_counter()
+            alone = await client.submit(LONG, params={**params, "seed": k})
+            reading = FirstToken(client, alone)
+            free.append(await asyncio.wait_for(reading.at, 120) - t0)
+            await client.abort(alone)
+            await asyncio.wait_for(reading.ended, 30)
+            holder = FirstToken(client, await client.submit(LONG, params={**params, "seed": 99}))
+            await asyncio.wait_for(holder.at, 120)
+            waiter = FirstToken(client, await client.submit(LONG, params={**params, "seed": k}))
+            deadline = time.monotonic() + 30
+            while thinker_waiting(d, r) < 1:  # the waiter is queued at the engine
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the second request never waited for the slot")
+                await asyncio.sleep(0.05)
+            aborted_at = time.perf_counter()
+            await client.abort(holder.rid)
+            after_abort.append(await asyncio.wait_for(waiter.at, 60) - aborted_at)
+            await client.abort(waiter.rid)
+            await asyncio.wait_for(asyncio.gather(holder.ended, waiter.ended), 30)
+    r.close()
+    return free, after_abort
+
+
+def one_slot_pipeline() -> Path:
+    raw = yaml.safe_load(VOICE.read_text())
+    raw["stages"][0]["options"]["n_parallel"] = 1
+    path = Path(tempfile.mkdtemp()) / "voice-one-slot.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+async def measure(
+    sizes: Sizes, redis_url: str
+) -> tuple[list[Cell], tuple[list[float], list[float]]]:
     deployments = {m: Deployment(redis_url, VOICE, f"voice-{m[:3]}", mode=m) for m in MODES}
+    one_slot = Deployment(redis_url, one_slot_pipeline(), "voice-abort", mode="streaming")
     try:
         for d in deployments.values():
             d.start()
@@ -153,9 +230,14 @@ async def measure(sizes: Sizes, redis_url: str) -> list[Cell]:
                 print(f"  {mode:<10} c={conc} {sizes.requests} requests, {len(cell.errors)} "
                       f"errors, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
                 cells.append(cell)
-        return cells
+        for d in all_d:
+            d.stop()
+        one_slot.start()
+        await one_slot.wait_ready()
+        aborts = await watched([one_slot], abort_cell(one_slot, sizes.aborts), 600)
+        return cells, aborts
     finally:
-        for d in deployments.values():
+        for d in [*deployments.values(), one_slot]:
             d.stop()
 
 
@@ -179,7 +261,7 @@ def cell_table(cells: list[Cell]) -> str:
 
 
 def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
-    cells = asyncio.run(measure(sizes, ctx.redis_url))
+    cells, (free, after_abort) = asyncio.run(measure(sizes, ctx.redis_url))
     print("\nLatency, ms: p50 (p99)\n" + cell_table(cells) + "\n")
     rows = []
     for conc in sizes.concurrencies:
@@ -220,6 +302,17 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
             target=f">= {need:.0%} no gap > {GAP_S * 1e3:g} ms" if need else "",
             met=None if need is None else ok and st.continuous_share >= need,
         ))  # fmt: skip
+    base = percentile(free, 50) * 1e3
+    held = [max(0.0, s * 1e3 - base) for s in after_abort]
+    print(f"abort -> waiting request's first token, ms: p50 {percentile(after_abort, 50) * 1e3:.0f}"
+          f" p99 {percentile(after_abort, 99) * 1e3:.0f}; free slot's first token p50 {base:.0f}")  # fmt: skip
+    rows.append(Row(
+        "real_pipeline", "abort, 1 thinker slot", "slot held after abort", "ms",
+        percentile(held, 50), None, None, percentile(held, 50), percentile(held, 99),
+        baseline="first token on a free slot", baseline_value=base,
+        target=f"p50 <= {TARGET_ABORT_MS:g} ms", met=percentile(held, 50) <= TARGET_ABORT_MS,
+        details={"tries": len(held), "abort_to_first_token_ms": [s * 1e3 for s in after_abort]},
+    ))  # fmt: skip
     return rows
 
 

@@ -45,6 +45,7 @@ SCENARIOS = (
     "ttfp",
     "idle_cpu",
     "startup",
+    "real_pipeline",
 )
 TIMEOUT_S = {True: 300.0, False: 1200.0}
 """Longest run of one scenario, quick / full."""

@@ -177,6 +177,24 @@ def marks_final(fn: F) -> F:
     return fn
 
 
+PRELOAD_ATTR = "__omni_preload__"
+
+
+def preloads(loader: Callable[[dict[str, Any]], None]) -> Callable[[F], F]:
+    """Declare what a function stage loads once per process (a model, a voice).
+
+    The worker calls `loader(options)` (the stage's options from the pipeline file)
+    before it reports ready, so the first request does not wait for the load and a
+    load that fails stops the worker at start, not at its first request.
+    """
+
+    def mark(fn: F) -> F:
+        setattr(fn, PRELOAD_ATTR, loader)
+        return fn
+
+    return mark
+
+
 class RequestAborted(OmniError):
     """Raised inside a stage's input iteration once the request was aborted."""
 

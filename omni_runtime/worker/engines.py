@@ -20,6 +20,7 @@ from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig, resolve_entry
 from omni_runtime.stage_api import (
     MARKS_FINAL_ATTR,
+    PRELOAD_ATTR,
     AsyncStageEngine,
     ChunkStream,
     EngineOutput,
@@ -298,4 +299,7 @@ def load_engine(
             "(add_request, step, abort, has_work) nor an AsyncStageEngine (start, generate, "
             "abort, check_health, stats, close)"
         )
+    preload = getattr(entry, PRELOAD_ATTR, None)
+    if preload is not None:
+        preload(dict(stage.options))
     return GeneratorEngine(entry, stage.options, max_concurrency, wake, ended, defer, quick_call_s)

@@ -189,18 +189,21 @@ async def run_load(
     d: FaultDeployment,
     scenario: str,
     prompts: dict[str, str],
-    expected: Expected,
+    expected: Expected | None,
     concurrency: int,
     fault_after: int | None = None,
     fault: Fault | None = None,
     timeout_s: float = 30.0,
     deadline_s: float = 150.0,
     abort_after_s: Mapping[str, float] | None = None,
+    keep: dict[str, list[OrchOutput]] | None = None,
 ) -> FaultReport:
     """Send `prompts` with at most `concurrency` in flight; inject `fault` once `fault_after`
     requests were submitted; abort each request of `abort_after_s` that long after its
     submission; classify every request's outcome. A request with no final `timeout_s`
-    after its last output, or by `deadline_s` for the whole load, is lost."""
+    after its last output, or by `deadline_s` for the whole load, is lost. `expected`
+    None: any success is right (a model's own answers); `keep` gets every request's
+    outputs."""
     report = FaultReport(scenario, len(prompts), memory_before=d.used_memory())
     outcomes: dict[str, list[OrchOutput] | None] = {}
     done_at: dict[str, float] = {}
@@ -249,6 +252,8 @@ async def run_load(
         report.duplicated = client.dropped_outputs
         late = client.metrics.snapshot().get("omni_late_successes_total", {})
         report.late_successes = {dict(labels)["reason"]: int(n) for labels, n in late.items()}
+    if keep is not None:
+        keep.update({rid: outs for rid, outs in outcomes.items() if outs is not None})
     for rid, outs in outcomes.items():
         if outs is None or not outs or not outs[-1].finished:
             report.lost += 1
@@ -257,7 +262,9 @@ async def run_load(
             reason = outs[-1].error.split(":")[0]
             report.errors[reason] = report.errors.get(reason, 0) + 1
             report.error_texts.setdefault(reason, outs[-1].error)
-        elif [(o.stage_id, o.data, o.finished) for o in outs] == expected(prompts[rid]):
+        elif expected is None or [(o.stage_id, o.data, o.finished) for o in outs] == expected(
+            prompts[rid]
+        ):
             report.ok += 1
         else:
             report.wrong += 1

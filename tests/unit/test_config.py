@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import PipelineConfig, StageConfig, load_pipeline, resolve_entry
 from omni_runtime.settings import Settings
-from omni_runtime.stage_api import StageEngine
+from omni_runtime.stage_api import StageEngine, preloads
 from omni_runtime.worker.engines import GeneratorEngine, load_engine
 
 pytestmark = pytest.mark.timeout(30)
@@ -221,6 +221,31 @@ def test_engine_entries_load() -> None:
     wrapped = load_engine(fn_stage, None, max_concurrency=1, wake=lambda: None)
     assert isinstance(wrapped, GeneratorEngine)
     wrapped.close()
+
+
+PRELOADED: list[dict[str, object]] = []
+
+
+def _remember_load(options: dict[str, object]) -> None:
+    if options.get("fail"):
+        raise ConfigError("no such voice")
+    PRELOADED.append(options)
+
+
+@preloads(_remember_load)
+def preloading_stage(data: object, *, size: int = 1, fail: bool = False) -> object:
+    return data
+
+
+def test_a_function_stage_preloads_with_its_options_before_its_first_request() -> None:
+    PRELOADED.clear()
+    stage = StageConfig(id=0, name="p", entry=f"{__name__}:preloading_stage", options={"size": 3})
+    engine = load_engine(stage, None, max_concurrency=1, wake=lambda: None)
+    assert PRELOADED == [{"size": 3}]  # at load, before any request
+    engine.close()
+    failing = StageConfig(id=0, name="p", entry=f"{__name__}:preloading_stage", options={"fail": 1})
+    with pytest.raises(ConfigError, match="no such voice"):  # at start, not on a request
+        load_engine(failing, None, max_concurrency=1, wake=lambda: None)
 
 
 # --- settings -----------------------------------------------------------------------
