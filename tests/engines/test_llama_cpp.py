@@ -76,7 +76,7 @@ async def test_a_cancelled_request_frees_its_slot_at_the_next_token(engine: Llam
     assert engine.stats().running == 1
     task.cancel()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
+    deadline = loop.time() + 30  # its next token (the time is measured in benchmarks)
     while engine.stats().running and loop.time() < deadline:
         await asyncio.sleep(0.005)
     assert engine.stats().running == 0
