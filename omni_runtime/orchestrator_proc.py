@@ -93,7 +93,7 @@ class OrchestratorService:
             self.leases,
             self.metrics,
             self.timer,
-            StageWatch(ttl_s, 0.0),
+            StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
         self.shared.recheck_stages = self._recheck_stages

@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     scale_target_per_replica: Annotated[int, Field(gt=0, le=1_000_000)] | None = None
     """Requests (queued + in flight) one replica should carry: the desired-replicas hint is
     `ceil((backlog + in flight) / this)`. None: the stage's worker max concurrency."""
+    scale_to_zero: bool = False
+    """Stages may have no live worker (an autoscaler scaled them to zero): their requests wait
+    in the stream, within their deadlines, instead of failing with "no live worker"; `serve`
+    is ready with an orchestrator alone."""
     watchdog_s: Annotated[float, Field(ge=0)] = 30.0
     """A loop (an orchestrator slot's, a worker's scheduler or I/O thread) with work in hand
     that has not gone around for this long stops its process, which gives back its lease

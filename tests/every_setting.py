@@ -46,6 +46,7 @@ NON_DEFAULT: dict[str, Any] = {
     "drain_s": 4.5,
     "stats_interval_s": 4.5,
     "scale_target_per_replica": 17,
+    "scale_to_zero": True,
 }
 
 

@@ -78,6 +78,7 @@ class StageWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stop_now = False
+        self._drain_deadline: float | None = None
         self._serving = False
         """Registered (first heartbeat written, engine started) and not draining: `/ready`."""
         self._input_stop = threading.Event()
@@ -267,6 +268,7 @@ class StageWorker:
                 if drain_deadline is None:  # end the input read now: a draining worker reads none
                     self._input.request_stop()
                 drain_deadline = drain_deadline or now + self.settings.drain_s
+                self._drain_deadline = drain_deadline
                 if not self.core.in_flight or now > drain_deadline or self._stop_now:
                     return
             with turn.lock:
@@ -367,6 +369,10 @@ class StageWorker:
             t.join(JOIN_TIMEOUT_S)
         self._hand_back()
         self._heartbeat.forget()
+        engine = self.core.engine
+        if isinstance(engine, GeneratorEngine) and self._drain_deadline is not None:
+            left = max(0.0, self._drain_deadline - time.monotonic())  # exit within the drain
+            engine.close_grace_s = min(engine.close_grace_s, left)
         if self._connector is not None:
             self._connector.close()
         self.core.driver.close()
