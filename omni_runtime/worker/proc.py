@@ -79,6 +79,7 @@ class StageWorker:
         self._stop = threading.Event()
         self._stop_now = False
         self._drain_deadline: float | None = None
+        self._drained = False
         self._serving = False
         """Registered (first heartbeat written, engine started) and not draining: `/ready`."""
         self._input_stop = threading.Event()
@@ -270,6 +271,7 @@ class StageWorker:
                 drain_deadline = drain_deadline or now + self.settings.drain_s
                 self._drain_deadline = drain_deadline
                 if not self.core.in_flight or now > drain_deadline or self._stop_now:
+                    self._drained = True  # what is left goes back (not on a failure: below)
                     return
             with turn.lock:
                 if turn.failure is not None:
@@ -338,7 +340,11 @@ class StageWorker:
     def _hand_back(self) -> None:
         """What the drain left unfinished, and inputs read but never started, go back to the
         stream for a live replica now (`handback.py`); once the output thread has written
-        all it had, so this worker publishes nothing for them afterwards."""
+        all it had, so this worker publishes nothing for them afterwards. Not when the loop
+        failed or the engine died: those inputs stay pending for a takeover, which counts
+        their deliveries (an input that kills engines is dead-lettered, not passed on)."""
+        if not self._drained:
+            return
         held = self.core.held_entries() + [i.entry_id for i in self._inputs.take()]
         if held:
             n = hand_back(self._client, self.in_stream, held, self.settings.stream_maxlen)
