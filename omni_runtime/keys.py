@@ -82,6 +82,10 @@ ORCHESTRATOR_CONSUMER = "orchestrator"
 """The consumer name of orchestrator slot 0 in its groups (see `orchestrator_consumer`)."""
 ORCHESTRATOR_LEASE_TTL_S = 5.0
 """An orchestrator slot whose lease is older than this is taken over by a live one."""
+RELEASED_MAXLEN = 16
+"""Notices kept on the released-slots stream (readers follow it live; a few suffice)."""
+RELEASED_TTL_S = 3600
+"""The released-slots stream expires this long after the last slot given up."""
 MAX_SLOTS = 1024
 """Orchestrator slots are 0 .. MAX_SLOTS - 1 (a stage input names its owner slot)."""
 
@@ -208,6 +212,12 @@ class Names:
         """A hash, every slot ever taken → its last holder's token: what live orchestrators
         watch for lapses, and whose connections a takeover closes."""
         return f"{self._orchestrators}:registry"
+
+    @property
+    def orchestrator_released(self) -> str:
+        """A short stream: a slot number each time a process gives a slot up, so a live
+        orchestrator takes it over at once instead of at its next lease round."""
+        return f"{self._orchestrators}:released"
 
     def orchestrator_connection(self, token: str) -> str:
         """The client name of an orchestrator process's connections (CLIENT SETNAME)."""

@@ -118,6 +118,12 @@ GAUGES: Mapping[str, str] = {
     "omni_stream_pending_entries": "Entries read and not acknowledged, by stream and group.",
     "omni_stream_oldest_pending_seconds": "Age of the oldest pending entry, by stream and group.",
     "omni_workers_alive": "Workers whose heartbeat key is live, by stage.",
+    "omni_stage_backlog_entries": "Inputs no replica has taken yet (the group's lag), by stage.",
+    "omni_stage_in_flight": "Inputs replicas have taken and not finished (pending), by stage.",
+    "omni_stage_capacity": "Live replicas times each one's max concurrency, by stage.",
+    "omni_stage_desired_replicas": (
+        "Replicas the stage's load asks for: ceil((backlog + in flight) / target), by stage."
+    ),
     "omni_engine_running": "Requests an async engine is running (in its batch), by stage.",
     "omni_engine_waiting": "Requests an async engine holds waiting for a batch slot, by stage.",
     "omni_engine_capacity": "Requests an async engine can run at once (batch slots), by stage.",

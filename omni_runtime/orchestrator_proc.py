@@ -29,6 +29,7 @@ from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
+from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
@@ -92,7 +93,7 @@ class OrchestratorService:
             self.leases,
             self.metrics,
             self.timer,
-            StageWatch(ttl_s, 0.0),
+            StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
         self.shared.recheck_stages = self._recheck_stages
@@ -103,6 +104,8 @@ class OrchestratorService:
         """(slot, requests restored, seconds from noticing the lapse to serving)."""
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._look_now = asyncio.Event()
+        """Set by a released-slot notice (and at shutdown): the lease round runs at once."""
         self.watchdog: Watchdog | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -141,8 +144,9 @@ class OrchestratorService:
         """Serve until `stop` is set (or this process is deposed), then flush and close."""
         codec.warm_up()
         self.shared.stage_watch.restarted(asyncio.get_running_loop().time())
+        probes = Probes(ready=self._not_ready)
         obs = start_observability(
-            self.settings, self.metrics, "orchestrator", self.clients.sync, poll_streams=True
+            self.settings, self.metrics, "orchestrator", self.clients.sync, True, probes=probes
         )
         switch = TraceSwitch(obs.tracer, obs.on_demand, self._trace_with)
         self.shared.begin_trace = switch.begin
@@ -163,6 +167,7 @@ class OrchestratorService:
             if self.watchdog is not None:
                 loops.append(asyncio.create_task(self._tick(self.watchdog), name="tick"))
                 self.watchdog.start()
+            follower = asyncio.create_task(self._follow_releases(), name="released-slots")
             self.ready.set()
             log.info(
                 "orchestrator of %r ready (%s mode, slot %d)",
@@ -174,7 +179,7 @@ class OrchestratorService:
             await asyncio.wait([ended, *loops], return_when=asyncio.FIRST_COMPLETED)
             ended.cancel()
             crashed = [t for t in loops if t.done() and not t.cancelled() and t.exception()]
-            await self._shut_down(loops)
+            await self._shut_down(loops, follower)
             if crashed:  # a loop died: fail loudly (a supervisor restarts the process)
                 raise cast(BaseException, crashed[0].exception())
         finally:
@@ -186,12 +191,16 @@ class OrchestratorService:
         if self.deposed is not None:
             raise self.deposed
 
-    async def _shut_down(self, loops: list[asyncio.Task[None]]) -> None:
+    async def _shut_down(
+        self, loops: list[asyncio.Task[None]], follower: asyncio.Task[None]
+    ) -> None:
         """Stop the loops and slots, write what was queued, give the slots back (a live
         process takes over their requests in flight at once)."""
         self._stopping.set()
+        self._look_now.set()
         for served in self.slots.values():
             served.stop_reading()  # at once: a request a cut read got stays pending
+        await cancel_and_wait([follower])  # its read blocks for seconds: not waited out
         await asyncio.wait(loops, timeout=self.settings.block_ms / 1000 + 5.0)
         await cancel_and_wait(loops)
         for served in self.slots.values():
@@ -206,6 +215,24 @@ class OrchestratorService:
                 await self.leases.release(slot)
             if not await self.leases.others_alive():
                 await self.client.delete(self.names.orchestrator_heartbeat())
+
+    def _not_ready(self) -> str | None:
+        """`/ready`: why this process serves no slot now, or None."""
+        if self._stopping.is_set() or self.deposed is not None:
+            return "stopping"
+        if self.home is None or not self.ready.is_set():
+            return "starting"
+        return None if self.leases.fresh() else "lease not renewed in time"
+
+    async def _follow_releases(self) -> None:
+        """Wake the lease round whenever a process gives a slot up (`Leases.release`)."""
+        block_ms = self.settings.orchestrator_idle_block_ms
+        while not self._stopping.is_set():
+            try:
+                await self.leases.follow_releases(self._look_now.set, block_ms)
+            except RedisError as e:  # the lease round still finds lapsed slots on its own
+                log.warning("following released slots failed: %r", e)
+                await pause(self._stopping, self.settings.orchestrator_lease_ttl_s / 4)
 
     async def _tick(self, watchdog: Watchdog) -> None:
         """The event loop's own progress: a loop blocked by a call that never returns
@@ -254,9 +281,11 @@ class OrchestratorService:
         return served
 
     async def _keep_leases(self) -> None:
-        """Renew the leases every quarter TTL; take over lapsed slots; give idle ones back."""
+        """Renew the leases every quarter TTL, and at once when a slot was given up; take
+        over lapsed slots; give idle ones back."""
         interval = self.settings.orchestrator_lease_ttl_s / 4
         while not self._stopping.is_set():
+            self._look_now.clear()
             try:
                 await self._take_over_lapsed(await self.leases.refresh())
                 await self._give_back_idle()
@@ -266,7 +295,7 @@ class OrchestratorService:
                 return
             except RedisError as e:
                 log.warning("renewing the orchestrator leases failed: %r", e)
-            await pause(self._stopping, interval)
+            await pause(self._look_now, interval)
 
     async def _take_over_lapsed(self, known: set[int] | None) -> None:
         for slot in await self.leases.lapsed(known):

@@ -114,6 +114,20 @@ class Settings(BaseSettings):
     """How long a request's trace stays in Redis after its last stamp."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """Serve Prometheus metrics on this port at /metrics; 0: off."""
+    drain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    """On SIGTERM: a worker takes no new input, finishes what it holds within this and hands
+    back the rest (another replica runs it), then exits 0; `serve` stops accepting and
+    finishes its open streams within this. Keep it under a pod's grace period."""
+    stats_interval_s: Annotated[float, Field(gt=0, le=300)] = 5.0
+    """How often the orchestrator reads the streams into its gauges (backlog, in flight,
+    capacity, the desired-replicas hint) and publishes its stats for `status`."""
+    scale_target_per_replica: Annotated[int, Field(gt=0, le=1_000_000)] | None = None
+    """Requests (queued + in flight) one replica should carry: the desired-replicas hint is
+    `ceil((backlog + in flight) / this)`. None: the stage's worker max concurrency."""
+    scale_to_zero: bool = False
+    """Stages may have no live worker (an autoscaler scaled them to zero): their requests wait
+    in the stream, within their deadlines, instead of failing with "no live worker"; `serve`
+    is ready with an orchestrator alone."""
     watchdog_s: Annotated[float, Field(ge=0)] = 30.0
     """A loop (an orchestrator slot's, a worker's scheduler or I/O thread) with work in hand
     that has not gone around for this long stops its process, which gives back its lease

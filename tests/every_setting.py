@@ -43,6 +43,10 @@ NON_DEFAULT: dict[str, Any] = {
     "worker_poison_strikes": 3,
     "engine_start_timeout_s": 599.5,
     "engine_health_interval_s": 4.5,
+    "drain_s": 4.5,
+    "stats_interval_s": 4.5,
+    "scale_target_per_replica": 17,
+    "scale_to_zero": True,
 }
 
 

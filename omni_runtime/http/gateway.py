@@ -194,7 +194,8 @@ class Gateway:
         try:
             if not await self._probe.exists(names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
-            for sid in range(served.pipeline.last_stage + 1):
+            stages = 0 if served.settings.scale_to_zero else served.pipeline.last_stage + 1
+            for sid in range(stages):  # scaled to zero, a stage's requests wait for it
                 if not await stage_has_live_replica(self._probe, names, sid):
                     missing.append(f"stage {sid} worker")
         except (RedisError, OSError) as e:

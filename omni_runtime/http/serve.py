@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -32,9 +33,6 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_S = 5
-"""Open streams get this long to finish on SIGTERM before they are cut (and aborted)."""
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
@@ -96,19 +94,21 @@ def _run_serve(
                 )  # fmt: skip
             pipelines = [pipeline for _path, pipeline, _ns in served]
             gateway = Gateway(pipelines, settings, RedisClients.from_settings(settings), serve)
-            return asyncio.run(_serve(create_app(gateway), serve, groups))
+            return asyncio.run(_serve(create_app(gateway), serve, groups, settings.drain_s))
         finally:
             for group in groups:
                 group.stop()
 
 
-async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup]) -> int:
+async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup], drain_s: float) -> int:
+    """Serve until a stop signal; then accept nothing more and give the open streams
+    `drain_s` (`OMNI_DRAIN_S`) to finish before they are cut (and aborted)."""
     config = uvicorn.Config(
         app,
         host=serve.host,
         port=serve.port,
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=max(1, math.ceil(drain_s)),
         log_config=None,  # keep the process's logging setup
     )
     server = uvicorn.Server(config)

@@ -30,6 +30,8 @@ from omni_runtime.observe.redis_stats import (
     server_now,
     stream_names,
 )
+from omni_runtime.observe.scaling import fill_stage_gauges, stage_load
+from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +127,15 @@ class StreamStatsPoller:
         role: str,
         interval_s: float = 5.0,
         streams: bool = True,
+        settings: Settings | None = None,
     ) -> None:
         self.client, self.names, self.metrics, self.role = client, names, metrics, role
         self.interval_s, self.streams = interval_s, streams
+        self.default_concurrency = Settings.model_fields["worker_max_concurrency"].default
+        self.target: int | None = None
+        if settings is not None:
+            self.default_concurrency = settings.worker_max_concurrency
+            self.target = settings.scale_target_per_replica
         self._stages: set[int] = set()  # a stage whose last worker died still shows 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-stats", daemon=True)
@@ -152,9 +160,16 @@ class StreamStatsPoller:
             procs = read_heartbeats(self.client, self.names, time.time())
             stages = self._stages | {p.stage for p in procs if p.stage is not None}
             stages |= {int(m.group(1)) for s in streams if (m := _STAGE_STREAM.search(s.name))}
+            by_name = {s.name: s for s in streams}
+            loads = []
             for sid in stages:
-                alive = sum(1 for p in procs if p.kind == "worker" and p.stage == sid)
-                self.metrics.set_gauge("omni_workers_alive", alive, stage=sid)
+                workers = [p for p in procs if p.kind == "worker" and p.stage == sid]
+                self.metrics.set_gauge("omni_workers_alive", len(workers), stage=sid)
+                stream = by_name.get(self.names.stage_in(sid))
+                loads.append(
+                    stage_load(sid, stream, workers, self.default_concurrency, self.target)
+                )
+            fill_stage_gauges(self.metrics, loads)
             self._stages = stages
         publish_stats(self.client, self.names, self.role, self.metrics)
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app, make_wsgi_app, start_http_server
+from prometheus_client import CollectorRegistry, make_asgi_app, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS, LabelKey, Metrics
+from omni_runtime.observe.probes import Probes, probes_app, serve_wsgi
 
 log = logging.getLogger(__name__)
 
@@ -119,23 +120,27 @@ def start_metrics_server(
     port: int,
     addr: str = "0.0.0.0",
     const_labels: Mapping[str, str] | None = None,
+    probes: Probes | None = None,
 ) -> MetricsServer:
-    """Serve `/metrics` on `addr:port` from a daemon thread (port 0: any free port)."""
-    server, thread = start_http_server(
-        port, addr=addr, registry=metrics_registry(metrics, const_labels)
-    )
+    """Serve `/metrics` on `addr:port` from a daemon thread (port 0: any free port), and
+    `/health` and `/ready` from `probes` (`observe.probes`; without, both always 200)."""
+    app = probes_app(probes or Probes(), make_wsgi_app(metrics_registry(metrics, const_labels)))
+    server, thread = serve_wsgi(app, port, addr)
     stop = MetricsServer(server, thread)
     log.info("metrics on http://%s:%d/metrics", addr, stop.port)
     return stop
 
 
 def maybe_start_metrics_server(
-    metrics: Metrics, port: int, const_labels: Mapping[str, str] | None = None
+    metrics: Metrics,
+    port: int,
+    const_labels: Mapping[str, str] | None = None,
+    probes: Probes | None = None,
 ) -> Callable[[], None]:
     """What a process shell calls with `settings.metrics_port`: 0 (the default) serves nothing."""
     if port <= 0:
         return lambda: None
-    return start_metrics_server(metrics, port, const_labels=const_labels)
+    return start_metrics_server(metrics, port, const_labels=const_labels, probes=probes)
 
 
 def metrics_asgi_app(metrics: Metrics, const_labels: Mapping[str, str] | None = None) -> Any:

@@ -100,6 +100,8 @@ class ProcessInfo:
     value: str | None = None
     engine: dict[str, Any] | None = None
     """An async engine's `running`, `waiting` and `capacity` (its worker's heartbeat)."""
+    max_concurrency: int | None = None
+    """A worker's `OMNI_WORKER_MAX_CONCURRENCY`: what it may hold at once."""
 
 
 def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: float) -> ProcessInfo:
@@ -118,6 +120,8 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
     info.in_flight = doc.get("in_flight")
     info.completed = doc.get("completed")
     info.value = doc.get("value")
+    limit = doc.get("max_concurrency")
+    info.max_concurrency = limit if isinstance(limit, int) else None
     engine = doc.get("engine")
     info.engine = engine if isinstance(engine, dict) else None
     return info

@@ -17,6 +17,7 @@ from typing import Any
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.observe.poller import StreamStatsPoller
+from omni_runtime.observe.probes import Probes
 from omni_runtime.settings import Settings
 from omni_runtime.tracing import Closable, Tracer, tracer_for
 
@@ -49,21 +50,25 @@ def start_observability(
     role: str,
     redis_client: Callable[[], Any] | None = None,
     poll_streams: bool = False,
-    poll_interval_s: float = 5.0,
+    poll_interval_s: float | None = None,
     const_labels: dict[str, str] | None = None,
+    probes: Probes | None = None,
 ) -> Observability:
     """Start what `settings` asks for; `role` is "orchestrator", "stage:<k>:<worker>" or "client".
 
     `redis_client` is a factory of sync clients (`RedisClients.sync`); each
     background thread gets its own. Without it, only the file tracer and the
-    metrics endpoint run.
+    metrics endpoint run. `probes` answer `/health` and `/ready` beside `/metrics`;
+    `poll_interval_s` defaults to `settings.stats_interval_s`.
     """
     labels = {"role": role.split(":", 1)[0], **(const_labels or {})}
     obs = Observability(metrics, None)
     if settings.metrics_port > 0:  # prometheus_client (~0.1 s to import) only when asked for
         from omni_runtime.observe.prometheus import maybe_start_metrics_server
 
-        obs._stops.append(maybe_start_metrics_server(metrics, settings.metrics_port, labels))
+        obs._stops.append(
+            maybe_start_metrics_server(metrics, settings.metrics_port, labels, probes)
+        )
     try:
         obs.tracer = tracer_for(
             settings.trace_file,
@@ -80,8 +85,9 @@ def start_observability(
             obs.on_demand = on_demand
             obs._stops.append(on_demand.close)
         if redis_client is not None:
+            interval_s = poll_interval_s or settings.stats_interval_s
             poller = StreamStatsPoller(
-                redis_client(), settings.names, metrics, role, poll_interval_s, poll_streams
+                redis_client(), settings.names, metrics, role, interval_s, poll_streams, settings
             )
             poller.start()
             obs._stops.append(poller.stop)

@@ -248,19 +248,38 @@ class Leases:
         raise LeaseLost(f"orchestrator slot(s) {slots} taken over by another process")
 
     async def release(self, slot: int) -> None:
-        """Give a slot up (compare and delete): its next holder takes it at once."""
+        """Give a slot up (compare and delete), with a notice on the released stream in the
+        same transaction: a live process that follows it (`follow_releases`) takes the slot
+        over at once, not at its next lease round."""
         self.held.discard(slot)
         self.generation.pop(slot, None)
         key = self.names.orchestrator_lease(slot)
+        released = self.names.orchestrator_released
         async with self.client.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(key)
                 if self._mine(await pipe.get(key)):
                     pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.delete(key)
+                    pipe.xadd(released, {"slot": slot}, maxlen=keys.RELEASED_MAXLEN)
+                    pipe.expire(released, keys.RELEASED_TTL_S)
                     await pipe.execute()
             except WatchError:
                 pass  # it changed hands meanwhile: not ours to delete
+
+    async def follow_releases(self, notice: Callable[[], None], block_ms: int) -> None:
+        """Call `notice` whenever some process gives a slot up; runs until cancelled. One
+        blocking read at a time, each at most `block_ms` (under the client's socket timeout),
+        from the stream's last entry when it started: a notice is never missed between reads."""
+        stream = self.names.orchestrator_released
+        newest: Any = await self.client.xrevrange(stream, count=1)
+        last: Any = newest[0][0] if newest else b"0-0"
+        while True:
+            got: Any = await self.client.xread({stream: last}, count=keys.RELEASED_MAXLEN,
+                                               block=block_ms)  # fmt: skip
+            if got:
+                last = got[0][1][-1][0]
+                notice()
 
     async def _disconnect(self, token: str) -> None:
         """Close every connection of the process that held a slot before (see above)."""

@@ -136,10 +136,12 @@ class Absence:
 class StageWatch:
     """Stages with no live replica. A missing heartbeat key already means silence for a
     whole TTL, so a stage is down on first sight, except within one TTL of a (re)start
-    when replicas may not have beaten yet."""
+    when replicas may not have beaten yet. With `holds` (`OMNI_SCALE_TO_ZERO`) no stage is
+    ever down: its inputs wait in its stream until an autoscaler starts a replica."""
 
-    def __init__(self, ttl_s: float, now: float) -> None:
+    def __init__(self, ttl_s: float, now: float, holds: bool = False) -> None:
         self.ttl_s = ttl_s
+        self.holds = holds
         self._quiet_until = now + ttl_s
         self.down: set[int] = set()
 
@@ -148,7 +150,7 @@ class StageWatch:
 
     def update(self, live: Iterable[tuple[int, bool]], now: float) -> tuple[set[int], set[int]]:
         """One look at every stage: (stages newly down, stages back up)."""
-        if now < self._quiet_until:
+        if now < self._quiet_until or self.holds:
             return set(), set()
         down = {sid for sid, ok in live if not ok}
         new, back = down - self.down, self.down - down

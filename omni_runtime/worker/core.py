@@ -83,6 +83,10 @@ class WorkerCore:
     def in_flight(self) -> int:
         return len(self._active)
 
+    def held_entries(self) -> list[bytes]:
+        """The input entries of the requests running here (a drain hands them back)."""
+        return [req.entry_id for req in self._active.values()]
+
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 

@@ -72,6 +72,8 @@ class GeneratorEngine:
         there and then, `LoopTurn`); a generator's earlier chunks only wake the loop, so
         those a fast generator yields meanwhile go out together."""
         self._pool = StagePool(max_concurrency, "stage", self._done)
+        self.close_grace_s = CLOSE_GRACE_S
+        """How long `close` waits for aborted stage code (a drain past its deadline: none)."""
         self._lock = threading.Condition()
         self._outputs: list[EngineOutput] = []
         self._aborted: set[str] = set()
@@ -119,7 +121,7 @@ class GeneratorEngine:
             data.abort()
 
     def close(self) -> None:
-        """Abort everything; join the pool if the stage code returns within `CLOSE_GRACE_S`,
+        """Abort everything; join the pool if the stage code returns within `close_grace_s`,
         else say how much of it is still running (its threads, daemons, do not hold the
         process)."""
         with self._lock:
@@ -128,14 +130,14 @@ class GeneratorEngine:
         for s in streams:
             s.abort()
         self._pool.shutdown()
-        deadline = time.monotonic() + CLOSE_GRACE_S
+        deadline = time.monotonic() + self.close_grace_s
         with self._lock:
             self._lock.wait_for(lambda: self._running == 0, deadline - time.monotonic())
             running = self._running
         if running:
             log.warning("stage code still running on %d pool thread(s) after close", running)
         else:
-            self._pool.join(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE_S)
+            self._pool.join(max(0.0, deadline - time.monotonic()) + self.close_grace_s)
 
     # --- on a pool thread ------------------------------------------------------
 

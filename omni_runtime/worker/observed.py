@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import Observability, start_observability
 from omni_runtime.observe.timings import StageTimer
 from omni_runtime.settings import Settings
@@ -22,8 +23,16 @@ from omni_runtime.worker.actions import Actions, Input
 
 
 class WorkerObservation:
-    def __init__(self, metrics: Metrics, stage_id: int, worker_id: str, in_stream: str) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        stage_id: int,
+        worker_id: str,
+        in_stream: str,
+        max_concurrency: int | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.max_concurrency = max_concurrency
         self.stage_id = stage_id
         self.worker_id = worker_id
         self.in_stream = in_stream
@@ -43,11 +52,14 @@ class WorkerObservation:
 
             self.metrics.gauge_callback(f"omni_engine_{field}", read, stage=self.stage_id)
 
-    def start(self, settings: Settings, redis_client: Callable[[], Any]) -> Observability:
-        """The metrics endpoint, tracers and stats poller `settings` ask for."""
+    def start(
+        self, settings: Settings, redis_client: Callable[[], Any], probes: Probes | None = None
+    ) -> Observability:
+        """The metrics endpoint (with `probes`), tracers and stats poller `settings` ask for."""
         role = f"stage:{self.stage_id}:{self.worker_id}"
+        labels = {"stage": str(self.stage_id)}
         self._obs = start_observability(
-            settings, self.metrics, role, redis_client, const_labels={"stage": str(self.stage_id)}
+            settings, self.metrics, role, redis_client, const_labels=labels, probes=probes
         )
         return self._obs
 
@@ -82,6 +94,7 @@ class WorkerObservation:
             "pid": os.getpid(),
             "started_at": self.started_at,
             "in_flight": in_flight,
+            "max_concurrency": self.max_concurrency,
             "completed": self.count("omni_requests_completed_total"),
             "failed": self.count("omni_requests_failed_total"),
             "aborted": self.count("omni_aborts_total"),

@@ -20,6 +20,7 @@ from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.probes import Probes
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
@@ -32,6 +33,7 @@ from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import GeneratorEngine, engine_factory, load_engine
 from omni_runtime.worker.fence import StallGuard
+from omni_runtime.worker.handback import hand_back
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
@@ -44,8 +46,6 @@ HOUSEKEEPING_INTERVAL_S = 0.05
 """How often the loop checks for stalled inputs, at the latest."""
 IDLE_LOOP_WAIT_S = 1.0
 """With no request in flight the loop sleeps until woken (inputs, aborts), at most this long."""
-DRAIN_S = 5.0
-"""After `stop()`, requests in flight get this long to finish (a second `stop()`: none)."""
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -72,10 +72,16 @@ class StageWorker:
         self.in_stream = self.names.stage_in(stage_id)
         self.out_stream = self.names.stage_out(stage_id)
         self.metrics = Metrics()
-        self.observed = WorkerObservation(self.metrics, stage_id, self.worker_id, self.in_stream)
+        self.observed = WorkerObservation(
+            self.metrics, stage_id, self.worker_id, self.in_stream, s.worker_max_concurrency
+        )
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stop_now = False
+        self._drain_deadline: float | None = None
+        self._drained = False
+        self._serving = False
+        """Registered (first heartbeat written, engine started) and not draining: `/ready`."""
         self._input_stop = threading.Event()
         self._turn = LoopTurn(self._pass_elsewhere, self._wake)
         self._waits_long = True  # the loop's last pass left none in flight: it sleeps long
@@ -183,13 +189,14 @@ class StageWorker:
             self.adapter = ChunkAdapter(
                 self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
-        obs = self.observed.start(s, self.clients.sync)
+        obs = self.observed.start(s, self.clients.sync, Probes(ready=self._not_ready))
         self._input.tracer, self._input.on_demand = obs.tracer, obs.on_demand
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts
         self._input.start()
         self._start_watchdog()
+        self._serving = True
         log.info("worker %s of stage %d (%s) ready", self.worker_id, self.stage_id, self.stage.name)
         try:
             self._loop()
@@ -221,9 +228,19 @@ class StageWorker:
         self._heartbeat.request_stop()
         self._heartbeat.forget()
 
+    def _not_ready(self) -> str | None:
+        """`/ready`: why this worker takes no input now, or None."""
+        if self._engine_dead is not None:
+            return f"engine unhealthy: {self._engine_dead}"
+        if self._stop.is_set():
+            return "draining"
+        return None if self._serving else "starting"
+
     def stop(self) -> None:
-        """Stop reading inputs and drain; called again, stop without draining (a second
-        Ctrl-C, a SIGTERM after it). Safe from any thread (`worker/signals.py` calls it)."""
+        """Stop reading inputs and drain for `OMNI_DRAIN_S` (what is left then is handed
+        back); called again, stop without draining (a second Ctrl-C, a SIGTERM after it).
+        Safe from any thread (`worker/signals.py` calls it)."""
+        self._serving = False
         self._stop_now = self._stop.is_set()
         self._stop.set()
         self._input_stop.set()
@@ -251,8 +268,10 @@ class StageWorker:
             if self._stop.is_set():
                 if drain_deadline is None:  # end the input read now: a draining worker reads none
                     self._input.request_stop()
-                drain_deadline = drain_deadline or now + DRAIN_S
+                drain_deadline = drain_deadline or now + self.settings.drain_s
+                self._drain_deadline = drain_deadline
                 if not self.core.in_flight or now > drain_deadline or self._stop_now:
+                    self._drained = True  # what is left goes back (not on a failure: below)
                     return
             with turn.lock:
                 if turn.failure is not None:
@@ -318,6 +337,19 @@ class StageWorker:
         self._in_flight = self.core.in_flight
         self._slots.give_back(actions.freed_slots)
 
+    def _hand_back(self) -> None:
+        """What the drain left unfinished, and inputs read but never started, go back to the
+        stream for a live replica now (`handback.py`); once the output thread has written
+        all it had, so this worker publishes nothing for them afterwards. Not when the loop
+        failed or the engine died: those inputs stay pending for a takeover, which counts
+        their deliveries (an input that kills engines is dead-lettered, not passed on)."""
+        if not self._drained:
+            return
+        held = self.core.held_entries() + [i.entry_id for i in self._inputs.take()]
+        if held:
+            n = hand_back(self._client, self.in_stream, held, self.settings.stream_maxlen)
+            log.warning("drain deadline: %d of %d unfinished input(s) handed back", n, len(held))
+
     def _engine_died(self, reason: str) -> None:
         """Leave service: read no more input and exit, unacked, so that another replica
         takes this one's inputs over (`takeover.py`) once its heartbeat is gone."""
@@ -341,7 +373,12 @@ class StageWorker:
             self.adapter.stop()
         for t in threads:
             t.join(JOIN_TIMEOUT_S)
+        self._hand_back()
         self._heartbeat.forget()
+        engine = self.core.engine
+        if isinstance(engine, GeneratorEngine) and self._drain_deadline is not None:
+            left = max(0.0, self._drain_deadline - time.monotonic())  # exit within the drain
+            engine.close_grace_s = min(engine.close_grace_s, left)
         if self._connector is not None:
             self._connector.close()
         self.core.driver.close()

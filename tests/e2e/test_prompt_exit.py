@@ -39,10 +39,11 @@ LONG_BLOCK_MS = 4_000
 reads just begun would take about this long."""
 STOP_BOUND_S = 2.0
 """Well under `LONG_BLOCK_MS`, and far above a cut read's few milliseconds."""
-READERS = 3
+READERS = 4
 """The orchestrator's blocking reads on a single server: its requests, one joint read of
-every stage's outputs (`redis_io/joint_read.py`), and the control stream's (its
-malformed entries are dead-lettered: `orchestrator/control.py`)."""
+every stage's outputs (`redis_io/joint_read.py`), the control stream's (its
+malformed entries are dead-lettered: `orchestrator/control.py`), and the released-slots
+stream's (a slot given up is taken over at once: `Leases.follow_releases`)."""
 
 
 class Processes:
@@ -128,8 +129,8 @@ async def test_a_request_whose_read_was_cut_short_is_served_after_a_restart(
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     await asyncio.wait_for(service.ready.wait(), 60)
-    # Its only blocked clients (no worker runs yet): the requests, the stages' outputs and
-    # the control stream.
+    # Its only blocked clients (no worker runs yet): the requests, the stages' outputs, the
+    # control stream and the released slots.
     await wait_for(lambda: sync.info("clients")["blocked_clients"] == READERS, 30)
     assert service.requests.reading
 

@@ -58,6 +58,11 @@ class FaultReport:
     error, by that error's kind (only a gap, `outputs lost`, may rightly come first)."""
     error_texts: dict[str, str] = field(default_factory=dict)
     """The first full error text of each reason in `errors`."""
+    stall_before_s: float = 0.0
+    """The longest wait of any request for its next output (or its first, from its
+    submission) that ended before the fault: the load's own stalls."""
+    stall_after_s: float = 0.0
+    """The same over the waits that ended after the fault (the fault's stall is among them)."""
 
     def line(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
@@ -173,7 +178,7 @@ class FaultDeployment:
             name = key.decode()
             if ":hb:" in name or ":stats:" in name or ":lease:" in name:  # live, with a TTL
                 continue
-            if ":gen:" in name or name.endswith(":registry"):  # one per slot ever used
+            if ":gen:" in name or name.endswith((":registry", ":released")):  # slots' own
                 continue
             if self.redis.type(key) == b"stream" and self.redis.xlen(key) == 0:
                 continue
@@ -207,6 +212,8 @@ async def run_load(
     report = FaultReport(scenario, len(prompts), memory_before=d.used_memory())
     outcomes: dict[str, list[OrchOutput] | None] = {}
     done_at: dict[str, float] = {}
+    waits: list[tuple[float, float]] = []
+    """(when a wait ended, how long it was): submission to first output, output to output."""
     in_flight_at_fault: set[str] = set()
     fault_at: float | None = None
     submitted = 0
@@ -225,11 +232,15 @@ async def run_load(
                     in_flight_at_fault.update(r for r in prompts if r not in done_at)
                     fault_task = asyncio.create_task(fault())
                 outs: list[OrchOutput] = []
+                last = time.monotonic()
                 aborting = None
                 if abort_after_s is not None and rid in abort_after_s:
                     aborting = asyncio.create_task(abort_later(rid, abort_after_s[rid]))
                 try:
                     async for out in client.stream(rid, timeout_s=timeout_s):
+                        now = time.monotonic()
+                        waits.append((now, now - last))
+                        last = now
                         outs.append(out)
                     outcomes[rid] = outs
                 except TimeoutError:
@@ -271,6 +282,8 @@ async def run_load(
     if fault_at is not None:
         ends = [done_at[r] for r in in_flight_at_fault if r in done_at]
         report.recovery_s = max(ends) - fault_at if ends else 0.0
+        report.stall_before_s = max((w for t, w in waits if t < fault_at), default=0.0)
+        report.stall_after_s = max((w for t, w in waits if t >= fault_at), default=0.0)
     report.leftover_keys = len(d.leftover_keys())
     report.memory_after = d.used_memory()
     return report

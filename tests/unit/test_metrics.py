@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
+from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.prometheus import (
     MetricsCollector,
     maybe_start_metrics_server,
@@ -180,3 +182,39 @@ async def test_asgi_app_answers_the_exposition_format() -> None:
     assert sent[0]["status"] == 200
     body = b"".join(m.get("body", b"") for m in sent[1:])  # type: ignore[misc]
     assert "omni_dead_letters" in _families(body.decode())
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_health_and_ready_beside_metrics() -> None:
+    why: list[str | None] = ["starting"]
+    stop = start_metrics_server(Metrics(), 0, "127.0.0.1", probes=Probes(ready=lambda: why[0]))
+    try:
+        assert _get(stop.port, "/health") == (200, "ok\n")
+        assert _get(stop.port, "/ready") == (503, "starting\n")
+        why[0] = None
+        assert _get(stop.port, "/ready") == (200, "ok\n")
+        why[0] = "draining"
+        assert _get(stop.port, "/ready") == (503, "draining\n")
+        status, body = _get(stop.port, "/metrics")
+        assert (status == 200 and "# HELP" in body) or body == ""
+    finally:
+        stop()
+
+
+def test_a_probe_that_raises_is_not_ready() -> None:
+    def broken() -> str | None:
+        raise RuntimeError("boom")
+
+    stop = start_metrics_server(Metrics(), 0, "127.0.0.1", probes=Probes(ready=broken))
+    try:
+        status, body = _get(stop.port, "/ready")
+        assert status == 503 and "boom" in body
+    finally:
+        stop()
