@@ -43,6 +43,11 @@ NON_DEFAULT: dict[str, Any] = {
     "worker_poison_strikes": 3,
     "engine_start_timeout_s": 599.5,
     "engine_health_interval_s": 4.5,
+    "realtime_max_event_bytes": 2 * 1024 * 1024,
+    "realtime_max_buffer_s": 119.5,
+    "realtime_max_session_s": 3599.5,
+    "realtime_idle_timeout_s": 599.5,
+    "realtime_max_send_bytes": 16 * 1024 * 1024,
 }
 
 
