@@ -48,6 +48,8 @@ class Outbox:
         self.max_bytes = max_bytes
         self.queued = 0
         self.overflowed = False
+        self.overflow = asyncio.Event()
+        """Set once: the writer may be stuck in a send the client never takes."""
         self._items: deque[str] = deque()
         self._ready = asyncio.Event()
 
@@ -57,6 +59,8 @@ class Outbox:
         text = json.dumps(ev, separators=(",", ":"))
         if self.queued + len(text) > self.max_bytes:
             self.overflowed = True  # the client is not reading: stop queueing for it
+            self._items.clear()
+            self.overflow.set()
             self._ready.set()
             return
         self.queued += len(text)
@@ -132,6 +136,7 @@ class Connection:
         metrics = self.gateway.metrics
         metrics.add_gauge("omni_realtime_sessions_open", 1)
         writer = asyncio.get_running_loop().create_task(self._write(), name="realtime-writer")
+        self.overflow_wait = asyncio.ensure_future(self.outbox.overflow.wait())
         why = "closed by the client"
         try:
             self.outbox.put(event("session.created", session=self.session.describe()))
@@ -142,6 +147,7 @@ class Connection:
             self.session.close()
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
+            self.overflow_wait.cancel()
             metrics.add_gauge("omni_realtime_sessions_open", -1)
         if why != "closed by the client":
             log.info("realtime session %s ended: %s", self.session.id, why)
@@ -161,12 +167,15 @@ class Connection:
             if receiving is None:
                 receiving = asyncio.ensure_future(self.websocket.receive())
             done, _ = await asyncio.wait(
-                {receiving, writer}, timeout=max(0.0, wake_at - loop.time()),
+                {receiving, writer, self.overflow_wait}, timeout=max(0.0, wake_at - loop.time()),
                 return_when=asyncio.FIRST_COMPLETED,
             )  # fmt: skip
-            if writer in done:
+            if self.overflow_wait in done:
                 receiving.cancel()
                 return "the client did not read its events (OMNI_REALTIME_MAX_SEND_BYTES)"
+            if writer in done:  # a send failed: the client is gone
+                receiving.cancel()
+                return "closed by the client"
             if receiving not in done:
                 if loop.time() >= ends_at:
                     receiving.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ import openai
 import pytest
 import redis
 import websockets
+from websockets.client import ClientProtocol
+from websockets.uri import parse_uri
 
 from omni_runtime import keys
 from omni_runtime.launcher import ProcessGroup, child_env
@@ -39,8 +42,9 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]
 
 OMNI = ROOT / "workers" / "omni.yaml"
 KEY = "test-key-0123456789"
-LONG_TEXT = " ".join(f"word{i}" for i in range(150))
-"""~15 s of the demo's audio, made over ~3 s: still playing when the user speaks."""
+LONG_TEXT = " ".join(f"word{i}" for i in range(600))
+"""~60 s of the demo's audio, its text made over ~12 s: every stage still has it when the
+user speaks, even on a busy machine."""
 
 
 class Deployment:
@@ -222,3 +226,119 @@ def rss_kib(pid: int) -> int:
     found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
     assert found is not None
     return int(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def tight(demo: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A second front door to the same deployment, with small realtime limits."""
+    args = ("--pipeline", str(OMNI), "--mode", "streaming", "--redis-url", demo.redis_url,
+            "--namespace", demo.namespace)  # fmt: skip
+    env = {
+        "OMNI_API_KEYS": KEY,
+        "OMNI_REALTIME_MAX_BUFFER_S": "0.5",
+        "OMNI_REALTIME_IDLE_TIMEOUT_S": "1",
+        "OMNI_REALTIME_MAX_SESSION_S": "3",
+        "OMNI_REALTIME_MAX_SEND_BYTES": str(64 * 1024),
+    }
+    log = tmp_path_factory.mktemp("tight") / "serve.log"
+    with ServeProcess(log, *args, env=env) as serve:
+        yield Deployment(demo.redis_url, demo.namespace, serve)
+
+
+async def test_the_input_buffer_is_bounded(tight: Deployment) -> None:
+    async with tight.client().realtime.connect(model="omni") as conn:
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        )
+        await send_speech(conn, silence(400))
+        await send_speech(conn, silence(200))  # 0.6 s > OMNI_REALTIME_MAX_BUFFER_S
+        kinds: list[Any] = [await conn.recv() for _ in range(3)]
+        assert [e.type for e in kinds] == ["session.created", "session.updated", "error"]
+        assert kinds[2].error.code == "input_audio_buffer_full"
+        await conn.input_audio_buffer.commit()  # the 0.4 s taken is still there
+        committed: Any = await conn.recv()
+        assert committed.type == "input_audio_buffer.committed"
+
+
+async def test_idle_and_long_sessions_end(tight: Deployment) -> None:
+    for busy in (False, True):
+        started = time.monotonic()  # the server's clocks start after this
+        async with tight.client().realtime.connect(model="omni") as conn:
+            assert (await conn.recv()).type == "session.created"
+            ended: Any = None
+            with pytest.raises(websockets.ConnectionClosed):
+                async with asyncio.timeout(10):
+                    while True:
+                        if busy:  # events every 0.3 s: never idle, ends at the session limit
+                            await conn.input_audio_buffer.clear()
+                        try:
+                            ev: Any = await asyncio.wait_for(conn.recv(), 0.3)
+                        except TimeoutError:
+                            continue
+                        if ev.type == "error":
+                            ended = ev.error
+            assert ended is not None and ended.code == "session_ended"
+            assert ("session length" if busy else "idle") in ended.message
+            assert time.monotonic() - started >= (3 if busy else 1)  # and not sooner
+
+
+async def test_a_client_that_stops_reading_ends_its_session(tight: Deployment) -> None:
+    """Its server events would pile up: the session ends once 64 KiB wait (the kernel's
+    socket buffers take a few MiB first), before the session limit, and the server's memory
+    stays put. The client is a socket that never reads (websockets' client reads ahead)."""
+    rss_before = rss_kib(tight.serve.proc.pid)
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "y" * 30_000}],
+    }
+    create = json.dumps({"type": "conversation.item.create", "item": item})
+    await asyncio.to_thread(never_reading_client, tight.serve.port, [create] * 300)
+    wait_until(lambda: tight.metric("omni_realtime_sessions_open") == 0, 30)
+    grown_kib = rss_kib(tight.serve.proc.pid) - rss_before
+    assert grown_kib < 16 * 1024, f"serve grew {grown_kib} KiB for a client not reading"
+    assert "did not read its events" in tight.serve.log()
+
+
+def never_reading_client(port: int, events: list[str]) -> None:
+    """Open a session and send `events` (each comes back twice, ~18 MB in all), reading
+    nothing after the handshake; websockets' sans-I/O protocol does the framing."""
+    proto = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/realtime?model=omni"))
+    request = proto.connect()
+    request.headers["Authorization"] = f"Bearer {KEY}"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        proto.send_request(request)
+        sock.sendall(b"".join(proto.data_to_send()))
+        while proto.handshake_exc is None and not proto.events_received():
+            proto.receive_data(sock.recv(4096))
+        assert proto.handshake_exc is None, proto.handshake_exc
+        sock.settimeout(2)  # once the server stops reading, sends block
+        try:
+            for text in events:
+                proto.send_text(text.encode())
+                sock.sendall(b"".join(proto.data_to_send()))
+        except OSError:  # the server stopped reading: it ended the session
+            pass
+
+
+async def test_a_disconnect_aborts_the_response_at_every_stage(demo: Deployment) -> None:
+    cancelled = demo.metric("omni_realtime_responses_cancelled_total")
+    conn = await demo.client().realtime.connect(model="omni").enter()
+    await conn.conversation.item.create(item={
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
+    })  # fmt: skip
+    before = demo.stage_aborts()
+    await conn.response.create()
+    heard = Heard()
+    while "response.output_audio.delta" not in heard.kinds:
+        take(heard, await asyncio.wait_for(conn.recv(), 10))
+    await conn.close()
+
+    def dropped() -> bool:
+        now = demo.stage_aborts()
+        return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in (0, 1, 2))
+
+    wait_until(dropped, 20)
+    assert demo.metric("omni_realtime_responses_cancelled_total") == cancelled + 1
+    assert demo.metric("omni_realtime_sessions_open") == 0
