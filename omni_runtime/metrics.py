@@ -60,6 +60,11 @@ COUNTERS: Mapping[str, str] = {
     "omni_redis_oom_refusals_total": (
         "Commands Redis refused for memory (maxmemory, noeviction), by source."
     ),
+    "omni_realtime_turns_total": "Realtime responses started (one runtime request each).",
+    "omni_realtime_barge_ins_total": "Realtime responses the user's speech interrupted.",
+    "omni_realtime_responses_cancelled_total": (
+        "Realtime responses cancelled: barge-in, response.cancel or the client going away."
+    ),
 }
 """Every counter name the runtime uses, with its help text."""
 
@@ -108,6 +113,15 @@ HISTOGRAMS: Mapping[str, HistogramSpec] = {
         "Per request, the longest silence a listener heard once its audio started (0: none).",
         GAP_BUCKETS_S,
     ),
+    "omni_realtime_speech_to_audio_seconds": HistogramSpec(
+        "Realtime: from the end of the user's speech (VAD stop or commit) to the answer's "
+        "first audio sent.",
+        LATENCY_BUCKETS_S,
+    ),
+    "omni_realtime_session_worst_gap_seconds": HistogramSpec(
+        "Realtime, per session: the longest silence within any response's audio (0: none).",
+        GAP_BUCKETS_S,
+    ),
 }
 """Every histogram name, with its help text and bucket upper bounds (seconds)."""
 
@@ -127,6 +141,7 @@ GAUGES: Mapping[str, str] = {
     "omni_engine_running": "Requests an async engine is running (in its batch), by stage.",
     "omni_engine_waiting": "Requests an async engine holds waiting for a batch slot, by stage.",
     "omni_engine_capacity": "Requests an async engine can run at once (batch slots), by stage.",
+    "omni_realtime_sessions_open": "Realtime WebSocket sessions open.",
 }
 """Every gauge name, with its help text."""
 

@@ -133,6 +133,20 @@ class Settings(BaseSettings):
     that has not gone around for this long stops its process, which gives back its lease
     first (`omni_runtime/watchdog.py`); 0: off."""
 
+    realtime_max_event_bytes: Annotated[int, Field(gt=0, le=16 * 1024 * 1024)] = 1024 * 1024
+    """`/v1/realtime`: the largest client event (a WebSocket message); larger ones get an
+    `error` event and are dropped (the socket stays open)."""
+    realtime_max_buffer_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """`/v1/realtime`: the most input audio one turn may hold (24 kHz PCM16) before a commit."""
+    realtime_max_session_s: Annotated[float, Field(gt=0, le=86_400)] = 1800.0
+    """`/v1/realtime`: a session ends (the socket closes) this long after it opened."""
+    realtime_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    """`/v1/realtime`: a session with no client event and no response running for this long
+    ends."""
+    realtime_max_send_bytes: Annotated[int, Field(gt=0, le=1024 * 1024 * 1024)] = 8 * 1024 * 1024
+    """`/v1/realtime`: server events queued for a client that does not read them; past this
+    the session ends instead of memory growing."""
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:

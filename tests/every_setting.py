@@ -47,6 +47,11 @@ NON_DEFAULT: dict[str, Any] = {
     "stats_interval_s": 4.5,
     "scale_target_per_replica": 17,
     "scale_to_zero": True,
+    "realtime_max_event_bytes": 2 * 1024 * 1024,
+    "realtime_max_buffer_s": 119.5,
+    "realtime_max_session_s": 3599.5,
+    "realtime_idle_timeout_s": 599.5,
+    "realtime_max_send_bytes": 16 * 1024 * 1024,
 }
 
 

@@ -1,0 +1,221 @@
+"""The OpenAI Realtime API's events, as `/v1/realtime` takes and sends them (GA names).
+
+Client events are validated here, at the boundary, by pydantic: a known `type` with a
+body that does not fit, or an unknown `type`, becomes one `error` event (`EventError`)
+and the session goes on. Fields this server has no use for (tools, noise reduction,
+transcription models, ...) are ignored, as the chat endpoint ignores them; what it
+uses is checked and bounded. Server events are plain dicts with a fresh `event_id`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+MAX_TEXT_CHARS = 32_768
+MAX_PARTS = 16
+MAX_ID_CHARS = 128
+SAMPLE_RATE = 24_000
+"""OpenAI's `audio/pcm`: 16-bit little-endian mono at 24 kHz, both ways."""
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=2)]
+
+
+class EventError(ValueError):
+    """A client event this server cannot take: sent back as one `error` event."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PcmFormat(_Body):
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: Literal[24000] = 24000
+
+
+class ServerVad(_Body):
+    type: Literal["server_vad"]
+    threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    prefix_padding_ms: Annotated[int, Field(ge=0, le=5_000)] | None = None
+    silence_duration_ms: Annotated[int, Field(ge=0, le=10_000)] | None = None
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+
+
+class AudioInput(_Body):
+    format: PcmFormat | None = None
+    turn_detection: ServerVad | None = None
+    """Given as null: turn detection off (the client commits and asks for responses)."""
+
+
+class VoiceRef(_Body):
+    id: Id
+
+
+class AudioOutput(_Body):
+    format: PcmFormat | None = None
+    voice: Id | VoiceRef | None = None
+    speed: Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)] | None = None
+
+
+class AudioConfig(_Body):
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+class SessionFields(_Body):
+    type: Literal["realtime"] | None = None
+    instructions: Text | None = None
+    output_modalities: Modalities | None = None
+    audio: AudioConfig | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
+
+
+class ContentPart(_Body):
+    type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
+    text: Text | None = None
+    transcript: Text | None = None
+    audio: str | None = None
+    """Base64 PCM16 at 24 kHz (an `input_audio` part)."""
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    id: Id | None = None
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_PARTS)]
+
+
+class ResponseFields(_Body):
+    instructions: Text | None = None
+    output_modalities: Modalities | None = None
+    audio: AudioConfig | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
+    conversation: Literal["auto", "none"] | None = None
+
+
+class _Event(_Body):
+    event_id: Id | None = None
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionFields
+
+
+class BufferAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class BufferCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class BufferClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    item: MessageItem
+    previous_item_id: Id | None = None
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseFields | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: Id | None = None
+
+
+ClientEvent = (
+    SessionUpdate
+    | BufferAppend
+    | BufferCommit
+    | BufferClear
+    | ItemCreate
+    | ResponseCreate
+    | ResponseCancel
+)
+_CLIENT: TypeAdapter[ClientEvent] = TypeAdapter(Annotated[ClientEvent, Field(discriminator="type")])
+KNOWN_TYPES = frozenset(
+    {
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "conversation.item.create",
+        "response.create",
+        "response.cancel",
+    }
+)
+
+
+def parse_client_event(raw: str | bytes) -> ClientEvent:
+    """One WebSocket message as a client event; EventError says what is wrong with it."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise EventError("the event is not JSON", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise EventError("the event is not a JSON object", code="invalid_json")
+    kind = doc.get("type")
+    if not isinstance(kind, str) or kind not in KNOWN_TYPES:
+        shown = kind[:64] if isinstance(kind, str) else kind
+        raise EventError(
+            f"unsupported event type {shown!r}", code="unknown_event_type", param="type"
+        )
+    try:
+        return _CLIENT.validate_python(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"][1:])
+        raise EventError(f"{kind}: {where}: {first['msg']}", param=where or None) from None
+
+
+def decode_pcm(data: str, param: str) -> bytes:
+    """Base64 PCM16 as bytes; EventError for what is not base64 or not whole samples."""
+    try:
+        pcm = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise EventError("audio is not base64", param=param) from None
+    if len(pcm) % 2:
+        raise EventError("audio is not 16-bit samples (an odd byte count)", param=param)
+    return pcm
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def event(kind: str, **fields: Any) -> dict[str, Any]:
+    """A server event: its `type`, a fresh `event_id`, and the fields given."""
+    return {"type": kind, "event_id": new_id("event"), **fields}
+
+
+def error_event(err: EventError, event_id: str | None = None) -> dict[str, Any]:
+    body = {"type": "invalid_request_error", "code": err.code, "message": str(err)}
+    body.update({"param": err.param} if err.param else {})
+    body.update({"event_id": event_id} if event_id else {})
+    return event("error", error=body)

@@ -1,0 +1,273 @@
+"""One `/v1/realtime` response: one runtime request through the pipeline, as Realtime events.
+
+The pipeline's text stage becomes `response.output_text.delta` (text modality) and
+`response.output_audio_transcript.delta` (audio modality); its audio stage becomes
+`response.output_audio.delta`, resampled with soxr to 24 kHz PCM16 as the protocol
+requires; an audio-input pipeline's speech-to-text stage (stage 0, when it is final
+and neither the text nor the audio stage) becomes the user item's transcript.
+A cancel (barge-in, `response.cancel`, disconnect) ends the response at once with
+`status: cancelled` and aborts the request at every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import numpy as np
+import soxr
+
+from omni_runtime.client import RequestTimeoutError
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.http.audio import AudioFormatError, as_pcm, pcm16
+from omni_runtime.http.errors import ApiError
+from omni_runtime.http.gateway import Gateway, Run, Served
+from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
+from omni_runtime.playback import Playback
+
+log = logging.getLogger(__name__)
+
+Status = Literal["completed", "cancelled", "failed"]
+
+
+@dataclass
+class Item:
+    """A conversation item as the session keeps it: the text the thinker reads."""
+
+    id: str
+    role: Literal["user", "assistant", "system"]
+    text: str = ""
+    audio: bytes | None = None
+    """Input audio (24 kHz PCM16) not yet heard by a pipeline: only the latest is kept."""
+    kind: Literal["text", "audio"] = "text"
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+
+    def as_dict(self, modalities: list[str] | None = None) -> dict[str, Any]:
+        """The item as Realtime events show it (audio is never echoed back)."""
+        if self.role == "assistant":
+            mods = modalities or ["audio"]
+            parts: list[dict[str, Any]] = []
+            if "text" in mods:
+                parts.append({"type": "output_text", "text": self.text})
+            if "audio" in mods:
+                parts.append({"type": "output_audio", "transcript": self.text})
+        elif self.kind == "audio":
+            parts = [{"type": "input_audio", "transcript": self.text or None}]
+        else:
+            parts = [{"type": "input_text", "text": self.text}]
+        return {"id": self.id, "object": "realtime.item", "type": "message",
+                "role": self.role, "status": self.status, "content": parts}  # fmt: skip
+
+
+def transcript_stage(served: Served) -> int | None:
+    """The speech-to-text stage whose text is the user's transcript, if the pipeline has one."""
+    out = served.outputs
+    if out.input != "audio" or 0 not in served.pipeline.final_stage_ids:
+        return None
+    return None if 0 in (out.text_stage, out.audio_stage) else 0
+
+
+@dataclass
+class Response:
+    """Runs in a task of its own; `cancel` ends it from the session's side at once."""
+
+    gateway: Gateway
+    served: Served
+    emit: Callable[[dict[str, Any]], None]
+    prompt: Any
+    params: dict[str, Any]
+    modalities: list[str]
+    heard: Item | None
+    """The user's audio item this response transcribes (an audio-input pipeline)."""
+    speech_end: float | None
+    """Loop time the user's speech ended (VAD stop or commit): to time the first audio."""
+    playback: Playback
+    """The session's listener: every response's audio, for gaps within each response."""
+    on_done: Callable[[Response, Status], None]
+    id: str = field(default_factory=lambda: new_id("resp"))
+    item: Item = field(default_factory=lambda: Item(new_id("item"), "assistant"))
+    status: Status | None = None
+    run: Run | None = None
+    task: asyncio.Task[None] | None = None
+    pieces: int = 0
+
+    def start(self) -> None:
+        self.item.status = "in_progress"
+        self.emit(event("response.created", response=self._body("in_progress")))
+        self.emit(event("response.output_item.added", response_id=self.id, output_index=0,
+                        item=self.item.as_dict(self.modalities)))  # fmt: skip
+        self.emit(event("conversation.item.added", item=self.item.as_dict(self.modalities)))
+        for index, part in enumerate(self.item.as_dict(self.modalities)["content"]):
+            self.emit(event("response.content_part.added", **self._at(index), part=part))
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=self.id)
+
+    def _at(self, content_index: int) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0,
+                "content_index": content_index}  # fmt: skip
+
+    def _body(self, status: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id, "object": "realtime.response", "status": status,
+            "status_details": details, "output_modalities": self.modalities,
+            "conversation_id": None, "output": [],
+            "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
+                                 "voice": self.params.get("voice")}},
+        }  # fmt: skip
+        if status != "in_progress":
+            body["output"] = [self.item.as_dict(self.modalities)]
+            words = len(str(self.prompt).split()) if not isinstance(self.prompt, dict) else 0
+            for m in self.prompt.get("messages", []) if isinstance(self.prompt, dict) else []:
+                words += len(m["content"].split())
+            body["usage"] = {"input_tokens": words, "output_tokens": self.pieces,
+                             "total_tokens": words + self.pieces}  # fmt: skip
+        return body
+
+    async def _run(self) -> None:
+        opening = asyncio.ensure_future(
+            self.gateway.open(
+                self.served, self.prompt, "audio" in self.modalities, params=self.params
+            )
+        )
+        try:
+            run = self.run = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the request may yet open: close it when it does
+            opening.add_done_callback(_close_when_open)
+            return
+        except ApiError as e:
+            self._finish("failed", e.body.message, e.body.code or "unavailable")
+            return
+        try:
+            error = await self._stream(run)
+        except asyncio.CancelledError:
+            return  # `cancel` has finished the response
+        finally:
+            run.close()
+        if error is not None:
+            self._finish("failed", error, "pipeline_error")
+        else:
+            self._finish("completed")
+
+    async def _stream(self, run: Run) -> str | None:
+        """Emit the request's outputs as they come; the failure, if one ends it."""
+        outs, timer = self.served.outputs, self.gateway.timer
+        stt, audio = transcript_stage(self.served), "audio" in self.modalities
+        resampler = None
+        if audio and outs.sample_rate != SAMPLE_RATE:
+            resampler = soxr.ResampleStream(outs.sample_rate, SAMPLE_RATE, 1, dtype="float32")
+        stream = cast(
+            AsyncGenerator[OrchOutput, None],
+            run.client.stream(run.request_id, self.served.settings.request_timeout_s),
+        )
+        try:
+            async with aclosing(stream) as outputs:
+                async for out in outputs:
+                    run.ended = out.finished
+                    timer.output(run.request_id, out.data, out.finished, out.error)
+                    if out.error is not None:
+                        run.ended = True
+                        return f"stage {out.stage_id}: {out.error}"
+                    if out.data is None:
+                        continue
+                    if out.stage_id == stt and self.heard is not None:
+                        self.heard.text += str(out.data)
+                    elif out.stage_id == outs.text_stage:
+                        self._heard_done()
+                        self._text(str(out.data))
+                    elif out.stage_id == outs.audio_stage and audio:
+                        self._heard_done()
+                        pcm = as_pcm(out.data)
+                        self._audio(resampler.resample_chunk(pcm) if resampler else pcm)
+        except RequestTimeoutError as e:
+            return str(e)
+        except AudioFormatError as e:
+            return f"stage {outs.audio_stage}: {e}"
+        self._heard_done()
+        if resampler is not None:
+            self._audio(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+        return None
+
+    def _heard_done(self) -> None:
+        """The speech-to-text stage has spoken (its next stage's output came): say so once."""
+        heard, self.heard = self.heard, None
+        if heard is None or self.status is not None:
+            return
+        heard.audio, heard.text = None, heard.text.strip()
+        self.emit(event("conversation.item.input_audio_transcription.completed",
+                        item_id=heard.id, content_index=0, transcript=heard.text,
+                        usage={"type": "duration", "seconds": 0}))  # fmt: skip
+
+    def _text(self, piece: str) -> None:
+        if not piece or self.status is not None:
+            return
+        if self.pieces and self.served.outputs.text_separator:
+            piece = self.served.outputs.text_separator + piece
+        self.pieces += 1
+        self.item.text += piece
+        audio_index = 1 if "text" in self.modalities else 0
+        if "text" in self.modalities:
+            self.emit(event("response.output_text.delta", **self._at(0), delta=piece))
+        if "audio" in self.modalities:
+            self.emit(event("response.output_audio_transcript.delta", **self._at(audio_index),
+                            delta=piece))  # fmt: skip
+
+    def _audio(self, pcm: np.ndarray) -> None:
+        if not pcm.size or self.status is not None:
+            return
+        now = asyncio.get_running_loop().time()
+        if self.speech_end is not None:
+            self.gateway.metrics.observe("omni_realtime_speech_to_audio_seconds",
+                                         now - self.speech_end)  # fmt: skip
+            self.speech_end = None
+        self.playback.add(now, pcm.size / SAMPLE_RATE)
+        index = 1 if "text" in self.modalities else 0
+        self.emit(event("response.output_audio.delta", **self._at(index), delta=b64(pcm16(pcm))))
+
+    def cancel(self, reason: str) -> None:
+        """End it now (`cancelled`) and abort its request at every stage."""
+        if self.status is not None:
+            return
+        self._finish("cancelled", reason=reason)
+        if self.run is not None:
+            self.run.close()
+        if self.task is not None:
+            self.task.cancel()
+
+    def _finish(self, status: Status, error: str | None = None, code: str = "",
+                reason: str | None = None) -> None:  # fmt: skip
+        if self.status is not None:
+            return
+        self.status = status
+        self.item.status = "completed" if status == "completed" else "incomplete"
+        index = 0
+        if "text" in self.modalities:
+            self.emit(event("response.output_text.done", **self._at(0), text=self.item.text))
+            index = 1
+        if "audio" in self.modalities:
+            self.emit(event("response.output_audio.done", **self._at(index)))
+            self.emit(event("response.output_audio_transcript.done", **self._at(index),
+                            transcript=self.item.text))  # fmt: skip
+        item = self.item.as_dict(self.modalities)
+        for i, part in enumerate(item["content"]):
+            self.emit(event("response.content_part.done", **self._at(i), part=part))
+        self.emit(event("response.output_item.done", response_id=self.id, output_index=0,
+                        item=item))  # fmt: skip
+        self.emit(event("conversation.item.done", item=item))
+        details: dict[str, Any] = {"type": status}
+        if reason is not None:
+            details["reason"] = reason
+        if error is not None:
+            details["error"] = {"type": "server_error", "code": code, "message": error}
+            log.warning("realtime response %s failed: %s", self.id, error)
+        self.emit(event("response.done", response=self._body(status, details)))
+        self.on_done(self, status)
+
+
+def _close_when_open(opening: asyncio.Future[Run]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        run = opening.result()
+        run.ended = False
+        run.close()

@@ -1,0 +1,316 @@
+"""One `/v1/realtime` session's state: its settings, its conversation, its input audio.
+
+The session holds the conversation and hands it to the thinker with every response:
+a pipeline whose `outputs.input` is `chat` gets the message list (the instructions
+as its system message); an `audio` one gets the latest spoken turn as a WAV file with
+the messages before it (`{"wav", "messages"}`); a `text` one gets the last user
+message alone. Server VAD turns appended audio into committed turns and responses,
+and speech that starts while a response plays cancels it (barge-in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from omni_runtime.http.audio import wav_bytes
+from omni_runtime.http.gateway import Gateway, Served
+from omni_runtime.http.realtime_events import (
+    SAMPLE_RATE,
+    AudioConfig,
+    BufferAppend,
+    BufferClear,
+    BufferCommit,
+    ClientEvent,
+    EventError,
+    ItemCreate,
+    ResponseCancel,
+    ResponseCreate,
+    ServerVad,
+    SessionUpdate,
+    decode_pcm,
+    event,
+    new_id,
+)
+from omni_runtime.http.realtime_response import Item, Response, Status
+from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
+from omni_runtime.playback import Playback
+from omni_runtime.settings import Settings
+
+MAX_ITEMS = 200
+"""Conversation items a session keeps (oldest dropped): the thinker takes 256 messages."""
+MIN_COMMIT_MS = 100
+BYTES_PER_MS = SAMPLE_RATE * 2 // 1000
+
+
+class Session:
+    """Takes client events (`handle`), emits server events through `emit`."""
+
+    def __init__(
+        self, gateway: Gateway, served: Served, settings: Settings, emit: Callable[[Any], None]
+    ) -> None:
+        self.gateway, self.served, self.emit = gateway, served, emit
+        self.id = new_id("sess")
+        outs = served.outputs
+        self.instructions = ""
+        self.modalities: list[str] = ["audio"] if outs.audio_stage is not None else ["text"]
+        self.voice: str | None = None
+        self.speed: float | None = None
+        self.max_tokens: int | None = None
+        self.vad_config: ServerVad | None = ServerVad(type="server_vad")
+        self.vad = self._new_vad()
+        self.items: list[Item] = []
+        self.buffer = bytearray()
+        self.max_buffer_bytes = int(settings.realtime_max_buffer_s * 1000) * BYTES_PER_MS
+        self.active: Response | None = None
+        self.pending_item: str | None = None
+        """The id the user item speaking now will have (VAD started, not stopped)."""
+        self.speech_end: float | None = None
+        self.worst_gap_s = 0.0
+
+    # --- what the client sees of the session ------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+        vad = None if self.vad_config is None else self.vad_config.model_dump(exclude_none=True)
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.id,
+            "model": self.served.name, "output_modalities": self.modalities,
+            "instructions": self.instructions, "tools": [], "tool_choice": "auto",
+            "max_output_tokens": self.max_tokens or "inf",
+            "audio": {"input": {"format": pcm, "turn_detection": vad, "transcription": None},
+                      "output": {"format": pcm, "voice": self.voice, "speed": self.speed}},
+        }  # fmt: skip
+
+    def _new_vad(self) -> VoiceActivity | None:
+        c = self.vad_config
+        if c is None:
+            return None
+        silence = DEFAULT_SILENCE_MS if c.silence_duration_ms is None else c.silence_duration_ms
+        padding = DEFAULT_PADDING_MS if c.prefix_padding_ms is None else c.prefix_padding_ms
+        return VoiceActivity(0.5 if c.threshold is None else c.threshold, silence, padding)
+
+    # --- client events --------------------------------------------------------------------
+
+    def handle(self, ev: ClientEvent) -> None:
+        """Apply one client event; EventError: the `error` event to send."""
+        if isinstance(ev, SessionUpdate):
+            self._update(ev)
+        elif isinstance(ev, BufferAppend):
+            self._append(decode_pcm(ev.audio, "audio"))
+        elif isinstance(ev, BufferCommit):
+            self._commit(None)
+        elif isinstance(ev, BufferClear):
+            self.buffer.clear()
+            if self.vad is not None:
+                self.vad.reset()
+            self.emit(event("input_audio_buffer.cleared"))
+        elif isinstance(ev, ItemCreate):
+            self._create_item(ev)
+        elif isinstance(ev, ResponseCreate):
+            self._respond(ev)
+        elif isinstance(ev, ResponseCancel):
+            if self.active is None or ev.response_id not in (None, self.active.id):
+                raise EventError("no response in progress to cancel",
+                                 code="response_cancel_not_active")  # fmt: skip
+            self.active.cancel("client_cancelled")
+
+    def _modalities(self, given: Sequence[str] | None) -> list[str]:
+        outs = self.served.outputs
+        if given is None:
+            return self.modalities
+        mods = sorted(set(given), key=["text", "audio"].index)
+        if "audio" in mods and outs.audio_stage is None:
+            raise EventError(f"the model {self.served.name!r} has no audio output",
+                             param="output_modalities")  # fmt: skip
+        if outs.text_stage is None and "text" in mods:
+            raise EventError(f"the model {self.served.name!r} has no text output",
+                             param="output_modalities")  # fmt: skip
+        return mods
+
+    def _update(self, ev: SessionUpdate) -> None:
+        s = ev.session
+        modalities = self._modalities(s.output_modalities)
+        self._apply_audio(s.audio)
+        self.modalities = modalities
+        if s.instructions is not None:
+            self.instructions = s.instructions
+        if s.max_output_tokens is not None:
+            self.max_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
+        self.emit(event("session.updated", session=self.describe()))
+
+    def _apply_audio(self, audio: AudioConfig | None) -> None:
+        if audio is None:
+            return
+        if audio.input is not None and "turn_detection" in audio.input.model_fields_set:
+            self.vad_config = audio.input.turn_detection
+            self.vad = self._new_vad()
+        if audio.output is not None:
+            voice = audio.output.voice
+            if voice is not None:
+                self.voice = voice if isinstance(voice, str) else voice.id
+            if audio.output.speed is not None:
+                self.speed = audio.output.speed
+
+    def _append(self, pcm: bytes) -> None:
+        if len(self.buffer) + len(pcm) > self.max_buffer_bytes:
+            raise EventError(
+                f"the input audio buffer would exceed {self.max_buffer_bytes // BYTES_PER_MS}"
+                " ms (OMNI_REALTIME_MAX_BUFFER_S): commit or clear it",
+                code="input_audio_buffer_full",
+            )
+        self.buffer += pcm
+        if self.vad is None:
+            return
+        for turn in self.vad.feed(pcm):
+            if turn.kind == "started":
+                self._speech_started(turn.ms)
+            else:
+                self._speech_stopped(turn.ms)
+
+    def _speech_started(self, at_ms: int) -> None:
+        # keep the padding before the speech, drop the silence before that
+        padding = self.vad.padding_ms if self.vad is not None else 0
+        heard_ms = self.vad.heard_ms if self.vad is not None else 0
+        keep = (heard_ms - at_ms + padding) * BYTES_PER_MS
+        if len(self.buffer) > keep:
+            del self.buffer[: len(self.buffer) - keep]
+        self.pending_item = new_id("item")
+        self.emit(event("input_audio_buffer.speech_started", item_id=self.pending_item,
+                        audio_start_ms=max(0, at_ms - padding)))  # fmt: skip
+        interrupt = self.vad_config is None or self.vad_config.interrupt_response is not False
+        if interrupt and self.active is not None:
+            self.gateway.metrics.inc("omni_realtime_barge_ins_total")
+            self.active.cancel("turn_detected")
+
+    def _speech_stopped(self, at_ms: int) -> None:
+        item_id, self.pending_item = self.pending_item or new_id("item"), None
+        self.emit(event("input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=at_ms))
+        self._commit(item_id)
+        if self.vad_config is not None and self.vad_config.create_response is not False:
+            self._respond(None)
+
+    def _commit(self, item_id: str | None) -> None:
+        if len(self.buffer) < MIN_COMMIT_MS * BYTES_PER_MS:
+            raise EventError(f"the input audio buffer holds less than {MIN_COMMIT_MS} ms",
+                             code="input_audio_buffer_commit_empty")  # fmt: skip
+        item = Item(item_id or new_id("item"), "user", kind="audio", audio=bytes(self.buffer))
+        self.buffer.clear()
+        if self.vad is not None:
+            self.vad.reset()
+        self.speech_end = asyncio.get_running_loop().time()
+        previous = self.items[-1].id if self.items else None
+        self.emit(event("input_audio_buffer.committed", item_id=item.id,
+                        previous_item_id=previous))  # fmt: skip
+        self._add(item, previous)
+
+    def _add(self, item: Item, previous: str | None) -> None:
+        for old in self.items:  # only the latest spoken turn waits to be heard
+            if item.audio is not None:
+                old.audio = None
+        self.items.append(item)
+        del self.items[:-MAX_ITEMS]
+        self.emit(event("conversation.item.added", previous_item_id=previous,
+                        item=item.as_dict()))  # fmt: skip
+        self.emit(event("conversation.item.done", previous_item_id=previous,
+                        item=item.as_dict()))  # fmt: skip
+
+    def _create_item(self, ev: ItemCreate) -> None:
+        given = ev.item
+        texts: list[str] = []
+        audio = bytearray()
+        for i, part in enumerate(given.content):
+            if part.type == "input_audio":
+                if part.audio:
+                    audio += decode_pcm(part.audio, f"item.content.{i}.audio")
+                if part.transcript:
+                    texts.append(part.transcript)
+            else:
+                texts.append(part.text or part.transcript or "")
+        kind: Literal["text", "audio"] = "audio" if audio else "text"
+        item = Item(given.id or new_id("item"), given.role, " ".join(t for t in texts if t),
+                    bytes(audio) or None, kind)  # fmt: skip
+        if kind == "text" and not item.text.strip():
+            raise EventError("the item has no text and no audio", param="item.content")
+        previous = self.items[-1].id if self.items else None
+        self._add(item, previous)
+
+    # --- responses ------------------------------------------------------------------------
+
+    def _respond(self, ev: ResponseCreate | None) -> None:
+        if self.active is not None:
+            raise EventError(f"response {self.active.id} is in progress: cancel it first",
+                             code="conversation_already_has_active_response")  # fmt: skip
+        fields = ev.response if ev is not None else None
+        modalities = self._modalities(fields.output_modalities if fields else None)
+        instructions = fields.instructions if fields and fields.instructions else None
+        prompt, heard = self._prompt(instructions or self.instructions)
+        params: dict[str, Any] = {"voice": self.voice, "speed": self.speed,
+                                  "max_tokens": self.max_tokens}  # fmt: skip
+        if fields is not None and fields.max_output_tokens not in (None, "inf"):
+            params["max_tokens"] = fields.max_output_tokens
+        if fields is not None and fields.audio is not None and fields.audio.output is not None:
+            voice = fields.audio.output.voice
+            params["voice"] = voice if isinstance(voice, str) or voice is None else voice.id
+        response = Response(
+            self.gateway, self.served, self.emit, prompt,
+            {k: v for k, v in params.items() if v is not None}, modalities, heard,
+            self.speech_end, Playback(), self._response_done,
+        )  # fmt: skip
+        self.speech_end = None
+        self.active = response
+        self.items.append(response.item)
+        del self.items[:-MAX_ITEMS]
+        self.gateway.metrics.inc("omni_realtime_turns_total")
+        response.start()
+
+    def _response_done(self, response: Response, status: Status) -> None:
+        if self.active is response:
+            self.active = None
+        if status == "cancelled":
+            self.gateway.metrics.inc("omni_realtime_responses_cancelled_total")
+        self.worst_gap_s = max(self.worst_gap_s, response.playback.worst_gap_s)
+
+    def _prompt(self, instructions: str) -> tuple[Any, Item | None]:
+        """What stage 0 takes for the next response, and the spoken item it will hear."""
+        mode = self.served.outputs.input
+        user = next((i for i in reversed(self.items) if i.role == "user"), None)
+        if user is None:
+            raise EventError("the conversation has no user item to answer")
+        if mode == "audio":
+            if user.audio is None:
+                raise EventError(f"the model {self.served.name!r} takes speech: append and "
+                                 "commit audio (or create an input_audio item)")  # fmt: skip
+            history = self._messages(instructions, before=user)
+            wav = wav_bytes(user.audio, SAMPLE_RATE)
+            return ({"wav": wav, "messages": history} if history else {"wav": wav}), user
+        unheard = [i for i in self.items if i.kind == "audio" and not i.text]
+        if unheard and unheard[-1] is user:
+            raise EventError(f"the model {self.served.name!r} has no speech-to-text stage: "
+                             "send text items")  # fmt: skip
+        if mode == "text":
+            return user.text, None
+        return {"messages": self._messages(instructions)}, None
+
+    def _messages(self, instructions: str, before: Item | None = None) -> list[dict[str, str]]:
+        limit = self.gateway.serve.max_prompt_chars
+        messages: list[dict[str, str]] = []
+        used = len(instructions)
+        for item in reversed(self.items[: self.items.index(before)] if before else self.items):
+            if not item.text.strip():
+                continue
+            used += len(item.text)
+            if used > limit:
+                break
+            messages.append({"role": item.role, "content": item.text})
+        messages.reverse()
+        if instructions.strip():
+            messages.insert(0, {"role": "system", "content": instructions})
+        return messages
+
+    def close(self) -> None:
+        """The socket went away: abort what is in flight."""
+        if self.active is not None:
+            self.active.cancel("client_cancelled")
+        self.gateway.metrics.observe("omni_realtime_session_worst_gap_seconds", self.worst_gap_s)
