@@ -242,6 +242,7 @@ def test_a_function_stage_preloads_with_its_options_before_its_first_request() -
     stage = StageConfig(id=0, name="p", entry=f"{__name__}:preloading_stage", options={"size": 3})
     engine = load_engine(stage, None, max_concurrency=1, wake=lambda: None)
     assert PRELOADED == [{"size": 3}]  # at load, before any request
+    assert isinstance(engine, GeneratorEngine)
     engine.close()
     failing = StageConfig(id=0, name="p", entry=f"{__name__}:preloading_stage", options={"fail": 1})
     with pytest.raises(ConfigError, match="no such voice"):  # at start, not on a request
