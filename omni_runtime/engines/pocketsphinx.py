@@ -37,6 +37,10 @@ MIN_RATE = 4_000
 MAX_RATE = 384_000
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_MAX_DECODERS = 4
+FEED_BYTES = MODEL_RATE * 2 // 10
+"""Audio handed to the decoder per call (0.1 s of 16-bit PCM): pocketsphinx holds the
+GIL through a call, so one call on a long recording would stop the worker's other
+threads (its heartbeat among them) for as long as the decoding takes."""
 Floats = npt.NDArray[np.float32]
 ModelKey = tuple[str | None, str | None, str | None]
 
@@ -173,12 +177,7 @@ def transcribe(
     if not 1 <= max_decoders <= 64 or not max_seconds > 0:
         raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
     pieces: Iterable[Any]
-    if isinstance(data, ChunkStream):
-        pieces, whole = data, False
-    elif isinstance(data, list | tuple):
-        pieces, whole = data, len(data) == 1
-    else:
-        pieces, whole = [data], True
+    pieces = data if isinstance(data, ChunkStream | list | tuple) else [data]
     limit = int(max_seconds * MODEL_RATE) * 2
     used = 0
     with _decoder((hmm, lm, dictionary), max_decoders) as decoder:
@@ -189,7 +188,8 @@ def transcribe(
                 used += len(pcm)
                 if used > limit:
                     raise ValueError(f"audio longer than max_seconds={max_seconds:g}")
-                decoder.process_raw(pcm, False, whole)
+                for at in range(0, len(pcm), FEED_BYTES):
+                    decoder.process_raw(pcm[at : at + FEED_BYTES], False, False)
         finally:
             decoder.end_utt()
         hyp = decoder.hyp()
