@@ -4,10 +4,13 @@ strict; KEDA's against the minimal schemas vendored in `deploy/k8s/schemas`, sin
 ships no CRD schemas), and what the runtime needs of them: every stage of the deployed
 pipeline scaled on its own input stream's lag, probes on endpoints that exist, a grace
 period longer than the drain, settings the runtime knows, non-root read-only containers
-with resources and a disruption budget."""
+with resources and a disruption budget. The kustomizations keep to what both kubectl 1.20's
+kustomize (v2.0.3: Debian's `kubernetes-client`, which CI installs) and today's (v5) accept;
+with both on PATH, their renders are compared object by object."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -43,15 +46,40 @@ def kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
+def render(overlay: str, binary: str | None = None) -> list[dict[str, Any]]:
     out = subprocess.run(
-        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
+        [binary or kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
         check=True,
         capture_output=True,
         text=True,
         timeout=60,
     ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def kubectls_on_path() -> list[str]:
+    """Every distinct kubectl binary on PATH (e.g. Debian's 1.20 put first, a recent one after)."""
+    found: dict[str, str] = {}
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which("kubectl", path=folder) if folder else None
+        if candidate is not None:
+            found.setdefault(os.path.realpath(candidate), candidate)
+    return list(found.values())
+
+
+def canonical(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Objects by (kind, namespace, name), with what differs only in spelling made equal:
+    Secret data decoded (one kustomize wraps long base64 lines) and an empty `annotations: {}`
+    (kustomize v2.0.3 leaves one on a replaced generated Secret) dropped."""
+    out = {}
+    for doc in json.loads(json.dumps(docs)):
+        meta = doc["metadata"]
+        if meta.get("annotations") == {}:
+            del meta["annotations"]
+        if doc["kind"] == "Secret":
+            doc["data"] = {k: base64.b64decode(v).decode() for k, v in doc["data"].items()}
+        out[(doc["kind"], meta.get("namespace", ""), meta["name"])] = doc
+    return out
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -89,6 +117,24 @@ def test_every_rendered_object_validates_offline(overlay: str) -> None:
             jsonschema.validate(doc, keda_schema(doc["kind"]))
         else:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kubectl_on_path_renders_the_same_objects(overlay: str) -> None:
+    """kubectl 1.20's kustomize (v2.0.3) and a recent one build the same objects: the tree
+    keeps to fields both understand (`bases:`, secretGenerator `env:`, `patchesJson6902` with
+    files, no `labels:`), and this holds it there where both binaries are installed."""
+    binaries = kubectls_on_path()
+    if len(binaries) < 2:
+        pytest.skip("one kubectl on PATH: nothing to compare it with")
+    first, *others = binaries
+    expected = canonical(render(overlay, first))
+    assert expected
+    for other in others:
+        got = canonical(render(overlay, other))
+        assert sorted(got) == sorted(expected), (first, other)
+        for key, doc in expected.items():
+            assert got[key] == doc, (key, first, other)
 
 
 def test_the_vendored_keda_schema_refuses_a_bad_trigger() -> None:
