@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 PRELOAD = (
@@ -46,6 +46,33 @@ def can_fork() -> bool:
     except RuntimeError:
         return True
     return False
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Stop signals wait while a child is started and registered, and arrive as this ends.
+
+    `run` and `serve` turn a stop signal into a KeyboardInterrupt. Raised inside `os.fork`
+    (by its at-fork callbacks: logging's lock), it is printed as "Exception ignored" and
+    lost: `serve` went on serving after a SIGTERM, a traceback in its log. Raised between
+    the fork and the child's registration, the child would be left out of the stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers run on the main thread only: nothing to hold here
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def release_stop_signals() -> None:
+    """In a new child, once its handlers are its own: the mask it inherited from
+    `stop_signals_held` (through a fork, and an exec too) must not hold them."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def preload(modules: Iterable[str] = PRELOAD) -> None:
@@ -168,6 +195,7 @@ def _child(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # `run` and `serve` take it themselves
+    release_stop_signals()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

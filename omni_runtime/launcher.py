@@ -27,7 +27,14 @@ from typing import IO, Any
 from pydantic_core import to_jsonable_python
 
 from omni_runtime.errors import FatalError
-from omni_runtime.forked import ForkedProcess, can_fork, fork_main, preload
+from omni_runtime.forked import (
+    ForkedProcess,
+    can_fork,
+    fork_main,
+    preload,
+    release_stop_signals,
+    stop_signals_held,
+)
 from omni_runtime.parent_death import exit_with_parent
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_cluster import RedisCluster as RedisCluster
@@ -157,18 +164,21 @@ class ProcessGroup:
             log.info("%s serves /metrics on port %d", name, port)
         logfile = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
         proc: subprocess.Popen[bytes] | ForkedProcess
-        if self.fork and can_fork():  # cmd[3:]: the arguments after `python -m omni_runtime.cli`
-            siblings = [f for _n, _p, f in self.procs]
-            proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages(), at_start)
-        else:
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                preexec_fn=at_start,
-            )
-        self.procs.append((name, proc, logfile))
+        with stop_signals_held():  # a stop signal comes once the child is in `procs`
+            if (
+                self.fork and can_fork()
+            ):  # cmd[3:]: the arguments after `python -m omni_runtime.cli`
+                siblings = [f for _n, _p, f in self.procs]
+                proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages(), at_start)
+            else:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_released(at_start),
+                )
+            self.procs.append((name, proc, logfile))
 
     def _stage_packages(self) -> set[str]:
         """The top-level packages of the pipeline's own code (entries, forward function)."""
@@ -222,6 +232,17 @@ class ProcessGroup:
             return self.log_dir
         shutil.rmtree(self.log_dir, ignore_errors=True)
         return None
+
+
+def _released(at_start: Callable[[], None] | None) -> Callable[[], None]:
+    """A spawned child's first step: an exec keeps the signal mask, not the handlers."""
+
+    def first() -> None:
+        release_stop_signals()
+        if at_start is not None:
+            at_start()
+
+    return first
 
 
 def child_env(redis_url: str, extra: Mapping[str, str | None] | None = None) -> dict[str, str]:

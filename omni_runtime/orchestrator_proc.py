@@ -28,6 +28,7 @@ from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
 from omni_runtime.metrics import Metrics
+from omni_runtime.mode_check import check_orchestrator_mode
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import start_observability
@@ -158,6 +159,7 @@ class OrchestratorService:
         if self.settings.watchdog_s > 0:
             self.watchdog = Watchdog(self.settings.watchdog_s, self._give_back_from_thread)
         try:
+            await check_orchestrator_mode(self.client, self.names, self.pipeline)
             slot = await self.leases.take_lowest_free()
             self.home = await self._serve(slot, home=True)
             loops = [

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -223,6 +224,11 @@ class Settings(BaseSettings):
             return settings_cls(_cli_settings_source=cli_source)  # type: ignore[call-arg]
         except ValidationError as e:
             raise ConfigError(describe_settings_error(e)) from None
+        except (yaml.YAMLError, ValueError, TypeError, AttributeError) as e:
+            if settings_file is None:
+                raise
+            # the file's own fault: not YAML, not UTF-8, or YAML but not a mapping
+            raise ConfigError(describe_file_error(settings_file, e)) from None
 
     def require_redis_url(self) -> str:
         if self.redis_url is None:
@@ -255,3 +261,17 @@ def describe_settings_error(e: ValidationError) -> str:
         where = f"OMNI_{field.upper()} (--{field.replace('_', '-')})"
         parts.append(f"{where}: {err['msg']}, got {err.get('input')!r}")
     return "invalid settings: " + "; ".join(parts)
+
+
+def describe_file_error(path: str | Path | None, e: Exception) -> str:
+    """One line for a settings file that cannot be read as a mapping of settings."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        why = f"not valid YAML: {e.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    elif isinstance(e, UnicodeDecodeError):
+        why = f"not UTF-8 text (byte at offset {e.start})"
+    elif isinstance(e, yaml.YAMLError):
+        why = f"not valid YAML: {' '.join(str(e).split())}"
+    else:
+        why = "not a mapping of settings (`deadline_s: 30`, one per line)"
+    return f"settings file {path}: {why}"

@@ -92,18 +92,42 @@ def write_wav(printer: OutputPrinter, path: str | None, sample_rate: int) -> Non
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt from the argument, `-` (stdin) or `--prompt-file` (any size)."""
+    """The prompt from the argument, `-` (stdin) or `--prompt-file` (any size): UTF-8 text
+    that is not empty, else a `ConfigError` before anything starts."""
     if prompt is not None and prompt_file is not None:
         raise ConfigError("give the prompt as an argument or with --prompt-file, not both")
     if prompt_file is not None:
-        if prompt_file == "-":
-            return sys.stdin.read()
-        try:
-            return Path(prompt_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"--prompt-file {prompt_file}: {e.strerror}") from e
-    if prompt == "-":
-        return sys.stdin.read()
-    if prompt is None:
+        where = "stdin" if prompt_file == "-" else f"--prompt-file {prompt_file}"
+        text = _utf8(_read_stdin() if prompt_file == "-" else _read_file(prompt_file), where)
+    elif prompt == "-":
+        text = _utf8(_read_stdin(), "stdin")
+    elif prompt is None:
         raise ConfigError("no prompt: pass it as an argument, '-' for stdin, or --prompt-file")
-    return prompt
+    else:
+        text = prompt
+    if not text.strip():
+        raise ConfigError("the prompt is empty: give the pipeline something to say")
+    return text
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--prompt-file {path}: {e.strerror}") from e
+
+
+def _read_stdin() -> bytes:
+    """Bytes, not text: Python decodes stdin with `surrogateescape` in some locales, and the
+    surrogates would fail only when the request is encoded, after every process started."""
+    return sys.stdin.buffer.read()
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where}: the prompt is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start})"
+        ) from None

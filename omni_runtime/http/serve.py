@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     flags = ("host", "port", "max_inflight", "allow_unauthenticated")
     given = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
-    return ServeSettings(**given)
+    return ServeSettings.load(**given)
 
 
 def pipeline_paths(given: str | list[str]) -> list[str]:

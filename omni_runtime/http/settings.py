@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -46,6 +46,17 @@ class ServeSettings(BaseSettings):
                 raise ValueError("every API key needs at least 8 characters")
         return keys
 
+    @classmethod
+    def load(cls, **given: Any) -> ServeSettings:
+        """From `OMNI_*` variables under the flags `given`; a bad value is a `ConfigError` of
+        one line naming its variable (and flag), never echoing an API key."""
+        try:
+            return cls(**given)
+        except ValidationError as e:
+            from omni_runtime.errors import ConfigError
+
+            raise ConfigError(describe_serve_error(e)) from None
+
     def check_exposure(self) -> None:
         """Refuse to serve a non-loopback address without keys unless told so explicitly."""
         if self.api_keys or self.allow_unauthenticated or is_loopback(self.host):
@@ -65,3 +76,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+FLAGS = frozenset({"host", "port", "max_inflight", "allow_unauthenticated"})
+"""The serve settings that are flags too (`http/flags.py`); the rest are variables only."""
+SECRET = frozenset({"api_keys"})
+
+
+def describe_serve_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        where = f"OMNI_{field.upper()}"
+        if field in FLAGS:
+            where += f" (--{field.replace('_', '-')})"
+        message = str(err["msg"]).removeprefix("Value error, ")
+        shown = "" if field in SECRET else f", got {err.get('input')!r}"
+        parts.append(f"{where}: {message}{shown}")
+    return "invalid serve settings: " + "; ".join(parts)

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime import keys
 from omni_runtime.messages import REDIS_LOST_STATE
+from omni_runtime.mode_check import orchestrator_beat
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.redis_io.liveness import Absence, Replicas, StateEpoch, no_live_worker
 from omni_runtime.redis_io.refusals import is_oom
@@ -34,6 +35,8 @@ class Watch:
         self._clients_absent = Absence(ttl_s)
         self._epoch = StateEpoch(shared.client, self.names.epoch)
         self.replicas = Replicas(shared.client, self.names, shared.pipeline.last_stage + 1)
+        self._beat = orchestrator_beat(shared.pipeline)
+        """The heartbeat's value: the pipeline and its mode (`mode_check`)."""
 
     async def once(self, now: float) -> None:
         """One look: beat, Redis restarts, stages, clients (raises `RedisError`). One
@@ -44,7 +47,7 @@ class Watch:
         client_ids = sorted({cid for slot in self.slots() for cid in slot.client_of.values()})
         heartbeat = self.names.orchestrator_heartbeat()
         async with self.shared.client.pipeline(transaction=False) as pipe:
-            pipe.set(heartbeat, self.shared.pipeline.name, px=s.heartbeat_ttl_ms)
+            pipe.set(heartbeat, self._beat, px=s.heartbeat_ttl_ms)
             pipe.pexpire(heartbeat, s.heartbeat_ttl_ms)  # kept alive if Redis refuses the SET
             pipe.get(self.names.epoch)
             queued = self.replicas.queue(pipe)

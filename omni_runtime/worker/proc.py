@@ -20,6 +20,7 @@ from omni_runtime import codec, keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
 from omni_runtime.metrics import Metrics
+from omni_runtime.mode_check import check_worker_mode
 from omni_runtime.observe.probes import Probes
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
@@ -175,6 +176,7 @@ class StageWorker:
     def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests for a short while and exit."""
         s = self.settings
+        check_worker_mode(self._client, self.names, self.pipeline)  # before a model loads
         codec.warm_up()
         if self._async is not None:  # loaded before the first input is read
             self._async.start()
@@ -248,7 +250,7 @@ class StageWorker:
 
     def status(self) -> dict[str, Any]:
         """The heartbeat's value: who this worker is and what it has done."""
-        return self.observed.status(self._in_flight)
+        return self.observed.status(self._in_flight) | {"mode": self.pipeline.mode}
 
     @property
     def active(self) -> int:

@@ -221,15 +221,56 @@ def deployment(
         d.stop()
 
 
-def test_workers_in_another_mode_than_the_orchestrator_fail_requests_saying_so(
+def heartbeat_of(redis_url: str, key: str) -> bool:
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        return bool(client.exists(key))
+
+
+def test_a_worker_in_another_mode_than_the_orchestrator_refuses_to_start(
     redis_url: str, tmp_path: Path
 ) -> None:
-    with deployment(redis_url, tmp_path, SEED, "streaming", stages=3) as d:
-        proc = cli("submit", "--pipeline", SEED, "hi there", env=d.env)
-    assert proc.returncode == 1, describe(proc)
-    assert "the orchestrator runs streaming mode, this worker of stage " in proc.stderr
-    assert " runs sequential: start both with the same --mode" in proc.stderr
-    assert "expected" not in proc.stderr and "Traceback" not in proc.stderr
+    """It used to log "ready", then fail every request it took."""
+    d = Deployment(redis_url, tmp_path, SEED)
+    namespace = d.env["OMNI_NAMESPACE"]
+    try:
+        d.start("orchestrator", "orchestrator", "--mode", "streaming")
+        beat = f"{namespace}:hb:orchestrator"
+        wait_until(lambda: heartbeat_of(redis_url, beat), START_DEADLINE_S)
+        worker = cli("worker", "--pipeline", SEED, "--stage", "1", env=d.env)
+    finally:
+        d.stop()
+    assert worker.returncode == 2, describe(worker)
+    line = worker.stderr.strip()
+    assert line.startswith("omni-runtime: error: the orchestrator of namespace "), line
+    assert "runs streaming mode, this process sequential" in line and "--mode" in line
+    assert "ready" not in worker.stderr and "\n" not in line
+
+
+def test_an_orchestrator_in_another_mode_than_the_workers_refuses_to_start(
+    redis_url: str, tmp_path: Path
+) -> None:
+    d = Deployment(redis_url, tmp_path, SEED)
+    namespace = d.env["OMNI_NAMESPACE"]
+    try:
+        d.start("worker", "worker", "--stage", "2", "--mode", "streaming")
+        pattern = f"{namespace}:hb:stage:2:*"
+
+        def beating() -> bool:
+            import redis
+
+            with redis.Redis.from_url(redis_url) as client:
+                return any(True for _ in client.scan_iter(pattern))
+
+        wait_until(beating, START_DEADLINE_S)
+        orchestrator = cli("orchestrator", "--pipeline", SEED, env=d.env)
+    finally:
+        d.stop()
+    assert orchestrator.returncode == 2, describe(orchestrator)
+    line = orchestrator.stderr.strip()
+    assert "a worker of stage 2" in line and "runs streaming mode, this process sequential" in line
+    assert "Traceback" not in orchestrator.stderr
 
 
 def test_bench_exits_1_when_requests_failed(redis_url: str, tmp_path: Path) -> None:
