@@ -102,8 +102,13 @@ class Thinker:
         self._reqs: dict[str, list[str]] = {}
         """Each running request's tokens still to come, last first (popped from the end)."""
 
-    def add_request(self, request_id: str, data: Any) -> None:
+    def add_request(self, request_id: str, data: Any, params: dict[str, Any] | None = None) -> None:
+        """`params["max_tokens"]`, as an LLM's: at most that many tokens (the request's
+        other sampling parameters mean nothing to a stand-in that repeats its prompt)."""
         tokens = tokenize(str(data)) if data is not None else []
+        limit = (params or {}).get("max_tokens")
+        if isinstance(limit, int) and limit > 0:
+            tokens = tokens[:limit]
         with self._lock:
             self._reqs[request_id] = tokens[::-1]
 

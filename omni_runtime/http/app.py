@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
+from omni_runtime.http.audio import PCM16_RATE
 from omni_runtime.http.errors import (
     ApiError,
     BodyLimit,
@@ -100,7 +101,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         """What the page cannot know: the model name, the audio rate, whether keys are needed."""
         return {
             "model": shown.name,
-            "sample_rate": shown.outputs.sample_rate,
+            "sample_rate": PCM16_RATE,  # streamed pcm16, whatever rate the pipeline makes
             "audio": shown.outputs.audio_stage is not None,
             "auth_required": bool(gateway.serve.api_keys),
         }

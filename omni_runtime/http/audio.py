@@ -1,5 +1,6 @@
-"""Float32 PCM chunks → what HTTP clients play: 16-bit PCM, WAV (whole or streamed), base64;
-and uploaded WAV files checked and re-written whole for a speech-to-text pipeline."""
+"""Float32 PCM chunks → what HTTP clients play: 16-bit PCM at the rate its format promises,
+whole WAV files, base64; and uploaded WAV files checked and re-written whole for a
+speech-to-text pipeline."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import soxr
 
 MAX_CHUNK_SAMPLES = 16 * 1024 * 1024
 """A single audio output larger than this (~17 min at 16 kHz) is refused, not buffered."""
 
 STREAMING_SIZE = 0xFFFFFFFF
 """RIFF and data sizes of a WAV whose length is not known yet: players read to the end."""
+PCM16_RATE = 24_000
+"""OpenAI's raw formats (chat's `pcm16`, speech's `pcm`) are 24 kHz: what a client of
+theirs plays them at, whatever rate the pipeline makes."""
 
 
 class AudioFormatError(ValueError):
@@ -40,6 +45,38 @@ def pcm16(samples: npt.NDArray[np.float32]) -> bytes:
     """Little-endian signed 16-bit, clipped: what OpenAI's `pcm16` / `pcm` formats carry."""
     clipped = np.clip(np.nan_to_num(samples, nan=0.0), -1.0, 1.0)
     return bytes(np.round(clipped * 32767).astype("<i2").tobytes())
+
+
+class Resampler:
+    """A request's audio, chunk by chunk, at `PCM16_RATE`: soxr's streaming resampler keeps
+    its filter's state across chunks (no click at their edges); `flush` gives its tail."""
+
+    def __init__(self, from_rate: int, to_rate: int = PCM16_RATE) -> None:
+        self._stream = (
+            None
+            if from_rate == to_rate
+            else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
+        )
+
+    def __call__(self, samples: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        if self._stream is None:
+            return samples
+        out: npt.NDArray[np.float32] = self._stream.resample_chunk(samples)
+        return out
+
+    def flush(self) -> npt.NDArray[np.float32]:
+        if self._stream is None:
+            return np.zeros(0, np.float32)
+        out: npt.NDArray[np.float32] = self._stream.resample_chunk(
+            np.zeros(0, np.float32), last=True
+        )
+        return out
+
+
+def resampled(samples: npt.NDArray[np.float32], from_rate: int) -> npt.NDArray[np.float32]:
+    """A whole answer at `PCM16_RATE`."""
+    resample = Resampler(from_rate)
+    return np.concatenate([resample(samples), resample.flush()])
 
 
 def wav_header(sample_rate: int, data_bytes: int = STREAMING_SIZE) -> bytes:

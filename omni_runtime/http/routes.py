@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omni_runtime.http.audio import b64, pcm16, wav_bytes, wav_header
+from omni_runtime.http.audio import PCM16_RATE, Resampler, b64, pcm16, resampled, wav_bytes
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import (
     AudioEvent,
@@ -89,6 +90,18 @@ def unsupported(served: Served, what: str) -> ApiError:
     )
 
 
+TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(prompt: Any) -> int:
+    """`usage.prompt_tokens`: the words and punctuation marks of what stage 0 is given (all
+    the messages of a chat), as `completion_tokens` counts the text pieces it answers
+    with. The front door has no model's tokenizer: a thinker's own count may differ."""
+    if isinstance(prompt, dict):
+        return sum(count_tokens(m["content"]) for m in prompt.get("messages", ()))
+    return len(TOKEN.findall(str(prompt)))
+
+
 def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
     """The conversation for a pipeline taking chat messages, else the last user message."""
     if served.outputs.input == "audio":
@@ -112,7 +125,12 @@ def media_router(gateway: Gateway) -> APIRouter:
         req: ChatCompletionRequest, response: Response, x_omni_trace: TraceHeader = None
     ) -> ChatCompletion | StreamingResponse:
         served = gateway.model(req.model)
+        refused = req.refused()
+        if refused is not None:
+            param, why = refused
+            raise ApiError(400, why, param=param, code="unsupported_parameter")
         prompt = chat_prompt(gateway, served, req)
+        prompt_tokens = count_tokens(prompt)
         if req.wants_audio and served.outputs.audio_stage is None:
             raise ApiError(400, "this pipeline has no audio output", param="modalities")
         if not req.wants_audio and served.outputs.text_stage is None:
@@ -121,19 +139,21 @@ def media_router(gateway: Gateway) -> APIRouter:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return GuardedStream(
-                _chat_sse(run, req.model, include_usage),
+                _chat_sse(run, req.model, include_usage, prompt_tokens),
                 run.close,
                 media_type="text/event-stream",
                 headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},  # type: ignore[arg-type]
             )
         response.headers[REQUEST_ID_HEADER] = run.request_id
         try:
-            return await _chat_whole(run, req, served.outputs.sample_rate)
+            return await _chat_whole(run, req, served.outputs.sample_rate, prompt_tokens)
         finally:
             run.close()
 
     @router.post("/audio/speech", response_model=None)
-    async def speech(req: SpeechRequest, x_omni_trace: TraceHeader = None) -> StreamingResponse:
+    async def speech(
+        req: SpeechRequest, x_omni_trace: TraceHeader = None
+    ) -> Response | StreamingResponse:
         served = gateway.model(req.model)
         check_prompt(gateway, req.input, "input")
         outputs = served.outputs
@@ -145,6 +165,15 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise unsupported(served, "answers its input instead of speaking it")
         # a chat pipeline's stage 0 takes a string as one user turn
         run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
+        if req.response_format == "wav":  # a file: whole, with its true sizes in the header
+            try:
+                pcm = await _whole_audio(run)
+            finally:
+                run.close()
+            headers = {"X-Sample-Rate": str(outputs.sample_rate), REQUEST_ID_HEADER: run.request_id}
+            return Response(
+                wav_bytes(pcm, outputs.sample_rate), media_type="audio/wav", headers=headers
+            )
         events = run.events()
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)
@@ -154,28 +183,40 @@ def media_router(gateway: Gateway) -> APIRouter:
         if isinstance(first, FailureEvent):
             run.close()
             raise ApiError(first.status, first.message, code="pipeline_error")
+        resample = Resampler(outputs.sample_rate)
 
         async def body() -> AsyncIterator[bytes]:
-            if req.response_format == "wav":
-                yield wav_header(outputs.sample_rate)
+            """Raw 16-bit PCM at 24 kHz, as produced: what OpenAI streams as `pcm`."""
             if first is not None:
-                yield pcm16(first.pcm)
+                yield pcm16(resample(first.pcm))
             async with aclosing(events):
                 async for ev in events:
                     if isinstance(ev, AudioEvent):
-                        yield pcm16(ev.pcm)
+                        yield pcm16(resample(ev.pcm))
                     elif isinstance(ev, FailureEvent):  # headers are sent: the audio just ends
                         return
+            yield pcm16(resample.flush())
 
-        media = "audio/wav" if req.response_format == "wav" else "audio/pcm"
         headers = {
-            "X-Sample-Rate": str(outputs.sample_rate),
+            "X-Sample-Rate": str(PCM16_RATE),
             "Cache-Control": "no-cache",
             REQUEST_ID_HEADER: run.request_id,
         }
-        return GuardedStream(body(), run.close, media_type=media, headers=headers)  # type: ignore[arg-type]
+        return GuardedStream(body(), run.close, media_type="audio/pcm", headers=headers)  # type: ignore[arg-type]
 
     return router
+
+
+async def _whole_audio(run: Run) -> bytes:
+    """Every audio chunk of a request as 16-bit PCM; a failure is an error response."""
+    chunks: list[bytes] = []
+    async with aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, AudioEvent):
+                chunks.append(pcm16(ev.pcm))
+            elif isinstance(ev, FailureEvent):
+                raise ApiError(ev.status, ev.message, code="pipeline_error")
+    return b"".join(chunks)
 
 
 async def _next_audio(events: AsyncGenerator[Event, None]) -> AudioEvent | FailureEvent | None:
@@ -190,7 +231,9 @@ def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chat_sse(
+    run: Run, model: str, include_usage: bool, prompt_tokens: int
+) -> AsyncIterator[bytes]:
     """chat.completion.chunk events as the pipeline produces them, then `[DONE]`."""
     cid, audio_id, created = (
         f"chatcmpl-{run.request_id}",
@@ -205,6 +248,7 @@ async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[
 
     yield chunk(Delta(role="assistant", content=""))
     pieces = 0
+    resample = Resampler(run.served.outputs.sample_rate)  # pcm16 is 24 kHz, as OpenAI's
     async with aclosing(run.events()) as events:
         async for ev in events:
             if isinstance(ev, TextEvent):
@@ -212,21 +256,32 @@ async def _chat_sse(run: Run, model: str, include_usage: bool) -> AsyncIterator[
                 spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
                 yield chunk(Delta(content=ev.text, audio=spoken))
             elif isinstance(ev, AudioEvent):
-                yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(ev.pcm)))))
+                pcm = resample(ev.pcm)
+                if pcm.size:
+                    yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(pcm)))))
             else:
                 err = ApiError(ev.status, ev.message, code="pipeline_error")
                 yield _sse(error_json(err).decode())
                 return
+    tail = resample.flush()
+    if run.audio and tail.size:
+        yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(tail)))))
     expiry = AudioDelta(id=audio_id, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
     yield chunk(Delta(audio=expiry if run.audio else None), finish="stop")
     if include_usage:
-        usage = Usage(prompt_tokens=0, completion_tokens=pieces, total_tokens=pieces)
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=pieces,
+            total_tokens=prompt_tokens + pieces,
+        )
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
         yield _sse(body.model_dump_json(exclude_none=True))
     yield _sse("[DONE]")
 
 
-async def _chat_whole(run: Run, req: ChatCompletionRequest, rate: int) -> ChatCompletion:
+async def _chat_whole(
+    run: Run, req: ChatCompletionRequest, rate: int, prompt_tokens: int
+) -> ChatCompletion:
     text: list[str] = []
     audio: list[np.ndarray] = []
     async with aclosing(run.events()) as events:
@@ -240,15 +295,21 @@ async def _chat_whole(run: Run, req: ChatCompletionRequest, rate: int) -> ChatCo
     content = "".join(text)
     message = AssistantMessage(content=content)
     if run.audio:
-        pcm = pcm16(np.concatenate(audio)) if audio else b""
+        samples = np.concatenate(audio) if audio else np.zeros(0, np.float32)
         fmt = req.audio.format if req.audio else "wav"
+        wav = fmt == "wav"  # a WAV file says its rate; raw pcm16 is 24 kHz
+        data = wav_bytes(pcm16(samples), rate) if wav else pcm16(resampled(samples, rate))
         message.audio = AudioOut(
             id=f"audio_{run.request_id}",
-            data=b64(wav_bytes(pcm, rate) if fmt == "wav" else pcm),
+            data=b64(data),
             expires_at=int(time.time()) + AUDIO_EXPIRY_S,
             transcript=content,
         )
-    usage = Usage(prompt_tokens=0, completion_tokens=len(text), total_tokens=len(text))
+    usage = Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(text),
+        total_tokens=prompt_tokens + len(text),
+    )
     return ChatCompletion(
         id=f"chatcmpl-{run.request_id}",
         created=int(time.time()),

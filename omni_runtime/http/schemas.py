@@ -1,7 +1,8 @@
 """The OpenAI-shaped request and response bodies, validated and bounded by pydantic.
 
-Requests ignore fields this server has no use for (logprobs, tools, …) so that stock
-OpenAI clients work; what it does use is checked and size-bounded, and the sampling
+Requests ignore fields that change nothing in the answer (`user`, `metadata`, `store`, …)
+so that stock OpenAI clients work, and refuse those that would (`tools`, a JSON
+`response_format`, `logprobs`); what it does use is checked and size-bounded, and the sampling
 and voice fields become the request's parameters (`params()`), which every stage
 receives and takes the keys it knows of.
 """
@@ -64,6 +65,13 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+ToolChoice = Literal["none", "auto", "required"] | dict[str, Any]
+
+
 class ChatCompletionRequest(_Request):
     model: ShortStr
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -82,6 +90,27 @@ class ChatCompletionRequest(_Request):
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     """One choice per request: the pipeline makes one answer."""
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    """Parsed to be refused (`refused()`): a pipeline calls no tools, shapes no JSON, and
+    reports no log probabilities; accepting them silently would be a wrong answer."""
+
+    def refused(self) -> tuple[str, str] | None:
+        """(param, why) of the first field set that no pipeline can honour."""
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice needs tools, which are not supported"
+        if self.response_format is not None and self.response_format.type != "text":
+            return (
+                "response_format",
+                f"response_format {self.response_format.type!r} is not supported (only 'text')",
+            )
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        return None
 
     @model_validator(mode="after")
     def _has_user_message(self) -> ChatCompletionRequest:

@@ -14,6 +14,7 @@ from typing import Any
 import fakeredis
 import httpx
 import numpy as np
+import soxr
 from fastapi import FastAPI
 
 from omni_runtime.http.app import create_app
@@ -91,10 +92,16 @@ def sse_events(text: str) -> list[Any]:
     return events
 
 
-async def expected_pcm(cluster: InProcessCluster) -> bytes:
-    """What the pipeline itself says for PROMPT, as 16-bit PCM."""
+async def expected_pcm(cluster: InProcessCluster, rate: int | None = None) -> bytes:
+    """What the pipeline itself says for PROMPT, as 16-bit PCM: at its own rate, or
+    resampled to `rate` (24 kHz: OpenAI's raw formats)."""
     outs = await cluster.run(PROMPT)
-    return b"".join(pcm16(np.asarray(o.data, np.float32)) for o in outs if o.stage_id == 2)
+    chunks = [np.asarray(o.data, np.float32) for o in outs if o.stage_id == 2]
+    if rate is None:
+        return b"".join(pcm16(c) for c in chunks)
+    samples = np.concatenate(chunks)
+    own = cluster.pipeline.outputs.sample_rate if cluster.pipeline.outputs else 16000
+    return pcm16(soxr.resample(samples, own, rate, quality="HQ").astype(np.float32))
 
 
 def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:

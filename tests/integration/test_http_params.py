@@ -215,6 +215,12 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"n": 2}, "n"),
+        ({"temperature": 5}, "temperature"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"logprobs": True}, "logprobs"),
         ({"audio": {"voice": ""}, "modalities": ["text", "audio"]}, "audio.voice"),
     ],
 )
@@ -268,3 +274,23 @@ def test_pipelines_served_together_need_names_that_fit_a_namespace() -> None:
     bare = echo.model_copy(update={"outputs": None})
     with pytest.raises(ConfigError, match="no `outputs` field"):
         check_served([bare], "ns")
+
+
+async def test_max_tokens_reaches_the_thinker_and_usage_counts_the_prompt(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    """They were accepted and ignored: the demo's thinker said every token, and
+    `usage.prompt_tokens` was always 0."""
+    client, _gateway = api
+    said = "Hello, world! How are you?"
+    body = {"model": "omni", "messages": [{"role": "user", "content": said}], "max_tokens": 3}
+    whole = (await client.post(CHAT, json=body)).json()
+    assert whole["choices"][0]["message"]["content"] == "Hello , world"
+    assert whole["usage"] == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
+    streamed = await client.post(
+        CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    assert events[-1]["usage"] == whole["usage"]
+    tooled = {**body, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    assert (await client.post(CHAT, json=tooled)).status_code == 200  # asks for nothing more
