@@ -126,8 +126,11 @@ SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 every process of a pipeline reads the file at start-up."""
 
 
-def load_pipeline(path: str | Path, mode: str | None = None) -> PipelineConfig:
-    """Read and validate a pipeline file; errors name the file and the field path."""
+def load_pipeline(
+    path: str | Path, mode: str | None = None, default_mode: str | None = None
+) -> PipelineConfig:
+    """Read and validate a pipeline file; errors name the file and the field path.
+    `mode` overrides the file's; `default_mode` stands in for a file that names none."""
     path = Path(path)
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
@@ -139,6 +142,8 @@ def load_pipeline(path: str | Path, mode: str | None = None) -> PipelineConfig:
         raise ConfigError(f"{path}: a pipeline file is a mapping, got {type(raw).__name__}")
     if mode is not None:
         raw["mode"] = mode
+    elif default_mode is not None:
+        raw.setdefault("mode", default_mode)
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as e:

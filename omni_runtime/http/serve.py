@@ -52,7 +52,10 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     from omni_runtime.cli.commands import logging_args
 
     paths = pipeline_paths(args.pipeline)
-    pipelines = [load_pipeline(p, mode=getattr(args, "mode", None)) for p in paths]
+    # streaming unless the file or --mode says otherwise: a served answer's audio starts
+    # with its first words, as the playground says it does
+    mode = getattr(args, "mode", None)
+    pipelines = [load_pipeline(p, mode=mode, default_mode="streaming") for p in paths]
     # what no request could fix (no `outputs`, two of one name) fails now
     namespaces = check_served(pipelines, settings.namespace)
     serve = serve_settings(args)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-ARTIFACT = ROOT / "test-artifacts" / "playground.png"
+ARTIFACT_DIR = ROOT / "test-artifacts"
 PROMPT = "Hello from the playground, streaming text and audio!"
 
 
@@ -67,6 +67,7 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]
 
 def test_playground_streams_text_and_audio(browser: object, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.remote.webdriver import WebDriver
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -94,8 +95,46 @@ def test_playground_streams_text_and_audio(browser: object, tmp_path: Path) -> N
         for metric in ("ttft", "ttfa", "total"):
             assert browser.find_element(By.ID, metric).text.endswith(("ms", " s"))
 
-        shot = tmp_path / "playground.png"
-        assert browser.save_screenshot(str(shot))
-        ARTIFACT.parent.mkdir(exist_ok=True)
-        shutil.copyfile(shot, ARTIFACT)
-        assert shot.stat().st_size > 10_000
+        # streamed as produced: serve runs the demo in streaming mode unless told otherwise
+        assert "(streaming mode)" in serve.log()
+        assert int(body.get_attribute("data-first-audio-text") or 99) < 10  # before the text ended
+        # replay and download: the answer as one WAV file, 24 kHz as the stream was
+        player = browser.find_element(By.ID, "player")
+        download = browser.find_element(By.ID, "download")
+        assert player.is_displayed() and download.is_displayed()
+        assert download.get_attribute("download") == "answer.wav"
+        assert (download.get_attribute("href") or "").startswith("blob:")
+        wait.until(
+            lambda d: d.execute_script("return document.getElementById('player').duration > 0")
+        )
+        heard = float(browser.find_element(By.ID, "seconds").text.removesuffix(" s"))
+        duration = browser.execute_script("return document.getElementById('player').duration")
+        assert abs(duration - heard) < 0.02, (duration, heard)
+        headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "section.panel h2")]
+        assert headings == ["TIMING", "ANSWER", "AUDIO"]  # shown upper-case
+        assert "Ctrl+Enter sends" in browser.find_element(By.ID, "hint").text
+        icon = browser.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href")
+        assert (icon or "").startswith("data:image/svg+xml")
+        keep(browser, tmp_path, "playground.png")
+
+        # a phone's width: nothing wider than the screen; Ctrl+Enter sends
+        browser.set_window_size(390, 844)
+        wait.until(lambda d: d.execute_script("return window.innerWidth") <= 390)
+        prompt.send_keys(Keys.CONTROL, Keys.ENTER)
+        wait.until(lambda _d: body.get_attribute("data-state") == "streaming")
+        wait.until(lambda _d: body.get_attribute("data-state") in {"done", "error"})
+        assert body.get_attribute("data-state") == "done"
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - window.innerWidth"
+        )
+        assert overflow <= 0, f"{overflow} px wider than a 390 px screen"
+        keep(browser, tmp_path, "playground-390.png")
+
+
+def keep(browser: object, tmp_path: Path, name: str) -> None:
+    """A screenshot, kept under test-artifacts/."""
+    shot = tmp_path / name
+    assert browser.save_screenshot(str(shot))  # type: ignore[attr-defined]
+    ARTIFACT_DIR.mkdir(exist_ok=True)
+    shutil.copyfile(shot, ARTIFACT_DIR / name)
+    assert shot.stat().st_size > 10_000

@@ -47,7 +47,7 @@ def test_bundled_pipelines_load(path: Path, keep_sys_path: None) -> None:
     config = load_pipeline(path)
     assert isinstance(config, PipelineConfig)
     assert config.name == path.stem
-    assert config.mode == "sequential"
+    assert config.mode == ("sequential" if path == SEED else "streaming")
     assert config.final_stage_ids == [0, 2]
     assert config.last_stage == 2
     assert [s.id for s in config.stages] == [0, 1, 2]
@@ -69,8 +69,22 @@ def test_bundled_pipelines_carry_their_options() -> None:
 @pytest.mark.parametrize("path", [SEED, OMNI], ids=["seed", "omni"])
 @pytest.mark.parametrize("mode", ["streaming", "sequential"])
 def test_mode_override(path: Path, mode: str) -> None:
+    own = yaml.safe_load(path.read_text())["mode"]
     assert load_pipeline(path, mode=mode).mode == mode
-    assert load_pipeline(path).mode == "sequential"  # the file itself is untouched
+    assert load_pipeline(path).mode == own  # the file itself is untouched
+    assert load_pipeline(path, default_mode=mode).mode == own  # the file's mode wins
+
+
+def test_the_demo_pipelines_stream_and_serve_streams_what_names_no_mode(tmp_path: Path) -> None:
+    """The playground said audio plays as produced while the demo ran sequentially."""
+    assert load_pipeline(OMNI).mode == "streaming"
+    assert load_pipeline(OMNI.parent / "voice.yaml").mode == "streaming"
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(
+        "\n".join(line for line in SEED.read_text().splitlines() if line != "mode: sequential")
+    )
+    assert load_pipeline(bare).mode == "sequential"  # the file format's default
+    assert load_pipeline(bare, default_mode="streaming").mode == "streaming"  # serve's
 
 
 def test_bad_mode_override_names_the_file_and_the_field() -> None:
