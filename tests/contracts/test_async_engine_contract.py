@@ -23,6 +23,7 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
+
 def tokens(items: list[Any]) -> list[Any]:
     """The items that carry data (`Final(x)` unwrapped; an empty end is not a token)."""
     data = [i.data if isinstance(i, Final) else i for i in items]
