@@ -61,12 +61,11 @@ class RedisSentinelSet:
             raise FatalError("no redis-server on PATH (install it, or set OMNI_REDIS_SERVER)")
         self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-sentinel-"))
         try:
-            primary = RedisServer(binary, self.dir / "primary.log", self.timeout_s).start()
-            self.servers.append(primary)
+            primary = self._start_server(binary, "primary", ())
             for i in range(self.n_replicas):
-                args = ("--replicaof", "127.0.0.1", str(primary.port))
-                log = self.dir / f"replica{i}.log"
-                self.servers.append(RedisServer(binary, log, self.timeout_s, args).start())
+                self._start_server(
+                    binary, f"replica{i}", ("--replicaof", "127.0.0.1", str(primary.port))
+                )
             for i in range(self.n_sentinels):
                 self._start_sentinel(binary, i, primary.port)
             self._wait_ready()
@@ -74,6 +73,17 @@ class RedisSentinelSet:
             self.stop()
             raise
         return self
+
+    def _start_server(self, binary: str, name: str, args: tuple[str, ...]) -> RedisServer:
+        """A server in a directory of its own: a full resync writes an RDB file there."""
+        assert self.dir is not None
+        where = self.dir / name
+        where.mkdir()
+        server = RedisServer(
+            binary, where / "server.log", self.timeout_s, ("--dir", str(where), *args)
+        )
+        self.servers.append(server.start())
+        return server
 
     def _start_sentinel(self, binary: str, i: int, primary_port: int) -> None:
         assert self.dir is not None
@@ -174,7 +184,7 @@ class RedisSentinelSet:
     def log_tail(self, chars: int = 1500) -> str:
         if self.dir is None:
             return ""
-        logs = sorted(self.dir.glob("*.log"))
+        logs = sorted(self.dir.glob("**/*.log"))
         return " | ".join(f"{p.name}: {p.read_text(errors='replace')[-chars:]}" for p in logs)
 
     def stop(self) -> None:

@@ -21,7 +21,9 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.connection
 import redis.asyncio.sentinel as aiosentinel
+import redis.connection
 import redis.sentinel
 from redis.connection import parse_url
 
@@ -94,6 +96,55 @@ def _socket_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k.startswith("socket_")}
 
 
+# redis-py's Sentinel connection finds the primary in `connect()`, but a command sent on a
+# disconnected connection reconnects through `connect_check_health()`, to the address it
+# had: a connection held outside the pool (the hand-packed commands' ones) would knock on
+# the dead primary's door for ever. These ask the sentinels on that path too (a reconnect
+# through `connect()` asks twice: one round trip to a sentinel, once per reconnect).
+
+
+class FollowingConnection(redis.sentinel.SentinelManagedConnection):
+    """A sync Sentinel connection that finds the primary on every reconnect."""
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health, retry_socket_connect)
+
+
+class FollowingSSLConnection(FollowingConnection, redis.connection.SSLConnection):
+    pass
+
+
+class AsyncFollowingConnection(aiosentinel.SentinelManagedConnection):
+    """`FollowingConnection` for asyncio."""
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.connection.SSLConnection):
+    pass
+
+
+def _kwargs(target: SentinelTarget, redis_kwargs: dict[str, Any], aio: bool) -> dict[str, Any]:
+    kwargs = {**target.connection_kwargs, **redis_kwargs}
+    ssl = kwargs.pop("ssl", False)
+    if aio:
+        kwargs["connection_class"] = (
+            AsyncFollowingSSLConnection if ssl else AsyncFollowingConnection
+        )
+    else:
+        kwargs["connection_class"] = FollowingSSLConnection if ssl else FollowingConnection
+    return kwargs
+
+
 class SentinelRedis(redis.Redis):
     """A primary's client that also closes the sentinel clients it was made with."""
 
@@ -121,7 +172,7 @@ class AsyncSentinelRedis(aioredis.Redis):
 def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
     """A sync client of the service's primary, whatever server that is now."""
     target = parse_sentinel_url(url)
-    kwargs = {**target.connection_kwargs, **redis_kwargs}
+    kwargs = _kwargs(target, redis_kwargs, aio=False)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
     manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
@@ -136,7 +187,7 @@ def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
 def async_primary(url: str, **redis_kwargs: Any) -> aioredis.Redis:
     """An asyncio client of the service's primary."""
     target = parse_sentinel_url(url)
-    kwargs = {**target.connection_kwargs, **redis_kwargs}
+    kwargs = _kwargs(target, redis_kwargs, aio=True)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
     manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
         target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
