@@ -61,15 +61,19 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
 
 
 def send(conn: Any, *args: Any) -> Any:
-    """One command on a held connection, sent again once if the first attempt found the
-    connection dead (as the runtime's loops do): the second must reach the primary."""
-    try:
-        conn.send_command(*args)
-        return conn.read_response()
-    except redis.ConnectionError:
-        conn.disconnect()
-    conn.send_command(*args)
-    return conn.read_response()
+    """One command on a held connection, sent again while it fails for want of a primary
+    (a dead socket, sentinels not yet agreed on the new one), as the runtime's loops do:
+    within 10 s it must reach the primary."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            conn.send_command(*args)
+            return conn.read_response()
+        except redis.ConnectionError:
+            conn.disconnect()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_held_connections_follow_a_switchover_and_a_sigkill(
@@ -119,13 +123,16 @@ async def test_a_held_asyncio_connection_follows_a_sigkill(
         assert proc is not None
         proc.kill()
         second = await asyncio.to_thread(ha.wait_primary_other_than, first, 30)
-        for _ in range(2):  # the first send may still see the dead socket
+        deadline = time.monotonic() + 10
+        while True:  # as `send`: the dead socket first, maybe sentinels not yet agreed
             try:
                 await held.send_command("SET", "k", "2")
                 assert await held.read_response() == b"OK"
                 break
             except redis.ConnectionError:
                 await held.disconnect()
+                assert time.monotonic() < deadline, "no primary within 10 s"
+                await asyncio.sleep(0.05)
         assert held.port == second
         assert await client.get("k") == b"2"
     finally:
