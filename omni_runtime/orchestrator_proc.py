@@ -370,6 +370,7 @@ class OrchestratorService:
                         await self.watch.stages(loop.time())
             except RedisError as e:
                 log.warning("watching heartbeats failed: %r", e)
+                self.watch.unreachable(loop.time())
                 await pause(self._stopping, interval)
 
     async def _recheck_stages(self) -> None:

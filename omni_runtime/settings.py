@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OMNI_", extra="forbid")
 
     redis_url: str | None = None
-    """`redis://` or `rediss://`, with `user:password@` for ACLs. None: `run` starts one."""
+    """`redis://` or `rediss://`, with `user:password@` for ACLs; or Redis Sentinel's
+    `redis+sentinel://host:port[,host:port...]/service[/db]`. None: `run` starts one."""
     redis_cluster: Literal["auto", "yes", "no"] = "auto"
     """Redis Cluster clients: `auto` asks the server at start-up (any node's URL will do)."""
     namespace: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = (
@@ -154,9 +155,14 @@ class Settings(BaseSettings):
         if url is None:
             return None
         scheme = urlsplit(url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
+        if scheme in ("redis+sentinel", "rediss+sentinel"):
+            from omni_runtime.redis_io.sentinel import parse_sentinel_url
+
+            parse_sentinel_url(url)  # a ValueError names what is wrong
+        elif scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {url!r}"
+                "redis_url must start with redis://, rediss://, unix:// or redis+sentinel://, "
+                f"got {url!r}"
             )
         return url
 

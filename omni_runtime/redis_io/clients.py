@@ -7,7 +7,8 @@ command packer, and a URL naming any node of a Redis Cluster gets redis-py's
 cluster clients (`OMNI_REDIS_CLUSTER=auto` asks the server; `yes`/`no` force it).
 A cluster client is typed as the plain client: both speak the same commands,
 and the few places that differ (transactions, one dedicated connection) ask
-`is_cluster`.
+`is_cluster`. A `redis+sentinel://` URL gets clients of the primary its sentinels name
+(`sentinel.py`): plain clients whose pool finds the primary again on every reconnect.
 
 At start-up `RedisClients.from_settings` also turns the three ways a deployment
 can be unusable into one `FatalError` line each: Redis cannot be reached, the
@@ -34,6 +35,13 @@ from redis.retry import Retry
 
 from omni_runtime.errors import FatalError
 from omni_runtime.redis_io.packing import SmallFirstPacker, small_first_async
+from omni_runtime.redis_io.sentinel import (
+    async_primary,
+    is_sentinel_url,
+    parse_sentinel_url,
+    primary_address,
+    sync_primary,
+)
 
 if TYPE_CHECKING:
     from omni_runtime.settings import Settings
@@ -50,10 +58,10 @@ ClusterMode = Literal["auto", "yes", "no"]
 def redacted(url: str) -> str:
     """`url` without its password, for messages."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")  # hosts: a sentinel URL's may be many
+    if ":" not in userinfo:
         return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{userinfo.split(':', 1)[0]}:***{at}{hosts}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -75,8 +83,11 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
     """Connect once to `url`; True if it is a node of a Redis Cluster that serves every slot.
 
     `FatalError` (one line, no retry) when nothing answers, or when the cluster has
-    slots nobody serves (every command on them would fail).
+    slots nobody serves (every command on them would fail). A sentinel URL: whether the
+    sentinels name a primary that answers (never a cluster).
     """
+    if is_sentinel_url(url):
+        return _probe_sentinel(url, mode)
     client = redis.Redis.from_url(
         url,
         socket_connect_timeout=PROBE_TIMEOUT_S,
@@ -112,6 +123,34 @@ def probe(url: str, mode: ClusterMode = "auto") -> bool:
         raise FatalError(f"Redis at {where} answered the start-up check with: {e}") from e
     finally:
         client.close()
+
+
+def _probe_sentinel(url: str, mode: ClusterMode) -> bool:
+    try:
+        target = parse_sentinel_url(url)
+    except ValueError as e:
+        raise FatalError(str(e)) from e
+    if mode == "yes":
+        raise FatalError(f"{target.where()} is no Redis Cluster (OMNI_REDIS_CLUSTER=yes)")
+    try:
+        host, port = primary_address(url, PROBE_TIMEOUT_S)
+    except RedisError as e:  # MasterNotFoundError: no sentinel answers, or none knows one
+        raise FatalError(f"Redis Sentinel: no primary for {target.where()}: {e}") from e
+    client = sync_client(
+        url,
+        socket_connect_timeout=PROBE_TIMEOUT_S,
+        socket_timeout=PROBE_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        client.ping()
+    except RedisError as e:
+        raise FatalError(
+            f"Redis Sentinel: the primary {host}:{port} of {target.where()} cannot be used: {e}"
+        ) from e
+    finally:
+        client.close()
+    return False
 
 
 def _cluster_fields(client: redis.Redis) -> dict[str, str] | None:
@@ -154,13 +193,21 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
             return cast(redis.Redis, redis.cluster.RedisCluster.from_url(url, **redis_kwargs))
         except RedisClusterException as e:  # not a RedisError: say it as one line too
             raise FatalError(f"Redis Cluster at {redacted(url)}: {e}") from e
+    if is_sentinel_url(url):
+        client = sync_primary(url, **redis_kwargs)
+        _small_first(client.connection_pool)
+        return client
     pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
+    _small_first(pool)
+    return redis.Redis.from_pool(pool)
+
+
+def _small_first(pool: ConnectionPool) -> None:
     # Built from the pool's own encoder so str arguments are encoded as the URL says
     # (`encoding=`); the pool hands this one stateless packer to every connection.
     encoder = pool.get_encoder()
     packer = SmallFirstPacker if _is_utf8(encoder) else PythonRespSerializer
     pool.connection_kwargs["command_packer"] = packer(PACKER_BUFFER_CUTOFF, encoder.encode)
-    return redis.Redis.from_pool(pool)
 
 
 def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
@@ -168,7 +215,7 @@ def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
     commands packed as `sync_client`'s are."""
     if cluster:
         return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
-    client = aioredis.Redis.from_url(url)
+    client = async_primary(url) if is_sentinel_url(url) else aioredis.Redis.from_url(url)
     pool = client.connection_pool
     if _is_utf8(pool.get_encoder()):  # type: ignore[no-untyped-call] # hiredis encodes str as UTF-8, strictly
         pool.connection_class = small_first_async(pool.connection_class)

@@ -204,7 +204,9 @@ class Leases:
             try:
                 async with self.client.pipeline(transaction=True) as pipe:
                     await pipe.watch(*lease_keys, *gen_keys)
-                    got = await pipe.mget(*lease_keys, *gen_keys)
+                    # One GET each (this round is rare): a cluster client's watched
+                    # pipeline refuses MGET, and a failover longer than the TTL comes here.
+                    got = [await pipe.get(key) for key in (*lease_keys, *gen_keys)]
                     values, gens = got[: len(slots)], got[len(slots) :]
                     taken = [
                         s

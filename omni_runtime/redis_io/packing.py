@@ -94,8 +94,8 @@ class SmallFirstAsync:
     ) -> Any:
         if timeout is None and _ONE_TIMEOUT.get():
             timeout = math.inf  # redis-py: read with no timer (the block's deadline holds)
-        return await AsyncConnection.read_response(
-            self,  # type: ignore[arg-type]
+        # The next class's (a sentinel connection's turns READONLY into a reconnect).
+        return await super().read_response(  # type: ignore[misc]
             disable_decoding,
             timeout,
             disconnect_on_error=disconnect_on_error,

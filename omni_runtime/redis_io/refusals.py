@@ -6,7 +6,9 @@ nothing of the others. Out of memory (`OOM command not allowed when used memory 
 'maxmemory'`, under `noeviction`) refuses only commands that may grow memory (XADD,
 HSET, SET); acknowledgements and deletions still pass, and what needs memory may pass
 again once some was freed. A few replies say "not now" (a replica just promoted, a
-server still loading); any other error will come again however often the command is
+server still loading), and so does a command a Redis Cluster pipeline could not deliver
+(its node died: redis-py puts the connection error in that command's place while the
+replica takes over); any other error will come again however often the command is
 sent (an expiry out of range, a key of the wrong type, a command the ACL forbids).
 """
 
@@ -17,12 +19,16 @@ from enum import Enum
 from typing import Any
 
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
+    MovedError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_runtime.errors import OOM_MESSAGE
 from omni_runtime.redis_io.write_ops import HashPut, Op, XAdd
@@ -41,7 +47,9 @@ def refusal(e: RedisError) -> Refusal:
     """The kind of one command's error reply."""
     if isinstance(e, OutOfMemoryError) or str(e).startswith("OOM "):
         return Refusal.OUT_OF_MEMORY
-    if isinstance(e, ReadOnlyError | TryAgainError | ClusterDownError):
+    if isinstance(e, ReadOnlyError | TryAgainError | ClusterDownError | MovedError | AskError):
+        return Refusal.TRANSIENT
+    if isinstance(e, RedisConnectionError | RedisTimeoutError):  # not delivered, or unanswered
         return Refusal.TRANSIENT
     if str(e).split(" ", 1)[0] in TRANSIENT_PREFIXES:
         return Refusal.TRANSIENT

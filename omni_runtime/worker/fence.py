@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -74,15 +75,34 @@ def read_ownership(client: redis.Redis, stream: str, consumer: str) -> Ownership
         pipe.xpending_range(stream, keys.WORKERS_GROUP, min="-", max="+", count=PENDING_LIMIT)
         groups, rows = pipe.execute()
     last = next(
-        (g["last-delivered-id"] for g in groups if _text(g["name"]) == keys.WORKERS_GROUP), b"0-0"
+        (
+            _field(g, "last-delivered-id")
+            for g in groups
+            if _text(_field(g, "name")) == keys.WORKERS_GROUP
+        ),
+        b"0-0",
     )
     mine: set[bytes] = set()
     others: set[bytes] = set()
     for row in rows:
-        eid = row["message_id"]
+        eid, owner = _pending_row(row)
         eid = eid if isinstance(eid, bytes) else str(eid).encode()
-        (mine if _text(row["consumer"]) == consumer else others).add(eid)
+        (mine if _text(owner) == consumer else others).add(eid)
     return Ownership(frozenset(mine), frozenset(others), stream_id(_text(last).encode()))
+
+
+# A Redis Cluster client's transaction leaves replies half parsed (redis-py): XINFO
+# GROUPS's fields are bytes, XPENDING's rows are [id, consumer, idle, deliveries] lists.
+
+
+def _field(group: dict[Any, Any], name: str) -> Any:
+    return group[name] if name in group else group[name.encode()]
+
+
+def _pending_row(row: Any) -> tuple[Any, Any]:
+    if isinstance(row, dict):
+        return row["message_id"], row["consumer"]
+    return row[0], row[1]
 
 
 def _text(value: object) -> str:

@@ -8,6 +8,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -20,7 +21,10 @@ from omni_runtime.observe import redis_stats
 from omni_runtime.ops.status import collect_status
 from omni_runtime.redis_cluster import cluster_node_port
 from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
+from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import stage_has_live_replica
+from omni_runtime.worker.actions import stream_id
+from omni_runtime.worker.fence import read_ownership
 from tests.e2e.test_cli import SEED, SEED_OUTPUTS, cli, cli_env, describe, outputs
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
@@ -177,3 +181,35 @@ def test_a_user_denied_info_still_starts_on_a_single_server(redis_url: str) -> N
     finally:
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_a_workers_ownership_check_reads_a_cluster(redis_cluster_url: str) -> None:
+    """After a stall (a failover longer than 0.8 heartbeat TTL) a worker reads which inputs
+    are still its own: a cluster client's transaction leaves those replies half parsed."""
+    stream = f"{{fence}}:{uuid.uuid4().hex}"
+    client = sync_client(redis_cluster_url, cluster=True)
+    try:
+        client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
+        mine, taken = (client.xadd(stream, {"p": r}) for r in ("mine", "taken"))
+        client.xreadgroup(keys.WORKERS_GROUP, "A", {stream: ">"}, count=2)
+        client.xclaim(stream, keys.WORKERS_GROUP, "B", min_idle_time=0, message_ids=[taken])
+        own = read_ownership(client, stream, "A")
+        assert (own.mine, own.others) == (frozenset({mine}), frozenset({taken}))
+        assert own.last_delivered == stream_id(cast(bytes, taken))
+    finally:
+        client.close()
+
+
+async def test_a_lapsed_lease_is_kept_on_a_cluster(redis_cluster_url: str) -> None:
+    """A failover longer than the lease TTL: the lease lapsed, nobody took it, the holder
+    sets it again (the careful round, a watched transaction, on a cluster client)."""
+    names = keys.Names(f"t{uuid.uuid4().hex[:8]}")
+    client = async_client(redis_cluster_url, cluster=True)
+    try:
+        leases = Leases(client, names, 5.0)
+        slot = await leases.take_lowest_free()
+        await client.delete(names.orchestrator_lease(slot))
+        assert await leases.refresh() == {slot}
+        assert await client.get(names.orchestrator_lease(slot)) == leases.token.encode()
+    finally:
+        await client.aclose()

@@ -1,7 +1,7 @@
 """End to end: a real redis-server, and the orchestrator and every worker as OS processes.
 
 The omni pipeline in both modes runs again on a real 3-master Redis Cluster (same code,
-any node's URL) and on Valkey (`on_all`); `tests/e2e/test_cluster.py` runs the seed
+any node's URL), on Valkey and through Redis Sentinel (`on_all`); `tests/e2e/test_cluster.py` runs the seed
 pipeline in both modes on the cluster, through `omni-runtime run`."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from tests.waiting import wait_for
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
 on_all = pytest.mark.parametrize(
-    "deploy", ["redis-server", "redis-cluster", "valkey"], indirect=True
+    "deploy", ["redis-server", "redis-cluster", "valkey", "redis-sentinel"], indirect=True
 )
-"""Run the test on the single redis-server, on the Redis Cluster and on Valkey."""
+"""Run the test on the single redis-server, the Redis Cluster, Valkey and Redis Sentinel."""
 
 WORKERS = Path(__file__).resolve().parents[2] / "workers"
 

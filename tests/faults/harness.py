@@ -63,6 +63,9 @@ class FaultReport:
     submission) that ended before the fault: the load's own stalls."""
     stall_after_s: float = 0.0
     """The same over the waits that ended after the fault (the fault's stall is among them)."""
+    resumed_s: float | None = None
+    """From the fault to the first success of a request submitted after it: when the
+    service was back for new work (None without a fault, or if no such request succeeded)."""
 
     def line(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
@@ -214,6 +217,7 @@ async def run_load(
     done_at: dict[str, float] = {}
     waits: list[tuple[float, float]] = []
     """(when a wait ended, how long it was): submission to first output, output to output."""
+    after_fault: set[str] = set()
     in_flight_at_fault: set[str] = set()
     fault_at: float | None = None
     submitted = 0
@@ -225,6 +229,8 @@ async def run_load(
         async def one(rid: str, prompt: str) -> None:
             nonlocal submitted, fault_at, fault_task
             async with slots:
+                if fault_at is not None:
+                    after_fault.add(rid)
                 await client.submit(prompt, request_id=rid)
                 submitted += 1
                 if fault is not None and submitted == fault_after and fault_task is None:
@@ -284,9 +290,15 @@ async def run_load(
         report.recovery_s = max(ends) - fault_at if ends else 0.0
         report.stall_before_s = max((w for t, w in waits if t < fault_at), default=0.0)
         report.stall_after_s = max((w for t, w in waits if t >= fault_at), default=0.0)
+        served = [done_at[r] for r in after_fault if _succeeded(outcomes.get(r))]
+        report.resumed_s = min(served) - fault_at if served else None
     report.leftover_keys = len(d.leftover_keys())
     report.memory_after = d.used_memory()
     return report
+
+
+def _succeeded(outs: list[OrchOutput] | None) -> bool:
+    return bool(outs) and outs[-1].finished and outs[-1].error is None  # type: ignore[index]
 
 
 def seed_final_2(prompt: str) -> list[tuple[int, Any, bool]]:

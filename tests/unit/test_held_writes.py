@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    MovedError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_runtime import codec, keys
 from omni_runtime.redis_io.held_writes import PROBE_MAX_S, HeldWrites
@@ -47,6 +55,11 @@ def test_refusals_are_told_apart_by_what_redis_said() -> None:
     )
     assert refusal(ResponseError("LOADING Redis is loading")) is Refusal.TRANSIENT
     assert refusal(ResponseError("ERR invalid expire time")) is Refusal.PERMANENT
+    # A cluster pipeline's command whose node died, or moved while it failed over.
+    assert refusal(RedisConnectionError("Connection reset by peer")) is Refusal.TRANSIENT
+    assert refusal(RedisTimeoutError("Timeout reading from socket")) is Refusal.TRANSIENT
+    assert refusal(ClusterDownError("CLUSTERDOWN The cluster is down")) is Refusal.TRANSIENT
+    assert refusal(MovedError("3999 127.0.0.1:6381")) is Refusal.TRANSIENT
     assert oom_message(OOM).startswith("Redis is out of memory: it refuses writes")
 
 

@@ -1,0 +1,40 @@
+"""What the Redis failover scenarios (Sentinel, Cluster) share: settings and promises.
+
+Every request ends with exactly one final: exact, or (the few in flight at the kill whose
+last writes the replica never got) one error saying so; none hangs past its deadline and
+its grace; no partial success; new work is served again within the failover plus 2 s.
+"""
+
+from __future__ import annotations
+
+from omni_runtime.messages import REDIS_LOST_STATE
+from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
+from tests.faults.harness import FaultReport, header
+
+N, CONCURRENCY = 1000, 100
+DEADLINE_S = 15.0
+RETRY_MAX_S = 0.5
+"""The runtime's longest wait between retries: the service is back within this of the
+failover (the default, 2 s, would take up the whole of the target's slack)."""
+RESUME_SLACK_S = 2.0
+ENV = {"OMNI_DEADLINE_S": str(DEADLINE_S), "OMNI_RETRY_MAX_S": str(RETRY_MAX_S)}
+SETTINGS = {"deadline_s": DEADLINE_S, "retry_max_s": RETRY_MAX_S}
+LOSS_ERRORS = {REDIS_LOST_STATE, "outputs lost", DEADLINE_EXCEEDED}
+"""What a request whose writes died with the old primary may end with: the orchestrator
+saw its state gone, the client saw a gap in its sequence numbers, or nobody had it and its
+deadline passed. Never a success with a piece missing."""
+
+
+def check_failover(report: FaultReport, failover_s: float) -> None:
+    """Print the scenario's row, then hold it to the promises above."""
+    print(
+        "\n" + header() + "\n" + report.line() + f"  failover_s={failover_s:.2f} "
+        f"resumed_s={report.resumed_s} errors={report.errors}"
+    )
+    assert (report.wrong, report.lost) == (0, 0), report
+    assert report.ok + report.failed == report.requests, report
+    assert set(report.errors) <= LOSS_ERRORS, report.error_texts
+    assert report.failed <= CONCURRENCY, report  # only requests in flight at the kill
+    assert not any(report.late_successes.values()), report  # no error final, then a success
+    assert report.resumed_s is not None, report
+    assert report.resumed_s <= failover_s + RESUME_SLACK_S, report

@@ -1,0 +1,81 @@
+"""Redis Cluster with replicas (3 primaries, 3 replicas): one primary SIGKILLed under load
+(1,000 requests at concurrency 100). The runtime rides out the failover (connection
+errors, CLUSTERDOWN, MOVED to the promoted replica, TRYAGAIN); the promises are
+`tests/faults/failover.py`'s, and the recovery time is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_runtime.errors import OmniError
+from omni_runtime.redis_cluster import RedisCluster
+from omni_runtime.redis_server import redis_server_binary
+from tests.faults.failover import CONCURRENCY, ENV, SETTINGS, N, check_failover
+from tests.faults.harness import FaultDeployment, run_load, seed_final_2
+from tests.services import unavailable
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+
+NODE_TIMEOUT_MS = 5000
+"""`cluster-node-timeout` (CI's; Redis's default is 15 s): the replica takes over after
+6-7 s, longer than the heartbeat and lease TTLs (5 s), the hard case: heartbeat keys
+lapse, a worker's fence closes, the orchestrator's lease is set again."""
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[RedisCluster]:
+    """A private cluster: the scenario kills one of its primaries."""
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "redis-server")
+    nodes = RedisCluster(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, timeout_s=30)
+    try:
+        nodes.start()
+    except OmniError as e:
+        unavailable(f"cannot start a Redis Cluster with replicas: {e}", "redis-server")
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+async def test_sigkill_of_a_primary_fails_over_with_one_final_each(tmp_path: Path) -> None:
+    failover_s: list[float] = []
+    with (
+        cluster() as nodes,
+        FaultDeployment(
+            nodes.url,  # the first primary's: the one killed is another
+            tmp_path,
+            "seed.yaml",
+            env=ENV,
+            final_stage_ids=[2],
+            stages={1: {"options": {"delay_ms": 5}}},
+        ) as d,
+    ):
+        d.settings = d.settings.model_copy(update=SETTINGS)
+        victim = nodes.nodes[1]
+
+        async def kill_primary() -> None:
+            killed = time.monotonic()
+            assert victim.proc is not None
+            victim.proc.kill()
+            await asyncio.to_thread(nodes.wait_failover, victim.port, 60)
+            failover_s.append(time.monotonic() - killed)
+
+        prompts = {f"c{i}": f"a{i} b{i}" for i in range(N)}
+        report = await run_load(
+            d,
+            "cluster: primary SIGKILL",
+            prompts,
+            seed_final_2,
+            CONCURRENCY,
+            N // 4,
+            kill_primary,
+            timeout_s=30,
+        )
+    check_failover(report, failover_s[0])

@@ -1,0 +1,80 @@
+"""Redis Sentinel: the primary SIGKILLed under load (1,000 requests at concurrency 100);
+the promises are `tests/faults/failover.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_runtime.errors import OmniError
+from omni_runtime.redis_sentinel import RedisSentinelSet
+from omni_runtime.redis_server import redis_server_binary
+from tests.faults.failover import CONCURRENCY, ENV, SETTINGS, N, check_failover
+from tests.faults.harness import FaultDeployment, run_load, seed_final_2
+from tests.services import unavailable
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+
+DOWN_AFTER_MS = 1000
+"""Sentinel's `down-after-milliseconds`, tuned down from 30 s so the test fails over in
+seconds (a production value is a trade between failover time and false alarms)."""
+
+
+@contextlib.contextmanager
+def sentinels() -> Iterator[RedisSentinelSet]:
+    """A private set: the scenario kills its primary."""
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "redis-server (for redis-server --sentinel)")
+    ha = RedisSentinelSet(down_after_ms=DOWN_AFTER_MS)
+    try:
+        ha.start()
+    except OmniError as e:
+        unavailable(f"cannot start Redis Sentinel: {e}", "redis-server --sentinel")
+    try:
+        yield ha
+    finally:
+        ha.stop()
+
+
+async def test_sigkill_of_the_primary_fails_over_with_one_final_each(tmp_path: Path) -> None:
+    failover_s: list[float] = []
+    with (
+        sentinels() as ha,
+        FaultDeployment(
+            ha.url,
+            tmp_path,
+            "seed.yaml",
+            env=ENV,
+            final_stage_ids=[2],
+            stages={1: {"options": {"delay_ms": 5}}},
+        ) as d,
+    ):
+        d.settings = d.settings.model_copy(update=SETTINGS)
+
+        async def kill_primary() -> None:
+            old = ha.primary_port()
+            assert old is not None
+            killed = time.monotonic()
+            proc = ha.server(old).proc
+            assert proc is not None
+            proc.kill()
+            await asyncio.to_thread(ha.wait_primary_other_than, old, 60)
+            failover_s.append(time.monotonic() - killed)
+
+        prompts = {f"s{i}": f"a{i} b{i}" for i in range(N)}
+        report = await run_load(
+            d,
+            "sentinel: primary SIGKILL",
+            prompts,
+            seed_final_2,
+            CONCURRENCY,
+            N // 4,
+            kill_primary,
+            timeout_s=30,
+        )
+    check_failover(report, failover_s[0])
