@@ -22,6 +22,7 @@ single server's adapter p50 of the same run.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, replace
 
@@ -122,7 +123,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
             if kind == "adapter":
                 floor50, floor99 = (percentile(results["raw_threads"][0], q) for q in (50, 99))
                 f50, f99 = ratio(p50, floor50), ratio(p99, floor99)
-                row.notes.append(f"against raw: p50 {r50 or float('nan'):.2f}x")
+                row.notes.append(f"against raw: p50 {r50 or float('nan'):.2f}x; load average "
+                                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
                 row.notes.append(f"p99 {p99:.3f} ms vs the two-thread floor's {floor99:.3f} ms: "
                                  f"{f99 or float('nan'):.2f}x")  # fmt: skip
                 row.details["floor_ratio"] = {"p50": f50, "p99": f99}

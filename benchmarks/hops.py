@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,8 @@ def rows(
         target=f"p50 <= {REQUEST_TARGET_RATIO:g}x (raw hop {lo_ms:g}-{hi_ms:g} ms)",
         met=(whole is not None and whole <= REQUEST_TARGET_RATIO) if judged else None,
         notes=[f"raw hop p50 {hop_ms:.3f} ms: a {spell} spell"
-               + ("" if judged else f" (judged only at {lo_ms:g}-{hi_ms:g} ms)"),
+               + ("" if judged else f" (judged only at {lo_ms:g}-{hi_ms:g} ms)")
+               + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
                "timeline p50 us: " + ", ".join(f"{k} {v:.0f}" for k, v in tl.items())],
         details={"timeline_p50_us": tl, "raw_hop_ms": hop_ms, "spell": spell},
     ))  # fmt: skip
