@@ -51,8 +51,9 @@ def main() -> int:
 
         def source(mode: str) -> Any:
             async def stream(prompt: str) -> AsyncIterator[tuple[int, Any]]:
-                async for stage, data in handles[mode].stream.remote(prompt):
-                    yield stage, data
+                async for batch in handles[mode].stream.remote(prompt):
+                    for stage, data in batch:  # the items ready at once, in one message
+                        yield stage, data
 
             return stream
 

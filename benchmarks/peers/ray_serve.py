@@ -10,7 +10,7 @@ are composed in one of three ways:
   (stage 0 is a final stage, as in the runtime's sequential mode), then hands the whole
   token list to the talker and its result to code2wav by passing the `DeploymentResponse`
   on (Ray's documented composition: the codes go from replica to replica without the
-  ingress awaiting them), and yields the audio chunks;
+  ingress awaiting them), and yields all the audio in one message;
 * **streaming** (the best Ray Serve allows): Ray cannot pass a stream into another
   deployment's call (`GENERATOR_COMPOSITION_NOT_SUPPORTED_ERROR`, ray-project/ray#57098)
   and a call takes no more input once made, so each stage pulls its own input: code2wav
@@ -26,7 +26,8 @@ are composed in one of three ways:
   routed, queued and answered on its own: what it costs is in docs/peers.md.
 
 The client is a `DeploymentHandle` from the driver process (`stream=True`), in every
-mode; it gets `(stage_id, data)` pairs: 0 and a token, 2 and a float32 PCM chunk.
+mode. Every streaming method yields lists of `(stage_id, data)` pairs (0 and a token, 2
+and a float32 PCM chunk): the pairs ready at once, in one Ray message (`Batch`).
 Ray is optional: `pip install -e '.[peers]'`.
 """
 
@@ -63,6 +64,25 @@ def stage_options() -> dict[str, dict[str, Any]]:
     return {s.name: dict(s.options) for s in load_pipeline(OMNI).stages}
 
 
+Batch = list[tuple[int, Any]]
+"""What every streaming method here yields: the `(stage, data)` items ready at once. One
+item per yield under light load; when a replica falls behind, one Ray message carries
+what queued up, as the runtime batches its own writes."""
+
+
+async def _drained(queue: asyncio.Queue[Any]) -> AsyncIterator[list[Any]]:
+    """The lists put on `queue`, those ready at once joined, until a `None`."""
+    while (first := await queue.get()) is not None:
+        batch = list(first)
+        while not queue.empty():
+            more = queue.get_nowait()
+            if more is None:
+                yield batch
+                return
+            batch += more
+        yield batch
+
+
 class EngineHost:
     """One step engine on a thread of its own; each request's outputs on an asyncio queue."""
 
@@ -74,8 +94,9 @@ class EngineHost:
         self._count = 0
         threading.Thread(target=self._run, name="engine", daemon=True).start()
 
-    async def outputs(self, data: Any) -> AsyncIterator[Any]:
-        """Add a request; yield its outputs' data as the engine's steps make them."""
+    async def batches(self, data: Any) -> AsyncIterator[list[Any]]:
+        """Add a request; yield its outputs' data as the engine's steps make them (those
+        ready at once together)."""
         self._loop = asyncio.get_running_loop()
         self._count += 1
         rid = f"r{self._count}"
@@ -84,50 +105,51 @@ class EngineHost:
         self.engine.add_request(rid, data)
         self._wake.set()
         try:
-            while True:
-                out = await queue.get()
-                if out.error is not None:
-                    raise RuntimeError(out.error)
-                if out.data is not None:
-                    yield out.data
-                if out.finished:
-                    return
+            finished = False
+            while not finished:
+                batch = []
+                for out in [await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]:
+                    if out.error is not None:
+                        raise RuntimeError(out.error)
+                    if out.data is not None:
+                        batch.append(out.data)
+                    finished = finished or out.finished
+                if batch:
+                    yield batch
         finally:
             self._queues.pop(rid, None)
             self.engine.abort(rid)
+
+    async def collect(self, data: Any) -> list[Any]:
+        return [x async for batch in self.batches(data) for x in batch]
 
     def feed(self, stream: ChunkStream, items: list[Any], closed: bool = False) -> None:
         """More input for a request added with `stream` (a streaming one)."""
         stream.extend(items, closed)
         self._wake.set()
 
-    async def relay(self, upstream: AsyncIterator[Any], feed_stage: int, out_stage: int
-                    ) -> AsyncIterator[tuple[int, Any]]:  # fmt: skip
-        """One request streamed through the engine: the upstream's `(stage, data)` items of
-        `feed_stage` feed it as they come, its outputs go on as `out_stage`; text (stage 0)
-        passes through too, for the client."""
+    async def relay(self, upstream: AsyncIterator[Batch], feed_stage: int, out_stage: int
+                    ) -> AsyncIterator[Batch]:  # fmt: skip
+        """One request streamed through the engine: the upstream's items of `feed_stage`
+        feed it as they come, its outputs go on as `out_stage`; text (stage 0) passes
+        through too, for the client."""
         stream = ChunkStream()
-        out: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+        out: asyncio.Queue[Batch | None] = asyncio.Queue()
 
         async def pump() -> None:
             try:
-                async for stage, data in upstream:
-                    if stage == feed_stage:
-                        self.feed(stream, [data])
-                    if stage == 0:
-                        out.put_nowait((stage, data))
+                async for batch in upstream:
+                    self.feed(stream, [data for stage, data in batch if stage == feed_stage])
+                    out.put_nowait([(stage, data) for stage, data in batch if stage == 0])
             finally:
                 self.feed(stream, [], closed=True)
 
         async def engine() -> None:
-            async for data in self.outputs(stream):
-                out.put_nowait((out_stage, data))
+            async for datas in self.batches(stream):
+                out.put_nowait([(out_stage, d) for d in datas])
 
-        async for item in _merged(out, pump(), engine()):
-            yield item
-
-    async def collect(self, data: Any) -> list[Any]:
-        return [x async for x in self.outputs(data)]
+        async for batch in _merged(out, pump(), engine()):
+            yield batch
 
     def _run(self) -> None:
         while True:
@@ -146,14 +168,16 @@ class EngineHost:
                 queue.put_nowait(out)
 
 
-async def _merged(out: asyncio.Queue[Any], *producers: Any) -> AsyncIterator[Any]:
-    """What the producers put on `out`, until all are done; re-raises the first failure."""
+async def _merged(out: asyncio.Queue[Batch | None], *producers: Any) -> AsyncIterator[Batch]:
+    """What the producers put on `out` (those ready at once joined) until all are done;
+    re-raises the first failure."""
     tasks = [asyncio.create_task(p) for p in producers]
     done = asyncio.gather(*tasks)
     done.add_done_callback(lambda _f: out.put_nowait(None))
     try:
-        while (item := await out.get()) is not None:
-            yield item
+        async for batch in _drained(out):
+            if batch:
+                yield batch
         await done
     finally:
         for t in tasks:
@@ -165,13 +189,9 @@ class ThinkerDeployment:
     def __init__(self) -> None:
         self.host = EngineHost(Thinker(**stage_options()["thinker"]))
 
-    async def generate(self, prompt: str) -> AsyncIterator[Any]:
-        async for token in self.host.outputs(prompt):
-            yield token
-
-    async def stream(self, prompt: str) -> AsyncIterator[tuple[int, Any]]:
-        async for token in self.host.outputs(prompt):
-            yield 0, token
+    async def stream(self, prompt: str) -> AsyncIterator[Batch]:
+        async for tokens in self.host.batches(prompt):
+            yield [(0, t) for t in tokens]
 
 
 @serve.deployment(**REPLICA)
@@ -201,14 +221,13 @@ class SequentialIngress:
         self.thinker = thinker.options(stream=True)
         self.talker, self.code2wav = talker, code2wav
 
-    async def stream(self, prompt: str) -> AsyncIterator[tuple[int, Any]]:
+    async def stream(self, prompt: str) -> AsyncIterator[Batch]:
         tokens = []
-        async for token in self.thinker.generate.remote(prompt):
-            tokens.append(token)
-            yield 0, token
+        async for batch in self.thinker.stream.remote(prompt):
+            tokens += [t for _stage, t in batch]
+            yield batch
         codes = self.talker.speak.remote(tokens)  # passed on by reference, not awaited here
-        for pcm in await self.code2wav.synth.remote(codes):
-            yield 2, pcm
+        yield [(2, pcm) for pcm in await self.code2wav.synth.remote(codes)]
 
 
 @serve.deployment(**REPLICA)
@@ -218,36 +237,27 @@ class PerChunkIngress:
         self.thinker = thinker.options(stream=True)
         self.talker, self.code2wav = talker, code2wav
 
-    async def stream(self, prompt: str) -> AsyncIterator[tuple[int, Any]]:
-        out: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+    async def stream(self, prompt: str) -> AsyncIterator[Batch]:
+        out: asyncio.Queue[Batch | None] = asyncio.Queue()
         pending: asyncio.Queue[Any] = asyncio.Queue()  # each token's audio call, in order
 
         async def text() -> None:
             try:
-                async for token in self.thinker.generate.remote(prompt):
-                    out.put_nowait((0, token))
-                    pending.put_nowait(
-                        self.code2wav.synth.remote(self.talker.speak.remote([token]))
-                    )
+                async for batch in self.thinker.stream.remote(prompt):
+                    out.put_nowait(batch)
+                    for _stage, token in batch:
+                        pending.put_nowait(
+                            self.code2wav.synth.remote(self.talker.speak.remote([token]))
+                        )
             finally:
                 pending.put_nowait(None)
 
         async def audio() -> None:
-            try:
-                while (call := await pending.get()) is not None:
-                    for pcm in await call:
-                        out.put_nowait((2, pcm))
-            finally:
-                out.put_nowait(None)
+            while (call := await pending.get()) is not None:
+                out.put_nowait([(2, pcm) for pcm in await call])
 
-        tasks = [asyncio.create_task(text()), asyncio.create_task(audio())]
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-            await asyncio.gather(*tasks)  # re-raises a stage's error
-        finally:
-            for t in tasks:
-                t.cancel()
+        async for batch in _merged(out, text(), audio()):
+            yield batch
 
 
 @serve.deployment(**REPLICA)
@@ -258,9 +268,9 @@ class TalkerRelay:
         self.upstream = upstream.options(stream=True)
         self.host = EngineHost(Talker(**stage_options()["talker"]))
 
-    async def stream(self, prompt: str) -> AsyncIterator[tuple[int, Any]]:
-        async for item in self.host.relay(self.upstream.stream.remote(prompt), 0, 1):
-            yield item
+    async def stream(self, prompt: str) -> AsyncIterator[Batch]:
+        async for batch in self.host.relay(self.upstream.stream.remote(prompt), 0, 1):
+            yield batch
 
 
 @serve.deployment(**REPLICA)
@@ -271,9 +281,9 @@ class Code2WavRelay:
         self.upstream = upstream.options(stream=True)
         self.host = EngineHost(Code2Wav(**stage_options()["code2wav"]))
 
-    async def stream(self, prompt: str) -> AsyncIterator[tuple[int, Any]]:
-        async for item in self.host.relay(self.upstream.stream.remote(prompt), 1, 2):
-            yield item
+    async def stream(self, prompt: str) -> AsyncIterator[Batch]:
+        async for batch in self.host.relay(self.upstream.stream.remote(prompt), 1, 2):
+            yield batch
 
 
 MODES = ("sequential", "streaming", "per-chunk")
