@@ -14,10 +14,10 @@ omni-runtime's orchestrator, workers, client and redis-server; Ray's driver and 
 process under it (GCS, raylet, agents, Serve controller, replicas), from `/proc`. Rows:
 omni-runtime / Ray, same mode, with the targets of issue 30 (`report.py`).
 
-`--profile` then samples both systems' Python processes with py-spy over one more cell
-per mode at c = 32 (`profiles.py`). `--per-chunk` adds Ray's other streaming
-composition (`ray_serve.py`) at every concurrency, against omni-runtime streaming,
-without targets.
+`--profile` then samples both systems' Python processes with py-spy over a few more
+cells (`profiles.py`: streaming at c = 1 and 32, sequential at 32). `--per-chunk` adds
+Ray's other streaming composition (`ray_serve.py`) at every concurrency, against
+omni-runtime streaming, without targets.
 
 Ray is optional: `pip install -e '.[peers]'`. Without it this says so and exits 2.
 """

@@ -35,6 +35,9 @@ from omni_runtime.playback import Continuity, Playback, audio_seconds
 Source = Callable[[str], AsyncIterator[tuple[int, Any]]]
 REQUEST_TIMEOUT_S = 30.0
 METRICS = ("ttft", "ttfa", "e2e")
+STEP = "step"
+"""Per request, (last token - first token) / (TOKENS - 1): the thinker's step period as the
+client sees it (20 ms of pacing plus what the system adds between steps)."""
 ONE_REQUEST_S = TOKENS * TOKEN_DELAY_S + 1.0
 """About one request's length unloaded: the thinker's 50 steps, then the last token's way."""
 
@@ -49,14 +52,14 @@ def prompt_tokens() -> tuple[str, list[str]]:
 class Samples:
     """One system and mode at one concurrency: per-request figures (ms) and failures."""
 
-    ms: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in METRICS})
+    ms: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in (*METRICS, STEP)})
     errors: list[str] = field(default_factory=list)
     heard: list[Playback] = field(default_factory=list)
     wall_s: float = 0.0
     """From the first submission to the last request's end."""
 
     def p(self, metric: str, q: float) -> float | None:
-        values = self.ms[metric]
+        values = self.ms.get(metric, [])
         return percentile(values, q) if values else None
 
     @property
@@ -89,6 +92,7 @@ class Samples:
 async def one_request(source: Source, prompt: str, tokens: list[str], out: Samples) -> None:
     t0 = time.perf_counter()
     ttft = ttfa = None
+    last_text = 0.0
     texts: list[Any] = []
     samples = 0
     heard = Playback()
@@ -98,7 +102,7 @@ async def one_request(source: Source, prompt: str, tokens: list[str], out: Sampl
                 now = time.perf_counter()
                 if stage == TEXT_STAGE:
                     texts.append(data)
-                    ttft = ttft or now
+                    ttft, last_text = ttft or now, now
                 elif stage == AUDIO_STAGE and len(data) > 0:
                     samples += len(data)
                     ttfa = ttfa or now
@@ -113,6 +117,7 @@ async def one_request(source: Source, prompt: str, tokens: list[str], out: Sampl
         return
     for metric, t in zip(METRICS, (ttft, ttfa, end), strict=True):
         out.ms[metric].append((t - t0) * 1e3)
+    out.ms[STEP].append((last_text - ttft) * 1e3 / max(1, len(tokens) - 1))
     out.heard.append(heard)
 
 
