@@ -11,8 +11,9 @@ sequential, Ray sequential, omni streaming, Ray streaming, each the same closed 
 TTFA and E2E p50 (p99), requests/s, continuity (share of requests with no audio gap over
 100 ms; worst gap p50/p99), and CPU per request of every process of the system:
 omni-runtime's orchestrator, workers, client and redis-server; Ray's driver and every
-process under it (GCS, raylet, agents, Serve controller, replicas), from `/proc`. Rows:
-omni-runtime / Ray, same mode, with the targets of issue 30 (`report.py`).
+process under it (GCS, raylet, agents, Serve controller, the mode's replicas; not the
+idle replicas of its other applications), from `/proc`. Rows: omni-runtime / Ray, same
+mode, with the targets of issue 30 (`report.py`).
 
 `--profile` then samples both systems' Python processes with py-spy over a few more
 cells (`profiles.py`: streaming at c = 1 and 32, sequential at 32). `--per-chunk` adds
@@ -114,10 +115,11 @@ class Systems:
         return Samples.from_json(self.ray.recv(timeout_s)["samples"])
 
     async def cell(self, system: str, mode: str, conc: int, n: int) -> Cell:
+        ray = self.ray_pids()
         if system == OMNI_SYS:
-            own, other = self.omni_pids(mode), self.ray_pids()
-        else:
-            own = self.ray_pids()
+            own, other = self.omni_pids(mode), ray
+        else:  # Ray's other applications idle meanwhile, as the other omni deployment does
+            own = {k: v for k, v in ray.items() if _ray_process_of(k, mode)}
             other = {f"{m} {k}": v for m in MODES for k, v in self.omni_pids(m).items()}
         sampler, idle = CpuSampler(own), CpuSampler(other)
         sampler.start()
@@ -129,6 +131,14 @@ class Systems:
         cell = Cell(system, mode, conc, samples, sampler.stop(), load=os.getloadavg()[0])
         cell.other_idle_s = sum(v for k, v in idle.stop().items() if k in other)
         return cell
+
+
+def _ray_process_of(name: str, mode: str) -> bool:
+    """Whether a Ray process counts for a cell of `mode`: every one but the replicas of
+    Ray's other applications (its GCS, raylet, agents and controller serve any)."""
+    return not name.startswith("ray::ServeReplica:") or name.startswith(
+        f"ray::ServeReplica:{mode}:"
+    )
 
 
 async def measure(ctx: scenario.Context, sizes: Sizes) -> tuple[list[Cell], list[Row]]:
