@@ -1,10 +1,12 @@
 """Every scenario, one after the other, on one private redis-server; one summary and one JSON.
 
-`python benchmarks/run_all.py [--quick] [--redis-url URL] [--only a,b]`. Each scenario
+`python benchmarks/run_all.py [--quick] [--redis-url URL] [--only a,b] [--peers]`. Each scenario
 runs as its own process (`python -m benchmarks.<name>`: a crash or a hang stays in
 it), prints its own table and writes `benchmarks/results/<name>.json`; then this
 prints every row in one table and writes `benchmarks/results/run_all.json`.
 Exit status 1 if a scenario failed to run (a missed target is not a failure).
+`--peers` adds `peers` (omni-runtime against Ray Serve), which needs the optional
+`peers` extra (`pip install -e '.[peers]'`); without it that scenario fails, saying so.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ SCENARIOS = (
     "startup",
     "real_pipeline",
 )
+PEERS = "peers"
+"""Only with --peers: Ray Serve is an optional extra, not installed by default."""
 TIMEOUT_S = {True: 300.0, False: 1200.0}
 """Longest run of one scenario, quick / full."""
+LONGER_S = {PEERS: 3.0}
+"""Scenarios that run longer than most, by how many times: peers starts Ray and runs
+four deployments' cells at four concurrencies."""
 
 
 def run_one(name: str, url: str, quick: bool) -> tuple[bool, float, dict[str, Any] | None]:
@@ -60,11 +67,12 @@ def run_one(name: str, url: str, quick: bool) -> tuple[bool, float, dict[str, An
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     print(f"\n=== {name} ===", flush=True)
     t0 = time.perf_counter()
+    timeout_s = TIMEOUT_S[quick] * LONGER_S.get(name, 1.0)
     try:
         code = subprocess.run([*cmd, *(["--quick"] * quick)], cwd=ROOT, env=env,
-                              timeout=TIMEOUT_S[quick]).returncode  # fmt: skip
+                              timeout=timeout_s).returncode  # fmt: skip
     except subprocess.TimeoutExpired:
-        print(f"{name}: did not finish within {TIMEOUT_S[quick]:g} s", flush=True)
+        print(f"{name}: did not finish within {timeout_s:g} s", flush=True)
         code = -1
     elapsed = time.perf_counter() - t0
     result = json.loads(path.read_text()) if code == 0 and path.exists() else None
@@ -76,11 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="every scenario's smaller sizes")
     parser.add_argument("--redis-url", help="Redis to use (default: a private redis-server)")
     parser.add_argument("--only", help="comma-separated scenarios (default: all)")
+    parser.add_argument("--peers", action="store_true",
+                        help="also omni-runtime against Ray Serve (needs pip install -e '.[peers]')")  # fmt: skip
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(SCENARIOS)
-    unknown = set(names) - set(SCENARIOS)
+    if args.peers and PEERS not in names:
+        names.append(PEERS)
+    unknown = set(names) - {*SCENARIOS, PEERS}
     if unknown:
-        parser.error(f"unknown scenarios: {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+        parser.error(
+            f"unknown scenarios: {sorted(unknown)}; known: {', '.join(SCENARIOS)}, {PEERS}"
+        )
     started = time.perf_counter()
     runs: dict[str, dict[str, Any]] = {}
     with redis_for_run(args.redis_url) as url:

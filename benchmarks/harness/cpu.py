@@ -94,3 +94,43 @@ def proc_wakes(pid: int) -> int | None:
             if line.startswith("voluntary_ctxt_switches:"):
                 total += int(line.split()[1])
     return total if tasks else None
+
+
+def process_tree(root: int) -> dict[str, int]:
+    """`root` and every descendant alive now, named by their command line (Ray titles its
+    workers `ray::<what>`), `<name> <pid>` so each stays apart: all the processes of a
+    system that one process started (`/proc/*/stat`'s parent pids)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: dict[str, int] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        out[f"{_proc_name(pid)} {pid}"] = pid
+        todo += children.get(pid, [])
+    return out
+
+
+def _proc_name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace")
+    if first.startswith("ray::"):
+        return first.split()[0]
+    if Path(first).name.startswith("python") and len(argv) > 1:
+        args = [a.decode(errors="replace") for a in argv[1:] if a]
+        if args[:1] == ["-c"]:
+            return "python -c"
+        script = next((a for a in args if not a.startswith("-")), "")
+        return Path(script).name or "python"
+    return Path(first).name

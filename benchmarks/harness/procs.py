@@ -43,7 +43,9 @@ def role_env(redis_url: str, extra: dict[str, str] | None = None) -> dict[str, s
 
 
 class RoleProc:
-    """`python -m benchmarks.roles.<module> <args>`: commands on stdin, JSON results on stdout."""
+    """`python -m benchmarks.roles.<module> <args>`: commands on stdin, JSON results on stdout.
+
+    A `module` with a dot in it is a full module path (`benchmarks.peers.ray_driver`)."""
 
     def __init__(
         self, name: str, module: str, args: Sequence[str], env: dict[str, str], log_dir: Path
@@ -51,7 +53,8 @@ class RoleProc:
         self.name = name
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
-        cmd = [sys.executable, "-m", f"benchmarks.roles.{module}", *args]
+        full = module if "." in module else f"benchmarks.roles.{module}"
+        cmd = [sys.executable, "-m", full, *args]
         self.proc = subprocess.Popen(
             cmd, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, text=True, bufsize=1,

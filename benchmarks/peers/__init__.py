@@ -1,0 +1,1 @@
+"""omni-runtime beside a peer on the same work: `python -m benchmarks.peers` (Ray Serve)."""
