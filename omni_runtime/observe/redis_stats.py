@@ -119,7 +119,7 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
     info.last_beat_s = keys.HEARTBEAT_TTL_S - ttl_ms / 1000 if ttl_ms >= 0 else None
     info.in_flight = doc.get("in_flight")
     info.completed = doc.get("completed")
-    info.value = doc.get("value")
+    info.value = doc.get("value", doc.get("pipeline"))  # an orchestrator names its pipeline
     limit = doc.get("max_concurrency")
     info.max_concurrency = limit if isinstance(limit, int) else None
     engine = doc.get("engine")
