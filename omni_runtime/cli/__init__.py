@@ -105,6 +105,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("prompt", nargs="?", help="the request's prompt ('-': read stdin)")
             p.add_argument("--prompt-file", help="read the prompt from this file ('-': stdin)")
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
+            p.add_argument(
+                "--param", action="append", default=[], metavar="KEY=VALUE",
+                help="a request parameter for the stages (repeatable): max_tokens=40, "
+                "temperature=0.2, seed=7, voice=joe, speed=1.2; a JSON value, else a string",
+            )  # fmt: skip
         if only is not None and name != only:
             return p
         document_fields(Settings)

@@ -18,7 +18,13 @@ from typing import Any, NoReturn
 
 from pydantic_settings import CliSettingsSource
 
-from omni_runtime.cli.console import OutputPrinter, check_wav_path, read_prompt, write_wav
+from omni_runtime.cli.console import (
+    OutputPrinter,
+    check_wav_path,
+    parse_params,
+    read_prompt,
+    write_wav,
+)
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import ConfigError, OmniError
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
@@ -121,13 +127,14 @@ async def _submit_and_print(
     printer: OutputPrinter,
     stage_ids: list[int],
     trace: bool = False,
+    params: dict[str, Any] | None = None,
 ) -> None:
     from omni_runtime.client import OmniClient
 
     async with OmniClient(settings) as client:
         await client.wait_ready(stage_ids)
         printer.restart_clock()
-        request_id = await client.submit(prompt, trace=trace)
+        request_id = await client.submit(prompt, trace=trace, params=params)
         if trace:  # on stderr: stdout stays the outputs
             print(
                 f"request {request_id} is traced: omni-runtime trace {request_id}", file=sys.stderr
@@ -143,7 +150,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     printer = OutputPrinter()
     stage_ids = list(range(pipeline.last_stage + 1))
     settings = settings_of(args)  # `--trace`: this request is traced in every process
-    asyncio.run(_submit_and_print(settings, prompt, printer, stage_ids, settings.trace))
+    params = parse_params(args.param)
+    asyncio.run(_submit_and_print(settings, prompt, printer, stage_ids, settings.trace, params))
     write_wav(printer, args.wav, _wav_rate(pipeline))
     return 1 if printer.failed else 0
 
@@ -186,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     pipeline = _pipeline(args)
     settings = settings_of(args)
     prompt = read_prompt(args.prompt, args.prompt_file)
+    params = parse_params(args.param)
     check_wav_path(args.wav)
     printer = OutputPrinter()
     with starting_redis(settings.redis_url, settings.startup_timeout_s) as redis_ready:
@@ -205,7 +214,8 @@ def _run(args: argparse.Namespace) -> int:
         try:
             group.start()
             stage_ids = list(range(pipeline.last_stage + 1))
-            asyncio.run(_watch(group, _submit_and_print(run_settings, prompt, printer, stage_ids)))
+            submitted = _submit_and_print(run_settings, prompt, printer, stage_ids, params=params)
+            asyncio.run(_watch(group, submitted))
             failed = printer.failed
         except KeyboardInterrupt:
             failed = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -89,6 +90,21 @@ def write_wav(printer: OutputPrinter, path: str | None, sample_rate: int) -> Non
 
     frames = write(path, printer.audio, sample_rate)
     print(f"wrote {path}: {frames} frames, {frames / sample_rate:.2f} s at {sample_rate} Hz")
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any] | None:
+    """`--param KEY=VALUE`s as the request's parameters: each value JSON where it parses
+    (`40`, `0.2`, `["."]`), else the text as given (`joe`); the stages check them."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--param {pair!r}: expected KEY=VALUE")
+        try:
+            params[key.strip()] = json.loads(raw)
+        except ValueError:
+            params[key.strip()] = raw
+    return params or None
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -34,11 +34,13 @@ def needs_engines() -> None:
             unavailable(f"{package} is not installed", f"the {package} package")
 
 
-def run_voice(prompt: str, wav: Path, redis_url: str, mode: str) -> str:
-    """`omni-runtime run` on the voice pipeline; the thinker's text as it printed it."""
+def run_voice(prompt: str, wav: Path, redis_url: str, mode: str, seed: int) -> str:
+    """`omni-runtime run` on the voice pipeline; the thinker's text as it printed it. The
+    seed makes the answer, and so the measured word error rate, the same on every run."""
     proc = subprocess.run(
         [sys.executable, "-m", "omni_runtime.cli", "run", "--pipeline", VOICE,
-         "--redis-url", redis_url, "--mode", mode, "--wav", str(wav), prompt],
+         "--redis-url", redis_url, "--mode", mode, "--wav", str(wav), "--param", f"seed={seed}",
+         prompt],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, describe(proc)
@@ -54,7 +56,7 @@ def test_the_wav_speaks_the_llms_own_answer(redis_url: str, tmp_path: Path, mode
     answers, errors, said_words, pairs = {}, 0, 0, []
     for i, prompt in enumerate(QUESTIONS):
         wav = tmp_path / f"answer{i}.wav"
-        answers[prompt] = run_voice(prompt, wav, redis_url, mode)
+        answers[prompt] = run_voice(prompt, wav, redis_url, mode, seed=i)
         heard = transcribe(wav.read_bytes())
         errors += word_errors(words(answers[prompt]), words(heard))
         said_words += len(words(answers[prompt]))
