@@ -18,6 +18,8 @@ import numpy.typing as npt
 
 from omni_runtime.stage_api import Final, marks_final
 
+PARROT_SAYS = "I am a parrot: I say what I hear, word for word, and nothing else."
+"""The parrot's answer after what it heard: ~4 s of speech, long enough to talk over."""
 TONE_S = 0.1
 """A tone lasts this long at speed 1."""
 
@@ -61,7 +63,7 @@ def parrot(data: Any) -> Iterator[Any]:
     """A stand-in thinker after a speech-to-text stage: answers with what it heard, word by
     word as an LLM streams (`data`: the transcript's chunks, a list or a ChunkStream)."""
     heard = "".join(str(c) for c in data if c).strip()
-    words = f"You said: {heard or 'nothing'}. I am a parrot: I say what I hear.".split(" ")
+    words = f"You said: {heard or 'nothing'}. {PARROT_SAYS}".split(" ")
     for i, word in enumerate(words):
         piece = word if i == 0 else f" {word}"
         yield Final(piece) if i == len(words) - 1 else piece

@@ -283,15 +283,18 @@ function initTalk(config) {
         if (ev.response.id === active) active = null;
         if (status === "cancelled") { stopPlayback(); if (current) current.row.classList.add("interrupted"); }
         const failed = status === "failed" && ev.response.status_details && ev.response.status_details.error;
+        // a response cancelled because the user speaks, or holds the button, is done while
+        // they still speak: the panel goes on saying it hears them
+        const answering = ["thinking", "speaking"].includes(panel.dataset.state);
         if (failed) say(`error: ${failed.message}`, true);
-        else if (!holding) say(free.checked ? "talk freely: listening…" : `talk to ${config.talk_model}`);
+        else if (answering) say(free.checked ? "talk freely: listening…" : `talk to ${config.talk_model}`);
         if (current) current.row.dataset.status = status;
         current = null; turnEnd = null;
         turns++;
         set("turns", turns);
         if (status === "completed") set("completed", Number(panel.dataset.completed || 0) + 1);
         $("talk-turns").textContent = String(turns);
-        if (!holding) set("state", free.checked ? "listening" : "ready");
+        if (answering) set("state", free.checked ? "listening" : "ready");
         break;
       }
       case "error":
