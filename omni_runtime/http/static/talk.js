@@ -150,13 +150,14 @@ function initTalk(config) {
 
   function interrupt(cancel) {
     // Speech over the answer: silence it now; a response still running is cancelled.
-    if (!playing() && !active) return;
-    stopPlayback();
+    const wasPlaying = playing();
+    if (!wasPlaying && !active) return;
+    if (wasPlaying && heardRow) heardRow.row.classList.add("interrupted");
+    stopPlayback();  // a running response is marked when its cancelled response.done comes
     if (cancel && active) send({ type: "response.cancel" });
     bargeIns++;
     set("bargeIns", bargeIns);
     $("talk-barge-ins").textContent = String(bargeIns);
-    if (heardRow) heardRow.row.classList.add("interrupted");
   }
 
   // --- hold to talk ------------------------------------------------------------------------
@@ -307,13 +308,18 @@ function initTalk(config) {
 
   setInterval(() => set("playing", playing()), 50);
 
-  button.addEventListener("pointerdown", (e) => { button.setPointerCapture(e.pointerId); press(); });
+  button.addEventListener("pointerdown", (e) => {
+    if (e.button !== 0) return;
+    button.setPointerCapture(e.pointerId);
+    press();
+  });
   button.addEventListener("pointerup", release);
   button.addEventListener("pointercancel", release);
   button.addEventListener("keydown", (e) => {
     if ((e.key === " " || e.key === "Enter") && !e.repeat) { e.preventDefault(); press(); }
   });
   button.addEventListener("keyup", (e) => { if (e.key === " " || e.key === "Enter") release(); });
+  window.addEventListener("blur", release);  // a release the page would not see
   free.addEventListener("change", freeTalk);
   set("state", "ready");
 }
