@@ -1,7 +1,8 @@
 """Stage code that shows the HTTP front door's prompts and parameters, for its tests.
 
 `echo_request` says what stage 0 was given, `tone` speaks it in a voice and at a speed
-a test can measure, `wav_duration` is a stand-in transcriber (it reports the WAV's length).
+a test can measure, `wav_duration` is a stand-in transcriber (it reports the WAV's length),
+`parrot` a stand-in thinker that answers a transcript with itself.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ from __future__ import annotations
 import io
 import json
 import wave
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from omni_runtime.stage_api import Final, marks_final
+
+PARROT_SAYS = "I am a parrot: I say what I hear, word for word, and nothing else."
+"""The parrot's answer after what it heard: ~4 s of speech, long enough to talk over."""
 TONE_S = 0.1
 """A tone lasts this long at speed 1."""
 
@@ -50,3 +56,14 @@ def wav_duration(data: Any, params: dict[str, Any] | None = None) -> str:
         rate, channels = w.getframerate(), w.getnchannels()
     language = (params or {}).get("language", "-")
     return f"{seconds:.4f} s, {rate} Hz, {channels} ch, language {language}"
+
+
+@marks_final
+def parrot(data: Any) -> Iterator[Any]:
+    """A stand-in thinker after a speech-to-text stage: answers with what it heard, word by
+    word as an LLM streams (`data`: the transcript's chunks, a list or a ChunkStream)."""
+    heard = "".join(str(c) for c in data if c).strip()
+    words = f"You said: {heard or 'nothing'}. {PARROT_SAYS}".split(" ")
+    for i, word in enumerate(words):
+        piece = word if i == 0 else f" {word}"
+        yield Final(piece) if i == len(words) - 1 else piece

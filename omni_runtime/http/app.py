@@ -10,7 +10,7 @@ from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from omni_runtime.http.audio import PCM16_RATE
@@ -29,11 +29,12 @@ from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
 from omni_runtime.http.transcriptions import transcriptions_router
 from omni_runtime.observe.prometheus import metrics_asgi_app
 
+PLAYGROUND_SCRIPTS = ("talk.js", "mic-worklet.js")
+"""The playground's microphone panel and its AudioWorklet, served at /playground/<name>."""
 
-def _playground_html() -> str:
-    return (
-        resources.files("omni_runtime.http").joinpath("static/playground.html").read_text("utf-8")
-    )
+
+def _static(name: str) -> str:
+    return resources.files("omni_runtime.http").joinpath(f"static/{name}").read_text("utf-8")
 
 
 def api_key_check(gateway: Gateway) -> Any:
@@ -87,10 +88,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     started = int(time.time())
-    page = _playground_html()
+    page = _static("playground.html")
+    scripts = {name: _static(name) for name in PLAYGROUND_SCRIPTS}
     talks = [s for s in gateway.served.values() if s.outputs.input != "audio"]
     shown = talks[0] if talks else gateway.first
     """The playground's pipeline: the first that takes text."""
+    listens = [
+        s for s in gateway.served.values()
+        if s.outputs.input == "audio" and s.outputs.audio_stage is not None
+    ]  # fmt: skip
+    """The microphone's: the first that takes speech and answers aloud (`/v1/realtime`)."""
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
@@ -103,8 +110,20 @@ def create_app(gateway: Gateway) -> FastAPI:
             "model": shown.name,
             "sample_rate": PCM16_RATE,  # streamed pcm16, whatever rate the pipeline makes
             "audio": shown.outputs.audio_stage is not None,
+            "takes_text": shown.outputs.input != "audio",
             "auth_required": bool(gateway.serve.api_keys),
+            "talk_model": listens[0].name if listens else None,
         }
+
+    @app.get("/playground/{name}", include_in_schema=False)
+    async def playground_script(name: str) -> Response:
+        if name not in scripts:
+            return error_response(ApiError(404, f"no playground file {name!r}"))
+        return Response(
+            scripts[name],
+            media_type="text/javascript",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,68 +1,27 @@
 """The playground page in headless Chromium against `omni-runtime serve` (embedded deployment).
 
-Needs Chromium and its driver (Debian: `apt-get install chromium chromium-driver`);
-without them the test is skipped, except under CI=true where it fails.
+Chromium as tests/e2e/chromium.py starts it (skipped without it, failed under CI=true).
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
-from tests.e2e.serving import ROOT, ServeProcess
-from tests.services import unavailable
+from tests.e2e.chromium import chromium, keep
+from tests.e2e.serving import ServeProcess
 
 pytestmark = pytest.mark.timeout(180)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-ARTIFACT_DIR = ROOT / "test-artifacts"
 PROMPT = "Hello from the playground, streaming text and audio!"
-
-
-def _unavailable(reason: str) -> NoReturn:
-    unavailable(reason, "Chromium")
 
 
 @pytest.fixture
 def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]
-    if missing:
-        _unavailable(
-            f"{', '.join(missing)} not installed (apt-get install chromium chromium-driver)"
-        )
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        _unavailable("selenium is not installed (pip install -e '.[test]')")
-    monkeypatch.setenv("SE_OFFLINE", "true")  # never let Selenium Manager download anything
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--autoplay-policy=no-user-gesture-required",
-        "--window-size=1000,900",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
+    with chromium(tmp_path, monkeypatch) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_playground_streams_text_and_audio(browser: object, tmp_path: Path) -> None:
@@ -111,8 +70,12 @@ def test_playground_streams_text_and_audio(browser: object, tmp_path: Path) -> N
         duration = browser.execute_script("return document.getElementById('player').duration")
         assert abs(duration - heard) < 0.02, (duration, heard)
         headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "section.panel h2")]
-        assert headings == ["TIMING", "ANSWER", "AUDIO"]  # shown upper-case
+        assert headings == ["TIMING", "ANSWER", "AUDIO", "TALK"]  # shown upper-case
         assert "Ctrl+Enter sends" in browser.find_element(By.ID, "hint").text
+        # the demo takes text: the microphone says what it needs (test_playground_mic.py talks)
+        assert not browser.find_element(By.ID, "talk").is_enabled()
+        talk_status = browser.find_element(By.ID, "talk-status").text
+        assert talk_status.startswith("no pipeline served takes speech"), talk_status
         icon = browser.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href")
         assert (icon or "").startswith("data:image/svg+xml")
         keep(browser, tmp_path, "playground.png")
@@ -129,12 +92,3 @@ def test_playground_streams_text_and_audio(browser: object, tmp_path: Path) -> N
         )
         assert overflow <= 0, f"{overflow} px wider than a 390 px screen"
         keep(browser, tmp_path, "playground-390.png")
-
-
-def keep(browser: object, tmp_path: Path, name: str) -> None:
-    """A screenshot, kept under test-artifacts/."""
-    shot = tmp_path / name
-    assert browser.save_screenshot(str(shot))  # type: ignore[attr-defined]
-    ARTIFACT_DIR.mkdir(exist_ok=True)
-    shutil.copyfile(shot, ARTIFACT_DIR / name)
-    assert shot.stat().st_size > 10_000

@@ -199,7 +199,13 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
     said = await client.post(CHAT, json={"model": "omni", "messages": CONVERSATION})
     assert said.json()["choices"][0]["message"]["content"] == "How are you ?"
     config = (await client.get("/playground/config")).json()
-    assert config["model"] == "echo"
+    assert config["model"] == "echo" and config["takes_text"]
+    assert config["talk_model"] is None  # transcribe takes speech but does not answer aloud
+    for script in ("talk.js", "mic-worklet.js"):
+        served = await client.get(f"/playground/{script}")
+        assert served.status_code == 200, script
+        assert served.headers["content-type"].startswith("text/javascript")
+    assert (await client.get("/playground/app.py")).status_code == 404
 
 
 @pytest.mark.parametrize(
