@@ -4,8 +4,8 @@
 namespace; load from one `OmniClient` here, closed loop at each concurrency, the
 modes' cells interleaved. Each request asks a different question (so no answer is
 canned, and llama.cpp's prompt cache helps no cell more than another) with the same
-`max_tokens`. Per request, from just before `submit`: TTFT (first text piece), TTFA
-(first audio chunk), E2E (the finished output), the audio's length, and what a
+`max_tokens` and the question's own seed, so both modes speak the same answers. Per
+request, from just before `submit`: TTFT (first text piece), TTFA (first audio chunk), E2E (the finished output), the audio's length, and what a
 listener hears (`omni_runtime.playback`: playback starts at the first audio and runs in
 real time; silence after a chunk played out is a gap). Real-time factor: the request's
 E2E over the seconds of audio it made (below 1: made faster than it plays).
@@ -102,7 +102,10 @@ async def one_request(client: OmniClient, question: str, sizes: Sizes, cell: Cel
     audio_s = 0.0
     heard = Playback()
     try:
-        rid = await client.submit(question, params={"max_tokens": sizes.max_tokens})
+        # The question's own seed: both modes speak the same answers (a request id's seed
+        # would make them differ in length, and E2E with them).
+        seed = QUESTIONS.index(question)
+        rid = await client.submit(question, params={"max_tokens": sizes.max_tokens, "seed": seed})
         async for out in client.stream(rid, timeout_s=120):
             now = time.perf_counter()
             if out.error is not None:

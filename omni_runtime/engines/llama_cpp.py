@@ -116,6 +116,7 @@ class LlamaCppEngine:
         n_parallel: int = 4,
         n_ctx_per_slot: int = 1024,
         n_threads: int = 2,
+        poll: int = 0,
         system_prompt: str | None = None,
         max_tokens: int = 96,
         temperature: float = 0.7,
@@ -123,10 +124,15 @@ class LlamaCppEngine:
     ) -> None:
         if not 1 <= n_parallel <= 64 or not 128 <= n_ctx_per_slot <= 32768:
             raise ConfigError("llama.cpp: n_parallel must be 1-64, n_ctx_per_slot 128-32768")
+        if not 1 <= n_threads <= 256 or not 0 <= poll <= 100:
+            raise ConfigError("llama.cpp: n_threads must be 1-256, poll 0-100")
         self.model_path = Path(model) if model else None
         self.n_parallel = n_parallel
         self.n_ctx_per_slot = n_ctx_per_slot
         self.n_threads = n_threads
+        self.poll = poll
+        """llama.cpp's threads' spinning while they wait for work (0-100; its own default
+        is 50). 0 lets them sleep: a spinning thread takes a core the other stages need."""
         self.system_prompt = system_prompt
         self.defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         self._server: Any = None
@@ -156,6 +162,7 @@ class LlamaCppEngine:
         params.n_ctx = self.n_ctx_per_slot * self.n_parallel
         params.cpuparams.n_threads = self.n_threads
         params.cpuparams_batch.n_threads = self.n_threads
+        params.cpuparams.poll = params.cpuparams_batch.poll = self.poll
         params.verbosity = -1  # llama.cpp logs every slot event otherwise
         params.warmup = False
         return xllamacpp.Server(params)

@@ -12,10 +12,13 @@ pause, as soon as it can tell:
   `min_clause_chars` characters (short clauses sound choppy);
 * at the last space before `max_clause_chars` when a clause runs on without any mark
   (bounding the wait for the first audio and the TTS input);
-* for the first piece only, already at the last space before `first_clause_chars`
-  when set: the first audio waits for the LLM to write the first piece and for the TTS
-  to speak all of it, so a short first piece is what makes streaming start early (the
-  later pieces are spoken while the first plays, so they can be whole clauses).
+* with `first_clause_chars` set, the first piece already at the last space before
+  that many characters, the second before twice as many, and so on up to
+  `max_clause_chars`: the first audio waits for the LLM to write the first piece and
+  for the TTS to speak all of it, so a short first piece is what makes streaming start
+  early; and each piece at most twice as long as the one before is spoken while that
+  one plays, so the audio has no gap once it started (a whole long clause would take
+  longer to make than a short first piece takes to play).
 
 Pieces keep every character (whitespace starts the next piece), so their concatenation is
 the input; and a cut depends only on the text, never on where the deltas split it.
@@ -56,8 +59,8 @@ class ClauseCutter:
         self.min_clause_chars = min_clause_chars
         self.max_clause_chars = max_clause_chars
         self.first_clause_chars = first_clause_chars
-        self._first = True
-        """No piece has been cut yet."""
+        self._cut = 0
+        """Pieces cut so far (the growing limit's step)."""
         self._buf = ""
         self._scan = 0
         """Where scanning resumes: every index before it was decided not to be a cut."""
@@ -69,20 +72,20 @@ class ClauseCutter:
             pieces.append(self._buf[:cut])
             self._buf = self._buf[cut:]
             self._scan = 0
-            self._first = False
+            self._cut += 1
         return pieces
 
     def flush(self) -> list[str]:
         """The text after the last cut (the stream ended), if any."""
         rest, self._buf, self._scan = self._buf, "", 0
-        self._first = self._first and not rest
+        self._cut += bool(rest)
         return [rest] if rest else []
 
     def _next_cut(self) -> int | None:
         """The end of the first complete piece in the buffer, or None (need more text)."""
         buf, limit = self._buf, self.max_clause_chars
-        if self._first and self.first_clause_chars is not None:
-            limit = self.first_clause_chars
+        if self.first_clause_chars is not None:
+            limit = min(limit, self.first_clause_chars << min(self._cut, 16))
         i = self._scan
         while i < len(buf):
             if i >= limit:  # a run-on clause: cut at its last space (or hard, if none)
