@@ -43,6 +43,8 @@ from omni_runtime.errors import (
 from omni_runtime.messages import AbortMsg, checked_request
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
+from omni_runtime.observe.start import tracer_for
+from omni_runtime.observe.tracing import Closable
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
@@ -55,7 +57,6 @@ from omni_runtime.redis_io.streams import DeadLetters, entry_fields
 from omni_runtime.redis_io.write_ops import XDel
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Closable, tracer_for
 
 __all__ = ["OmniClient", "RequestTimeoutError"]
 

@@ -33,6 +33,7 @@ from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
@@ -44,7 +45,6 @@ from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress, Stuck, Watchdog
 from omni_runtime.wire_views import AbortView, RequestView
 

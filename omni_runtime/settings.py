@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     retry_attempts: Annotated[int, Field(gt=0, le=1000)] = 20
     """Writes give up after this many failures (≈ 30 s with the defaults); reads never do."""
     trace_file: Path | None = None
-    """Append event stamps (see `omni_runtime.tracing`) to this file; None: tracing off."""
+    """Append event stamps (see `omni_runtime.observe.tracing`) to this file; None: tracing off."""
     trace: bool = False
     """Record every request's event stamps in Redis (`<ns>:trace:<id>`) for `omni-runtime trace`."""
     trace_ttl_s: PositiveInt = 3600

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from omni_runtime import keys
-from omni_runtime.tracing import RedisTracer, Tracer
+from omni_runtime.observe.tracing import RedisTracer, Tracer
 
 FINISHED = "request_finished"
 """The router's stamp of a request's last output: a request traced on demand ends there."""

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from omni_runtime import keys
-from omni_runtime.tracing import Flushable, Stamp, wall_ns
+from omni_runtime.observe.tracing import Flushable, Stamp, wall_ns
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.timings import RequestTimer
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator import intake
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
@@ -50,7 +51,6 @@ from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress
 from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
 

@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime.errors import RedisOutOfMemoryError, TransportError
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.held_writes import HeldWrites
@@ -44,7 +45,6 @@ from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.packing import one_timeout
 from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
 from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
-from omni_runtime.tracing import Tracer
 
 if TYPE_CHECKING:
     from omni_runtime.redis_io.leases import Fence

@@ -20,10 +20,10 @@ from redis.exceptions import RedisError
 
 from omni_runtime.messages import AbortMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress
 from omni_runtime.wire_views import StageInputView
 from omni_runtime.worker.actions import Input

@@ -15,15 +15,15 @@ import redis
 from rich.console import Console
 
 from omni_runtime import keys
-from omni_runtime.ops.trace_view import add_trace_arguments, run_trace, stage_spans
-from omni_runtime.settings import Settings
-from omni_runtime.tracing import (
+from omni_runtime.observe.start import tracer_for
+from omni_runtime.observe.tracing import (
     FanOutTracer,
     MemoryTracer,
     RedisTracer,
     read_redis_trace,
-    tracer_for,
 )
+from omni_runtime.ops.trace_view import add_trace_arguments, run_trace, stage_spans
+from omni_runtime.settings import Settings
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rich.console import Console
 
 from omni_runtime.observe.otel import OtelTracer, export_stamps
+from omni_runtime.observe.tracing import RedisTracer
 from omni_runtime.ops.trace_view import add_trace_arguments, run_trace
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import RedisTracer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -225,37 +225,3 @@ class FanOutTracer:
         for tracer in self.tracers:
             if isinstance(tracer, Closable):
                 tracer.close()
-
-
-def tracer_for(
-    trace_file: Path | None,
-    trace: bool = False,
-    redis_client: Callable[[], Any] | None = None,
-    names: keys.Names | None = None,
-    ttl_s: int = 3600,
-    role: str = "omni",
-) -> Tracer | None:
-    """The tracer a process shell builds from its settings (None: tracing off).
-
-    `trace_file`: a `FileTracer`; `trace` (with a client factory and names): a
-    `RedisTracer`; and, when opentelemetry-sdk is installed and
-    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `observe.otel.OtelTracer` whose spans
-    are named after `role` ("orchestrator", "stage 1", "client").
-    """
-    tracers: list[Tracer] = []
-    if trace_file is not None:
-        tracers.append(FileTracer(trace_file))
-    if trace and redis_client is not None and names is not None:
-        tracers.append(RedisTracer(redis_client(), names, ttl_s))
-    if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        try:
-            from omni_runtime.observe.otel import otel_tracer_from_env
-        except ImportError:
-            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry is not installed")
-        else:
-            otel = otel_tracer_from_env(role)
-            if otel is not None:
-                tracers.append(otel)
-    if not tracers:
-        return None
-    return tracers[0] if len(tracers) == 1 else FanOutTracer(tracers)
