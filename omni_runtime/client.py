@@ -47,6 +47,7 @@ from omni_runtime.observe.start import tracer_for
 from omni_runtime.observe.tracing import Closable
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.playback import Playback, audio_seconds
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.entries import parse_entries
@@ -123,7 +124,7 @@ class OmniClient:
             self.redis,
             self.settings.stream_maxlen,
             metrics=self.metrics,
-            backoff=self.settings.backoff(bounded=True),
+            backoff=Backoff.from_settings(self.settings, bounded=True),
             hold_refused=False,  # a refused submission fails at once
         )
         self._writer.on_failed = self._write_failed
@@ -320,7 +321,7 @@ class OmniClient:
 
     async def _read_outputs(self) -> None:
         self._last_id = b"0-0"
-        s, backoff = self.settings, self.settings.backoff()
+        s, backoff = self.settings, Backoff.from_settings(self.settings)
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:

@@ -38,6 +38,7 @@ from omni_runtime.orchestrator.build import build_orchestrator as build_orchestr
 from omni_runtime.orchestrator.slot import Shared, SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.leases import LeaseLost, Leases
 from omni_runtime.redis_io.liveness import StageWatch
@@ -75,7 +76,11 @@ class OrchestratorService:
         self.tracer: Tracer | None = None
         """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
         self.writer = StreamWriter(
-            self.client, s.stream_maxlen, None, metrics=self.metrics, backoff=s.backoff(True)
+            self.client,
+            s.stream_maxlen,
+            None,
+            metrics=self.metrics,
+            backoff=Backoff.from_settings(s, True),
         )
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)

@@ -7,7 +7,7 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -21,9 +21,6 @@ from pydantic_settings import (
 )
 
 from omni_runtime import keys, messages
-
-if TYPE_CHECKING:  # imported when used: importing redis-py takes ~0.3 s
-    from omni_runtime.redis_io.backoff import Backoff
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -242,14 +239,6 @@ class Settings(BaseSettings):
 
             raise ConfigError("no Redis URL: set OMNI_REDIS_URL or pass --redis-url")
         return self.redis_url
-
-    def backoff(self, bounded: bool = False) -> Backoff:
-        """The retry policy of one loop: bounded for writes, unbounded for reads."""
-        from omni_runtime.redis_io.backoff import Backoff
-
-        return Backoff(
-            self.retry_initial_s, self.retry_max_s, self.retry_attempts if bounded else None
-        )
 
     @property
     def names(self) -> keys.Names:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from omni_runtime import keys
 from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class ControlGuard:
             max_bytes=s.max_message_bytes,
             dead_letters=s.names.dead_letters,
             metrics=shared.metrics,
-            backoff=s.backoff(bounded=True),
+            backoff=Backoff.from_settings(s, bounded=True),
             block_budget=self._block_ms,
         )
         self.backlog_done = False

@@ -40,6 +40,7 @@ from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
@@ -95,7 +96,7 @@ class SlotService:
         self.home = home
         """The process's own slot reads new requests; a slot taken over only its backlog."""
         self.names = names = s.names
-        backoff = s.backoff(bounded=True)
+        backoff = Backoff.from_settings(s, bounded=True)
         self.stages = [
             RedisStageClient(
                 shared.client,

@@ -23,6 +23,7 @@ from redis.typing import StreamIdT
 
 from omni_runtime import keys
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
@@ -73,7 +74,10 @@ class Takeover:
         self.stream = reader.stream
         self._can_disconnect = not is_cluster(client)
         self.dead_letters = SyncDeadLetters(
-            client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
+            client,
+            self.names.dead_letters,
+            metrics=metrics,
+            backoff=Backoff.from_settings(settings, bounded=True),
         )
 
     def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:

@@ -20,6 +20,7 @@ from omni_runtime.errors import OOM_MESSAGE
 from omni_runtime.keys import Names
 from omni_runtime.messages import StageOutputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.leases import Leases
 from omni_runtime.settings import Settings
@@ -97,7 +98,7 @@ def output_thread(client: redis.Redis, lost: list[Any], attempts: int) -> Output
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: settings.backoff(bounded=True),
+        backoff=lambda: Backoff.from_settings(settings, bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )

@@ -12,6 +12,7 @@ import redis
 from omni_runtime import codec, keys
 from omni_runtime.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
@@ -89,7 +90,7 @@ def output_thread(client: FlakyRedis, lost: Lost, attempts: int) -> OutputThread
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: settings.backoff(bounded=True),
+        backoff=lambda: Backoff.from_settings(settings, bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )
