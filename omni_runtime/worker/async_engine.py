@@ -33,7 +33,7 @@ from omni_runtime.stage_api import (
     EngineStats,
     RequestAborted,
 )
-from omni_runtime.worker.engines import _LastChunkSink
+from omni_runtime.worker.last_chunk import LastChunkSink
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class AsyncEngineDriver:
 
     async def _serve(self, request_id: str, data: Any, params: dict[str, Any] | None) -> None:
         """One request: iterate `generate`, queue its outputs; its errors end it alone."""
-        sink = _LastChunkSink(request_id, self._emit, hold=self._hold)
+        sink = LastChunkSink(request_id, self._emit, hold=self._hold)
         outputs = self.engine.generate(request_id, data, params)
         try:
             async for item in outputs:
