@@ -35,7 +35,8 @@ from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
-from omni_runtime.orchestrator.slot import Shared, SlotService
+from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.orchestrator.slot import SlotService
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from omni_runtime import keys
 from omni_runtime.messages import AbortMsg
+from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader
-
-if TYPE_CHECKING:
-    from omni_runtime.orchestrator.slot import Shared
 
 log = logging.getLogger(__name__)
 

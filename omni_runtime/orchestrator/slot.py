@@ -20,38 +20,31 @@ import io
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput, ReqState
 from omni_runtime.messages import WIRE_VERSION
-from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
-from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator import intake
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
-from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
-from omni_runtime.redis_io.leases import Leases
-from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
+from omni_runtime.redis_io.liveness import no_live_worker
 from omni_runtime.redis_io.outbox import ClientOutbox
 from omni_runtime.redis_io.request_store import RequestStore, to_state
 from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
-from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.settings import Settings
 from omni_runtime.watchdog import Progress
 from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
 
@@ -65,27 +58,6 @@ blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
 def _wedge_after() -> int | None:
     value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
     return int(value) if value.isdigit() else None
-
-
-@dataclass
-class Shared:
-    """What every slot of one process shares: one client, one writer, one lease set."""
-
-    pipeline: PipelineConfig
-    settings: Settings
-    client: aioredis.Redis
-    writer: StreamWriter
-    leases: Leases
-    metrics: Metrics
-    timer: RequestTimer
-    stage_watch: StageWatch
-    tracer: Tracer | None = None
-    recheck_stages: Callable[[], Awaitable[None]] | None = None
-    """Look at the stages' heartbeats again now (a replica may have beaten since)."""
-    begin_trace: Callable[[str], None] | None = None
-    """A request flagged `trace` arrived: stamp it from here on (`observe/on_demand.py`)."""
-    traced: set[str] | frozenset[str] = frozenset()
-    """The requests traced on demand: their stage inputs carry the flag."""
 
 
 class SlotService:
@@ -124,10 +96,8 @@ class SlotService:
             stage.reader.block_budget = self._block_ms
             if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
                 joint.add(stage.reader)
-        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
-        self.core.sink = self._deliver
-        self.core.on_change = self._changed
-        self.core.step_done = shared.writer.send_now
+        hooks = Hooks(self._deliver, self._changed, shared.writer.send_now)
+        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics, hooks)
         self.requests: GroupReader[RequestView | AbortView] = GroupReader(
             shared.client,
             names.requests,

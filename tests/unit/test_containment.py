@@ -12,6 +12,7 @@ import fakeredis
 import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, codec, keys
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
 from omni_runtime.messages import WIRE_VERSION, StageOutputMsg
@@ -85,8 +86,7 @@ async def test_a_sink_that_raises_on_one_output_fails_that_request_with_one_fina
         got.append(out)
 
     metrics = Metrics()
-    orch = kind(seed_stages(), {2}, identity_forward, metrics=metrics)
-    orch.sink = sink
+    orch = kind(seed_stages(), {2}, identity_forward, metrics=metrics, hooks=Hooks(sink))
     async with orch:
         await orch.add_request("bad", "poison")
         await orch.add_request("good", "fine")
