@@ -326,7 +326,8 @@ class SlotService:
             queued = self._entry_of.get(rid)
             if queued is not None and queued[0] == entry_id:
                 return  # read again (a backlog re-read): acknowledged once registered
-            if not self._retransmitted(rid, cmd):
+            live = queued[1] if queued is not None else core.request_states.get(rid)
+            if not intake.retransmitted(cmd, self.client_of[rid], live):
                 self._refuse(cmd, intake.DUPLICATE_ID, intake.duplicate(rid))
             self._ack(entry_id)
             return
@@ -349,16 +350,6 @@ class SlotService:
         shared.timer.started(rid)
         await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
         # acknowledged with the batch that writes its state
-
-    def _retransmitted(self, rid: str, cmd: RequestView) -> bool:
-        """The same client asking for the same thing under a live id: its write retried."""
-        if self.client_of[rid] != cmd.client_id:
-            return False
-        queued = self._entry_of.get(rid)
-        if queued is not None:
-            return intake.same_request(queued[1].prompt, queued[1].params, cmd)
-        state = self.core.request_states.get(rid)
-        return state is not None and intake.same_request(state.prompt, state.params, cmd)
 
     def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
         """Answer a request that will not run with its one error final."""
