@@ -72,6 +72,8 @@ class ChunkReceiver:
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-recv-{stage_id}", daemon=True
         )
+
+    def start(self) -> None:
         self.thread.start()
 
     # --- caller's side: in-memory only ------------------------------------------

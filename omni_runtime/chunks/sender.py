@@ -49,6 +49,8 @@ class ChunkSender:
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-save-{stage_id}", daemon=True
         )
+
+    def start(self) -> None:
         self.thread.start()
 
     # --- caller's side: in-memory only ------------------------------------------

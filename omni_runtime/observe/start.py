@@ -120,7 +120,7 @@ def tracer_for(
     if trace_file is not None:
         tracers.append(FileTracer(trace_file))
     if trace and redis_client is not None and names is not None:
-        tracers.append(RedisTracer(redis_client(), names, ttl_s))
+        tracers.append(RedisTracer(redis_client(), names, ttl_s).start())
     if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
             from omni_runtime.observe.otel import otel_tracer_from_env

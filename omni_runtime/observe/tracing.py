@@ -144,7 +144,11 @@ class RedisTracer:
         self._closing = False
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="redis-tracer", daemon=True)
+
+    def start(self) -> RedisTracer:
+        """Start the writing thread; the tracer itself, for `RedisTracer(...).start()`."""
         self._thread.start()
+        return self
 
     def stamp(
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
@@ -167,7 +171,8 @@ class RedisTracer:
     def close(self, timeout_s: float = 5.0) -> None:
         self._closing = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
