@@ -126,8 +126,8 @@ class OmniClient:
             metrics=self.metrics,
             backoff=Backoff.from_settings(self.settings, bounded=True),
             hold_refused=False,  # a refused submission fails at once
+            on_failed=self._write_failed,
         )
-        self._writer.on_failed = self._write_failed
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
         self._epoch = StateEpoch(self.redis, self.names.epoch)

@@ -76,20 +76,20 @@ class OrchestratorService:
         self.client = self.clients.aio()
         self.tracer: Tracer | None = None
         """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
+        self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
+        if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
+            self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
+        else:  # one pool per node: the time fence alone (docs/operations.md)
+            self.leases.can_disconnect = False
         self.writer = StreamWriter(
             self.client,
             s.stream_maxlen,
             None,
             metrics=self.metrics,
             backoff=Backoff.from_settings(s, True),
+            fence=self.leases,
+            on_failed=self._writes_failed,
         )
-        self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
-        if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
-            self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
-        else:  # one pool per node: the time fence alone (docs/operations.md)
-            self.leases.can_disconnect = False
-        self.writer.fence = self.leases
-        self.writer.on_failed = self._writes_failed
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
         self.shared = Shared(
@@ -101,9 +101,9 @@ class OrchestratorService:
             self.metrics,
             self.timer,
             StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
+            recheck_stages=self._recheck_stages,
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
-        self.shared.recheck_stages = self._recheck_stages
         self.slots: dict[int, SlotService] = {}
         self.home: SlotService | None = None
         self.deposed: LeaseLost | None = None

@@ -85,6 +85,7 @@ class SlotService:
                 backoff=backoff,
                 slot=slot,
                 fence=shared.leases,
+                block_budget=self._block_ms,
             )
             for sid in range(p.last_stage + 1)
         ]
@@ -93,7 +94,6 @@ class SlotService:
         joint_read = not is_cluster(shared.client)
         for stage in self.stages:
             stage.traced = shared.traced
-            stage.reader.block_budget = self._block_ms
             if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
                 joint.add(stage.reader)
         hooks = Hooks(self._deliver, self._changed, shared.writer.send_now)
@@ -109,8 +109,8 @@ class SlotService:
             metrics=shared.metrics,
             backoff=backoff,
             block_budget=self._block_ms,
+            on_bad=self._answer_malformed,
         )
-        self.requests.on_bad = self._answer_malformed
         self.control = ControlGuard(shared, slot, home)
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -91,6 +92,7 @@ class RedisStageClient:
         backoff: Backoff | None = None,
         slot: int = 0,
         fence: Fence | None = None,
+        block_budget: Callable[[], int] | None = None,
     ) -> None:
         self.writer = writer
         self.stage_id = stage_id
@@ -118,8 +120,9 @@ class RedisStageClient:
             dead_letters=names.dead_letters,
             metrics=self.metrics,
             backoff=backoff,
+            block_budget=block_budget,
+            batches=True,
         )
-        self.reader.batches = True
         self.seq = SeqFilter()
         self.handled_seq: dict[str, int] = {}
         self._entry_of: dict[int, tuple[bytes, str, int]] = {}

@@ -109,16 +109,18 @@ class _ReaderBase(Generic[M]):
         metrics: Metrics | None,
         backoff: Backoff | None,
         backlog_first: bool,
+        batches: bool = False,
+        on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
     ) -> None:
         self.stream, self.group, self.consumer = stream, group, consumer
         self.max_bytes = max_bytes
         self.metrics = metrics or Metrics()
         self.cursor = BacklogCursor(backlog_first)
         self.read_ns = 0
-        self.batches = False
-        """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
+        self.batches = batches
+        """Entries may carry several messages (a stage's outputs)."""
         self.joint: JointRead | None = None
-        self.on_bad: Callable[[Sequence[BadEntry]], None] | None = None
+        self.on_bad = on_bad
         """Told of each read's malformed entries (as they are dead-lettered): a reader's
         owner may answer whoever sent them."""
         self._model = model
@@ -234,8 +236,21 @@ class GroupReader(_ReaderBase[M]):
         backoff: Backoff | None = None,
         backlog_first: bool = True,
         block_budget: Callable[[], int] | None = None,
+        batches: bool = False,
+        on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
     ) -> None:
-        super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
+        super().__init__(
+            stream,
+            group,
+            consumer,
+            model,
+            max_bytes,
+            metrics,
+            backoff,
+            backlog_first,
+            batches,
+            on_bad,
+        )
         self.client = client
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()

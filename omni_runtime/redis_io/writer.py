@@ -88,6 +88,8 @@ class StreamWriter:
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
         hold_refused: bool = True,
+        fence: Fence | None = None,
+        on_failed: FailedHook | None = None,
     ) -> None:
         self.client = client
         self.maxlen = maxlen
@@ -99,13 +101,13 @@ class StreamWriter:
         """Writes refused for memory are held and written again later (an orchestrator: its
         requests go on once memory is freed); else given up at once (a client: a refused
         submission is answered at once, and never written behind its caller's back)."""
-        self.on_failed: FailedHook | None = None
+        self.on_failed = on_failed
         self.memory = MemorySeen()
         bounded = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
         self._held = HeldWrites(b.initial_s, bounded.budget_s())
         self.sources: list[Callable[[], list[Op]]] = []
         """Called as each batch is taken: the ops that record state changed since."""
-        self.fence: Fence | None = None
+        self.fence = fence
         self._cluster = is_cluster(client)
         self._traced: list[tuple[str, int]] = []
         """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""

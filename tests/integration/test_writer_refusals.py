@@ -138,8 +138,7 @@ async def test_a_write_refused_for_good_fails_its_request_alone_and_is_not_retri
     probe = redis.Redis.from_url(full_redis.url)
     probe.hset("states", "bad", b"x")
     metrics, failed = Metrics(), Failed()
-    writer = StreamWriter(client, 100, metrics=metrics)
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, metrics=metrics, on_failed=failed)
     task = await running(writer)
     try:
         writer.queue(ExpireAt("states", 2**63, owner="bad"))
@@ -164,8 +163,7 @@ async def test_a_client_writer_fails_a_write_refused_for_memory_at_once(
     """A refused submission is answered at once and never written behind its caller."""
     probe = redis.Redis.from_url(full_redis.url)
     failed = Failed()
-    writer = StreamWriter(client, 100, hold_refused=False)
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, hold_refused=False, on_failed=failed)
     task = await running(writer)
     try:
         with full_redis.full():
@@ -186,8 +184,7 @@ async def test_writes_held_for_memory_are_given_up_after_the_retry_budget(
     full_redis: FullableRedis, client: aioredis.Redis
 ) -> None:
     failed = Failed()
-    writer = StreamWriter(client, 100, backoff=Backoff(0.001, 0.002, 3))
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, backoff=Backoff(0.001, 0.002, 3), on_failed=failed)
     task = await running(writer)
     try:
         with full_redis.full():
