@@ -111,11 +111,9 @@ class RedisCluster:
             per_node = -(-CLUSTER_SLOTS // self.masters)
             for i, client in enumerate(clients[: self.masters]):
                 slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
-                client.execute_command("CLUSTER ADDSLOTS", *slots)  # type: ignore[no-untyped-call]
+                client.execute_command("CLUSTER ADDSLOTS", *slots)
             for node in self.nodes[1:]:
-                clients[0].execute_command(  # type: ignore[no-untyped-call]
-                    "CLUSTER MEET", "127.0.0.1", node.port
-                )
+                clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port)
             deadline = time.monotonic() + self.timeout_s
             ids = [c.execute_command("CLUSTER MYID") for c in clients[: self.masters]]  # type: ignore[no-untyped-call]
             for n, client in enumerate(clients[self.masters :]):

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -123,7 +123,7 @@ class RedisConnector:
             raw = self.client.getdel(name)
         except RedisError as e:
             raise TransportError(f"GETDEL {name!r} failed: {e}") from e
-        return None if raw is None else self._decode(name, raw)  # type: ignore[arg-type]
+        return None if raw is None else self._decode(name, cast(bytes, raw))
 
     # --- ChunkTransport -----------------------------------------------------------
 

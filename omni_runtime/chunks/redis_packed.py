@@ -51,7 +51,7 @@ class HeldPuts:
     def drop(self) -> None:
         """Under `lock`: the held connection failed; the next put takes a fresh one."""
         if self.conn is not None:
-            self.conn.disconnect()  # type: ignore[no-untyped-call]
+            self.conn.disconnect()
             self.pool.release(self.conn)
             self.conn = None
 
@@ -116,8 +116,8 @@ class PackedPipe:
 def _round_trip(conn: Connection, cmds: list[tuple[Any, ...]]) -> list[Any]:
     """Send every command, read every reply; a failure disconnects `conn` and raises."""
     try:
-        conn.send_packed_command(conn.pack_commands(cmds))  # type: ignore[no-untyped-call]
+        conn.send_packed_command(conn.pack_commands(cmds))
         return [conn.read_response() for _ in cmds]
     except BaseException:
-        conn.disconnect()  # type: ignore[no-untyped-call]
+        conn.disconnect()
         raise

@@ -222,8 +222,8 @@ class NotifyWaiter:
                 blpop = ("BLPOP", self.notify_key, BLOCK_S)
                 lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
                 cmds = [("UNLINK", *unlink), blpop, lpop] if unlink else [blpop, lpop]
-                packed = conn.pack_commands(cmds)  # type: ignore[no-untyped-call]
-                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                packed = conn.pack_commands(cmds)
+                conn.send_packed_command(packed)
                 self._in_flight, self._skip, sent = True, int(bool(unlink)), bool(unlink)
             if self._pair is None:
                 self._pair = socket.socketpair()
@@ -284,7 +284,7 @@ class NotifyWaiter:
     def _drop(self) -> None:
         """A connection with a BLPOP in flight must not go back to the pool as is."""
         if self._conn is not None:
-            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            self._conn.disconnect()
             if self._pool is not None:
                 self._pool.release(self._conn)
             self._conn, self._in_flight, self._skip = None, False, 0

@@ -72,7 +72,7 @@ def is_cluster(client: object) -> bool:
 
 def cluster_info(client: redis.Redis) -> dict[str, str]:
     """CLUSTER INFO as a dict of strings (redis-py parses the reply; keep both shapes)."""
-    info = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+    info = client.execute_command("CLUSTER INFO")
     if isinstance(info, dict):
         return {str(k): v.decode() if isinstance(v, bytes) else str(v) for k, v in info.items()}
     text = info.decode() if isinstance(info, bytes) else str(info)
@@ -217,7 +217,7 @@ def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
         return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
     client = async_primary(url) if is_sentinel_url(url) else aioredis.Redis.from_url(url)
     pool = client.connection_pool
-    if _is_utf8(pool.get_encoder()):  # type: ignore[no-untyped-call] # hiredis encodes str as UTF-8, strictly
+    if _is_utf8(pool.get_encoder()):  # hiredis encodes str as UTF-8, strictly
         pool.connection_class = small_first_async(pool.connection_class)
     return client
 

@@ -216,7 +216,7 @@ class Leases:
                     ]
                     if taken:
                         self._lose(taken)
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()
                     for slot, key, value, gen in zip(slots, lease_keys, values, gens, strict=True):
                         pipe.hset(registry, str(slot), self.token)
                         if value is not None:
@@ -261,7 +261,7 @@ class Leases:
             try:
                 await pipe.watch(key)
                 if self._mine(await pipe.get(key)):
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()
                     pipe.delete(key)
                     pipe.xadd(released, {"slot": slot}, maxlen=keys.RELEASED_MAXLEN)
                     pipe.expire(released, keys.RELEASED_TTL_S)

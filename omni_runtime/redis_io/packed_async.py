@@ -82,7 +82,7 @@ class AsyncPackedPipe:
             self.send(conn)
             return await self.replies(conn, raise_on_error)
         pool = self.client.connection_pool
-        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        conn = await pool.get_connection()
         try:
             self.send(conn)
             return await self.replies(conn, raise_on_error)

@@ -61,7 +61,7 @@ class SmallFirstPacker:
     def pack(self, *args: Any) -> list[bytes]:
         packed = pack_small(args)
         if packed is None:
-            return self._python.pack(*args)  # type: ignore[no-any-return,no-untyped-call]
+            return self._python.pack(*args)  # type: ignore[no-any-return]
         return [packed]
 
 

@@ -87,7 +87,7 @@ class AsyncHeldReads:
         Raises RedisError; a failed read drops the connection (a reply half read must not
         be read as the next one), and the next read connects anew."""
         if self._conn is None:
-            self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            self._conn = await self.client.connection_pool.get_connection()
         conn = self._conn
         try:
             await conn.send_packed_command(

@@ -360,7 +360,7 @@ class StreamWriter:
                 carried = fill_pipeline(pipe, ops)
                 return await pipe.execute(raise_on_error=False), carried
         if self._conn is None:  # held for good: the pool still closes it with the client
-            self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            self._conn = await self.client.connection_pool.get_connection()
         packed = AsyncPackedPipe(self.client)
         carried = fill_pipeline(packed, ops)
         return await packed.execute(self._conn, raise_on_error=False), carried

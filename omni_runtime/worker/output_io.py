@@ -167,8 +167,8 @@ class HeldConnection:
         conn = self._conn
         assert conn is not None
         try:
-            packed = conn.pack_commands(commands)  # type: ignore[no-untyped-call]
-            conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
+            packed = conn.pack_commands(commands)
+            conn.send_packed_command(packed, check_health=False)
         except BaseException:
             self._drop()
             raise
@@ -201,4 +201,4 @@ class HeldConnection:
     def _drop(self) -> None:
         self.up = False
         if self._conn is not None:
-            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            self._conn.disconnect()

@@ -47,7 +47,7 @@ class OwnConnection:
                 return
             self._connected(conn)
             self.shared.client_unblock(self._id or 0)  # allowed? (nothing blocked: a no-op)
-            conn.register_connect_callback(self._connected)  # type: ignore[no-untyped-call]
+            conn.register_connect_callback(self._connected)
         except RedisError as e:
             log.info("%s keeps short blocking reads (%s)", name, e)
             self._id = None
@@ -76,5 +76,5 @@ class OwnConnection:
 
     def _connected(self, conn: AbstractConnection) -> None:
         """On every (re)connection: learn the connection's id, which changes with it."""
-        conn.send_command("CLIENT", "ID")  # type: ignore[no-untyped-call]
+        conn.send_command("CLIENT", "ID")
         self._id = int(conn.read_response())
