@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 def node_urls(cluster_url: str) -> list[str]:
     client = redis.cluster.RedisCluster.from_url(cluster_url)
     try:
-        return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())  # type: ignore[no-untyped-call]
+        return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())
     finally:
         client.close()
 
@@ -114,7 +114,7 @@ def half_a_cluster(tmp_path: Path) -> Iterator[str]:
     with RedisServer(extra_args=args, pick_port=cluster_node_port) as server:
         client = redis.Redis.from_url(server.url)
         try:
-            client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)  # type: ignore[no-untyped-call]
+            client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)
         finally:
             client.close()
         yield server.url

@@ -74,7 +74,7 @@ class SubmissionCounter:
 
     def _run(self) -> None:
         conn = self._conn = self.client.connection_pool.get_connection()
-        conn.send_command("MONITOR")  # type: ignore[no-untyped-call]
+        conn.send_command("MONITOR")
         conn.read_response()
         self._started.set()
         try:

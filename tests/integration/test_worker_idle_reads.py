@@ -115,7 +115,7 @@ def test_an_unblocked_read_resumes_on_a_new_connection_after_a_disconnect(redis_
     first = own._id
     assert first is not None
     assert own.client.connection is not None
-    own.client.connection.disconnect()  # type: ignore[no-untyped-call]
+    own.client.connection.disconnect()
     assert own.client.ping()  # reconnected: the id followed the new connection
     assert own._id is not None and own._id != first
     own.close()

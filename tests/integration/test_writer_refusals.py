@@ -206,7 +206,7 @@ async def test_the_packed_pipe_reads_every_reply_past_an_error_reply(
 ) -> None:
     """Read whole, the connection stays in step: the next round trip on it is answered."""
     await client.set("text", "not a stream")
-    conn: Any = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    conn: Any = await client.connection_pool.get_connection()
     try:
         pipe = AsyncPackedPipe(client)
         pipe.xadd("text", {PAYLOAD: b"x"}, maxlen=10)

@@ -19,7 +19,7 @@ ENCODE = redis.ConnectionPool().get_encoder().encode
 
 
 def python_bytes(*args: Any) -> bytes:
-    packed = PythonRespSerializer(6000, ENCODE).pack(*args)  # type: ignore[no-untyped-call]
+    packed = PythonRespSerializer(6000, ENCODE).pack(*args)
     return b"".join(bytes(p) for p in packed)
 
 
