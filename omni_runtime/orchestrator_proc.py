@@ -41,6 +41,7 @@ from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
+from omni_runtime.redis_io.conn import name_connections
 from omni_runtime.redis_io.leases import LeaseLost, Leases
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.stage_client import RedisStageClient
@@ -78,7 +79,7 @@ class OrchestratorService:
         """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
-            self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
+            name_connections(self.client, self.leases.client_name)
         else:  # one pool per node: the time fence alone (docs/operations.md)
             self.leases.can_disconnect = False
         self.writer = StreamWriter(

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.entries import Entry, stream_reply
 
@@ -50,14 +51,12 @@ def xreadgroup_sync(
         return stream_reply(reply)
     args = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "BLOCK", block_ms)
     try:
-        conn.send_packed_command(
-            conn.pack_command(*args, "STREAMS", *streams, *streams.values()), False
-        )
-        reply = conn.read_response()
+        rconn.send_one(conn, *args, "STREAMS", *streams, *streams.values(), check_health=False)
+        reply = rconn.reply(conn)
     except redis.exceptions.ResponseError:
         raise  # a whole error reply: the connection is still in step
     except BaseException:
-        conn.disconnect()  # a reply half read must not be read as the next one
+        rconn.drop(conn)  # a reply half read must not be read as the next one
         raise
     return stream_entries(reply)
 
@@ -87,14 +86,13 @@ class AsyncHeldReads:
         Raises RedisError; a failed read drops the connection (a reply half read must not
         be read as the next one), and the next read connects anew."""
         if self._conn is None:
-            self._conn = await self.client.connection_pool.get_connection()
+            self._conn = await rconn.take_async(self.client.connection_pool)
         conn = self._conn
         try:
-            await conn.send_packed_command(
-                conn.pack_command(*args, "STREAMS", *streams, *streams.values()), False
-            )
-            reply = await conn.read_response()
+            names = (*streams, *streams.values())
+            await rconn.send_one_async(conn, *args, "STREAMS", *names, check_health=False)
+            reply = await rconn.reply_async(conn)
         except BaseException:
-            await conn.disconnect()
+            await rconn.drop_async(conn)
             raise
         return stream_entries(reply)

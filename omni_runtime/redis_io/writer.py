@@ -40,9 +40,9 @@ from omni_runtime.metrics import Metrics
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.conn import one_timeout, take_async
 from omni_runtime.redis_io.held_writes import HeldWrites
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
-from omni_runtime.redis_io.packing import one_timeout
 from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
 from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
 
@@ -360,7 +360,7 @@ class StreamWriter:
                 carried = fill_pipeline(pipe, ops)
                 return await pipe.execute(raise_on_error=False), carried
         if self._conn is None:  # held for good: the pool still closes it with the client
-            self._conn = await self.client.connection_pool.get_connection()
+            self._conn = await take_async(self.client.connection_pool)
         packed = AsyncPackedPipe(self.client)
         carried = fill_pipeline(packed, ops)
         return await packed.execute(self._conn, raise_on_error=False), carried

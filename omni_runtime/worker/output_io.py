@@ -32,6 +32,7 @@ from redis.connection import Connection
 from redis.exceptions import ResponseError
 
 from omni_runtime import codec, keys
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.worker.actions import Outgoing
@@ -163,12 +164,11 @@ class HeldConnection:
     def send(self, commands: list[Command]) -> None:
         """Pack and send; connects first if down (the output thread only). Raises RedisError."""
         if self._conn is None:
-            self._conn = self._pool.get_connection()
+            self._conn = rconn.take(self._pool)
         conn = self._conn
         assert conn is not None
         try:
-            packed = conn.pack_commands(commands)
-            conn.send_packed_command(packed, check_health=False)
+            rconn.send(conn, commands, check_health=False)
         except BaseException:
             self._drop()
             raise
@@ -180,13 +180,8 @@ class HeldConnection:
         conn = self._conn
         if conn is None:
             raise redis.exceptions.ConnectionError("the held connection was dropped")
-        out: list[Any] = []
         try:
-            for _ in range(count):
-                try:
-                    out.append(conn.read_response())
-                except ResponseError as e:
-                    out.append(e)
+            out = rconn.replies(conn, count)
         except BaseException:
             self._drop()  # replies left unread: the connection is out of step
             raise
@@ -194,11 +189,11 @@ class HeldConnection:
 
     def close(self) -> None:
         if self._conn is not None:
-            self._pool.release(self._conn)
+            rconn.give_back(self._pool, self._conn)
             self._conn = None
         self.up = False
 
     def _drop(self) -> None:
         self.up = False
         if self._conn is not None:
-            self._conn.disconnect()
+            rconn.drop(self._conn)

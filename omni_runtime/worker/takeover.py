@@ -23,6 +23,7 @@ from redis.typing import StreamIdT
 
 from omni_runtime import keys
 from omni_runtime.metrics import Metrics
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
@@ -42,9 +43,7 @@ def name_connections(client: redis.Redis, names: keys.Names, stage_id: int, work
     """Every connection `client` opens from now on carries this worker's name (a single
     server: on a cluster the time fence alone guards a stalled replica's writes)."""
     if not is_cluster(client):
-        client.connection_pool.connection_kwargs["client_name"] = names.worker_connection(
-            stage_id, worker_id
-        )
+        rconn.name_connections(client, names.worker_connection(stage_id, worker_id))
 
 
 class Takeover:
