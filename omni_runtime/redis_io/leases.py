@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, RedisError, WatchError
@@ -48,18 +48,6 @@ log = logging.getLogger(__name__)
 FRESH_FRACTION = 0.75
 """Share of the TTL after a round's start during which the leases count as held."""
 MAX_SLOTS = keys.MAX_SLOTS
-
-
-class Fence(Protocol):
-    """What holds a writer's batches while its process's lease is not known fresh."""
-
-    async def hold(self) -> bool:
-        """Wait until writing is safe: True, or False once it never will be again."""
-        ...
-
-    def fresh(self) -> bool:
-        """Writing is safe now (`hold` would return True at once)."""
-        ...
 
 
 class LeaseLost(FatalError):

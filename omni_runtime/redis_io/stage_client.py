@@ -30,7 +30,7 @@ from omni_runtime.messages import WIRE_VERSION, AbortMsg
 from omni_runtime.metrics import Metrics
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.leases import Fence
+from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire_views import StageOutputRelayView, StageOutputView

@@ -47,7 +47,7 @@ from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
 from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
 
 if TYPE_CHECKING:
-    from omni_runtime.redis_io.leases import Fence
+    from omni_runtime.redis_io.liveness import Fence
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.held_writes import PROBE_MAX_S
 from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
-from omni_runtime.worker.fence import Fence
+from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output_io import (
     LOOP_SEND_MAX_BYTES,
     HeldConnection,
@@ -65,7 +65,7 @@ class OutputThread:
         backoff: Callable[[], Backoff],
         on_lost: Callable[[list[Outgoing], str], None],
         metrics: Metrics,
-        fence: Fence | None = None,
+        fence: StallFence | None = None,
         slot_stream: Callable[[int], str] | None = None,
         max_batch_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
@@ -128,7 +128,7 @@ class OutputThread:
             held is not None
             and held.up
             and not (self._writing or self._stop)
-            and (self.fence is None or self.fence.writable())
+            and (self.fence is None or self.fence.fresh())
         )
 
     def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
