@@ -82,7 +82,7 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     auth = f"{userinfo}@" if userinfo else ""
     db = f"/{quote(path[1])}" if len(path) == 2 else ""
     rest = urlencode({k: v[0] for k, v in query.items()})
-    kwargs: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call]
+    kwargs: dict[str, Any] = parse_url(
         f"{plain}://{auth}sentinel-service{db}" + (f"?{rest}" if rest else "")
     )
     for name in ("host", "port", "connection_class"):
@@ -174,12 +174,8 @@ def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
     target = parse_sentinel_url(url)
     kwargs = _kwargs(target, redis_kwargs, aio=False)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-        target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
-    )
-    client: SentinelRedis = manager.master_for(  # type: ignore[no-untyped-call]
-        target.service, redis_class=SentinelRedis
-    )
+    manager = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
+    client: SentinelRedis = manager.master_for(target.service, redis_class=SentinelRedis)
     client.sentinel_manager = manager
     return client
 
@@ -189,9 +185,7 @@ def async_primary(url: str, **redis_kwargs: Any) -> aioredis.Redis:
     target = parse_sentinel_url(url)
     kwargs = _kwargs(target, redis_kwargs, aio=True)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
-    manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
-        target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
-    )
+    manager = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
     client: AsyncSentinelRedis = manager.master_for(target.service, redis_class=AsyncSentinelRedis)
     client.sentinel_manager = manager
     return client
@@ -202,11 +196,11 @@ def primary_address(url: str, timeout_s: float) -> tuple[str, int]:
     (a ConnectionError) when none answers or none knows a healthy primary."""
     target = parse_sentinel_url(url)
     options = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    manager = redis.sentinel.Sentinel(
         target.sentinels, sentinel_kwargs={**options, **target.sentinel_kwargs}
     )
     try:
-        host, port = manager.discover_master(target.service)  # type: ignore[no-untyped-call]
+        host, port = manager.discover_master(target.service)
         return str(host), int(port)
     finally:
         manager.close()
