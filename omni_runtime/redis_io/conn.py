@@ -33,6 +33,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.connection
+import redis.asyncio.sentinel as aiosentinel
+import redis.connection
+import redis.sentinel
 from redis.asyncio.connection import AbstractConnection as AsyncConnection
 from redis.connection import AbstractConnection, Connection, ConnectionPool, PythonRespSerializer
 from redis.exceptions import ResponseError
@@ -276,3 +280,42 @@ async def reply_async(conn: AsyncConnection) -> Any:
 
 async def drop_async(conn: AsyncConnection) -> None:
     await conn.disconnect()
+
+
+# --- Sentinel: a connection that follows the primary ----------------------------------
+
+# redis-py's Sentinel connection finds the primary in `connect()`, but a command sent on a
+# disconnected connection reconnects through `connect_check_health()`, to the address it
+# had: a connection held outside the pool (the hand-packed commands' ones) would knock on
+# the dead primary's door for ever. These ask the sentinels on that path too (a reconnect
+# through `connect()` asks twice: one round trip to a sentinel, once per reconnect).
+
+
+class FollowingConnection(redis.sentinel.SentinelManagedConnection):
+    """A sync Sentinel connection that finds the primary on every reconnect."""
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health, retry_socket_connect)
+
+
+class FollowingSSLConnection(FollowingConnection, redis.connection.SSLConnection):
+    pass
+
+
+class AsyncFollowingConnection(aiosentinel.SentinelManagedConnection):
+    """`FollowingConnection` for asyncio."""
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.connection.SSLConnection):
+    pass

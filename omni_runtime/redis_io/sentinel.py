@@ -27,6 +27,13 @@ import redis.connection
 import redis.sentinel
 from redis.connection import parse_url
 
+from omni_runtime.redis_io.conn import (
+    AsyncFollowingConnection,
+    AsyncFollowingSSLConnection,
+    FollowingConnection,
+    FollowingSSLConnection,
+)
+
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 DEFAULT_SENTINEL_PORT = 26379
 SENTINEL_ONLY = ("sentinel_username", "sentinel_password")
@@ -94,43 +101,6 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
 
 def _socket_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k.startswith("socket_")}
-
-
-# redis-py's Sentinel connection finds the primary in `connect()`, but a command sent on a
-# disconnected connection reconnects through `connect_check_health()`, to the address it
-# had: a connection held outside the pool (the hand-packed commands' ones) would knock on
-# the dead primary's door for ever. These ask the sentinels on that path too (a reconnect
-# through `connect()` asks twice: one round trip to a sentinel, once per reconnect).
-
-
-class FollowingConnection(redis.sentinel.SentinelManagedConnection):
-    """A sync Sentinel connection that finds the primary on every reconnect."""
-
-    def connect_check_health(
-        self, check_health: bool = True, retry_socket_connect: bool = True
-    ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
-        super().connect_check_health(check_health, retry_socket_connect)
-
-
-class FollowingSSLConnection(FollowingConnection, redis.connection.SSLConnection):
-    pass
-
-
-class AsyncFollowingConnection(aiosentinel.SentinelManagedConnection):
-    """`FollowingConnection` for asyncio."""
-
-    async def connect_check_health(
-        self, check_health: bool = True, retry_socket_connect: bool = True
-    ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = await self.connection_pool.get_master_address()
-        await super().connect_check_health(check_health, retry_socket_connect)
-
-
-class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.connection.SSLConnection):
-    pass
 
 
 def _kwargs(target: SentinelTarget, redis_kwargs: dict[str, Any], aio: bool) -> dict[str, Any]:

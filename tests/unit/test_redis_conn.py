@@ -100,6 +100,7 @@ SYNC_METHODS = {
     "send_packed_command": ["self", "command", "check_health"],
     "can_read": ["self", "timeout"],
     "register_connect_callback": ["self", "callback"],
+    "connect_check_health": ["self", "check_health", "retry_socket_connect"],
 }
 ASYNC_METHODS = {
     "pack_commands": ["self", "commands"],
@@ -112,6 +113,7 @@ ASYNC_METHODS = {
         "disconnect_on_error",
         "push_request",
     ],
+    "connect_check_health": ["self", "check_health", "retry_socket_connect"],
 }
 
 
@@ -149,6 +151,7 @@ def test_the_attributes_conn_uses_are_still_there() -> None:
 
 
 PRIVATE = {
+    "connect_check_health",
     "pack_commands",
     "pack_command",
     "send_packed_command",
@@ -161,6 +164,10 @@ PRIVATE = {
     "connection_class",
     "PythonRespSerializer",
 }
+
+
+POOL_ONLY = {"connection_kwargs", "connection_class", "get_connection", "get_encoder"}
+"""Private only on a connection pool (`SentinelTarget.connection_kwargs` is a URL's options)."""
 
 
 def test_only_conn_touches_redis_py_below_its_command_api() -> None:
@@ -177,7 +184,8 @@ def test_only_conn_touches_redis_py_below_its_command_api() -> None:
                 if isinstance(node, ast.alias)
                 else None
             )
-            if name in PRIVATE or (
+            on_a_pool = isinstance(node, ast.Attribute) and "pool" in ast.unparse(node.value)
+            if (name in PRIVATE and (name not in POOL_ONLY or on_a_pool)) or (
                 isinstance(node, ast.Attribute)
                 and node.attr in ("_sock", "_writer")
                 and isinstance(node.value, ast.Name)
