@@ -20,7 +20,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from omni_runtime import keys, messages
+from omni_runtime import keys
+from omni_runtime.wire import messages
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -153,7 +154,7 @@ class Settings(BaseSettings):
             return None
         scheme = urlsplit(url).scheme
         if scheme in ("redis+sentinel", "rediss+sentinel"):
-            from omni_runtime.redis_io.sentinel import parse_sentinel_url
+            from omni_runtime.sentinel_url import parse_sentinel_url
 
             parse_sentinel_url(url)  # a ValueError names what is wrong
         elif scheme not in ("redis", "rediss", "unix"):

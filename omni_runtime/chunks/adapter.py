@@ -18,7 +18,7 @@ from omni_runtime.chunks.sender import ChunkSender
 from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkTransport, Connector, PollingTransport
 from omni_runtime.core.chunk_book import Chunk
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 
 __all__ = ["Chunk", "ChunkAdapter"]
 

@@ -20,7 +20,7 @@ from omni_runtime import keys
 from omni_runtime.chunks.transport import ChunkTransport
 from omni_runtime.core.chunk_book import Chunk
 from omni_runtime.core.recv_book import Poll, RecvBook
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 
 log = logging.getLogger(__name__)

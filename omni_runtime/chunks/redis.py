@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.retry import Retry
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.chunks.redis_packed import HeldPuts, put_pipe
 from omni_runtime.chunks.redis_wakeups import (
     WAKEUP_BATCH,
@@ -47,6 +47,7 @@ from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.keys import stored_chunk_key
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster, sync_client
+from omni_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from omni_runtime import keys
 from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport
 from omni_runtime.core.chunk_book import SendBook, SendItem, Staged
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from omni_runtime.cli.commands import (
 )
 from omni_runtime.cli.startup import document_fields, import_redis
 from omni_runtime.errors import OmniError
-from omni_runtime.forked import Children
+from omni_runtime.local.forked import Children
 from omni_runtime.logs import configure_logging
 from omni_runtime.settings import Settings
 
@@ -267,7 +267,7 @@ CHILDREN = Children(
     main=main,
     modules=(
         "numpy",  # the codec's arrays (the demo's stages use it too)
-        "omni_runtime.orchestrator_proc",
+        "omni_runtime.orchestrator.proc",
         "omni_runtime.worker.proc",
     ),
     prepare=_prepare_children,

@@ -27,7 +27,7 @@ from omni_runtime.cli.console import (
 )
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import ConfigError, OmniError
-from omni_runtime.forked import Children
+from omni_runtime.local.forked import Children
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
 
@@ -68,7 +68,7 @@ def _wav_rate(pipeline: PipelineConfig) -> int:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from omni_runtime.orchestrator_proc import OrchestratorService
+    from omni_runtime.orchestrator.proc import OrchestratorService
 
     settings = settings_of(args)
     log_settings(settings)
@@ -130,7 +130,7 @@ async def _submit_and_print(
     trace: bool = False,
     params: dict[str, Any] | None = None,
 ) -> None:
-    from omni_runtime.client import OmniClient
+    from omni_runtime.client.client import OmniClient
 
     async with OmniClient(settings) as client:
         await client.wait_ready(stage_ids)
@@ -189,8 +189,8 @@ def cmd_run(args: argparse.Namespace, children: Children) -> int:
 
 def _run(args: argparse.Namespace, children: Children) -> int:
     from omni_runtime.cli.startup import import_redis
-    from omni_runtime.forked import preload
-    from omni_runtime.launcher import ProcessGroup, child_env, settings_env, starting_redis
+    from omni_runtime.local.forked import preload
+    from omni_runtime.local.launcher import ProcessGroup, child_env, settings_env, starting_redis
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
@@ -246,7 +246,7 @@ async def _watch(group: Any, work: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from omni_runtime.loadgen import run_load
+    from omni_runtime.client.loadgen import run_load
 
     result = asyncio.run(
         run_load(settings_of(args), _pipeline(args), args.requests, args.concurrency, args.prompt)

@@ -22,12 +22,12 @@ from typing import Any
 import uvicorn
 
 from omni_runtime.errors import OmniError
-from omni_runtime.forked import Children
 from omni_runtime.http.app import create_app
 from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
 from omni_runtime.http.gateway import Gateway, check_served
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.launcher import ProcessGroup, child_env, local_redis, settings_env
+from omni_runtime.local.forked import Children
+from omni_runtime.local.launcher import ProcessGroup, child_env, local_redis, settings_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime import keys
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.probes import Probes

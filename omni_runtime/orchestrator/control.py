@@ -15,11 +15,11 @@ import asyncio
 import logging
 
 from omni_runtime import keys
-from omni_runtime.messages import AbortMsg
+from omni_runtime.orchestrator.backlog import read_backlog
 from omni_runtime.orchestrator.shared import Shared
-from omni_runtime.redis_io.backlog import read_backlog
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader
+from omni_runtime.wire.messages import AbortMsg
 
 log = logging.getLogger(__name__)
 

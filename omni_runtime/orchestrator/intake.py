@@ -15,12 +15,13 @@ from typing import Any, Final
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import ClientId, RequestId, clip_error
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import RequestView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import ClientId, RequestId, clip_error
+from omni_runtime.wire.views import RequestView
 
 _ADDRESS: Final = TypeAdapter(tuple[RequestId, ClientId])
 _PAYLOAD: Final = keys.PAYLOAD_FIELD.encode()

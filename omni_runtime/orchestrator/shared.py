@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.observe.tracing import Tracer
+from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings

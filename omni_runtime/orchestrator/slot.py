@@ -29,24 +29,24 @@ from omni_runtime import keys
 from omni_runtime.core.loops import Hooks
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput, ReqState
-from omni_runtime.messages import WIRE_VERSION
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.orchestrator import intake
+from omni_runtime.orchestrator.backlog import read_backlog
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
+from omni_runtime.orchestrator.outbox import ClientOutbox
+from omni_runtime.orchestrator.request_store import RequestStore, to_state
 from omni_runtime.orchestrator.shared import Shared
-from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.liveness import no_live_worker
-from omni_runtime.redis_io.outbox import ClientOutbox
-from omni_runtime.redis_io.request_store import RequestStore, to_state
-from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
 from omni_runtime.watchdog import Progress
-from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
+from omni_runtime.wire.messages import WIRE_VERSION
+from omni_runtime.wire.views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
 

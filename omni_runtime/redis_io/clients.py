@@ -35,13 +35,8 @@ from redis.retry import Retry
 
 from omni_runtime.errors import FatalError
 from omni_runtime.redis_io.conn import use_small_first, use_small_first_async
-from omni_runtime.redis_io.sentinel import (
-    async_primary,
-    is_sentinel_url,
-    parse_sentinel_url,
-    primary_address,
-    sync_primary,
-)
+from omni_runtime.redis_io.sentinel import async_primary, primary_address, sync_primary
+from omni_runtime.sentinel_url import is_sentinel_url, parse_sentinel_url
 
 if TYPE_CHECKING:
     from omni_runtime.settings import Settings

@@ -33,7 +33,7 @@ API (stable):
 * Re-exported from `entries`: `Entry`, `entry_fields`, `stream_reply`, `parse_entry`,
   `dead_letter_fields`, `BacklogCursor`.
 
-Counters (`omni_runtime.metrics`, labelled by `stream`): `omni_malformed_entries_total`,
+Counters (`omni_runtime.observe.metrics`, labelled by `stream`): `omni_malformed_entries_total`,
 `omni_dead_letters_total`, `omni_retries_total`, `omni_dropped_writes_total`.
 """
 
@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from pydantic import TypeAdapter
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.dead_letters import (

@@ -14,7 +14,8 @@ from typing import Any, cast
 
 from redis.typing import EncodableT, FieldT
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
+from omni_runtime.wire import codec
 
 PAYLOAD = keys.PAYLOAD_FIELD
 

@@ -15,12 +15,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from omni_runtime import codec
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.messages import WIRE_VERSION, clip_error
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, clip_error
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
 from omni_runtime.worker.driver import EngineDriver
 from omni_runtime.worker.poison import POISON_STRIKES

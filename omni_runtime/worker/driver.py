@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import (
     ChunkStream,
     ClosableEngine,

@@ -18,15 +18,15 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime.messages import AbortMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
 from omni_runtime.watchdog import Progress
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.messages import AbortMsg
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.unblock import OwnConnection
 

@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime import codec
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.held_writes import PROBE_MAX_S
 from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal
+from omni_runtime.wire import codec
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output_io import (

@@ -31,10 +31,11 @@ import redis
 from redis.connection import Connection
 from redis.exceptions import ResponseError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
+from omni_runtime.wire import codec
 from omni_runtime.worker.actions import Outgoing
 
 LOOP_SEND_MAX_BYTES = 16 * 1024

@@ -16,20 +16,21 @@ import time
 import uuid
 from typing import Any
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
-from omni_runtime.metrics import Metrics
-from omni_runtime.mode_check import check_worker_mode
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.mode_check import check_worker_mode
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineDead
 from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.core import WorkerCore

@@ -22,13 +22,13 @@ from redis.exceptions import RedisError
 from redis.typing import StreamIdT
 
 from omni_runtime import keys
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import HeartbeatThread

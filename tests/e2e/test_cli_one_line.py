@@ -92,7 +92,7 @@ def test_bad_serve_settings_are_one_line() -> None:
 FORK_WINDOW = """
 import os, signal, sys
 from pathlib import Path
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 
 signal.signal(signal.SIGTERM, signal.default_int_handler)  # as `run` and `serve` take it

@@ -16,12 +16,12 @@ import redis.cluster
 
 from omni_runtime import keys
 from omni_runtime.errors import FatalError
-from omni_runtime.launcher import RedisServer, free_port
+from omni_runtime.local.launcher import RedisServer, free_port
+from omni_runtime.local.redis_cluster import cluster_node_port
 from omni_runtime.observe import redis_stats
 from omni_runtime.ops.status import collect_status
-from omni_runtime.redis_cluster import cluster_node_port
+from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
-from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.worker.actions import stream_id
 from omni_runtime.worker.fence import read_ownership

@@ -19,7 +19,7 @@ import pytest
 import soxr
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from tests.e2e.serving import ROOT, ServeProcess
 

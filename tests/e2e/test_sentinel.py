@@ -21,9 +21,9 @@ import pytest
 import redis
 
 from omni_runtime.errors import OmniError
+from omni_runtime.local.redis_sentinel import SERVICE, RedisSentinelSet
+from omni_runtime.local.redis_server import redis_server_binary
 from omni_runtime.redis_io.clients import async_client, sync_client
-from omni_runtime.redis_sentinel import SERVICE, RedisSentinelSet
-from omni_runtime.redis_server import redis_server_binary
 from tests.services import unavailable
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]

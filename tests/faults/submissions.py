@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from omni_runtime import codec
+from omni_runtime.wire import codec
 
 ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 ESCAPES = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("a"): 7, ord("b"): 8}

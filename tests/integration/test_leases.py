@@ -8,8 +8,8 @@ import fakeredis
 import pytest
 
 from omni_runtime.keys import Names
-from omni_runtime.metrics import Metrics
-from omni_runtime.redis_io.leases import LeaseLost, Leases
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.orchestrator.leases import LeaseLost, Leases
 from omni_runtime.redis_io.writer import StreamWriter
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import redis
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageOutputMsg
 from omni_runtime.worker.actions import Outgoing
 from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output import OutputThread

@@ -17,14 +17,15 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError, TransportError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.write_ops import ExpireAt, HashPut
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
 from tests.redis_full import FullableRedis
 from tests.waiting import wait_for
 

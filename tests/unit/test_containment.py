@@ -11,15 +11,16 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import Orchestrator, OrchOutput, codec, keys
+from omni_runtime import Orchestrator, OrchOutput, keys
 from omni_runtime.core.loops import Hooks
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
-from omni_runtime.messages import WIRE_VERSION, StageOutputMsg
-from omni_runtime.metrics import Metrics
-from omni_runtime.redis_io.request_store import RequestStore
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.orchestrator.request_store import RequestStore
 from omni_runtime.redis_io.write_ops import ExpireAt, HashPut
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, StageOutputMsg
 from tests.fakes import identity_forward, seed_stages
 from tests.unit.test_worker_core import inp, make
 from tests.waiting import wait_for

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, socket, sys
 from omni_runtime.cli import CHILDREN, main
-from omni_runtime.forked import can_fork, fork_main, preload
+from omni_runtime.local.forked import can_fork, fork_main, preload
 
 assert can_fork()
 preload(CHILDREN)

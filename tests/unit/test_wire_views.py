@@ -1,4 +1,4 @@
-"""Each `wire_views` mirror reads exactly what its pydantic model reads: same fields and
+"""Each `wire.views` mirror reads exactly what its pydantic model reads: same fields and
 defaults, same accepted values, same error for what it refuses (the one-pass decode
 must never let through what the model would refuse, nor refuse what it would take)."""
 
@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
-from omni_runtime.wire_views import (
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import (
     MODEL_OF,
     AbortView,
     ClientCommandView,

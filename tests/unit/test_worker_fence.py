@@ -13,10 +13,11 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import StallFence, StallGuard, read_ownership
 from omni_runtime.worker.output import OutputThread

@@ -24,16 +24,17 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import StageFailure, StageOutput
-from omni_runtime.messages import WIRE_VERSION, AbortMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.wire_views import StageOutputRelayView, StageOutputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, AbortMsg
+from omni_runtime.wire.views import StageOutputRelayView, StageOutputView
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from pydantic import BaseModel, TypeAdapter
 
-from omni_runtime import codec
-from omni_runtime import messages as m
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import (
+from omni_runtime.wire import codec
+from omni_runtime.wire import messages as m
+from omni_runtime.wire.messages import (
     WIRE_VERSION,
     AbortMsg,
     ClientCommand,

@@ -23,33 +23,34 @@ from typing import cast
 
 from redis.exceptions import RedisError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
-from omni_runtime.metrics import Metrics
-from omni_runtime.mode_check import check_orchestrator_mode
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
+from omni_runtime.orchestrator.leases import LeaseLost, Leases
 from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.orchestrator.slot import SlotService
+from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.conn import name_connections
-from omni_runtime.redis_io.leases import LeaseLost, Leases
 from omni_runtime.redis_io.liveness import StageWatch
-from omni_runtime.redis_io.stage_client import RedisStageClient
+from omni_runtime.redis_io.mode_check import check_orchestrator_mode
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.watchdog import Progress, Stuck, Watchdog
-from omni_runtime.wire_views import AbortView, RequestView
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-from omni_runtime.redis_server import RedisServer, free_port
+from omni_runtime.local.redis_server import RedisServer, free_port
 
 if TYPE_CHECKING:
     import redis

@@ -14,7 +14,7 @@ Type mapping (what ``decode(encode(x))`` gives back):
 * numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
   are refused). numpy scalars: the equivalent Python scalar.
 
-Arrays are one ext (code ``NDARRAY_EXT_CODE``), laid out in `ndarray_ext`. ``decode`` is the
+Arrays are one ext (code ``NDARRAY_EXT_CODE``), laid out in `ndarray`. ``decode`` is the
 door for untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
 
 Containers nest at most ``MAX_DEPTH`` levels (an array at the root, a batch of messages,
@@ -40,9 +40,9 @@ import msgpack
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from omni_runtime import ndarray_ext
 from omni_runtime.errors import CodecError
-from omni_runtime.ndarray_ext import NDARRAY_EXT_CODE
+from omni_runtime.wire import ndarray
+from omni_runtime.wire.ndarray import NDARRAY_EXT_CODE
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -268,7 +268,7 @@ def _default(obj: object) -> Any:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
-            return msgpack.ExtType(NDARRAY_EXT_CODE, ndarray_ext.payload(obj))
+            return msgpack.ExtType(NDARRAY_EXT_CODE, ndarray.payload(obj))
         if isinstance(obj, np.generic):
             return obj.item()
     raise CodecError(
@@ -279,13 +279,13 @@ def _default(obj: object) -> Any:
 def _ext_hook(code: int, view: memoryview) -> Any:
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
-    return ndarray_ext.array(view)
+    return ndarray.array(view)
 
 
 def _check_hook(code: int, view: memoryview) -> None:
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
-    ndarray_ext.check(view)
+    ndarray.check(view)
 
 
 def _ext_default(obj: object) -> Any:

@@ -27,7 +27,7 @@ from typing import IO, Any
 from pydantic_core import to_jsonable_python
 
 from omni_runtime.errors import FatalError
-from omni_runtime.forked import (
+from omni_runtime.local.forked import (
     Children,
     ForkedProcess,
     can_fork,
@@ -36,14 +36,14 @@ from omni_runtime.forked import (
     release_stop_signals,
     stop_signals_held,
 )
-from omni_runtime.parent_death import exit_with_parent
+from omni_runtime.local.parent_death import exit_with_parent
+from omni_runtime.local.redis_cluster import RedisCluster as RedisCluster
+from omni_runtime.local.redis_server import RedisServer as RedisServer
+from omni_runtime.local.redis_server import free_port as free_port
+from omni_runtime.local.redis_server import ping as ping
+from omni_runtime.local.redis_server import redis_server_binary as redis_server_binary
+from omni_runtime.local.redis_server import wait_for_ping as wait_for_ping
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_cluster import RedisCluster as RedisCluster
-from omni_runtime.redis_server import RedisServer as RedisServer
-from omni_runtime.redis_server import free_port as free_port
-from omni_runtime.redis_server import ping as ping
-from omni_runtime.redis_server import redis_server_binary as redis_server_binary
-from omni_runtime.redis_server import wait_for_ping as wait_for_ping
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
