@@ -40,9 +40,9 @@ def put_pipe(
 
 
 class HeldPuts:
-    """A connection kept for puts between them: a pool's get and release cost ~27 µs a
-    call here (redis-py 8 probes the socket on every get), more than packing a one-chunk
-    put. Whoever finds it free uses it (a try-lock); a put made at the same moment on
+    """A connection kept for puts between them: a pool's get and release (redis-py 8
+    probes the socket on every get) cost more than packing a one-chunk put
+    (docs/performance.md). Whoever finds it free uses it (a try-lock); a put made at the same moment on
     another thread takes a pooled connection as before."""
 
     def __init__(self, pool: ConnectionPool) -> None:

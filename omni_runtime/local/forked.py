@@ -1,9 +1,9 @@
 """Start the local pipeline's processes by forking a parent that has imported the runtime once.
 
-A fresh interpreter per process pays ~1 s of imports (redis, pydantic, numpy) on every
-start, and the four processes of the demo share two cores: `run` waited ~3 s for them.
-A forked child inherits the parent's imported modules and is ready in tens of
-milliseconds. Each child is still its own OS process with its own log file, PID and
+A fresh interpreter per process pays the runtime's imports (redis, pydantic, numpy) on
+every start, and the processes of a pipeline share the machine's cores. A forked child
+inherits the parent's imported modules and is ready at once (`benchmarks/startup.py`
+measures both). Each child is still its own OS process with its own log file, PID and
 signals; it runs the same command line a spawned one would, through the entry point the
 command line hands down (`Children`): this module never imports the CLI back.
 

@@ -9,15 +9,16 @@ socket, its pool's `get_connection` and `connection_kwargs`): only this module d
 `tests/unit/test_redis_conn.py` fails if any of it changes shape, and `pyproject.toml`
 bounds redis-py to the releases CI runs.
 
-Packing: per command, hiredis's `pack_command` takes ~3 µs where redis-py's Python packer takes
-15-20 µs, and a chunk or an output costs a stage several commands. But hiredis copies
-every argument into a fresh buffer, ~5x slower than the Python packer for MiB-size
-values, which audio and tensor chunks are. So a command whose arguments are all small
+Packing: per command, hiredis's `pack_command` is several times faster than redis-py's
+Python packer (docs/performance.md), and a chunk or an output costs a stage several
+commands. But hiredis copies every argument into a fresh buffer, slower than the Python
+packer for MiB-size values, which audio and tensor chunks are. So a command whose arguments are all small
 str/bytes/int/float goes to hiredis, anything else (big, memoryview, a type redis-py
 refuses with its own error) to redis-py's packer, unchanged.
 
 Replies: redis-py's asyncio connection reads every reply under its own `socket_timeout`
-timer (set and cancelled per command of a pipeline: ~10 % of an orchestrator's CPU).
+timer, set and cancelled per command of a pipeline (a share of an orchestrator's CPU:
+docs/performance.md).
 Inside `one_timeout`, a pipeline's replies share that one deadline instead.
 """
 

@@ -117,7 +117,7 @@ class JointRead:
         """Before a next read is packed and sent, what the last one brought is handled:
         its members take their entries (bounded: a member may have stopped reading), then
         what they handed on (the dispatcher's routing) runs. Sent first, that read held a
-        light-load hop's routing back ~0.15 ms here."""
+        light-load hop's routing back (docs/architecture.md gives the figures)."""
         for _ in self.members:
             if not any(self._waiting.values()):
                 break

@@ -1,8 +1,7 @@
 """Stream reads packed and parsed by hand, where a reader owns its connection.
 
 redis-py's command path (pool, retry wrapper, reply callbacks building dicts) costs
-more than the read itself: on a 2-core VM an XREADGROUP of one entry took ~150 µs
-through it against ~75 µs packed and parsed here, round trip included. That is latency
+more than packing and parsing the read here (docs/performance.md). That is latency
 on every hop (a worker's input thread parses before it hands over, and builds its next
 read before it blocks again) and CPU per batch. Only where a reader holds a connection
 no other thread uses: a single-connection client (a worker's input thread), or one an
@@ -64,7 +63,8 @@ def xreadgroup_sync(
 class AsyncHeldReads:
     """Stream reads on one asyncio connection held for them (never released: the pool
     still closes it with the client), packed and parsed here. For one reader task: the
-    pool's get and release alone cost ~25 µs a read, redis-py's reply callbacks more."""
+    pool's get and release alone cost more than the packing, redis-py's reply callbacks
+    more again (docs/performance.md)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client

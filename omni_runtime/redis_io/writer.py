@@ -234,8 +234,9 @@ class StreamWriter:
     def send_now(self) -> None:
         """With writes queued and no batch on its way, send the batch now, from the
         caller's step (one whose state changes are complete: the durable states go with
-        it): waiting for the writer task's turn, behind the readers' next reads, cost a
-        light-load hop ~0.2 ms here. The writer task reads the replies."""
+        it): waiting for the writer task's turn, behind the readers' next reads, held a
+        light-load hop back (docs/architecture.md gives the figures). The writer task
+        reads the replies."""
         conn = self._conn
         if not self._ops or self._busy or conn is None or not conn.is_connected:
             return

@@ -1,9 +1,9 @@
 """Read-side mirrors of the wire messages read most often, decoded and checked in one pass.
 
 Every request reaches the orchestrator, its stage outputs too, its outputs its client,
-one message per chunk, and each stage's worker reads its input. Parsing each into its pydantic model
-(msgpack, then validation) cost ~11 µs of CPU on a 2-core VM; msgspec decodes the same
-bytes straight into these structs, with the same checks, in ~1 µs.
+one message per chunk, and each stage's worker reads its input. msgspec decodes the bytes
+straight into these structs, with the same checks, faster than msgpack then pydantic
+(docs/performance.md).
 
 A mirror accepts exactly what its model accepts (the models are strict: nothing is
 coerced), with the same bounds (`messages`); whatever a mirror refuses, `redis_io.entries`

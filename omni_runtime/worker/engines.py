@@ -38,7 +38,7 @@ CLOSE_GRACE_S = 1.0
 QUICK_CALL_S = 0.001
 """A stage whose calls take less than this (a moving average over all of them) runs them
 on the thread whose pass starts them, when that thread offers (`defer`): waking a pool
-thread would cost more than the call (~0.15 ms here). `OMNI_WORKER_QUICK_CALL_MS`."""
+thread would cost more than the call (docs/performance.md). `OMNI_WORKER_QUICK_CALL_MS`."""
 Defer = Callable[[Callable[[], None]], bool]
 
 

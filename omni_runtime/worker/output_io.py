@@ -5,8 +5,8 @@ An `OutputBatch` is one round trip's outputs, routed once, and the inputs they l
 send a batch itself.
 
 Handing a batch to the output thread costs a thread wake and a hand-over of the
-interpreter lock before its first byte leaves (~0.1-0.3 ms on a busy 2-core machine, per
-stage of a request). When no write is in flight, the loop packs a small batch and sends
+interpreter lock before its first byte leaves, per stage of a request (measured in
+docs/performance.md). When no write is in flight, the loop packs a small batch and sends
 it on that connection itself (one `send` of a few KiB); the output thread reads the replies.
 Batches the thread writes itself go out on the same connection, packed by hand: redis-py's
 pipeline object costs more Python per call than the round trip (see `chunks/redis_packed`).
