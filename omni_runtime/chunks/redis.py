@@ -104,7 +104,7 @@ class RedisConnector:
         client = sync_client(url, cluster=cluster, **kwargs)
         try:
             connector = cls(client, **own)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: the client made here is closed
             client.close()
             raise
         connector._owns_client = True

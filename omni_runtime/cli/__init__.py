@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-    except Exception as e:
+    except Exception as e:  # redis-py may not be imported: its errors are told by name
         if not _is_redis_error(e):
             raise
         print(

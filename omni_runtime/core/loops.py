@@ -199,7 +199,7 @@ class OrchestratorLoops:
                 self._answered.clear()
                 try:
                     await self._handle_abort(request_id, "deadline exceeded")
-                except Exception as e:
+                except Exception as e:  # one request's deadline: any failure is contained to it
                     await self._contain("ending it at its deadline", request_id, e, True)
                 continue
             at = self._deadlines.next_at()
@@ -228,7 +228,7 @@ class OrchestratorLoops:
             live = out.request_id in self.request_states
             try:
                 await self._handle_output(stage_id, out)
-            except Exception as e:
+            except Exception as e:  # one output's routing: any failure is contained to its request
                 await self._contain(f"routing a stage {stage_id} output", out.request_id, e, live)
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
@@ -261,7 +261,7 @@ class OrchestratorLoops:
             return
         try:
             await self._end_with_error(request_id, f"internal error: {type(e).__name__}: {e}")
-        except Exception as again:
+        except Exception as again:  # the last resort of containment: log, count, go on
             self._count_contained("ending a failed request")
             log.error("could not end a failed request: %r", again, extra={"request_id": request_id})
 

@@ -183,7 +183,7 @@ def media_router(gateway: Gateway) -> APIRouter:
         events = run.events()
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: a cancelled or failed wait closes the run
             run.close()
             raise
         if isinstance(first, FailureEvent):

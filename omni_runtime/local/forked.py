@@ -177,7 +177,7 @@ def fork_main(
         code = _child(main, argv, env, log, inherited, fresh)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
+    except BaseException:  # a forked child never returns into the parent's code
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):

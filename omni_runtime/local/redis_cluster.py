@@ -96,7 +96,7 @@ class RedisCluster:
                 )
                 self.nodes.append(node.start())
             self._form()
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: no node is left running
             self.stop()
             raise
         return self

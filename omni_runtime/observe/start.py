@@ -94,7 +94,7 @@ def start_observability(
             )
             poller.start()
             obs._stops.append(poller.stop)
-    except BaseException:
+    except BaseException:  # cleanup, then re-raised: nothing half started is left running
         with contextlib.suppress(Exception):
             obs.close()
         raise

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import math
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -227,15 +227,28 @@ def readable(conn: AbstractConnection) -> bool:
     return bool(conn.can_read(timeout=0))
 
 
-def round_trip(conn: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
-    """Send every command, read every reply; a failure disconnects `conn` (a reply half
-    read must not be read as the next one) and raises."""
+@contextlib.contextmanager
+def in_step(
+    conn: AbstractConnection,
+    on_failure: Callable[[], None] | None = None,
+    keep_on_error_reply: bool = False,
+) -> Iterator[None]:
+    """A round trip on `conn`: whatever stops it midway drops the connection (`on_failure`,
+    else a disconnect), since a reply half read must never be read as the next command's.
+    With `keep_on_error_reply`, an error reply read whole leaves it as it is."""
     try:
+        yield
+    except BaseException as e:  # a timeout, a cancellation, a signal: any may cut a reply
+        if not (keep_on_error_reply and isinstance(e, ResponseError)):
+            (on_failure or conn.disconnect)()
+        raise
+
+
+def round_trip(conn: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
+    """Send every command, read every reply; a failure disconnects `conn` and raises."""
+    with in_step(conn):
         send(conn, commands)
         return [conn.read_response() for _ in commands]
-    except BaseException:
-        conn.disconnect()
-        raise
 
 
 def drop(conn: AbstractConnection) -> None:
@@ -281,6 +294,16 @@ async def reply_async(conn: AsyncConnection) -> Any:
 
 async def drop_async(conn: AsyncConnection) -> None:
     await conn.disconnect()
+
+
+@contextlib.asynccontextmanager
+async def in_step_async(conn: AsyncConnection) -> AsyncIterator[None]:
+    """`in_step` for an asyncio connection: a round trip stopped midway disconnects it."""
+    try:
+        yield
+    except BaseException:  # a timeout, a cancellation: any may leave a reply half read
+        await conn.disconnect()
+        raise
 
 
 # --- Sentinel: a connection that follows the primary ----------------------------------

@@ -103,16 +103,13 @@ class AsyncPackedPipe:
         any other failure the connection is dropped (a half-read reply must not be read as
         the next command's) and the error raised."""
         out: list[Any] = []
-        try:
+        async with rconn.in_step_async(conn):
             await rconn.drain(conn)
             for _ in self._sent:
                 try:
                     out.append(await rconn.reply_async(conn))
                 except ResponseError as e:  # read whole: the connection is still in step
                     out.append(e)
-        except BaseException:
-            await rconn.drop_async(conn)
-            raise
         if raise_on_error:
             for reply in out:
                 if isinstance(reply, ResponseError):

@@ -49,14 +49,9 @@ def xreadgroup_sync(
         reply = client.xreadgroup(group, consumer, dict(streams), count, block_ms)  # type: ignore[arg-type]
         return stream_reply(reply)
     args = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "BLOCK", block_ms)
-    try:
+    with rconn.in_step(conn, keep_on_error_reply=True):  # a whole error reply: still in step
         rconn.send_one(conn, *args, "STREAMS", *streams, *streams.values(), check_health=False)
         reply = rconn.reply(conn)
-    except redis.exceptions.ResponseError:
-        raise  # a whole error reply: the connection is still in step
-    except BaseException:
-        rconn.drop(conn)  # a reply half read must not be read as the next one
-        raise
     return stream_entries(reply)
 
 
@@ -88,11 +83,8 @@ class AsyncHeldReads:
         if self._conn is None:
             self._conn = await rconn.take_async(self.client.connection_pool)
         conn = self._conn
-        try:
+        async with rconn.in_step_async(conn):
             names = (*streams, *streams.values())
             await rconn.send_one_async(conn, *args, "STREAMS", *names, check_health=False)
             reply = await rconn.reply_async(conn)
-        except BaseException:
-            await rconn.drop_async(conn)
-            raise
         return stream_entries(reply)

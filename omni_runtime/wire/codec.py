@@ -152,7 +152,7 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
         raise
     except RecursionError as e:
         raise CodecError(_too_deep(max_depth)) from e
-    except Exception as e:
+    except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
     if not within(obj, max_depth):
         raise CodecError(_too_deep(max_depth))

@@ -103,7 +103,7 @@ class WorkerCore:
         Whatever raises while taking it fails that request alone (one error output)."""
         try:
             self._on_input(inp, now)
-        except Exception as e:
+        except Exception as e:  # one input's failure, of any kind, fails that request alone
             self._contain(inp.msg.request_id, "taking its input", e, inp.entry_id)
 
     def _contain(self, rid: str, what: str, e: Exception, entry_id: bytes | None) -> None:
@@ -196,7 +196,7 @@ class WorkerCore:
             req.last_input_at = now
             try:
                 req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
-            except Exception as e:
+            except Exception as e:  # stage code's stream: any failure fails that request alone
                 self._contain(rid, "taking its chunks", e, None)
         return bool(ready)
 

@@ -188,7 +188,7 @@ class GeneratorEngine:
                 self._emit(request_id, result, True)
         except RequestAborted:
             return
-        except Exception as e:
+        except Exception as e:  # stage code: whatever it raises fails its request alone
             log.exception("stage code failed for %r", request_id, extra={"request_id": request_id})
             self._emit(request_id, None, True, error=f"{type(e).__name__}: {e}")
 

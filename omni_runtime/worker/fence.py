@@ -132,7 +132,7 @@ class StallGuard:
             return
         try:
             owned = read_ownership(self.client, self.stream, self.consumer)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: the fence stays closed
             self.fence.confirmed(float("-inf"))  # still stale: the next beat checks again
             raise
         with self._lock:

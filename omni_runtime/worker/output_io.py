@@ -168,11 +168,8 @@ class HeldConnection:
             self._conn = rconn.take(self._pool)
         conn = self._conn
         assert conn is not None
-        try:
+        with rconn.in_step(conn, self._drop):
             rconn.send(conn, commands, check_health=False)
-        except BaseException:
-            self._drop()
-            raise
         self.up = True
 
     def replies(self, count: int) -> list[Any]:
@@ -181,12 +178,8 @@ class HeldConnection:
         conn = self._conn
         if conn is None:
             raise redis.exceptions.ConnectionError("the held connection was dropped")
-        try:
-            out = rconn.replies(conn, count)
-        except BaseException:
-            self._drop()  # replies left unread: the connection is out of step
-            raise
-        return out
+        with rconn.in_step(conn, self._drop):  # replies left unread: out of step
+            return rconn.replies(conn, count)
 
     def close(self) -> None:
         if self._conn is not None:
