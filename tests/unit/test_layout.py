@@ -198,3 +198,18 @@ def test_no_module_is_over_400_lines() -> None:
         for path in folder.rglob("*.py"):
             lines = len(path.read_text().splitlines())
             assert lines <= 400, f"{path.relative_to(ROOT)} has {lines} lines"
+
+
+def test_every_broad_except_says_why_it_must_be_broad() -> None:
+    """`except Exception` / `except BaseException` only with a comment on its line or the
+    line above: at a boundary (stage code, a thread's loop, untrusted bytes) or a cleanup
+    that re-raises."""
+    bare = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if re.search(r"except \(?(Base)?Exception\b", line):
+                above = lines[i - 1].strip() if i else ""
+                if "#" not in line and not above.startswith("#"):
+                    bare.append(f"{path.relative_to(ROOT)}:{i + 1}")
+    assert not bare, bare
