@@ -1,30 +1,34 @@
-"""Read-side mirrors of the wire messages read most often, decoded and checked in one pass.
+"""Read-side views of the wire messages read most often, decoded and checked in one pass.
 
 Every request reaches the orchestrator, its stage outputs too, its outputs its client,
 one message per chunk, and each stage's worker reads its input. msgspec decodes the bytes
 straight into these structs, with the same checks, faster than msgpack then pydantic
 (docs/performance.md).
 
-A mirror accepts exactly what its model accepts (the models are strict: nothing is
-coerced), with the same bounds (`messages`); whatever a mirror refuses, `redis_io.entries`
-hands to the model, which says why. So a reader given a view accepts exactly the
+The pydantic models (`messages`) are the one definition of each message: every view is
+made from its model when this module is imported (`view_struct`: fields, defaults and
+bounds), never written by hand. A view accepts what its model accepts (the models are
+strict: nothing is coerced); whatever a view refuses, `redis_io.entries` hands to the
+model, which accepts it or says why. So a reader given a view accepts exactly the
 messages, values and errors its model would. `tests/unit/test_wire_views.py` and
-`tests/unit/test_wire_schema.py` (property tests, hostile values) hold each mirror to its
+`tests/unit/test_wire_schema.py` (property tests, hostile values) hold each view to its
 model.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal
+import functools
+import operator
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Final, Union, get_args, get_origin
 
 import msgspec
 from pydantic import BaseModel, TypeAdapter
+from pydantic.fields import FieldInfo
 
 from omni_runtime.errors import CodecError
 from omni_runtime.wire import codec
-from omni_runtime.wire import messages as m
 from omni_runtime.wire.messages import (
-    WIRE_VERSION,
     AbortMsg,
     ClientCommand,
     OrchOutputMsg,
@@ -33,109 +37,116 @@ from omni_runtime.wire.messages import (
     StageOutputMsg,
 )
 
-RequestId = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"\A[^\x00-\x1f\x7f]+\Z")
-]
-ClientId = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=128, pattern=r"\A[A-Za-z0-9_.-]+\Z")
-]
-"""`messages.ClientId`, anchored at the very end: Python's `$` also matches before a final
-newline, pydantic's does not."""
-Seq = Annotated[int, msgspec.Meta(ge=0, le=m.MAX_SEQ)]
-StageId = Annotated[int, msgspec.Meta(ge=0, lt=m.MAX_STAGES)]
-Slot = Annotated[int, msgspec.Meta(ge=0, lt=m.MAX_SLOTS)]
-DeadlineS = Annotated[float, msgspec.Meta(gt=0, le=m.MAX_DEADLINE_S)]
-"""A bound refuses `nan` and `inf` as well (msgspec has no `allow_inf_nan`)."""
-Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_REASON_CHARS)]
-Error = Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_ERROR_CHARS)]
-ParamScalar = (
-    None
-    | bool
-    | Annotated[int, msgspec.Meta(ge=m.INT_MIN, le=m.INT_MAX)]
-    | Annotated[float, msgspec.Meta(ge=-m.FLOAT_MAX, le=m.FLOAT_MAX)]
-    | Annotated[str, msgspec.Meta(max_length=m.MAX_PARAM_STR_CHARS)]
-)
-Params = Annotated[
-    dict[
-        Annotated[str, msgspec.Meta(min_length=1, max_length=m.MAX_PARAM_KEY_CHARS)],
-        ParamScalar | Annotated[list[ParamScalar], msgspec.Meta(max_length=m.MAX_PARAM_LIST)],
-    ],
-    msgspec.Meta(max_length=m.MAX_PARAMS),
-]
+_TAGGED: Final = {"request", "abort"}
+"""Messages read as members of a union (the requests stream): tagged by `type`."""
 
 
-class _View(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    v: Literal[1] = WIRE_VERSION
+def _pattern(pattern: str) -> str:
+    """A pydantic (Rust regex) pattern for Python's `re`, which msgspec uses: `$` there
+    also matches before a final newline, `\\Z` does not."""
+    if pattern.startswith("^"):
+        pattern = "\\A" + pattern[1:]
+    if pattern.endswith("$"):
+        pattern = pattern[:-1] + "\\Z"
+    return pattern
 
 
-class RequestView(
-    _View, tag_field="type", tag="request", frozen=True, forbid_unknown_fields=True, kw_only=True
-):
+def _meta(metadata: list[Any]) -> dict[str, Any]:
+    """The msgspec `Meta` of a pydantic field's constraints."""
+    meta: dict[str, Any] = {}
+    for item in metadata:
+        for name in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+            if getattr(item, name, None) is not None:
+                meta[name] = getattr(item, name)
+        if isinstance(item, FieldInfo):
+            meta |= _meta(item.metadata)
+        elif getattr(item, "pattern", None) is not None:
+            meta["pattern"] = _pattern(item.pattern)
+    return meta
+
+
+def _mirror(annotation: Any) -> Any:
+    """A pydantic annotation as the msgspec type that checks the same: constraints become
+    `Meta`, containers and unions are mirrored member by member. (A bound float refuses
+    `inf` and `nan` in msgspec, as `allow_inf_nan=False` does; a `BeforeValidator` has no
+    mirror: what it refuses, the model refuses on the slow path.)"""
+    if annotation is Any or annotation is None or annotation is type(None):
+        return annotation
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        inner, *metadata = args
+        meta = _meta(metadata)
+        mirrored = _mirror(inner)
+        return Annotated[mirrored, msgspec.Meta(**meta)] if meta else mirrored
+    if origin in (Union, UnionType):
+        return functools.reduce(operator.or_, [_mirror(a) for a in args])
+    if origin is dict:
+        return dict.__class_getitem__((_mirror(args[0]), _mirror(args[1])))
+    if origin is list:
+        return list.__class_getitem__(_mirror(args[0]))
+    return annotation  # bool, int, float, str, a Literal
+
+
+def view_struct(
+    model: type[BaseModel], name: str, overrides: dict[str, Any] | None = None
+) -> type[msgspec.Struct]:
+    """The msgspec struct that decodes and checks what `model` does, made from the model
+    (never by hand): every field, default and constraint; `overrides` replaces a field's
+    type (`msgspec.Raw` for data kept as read)."""
+    tag = model.model_fields["type"].default
+    fields: list[tuple[str, Any, Any]] = []
+    for field_name, info in model.model_fields.items():
+        if field_name == "type" and tag in _TAGGED:
+            continue  # the union's tag
+        kind = (overrides or {}).get(field_name)
+        if kind is None:
+            kind = _mirror(
+                Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+            )
+        if info.is_required() or field_name == "type":  # a reader needs `type` (entries)
+            fields.append((field_name, kind, msgspec.NODEFAULT))
+        else:
+            fields.append((field_name, kind, info.get_default(call_default_factory=True)))
+    options: dict[str, Any] = {"tag_field": "type", "tag": tag} if tag in _TAGGED else {}
+    return msgspec.defstruct(
+        name,
+        [(n, k) if d is msgspec.NODEFAULT else (n, k, d) for n, k, d in fields],
+        frozen=True,
+        forbid_unknown_fields=True,
+        kw_only=True,
+        module=__name__,
+        **options,
+    )
+
+
+if TYPE_CHECKING:  # to the type checker a view is its model: the same fields, by making
+    RequestView = RequestMsg
+    AbortView = AbortMsg
+    ClientCommandView = RequestMsg | AbortMsg
+    StageInputView = StageInputMsg
+    StageOutputView = StageOutputMsg
+    StageOutputRelayView = StageOutputMsg
+    OrchOutputView = OrchOutputMsg
+else:
+    RequestView = view_struct(RequestMsg, "RequestView")
     """`messages.RequestMsg`, as the orchestrator reads it off the requests stream."""
-
-    request_id: RequestId
-    client_id: ClientId
-    prompt: Any
-    deadline_s: DeadlineS | None = None
-    trace: bool = False
-    params: Params | None = None
-
-
-class AbortView(
-    _View, tag_field="type", tag="abort", frozen=True, forbid_unknown_fields=True, kw_only=True
-):
+    AbortView = view_struct(AbortMsg, "AbortView")
     """`messages.AbortMsg`, as the orchestrator reads it off the requests stream."""
-
-    request_id: RequestId
-    reason: Reason = "aborted"
-
-
-ClientCommandView = RequestView | AbortView
-"""What may appear on the requests stream (`messages.ClientCommand`), tagged by `type`."""
-
-
-class StageInputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    ClientCommandView = RequestView | AbortView
+    """What may appear on the requests stream (`messages.ClientCommand`), tagged by `type`."""
+    StageInputView = view_struct(StageInputMsg, "StageInputView")
     """`messages.StageInputMsg`, as a stage's worker reads it."""
-
-    type: Literal["stage_input"]
-    request_id: RequestId
-    trace: bool = False
-    data: Any
-    streaming: bool = False
-    owner: Slot = 0
-    params: Params | None = None
-
-
-class StageOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    StageOutputView = view_struct(StageOutputMsg, "StageOutputView")
     """`messages.StageOutputMsg`, as the orchestrator reads it."""
-
-    type: Literal["stage_output"]
-    request_id: RequestId
-    data: Any
-    finished: bool
-    error: Error | None = None
-    seq: Seq = 0
-
-
-class StageOutputRelayView(StageOutputView, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    StageOutputRelayView = view_struct(
+        StageOutputMsg, "StageOutputRelayView", overrides={"data": msgspec.Raw}
+    )
     """`StageOutputView` with its data kept as read (`msgspec.Raw`), checked by
     `codec.check`: a streaming orchestrator only relays a stage's data to the client (and
     holds it), so decoding an array only to encode it again was a fifth of its CPU. (On
     the slow path, a message its model had to accept, `data` is the decoded value.)"""
-
-    data: msgspec.Raw
-
-
-class OrchOutputView(_View, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    OrchOutputView = view_struct(OrchOutputMsg, "OrchOutputView")
     """`messages.OrchOutputMsg`, as a client reads it."""
-
-    type: Literal["orch_output"]
-    request_id: RequestId
-    stage_id: StageId
-    data: Any
-    finished: bool
-    error: Error | None = None
-    seq: Seq
 
 
 MODEL_OF: Final[dict[Any, type[BaseModel] | TypeAdapter[Any]]] = {
@@ -195,7 +206,7 @@ def decode_views(raw: bytes, view: Any, batches: bool) -> list[Any] | None:
     return msgs
 
 
-_MEMBER_OF: Final[dict[type[BaseModel], type[_View]]] = {
+_MEMBER_OF: Final[dict[type[BaseModel], Any]] = {
     RequestMsg: RequestView,
     AbortMsg: AbortView,
 }
@@ -204,5 +215,5 @@ _MEMBER_OF: Final[dict[type[BaseModel], type[_View]]] = {
 
 def view_of(msg: BaseModel, view: Any) -> Any:
     """A message its model accepted, as `view` (the slow path's result, same shape)."""
-    one: type[_View] = view if isinstance(view, type) else _MEMBER_OF[type(msg)]
+    one: Any = view if isinstance(view, type) else _MEMBER_OF[type(msg)]
     return one(**{name: getattr(msg, name) for name in one.__struct_fields__})
