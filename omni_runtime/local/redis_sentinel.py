@@ -69,7 +69,7 @@ class RedisSentinelSet:
             for i in range(self.n_sentinels):
                 self._start_sentinel(binary, i, primary.port)
             self._wait_ready()
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: no server is left running
             self.stop()
             raise
         return self
