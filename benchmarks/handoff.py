@@ -4,7 +4,7 @@ No pipeline runs. A sender process calls `ChunkAdapter.save_async` every U(2, 4)
 with a CLOCK_MONOTONIC stamp in a talker-sized payload; the receiver process runs
 `ChunkAdapter(on_ready=event.set)` and a scheduler thread that sleeps on the event,
 calls `poll_ready` and records now - stamp (both on `RedisConnector`, as in a
-worker). Baselines with the same payload (`omni_runtime.codec`) and pacing: raw
+worker). Baselines with the same payload (`omni_runtime.wire.codec`) and pacing: raw
 `RPUSH -> BLPOP` (the payload in the list) and raw `SET+RPUSH -> BLPOP -> GET` (the
 adapter's own Redis round trips, no threads between), and raw RPUSH -> BLPOP through the
 two thread hand-offs SPEC §4 puts on the path (the caller wakes a sending thread, the
@@ -33,7 +33,7 @@ from benchmarks.harness.procs import RoleProc, role_env
 from benchmarks.harness.redis import delete_keys
 from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import percentile
-from omni_runtime.launcher import RedisCluster
+from omni_runtime.local.launcher import RedisCluster
 
 KINDS = {
     "raw_blpop": "raw RPUSH -> BLPOP",

@@ -2,7 +2,7 @@
 
 The seed pipeline as processes (`omni-runtime run`'s way) with `OMNI_TRACE_FILE` set
 for the orchestrator, the workers and the load client: every process appends
-`omni_runtime.tracing` stamps (CLOCK_MONOTONIC, one clock per host) to one file,
+`omni_runtime.observe.tracing` stamps (CLOCK_MONOTONIC, one clock per host) to one file,
 correlated here by request id. No runtime code is patched. Light load: one request
 in flight, the next ~5 ms after the previous finished.
 
@@ -35,7 +35,7 @@ from benchmarks.harness.procs import SEED_EXPECT as EXPECT
 from benchmarks.harness.procs import SEED_PROMPT as PROMPT
 from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import p50_p99_ms, percentile, spread
-from omni_runtime.tracing import read_trace_file
+from omni_runtime.observe.tracing import read_trace_file
 
 TARGET_RATIO = 2.0
 REQUEST_HOPS = 8

@@ -22,7 +22,7 @@ from benchmarks.harness.cpu import proc_cpu_ns, proc_cpu_s, proc_wakes
 from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.redis import server_pid
 from benchmarks.harness.report import ROOT, Row, ratio
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 
 OMNI = ROOT / "workers" / "omni.yaml"
 WORKER_TARGET_PCT = 0.5

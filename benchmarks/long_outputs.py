@@ -5,7 +5,7 @@ stage streams 2,000 chunks instead of 100.
 chunks of S bytes, `gap_ms` apart (a decode step's pace); stage 1 gets them all once
 stage 0 finished and answers with a summary the client checks (count, bytes, order).
 Until then the orchestrator keeps stage 0's chunks, in memory and in the request's
-durable state in Redis (`redis_io/request_store.py`), so another orchestrator taking
+durable state in Redis (`orchestrator/request_store.py`), so another orchestrator taking
 the request over can still forward them. A durable state re-written whole on every
 change would make a chunk cost O(N): this shows it as CPU per chunk growing with N.
 

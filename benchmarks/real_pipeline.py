@@ -5,8 +5,9 @@ namespace; load from one `OmniClient` here, closed loop at each concurrency, the
 modes' cells interleaved. Each request asks a different question (so no answer is
 canned, and llama.cpp's prompt cache helps no cell more than another) with the same
 `max_tokens` and the question's own seed, so both modes speak the same answers. Per
-request, from just before `submit`: TTFT (first text piece), TTFA (first audio chunk), E2E (the finished output), the audio's length, and what a
-listener hears (`omni_runtime.playback`: playback starts at the first audio and runs in
+request, from just before `submit`: TTFT (first text piece), TTFA (first audio chunk),
+E2E (the finished output), the audio's length, and what a listener hears
+(`omni_runtime.client.playback`: playback starts at the first audio and runs in
 real time; silence after a chunk played out is a gap). Real-time factor: the request's
 E2E over the seconds of audio it made (below 1: made faster than it plays).
 
@@ -38,9 +39,9 @@ from benchmarks.harness import scenario
 from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.stats import percentile
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
+from omni_runtime.client.playback import Playback, audio_seconds
 from omni_runtime.pipeline import load_pipeline
-from omni_runtime.playback import Playback, audio_seconds
 
 VOICE = ROOT / "workers" / "voice.yaml"
 MODES = ("sequential", "streaming")

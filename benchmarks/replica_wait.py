@@ -25,7 +25,7 @@ import redis
 from benchmarks.harness import scenario
 from benchmarks.harness.report import Row, ratio
 from benchmarks.harness.stats import p50_p99_ms
-from omni_runtime.redis_server import RedisServer
+from omni_runtime.local.redis_server import RedisServer
 
 WAIT_TIMEOUT_MS = 1000
 

@@ -12,7 +12,7 @@ step clock at the same phase and streaming TTFT was one point of the [20, 40] ms
 admission window (deciles 37-43 ms) where sequential mode sampled all of it (24-51 ms).
 Per request, from just before `submit`: TTFT (first text token out of
 `OmniClient.stream`), TTFP (first stage-2 output with audio samples), E2E (the finished
-output), and what a listener hears (`omni_runtime.playback`: playback starts with the
+output), and what a listener hears (`omni_runtime.client.playback`: playback starts with the
 first audio and runs in real time; a chunk that comes after the audio before it played
 out is a gap). Every request is checked (the tokens in order, the number of audio
 samples). Cells of the two modes are interleaved per concurrency. The TTFT rows' notes
@@ -40,9 +40,9 @@ from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.redis import server_pid
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.stats import percentile
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
+from omni_runtime.client.playback import AUDIBLE_GAP_S, Continuity, Playback, audio_seconds
 from omni_runtime.pipeline import load_pipeline
-from omni_runtime.playback import AUDIBLE_GAP_S, Continuity, Playback, audio_seconds
 
 OMNI = ROOT / "workers" / "omni.yaml"
 MODES = ("sequential", "streaming")

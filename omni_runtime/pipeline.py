@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from omni_runtime.errors import ConfigError
-from omni_runtime.messages import MAX_STAGES
+from omni_runtime.wire.messages import MAX_STAGES
 
 EntryPoint = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
 """`package.module:callable`."""

@@ -7,7 +7,7 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -20,10 +20,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from omni_runtime import keys, messages
-
-if TYPE_CHECKING:  # imported when used: importing redis-py takes ~0.3 s
-    from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime import keys
+from omni_runtime.wire import messages
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -109,7 +107,7 @@ class Settings(BaseSettings):
     retry_attempts: Annotated[int, Field(gt=0, le=1000)] = 20
     """Writes give up after this many failures (≈ 30 s with the defaults); reads never do."""
     trace_file: Path | None = None
-    """Append event stamps (see `omni_runtime.tracing`) to this file; None: tracing off."""
+    """Append event stamps (see `omni_runtime.observe.tracing`) to this file; None: tracing off."""
     trace: bool = False
     """Record every request's event stamps in Redis (`<ns>:trace:<id>`) for `omni-runtime trace`."""
     trace_ttl_s: PositiveInt = 3600
@@ -156,7 +154,7 @@ class Settings(BaseSettings):
             return None
         scheme = urlsplit(url).scheme
         if scheme in ("redis+sentinel", "rediss+sentinel"):
-            from omni_runtime.redis_io.sentinel import parse_sentinel_url
+            from omni_runtime.sentinel_url import parse_sentinel_url
 
             parse_sentinel_url(url)  # a ValueError names what is wrong
         elif scheme not in ("redis", "rediss", "unix"):
@@ -242,14 +240,6 @@ class Settings(BaseSettings):
 
             raise ConfigError("no Redis URL: set OMNI_REDIS_URL or pass --redis-url")
         return self.redis_url
-
-    def backoff(self, bounded: bool = False) -> Backoff:
-        """The retry policy of one loop: bounded for writes, unbounded for reads."""
-        from omni_runtime.redis_io.backoff import Backoff
-
-        return Backoff(
-            self.retry_initial_s, self.retry_max_s, self.retry_attempts if bounded else None
-        )
 
     @property
     def names(self) -> keys.Names:

@@ -189,7 +189,7 @@ class Watchdog:
             )
         try:
             self.on_stuck(stuck)
-        except Exception:
+        except Exception:  # the process exits next whatever failed: log it
             log.exception("giving back what the process holds failed")
         for handler in logging.getLogger().handlers:  # the exit skips every cleanup
             handler.flush()

@@ -11,9 +11,9 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.orchestrator_proc import OrchestratorService
+from omni_runtime.orchestrator.proc import OrchestratorService
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings

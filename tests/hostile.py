@@ -15,8 +15,8 @@ import msgpack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from omni_runtime import messages as m
-from omni_runtime.codec import MAX_DEPTH
+from omni_runtime.wire import messages as m
+from omni_runtime.wire.codec import MAX_DEPTH
 
 KINDS = ("request", "abort", "stage_input", "stage_output", "orch_output", "request_state")
 

@@ -19,7 +19,7 @@ Pacing, as `workers/omni.yaml` sets it (a GPU-served omni model's speeds):
   `real_time_factor` (50: a batched vocoder, 50x faster than real time).
 
 Every audio chunk carries `frame_ms` per code of its token, exactly
-`len(pcm) / sample_rate` seconds: the listener's clock (`omni_runtime.playback`)
+`len(pcm) / sample_rate` seconds: the listener's clock (`omni_runtime.client.playback`)
 needs nothing else. A word of the demo is ~100 ms of audio against ~300 ms
 spoken, so at 50 tokens/s audio comes ~6x faster than real time — a thinner
 margin against stalls than a real model has.

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from benchmarks.harness.redis import delete_keys
 from benchmarks.harness.report import ROOT
-from omni_runtime.client import OmniClient
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.client.client import OmniClient
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
 

@@ -1,4 +1,4 @@
-"""The scenarios' Redis: the one given, or a private redis-server from `omni_runtime.launcher`.
+"""The scenarios' Redis: the one given, or a private redis-server from `omni_runtime.local.launcher`.
 
 Never the launcher's embedded fakeredis fallback: that would change what is measured.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from omni_runtime.launcher import RedisServer
+from omni_runtime.local.launcher import RedisServer
 from omni_runtime.redis_io.clients import probe, sync_client
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from omni_runtime.stats import percentile
+from omni_runtime.observe.stats import percentile
 
 __all__ = ["p50_p99_ms", "percentile", "spread"]
 

@@ -5,7 +5,7 @@ A system is a `Source`: given the prompt, an async iterator of `(stage_id, data)
 `benchmarks/ttfp.py`'s: C users, each waiting a random think time (uniform over two
 decode steps, the same draws for every system) before its next request. Per request,
 from just before the source is opened: TTFT (first token), TTFA (first audio samples),
-E2E (the source ends), and what a listener hears (`omni_runtime.playback`). Every
+E2E (the source ends), and what a listener hears (`omni_runtime.client.playback`). Every
 request is checked (the tokens in order, the number of samples). A cell's samples go
 to JSON and back, so the Ray driver process can run the same loop and hand them over.
 """
@@ -30,7 +30,7 @@ from benchmarks.ttfp import (
     TOKENS,
     WORDS,
 )
-from omni_runtime.playback import Continuity, Playback, audio_seconds
+from omni_runtime.client.playback import Continuity, Playback, audio_seconds
 
 Source = Callable[[str], AsyncIterator[tuple[int, Any]]]
 REQUEST_TIMEOUT_S = 30.0

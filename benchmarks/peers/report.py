@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from benchmarks.harness.cpu import MACHINE, OTHER
 from benchmarks.harness.report import Row, ratio
 from benchmarks.peers.load import STEP, Samples
-from omni_runtime.playback import AUDIBLE_GAP_S
+from omni_runtime.client.playback import AUDIBLE_GAP_S
 
 OMNI_SYS, RAY_SYS = "omni-runtime", "Ray Serve"
 JUDGED = (1, 8, 32)

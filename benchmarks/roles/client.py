@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.harness.procs import STARTUP_TIMEOUT_S
 from benchmarks.roles import emit
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.settings import Settings
 
 REQUEST_TIMEOUT_S = 30.0

@@ -24,9 +24,10 @@ from typing import Any
 import redis
 
 from benchmarks.roles import emit
-from omni_runtime import ChunkAdapter, codec
+from omni_runtime import ChunkAdapter
 from omni_runtime.chunks import RedisConnector
 from omni_runtime.redis_io.clients import probe
+from omni_runtime.wire import codec
 
 GAP_MS = (2.0, 4.0)
 CODES = [17, 404, 1000, 3, 512, 77, 901]

@@ -18,7 +18,7 @@ from omni_runtime.chunks.sender import ChunkSender
 from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkTransport, Connector, PollingTransport
 from omni_runtime.core.chunk_book import Chunk
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 
 __all__ = ["Chunk", "ChunkAdapter"]
 
@@ -28,6 +28,7 @@ class ChunkAdapter:
 
     `connector` is a `ChunkTransport` (used as is) or any SPEC connector (lifted
     with `PollingTransport`). Counters go to `metrics` (a private registry if None).
+    Its SAVE and RECV threads run once it is built (SPEC §4: the constructor is its start).
     """
 
     def __init__(
@@ -55,6 +56,8 @@ class ChunkAdapter:
             on_ready,
             stage_id=stage_id,
         )
+        self._sender.start()  # SPEC §4 fixes the constructor as the start (test_layout)
+        self._receiver.start()
 
     # --- scheduler-thread API: in-memory only, returns at once ---------------
 
@@ -89,8 +92,9 @@ class ChunkAdapter:
         """Wake both threads and join them; returns promptly even while they idle."""
         self._sender.request_stop()
         self._receiver.request_stop()
-        self._sender.thread.join(timeout_s)
-        self._receiver.thread.join(timeout_s)
+        for thread in (self._sender.thread, self._receiver.thread):
+            if thread.ident is not None:  # started
+                thread.join(timeout_s)
 
     def pending_receives(self) -> int:
         """How many requests are registered and still waiting for chunks."""

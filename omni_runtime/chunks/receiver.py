@@ -20,7 +20,7 @@ from omni_runtime import keys
 from omni_runtime.chunks.transport import ChunkTransport
 from omni_runtime.core.chunk_book import Chunk
 from omni_runtime.core.recv_book import Poll, RecvBook
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class ChunkReceiver:
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-recv-{stage_id}", daemon=True
         )
+
+    def start(self) -> None:
         self.thread.start()
 
     # --- caller's side: in-memory only ------------------------------------------
@@ -153,7 +155,7 @@ class ChunkReceiver:
         try:
             step()
             backoff.succeeded()
-        except Exception as e:
+        except Exception as e:  # the RECV thread must outlive any failure of a round: retried
             self.metrics.inc("omni_chunk_get_failures_total", stage=self.stage_id)
             delay_s = backoff.failed() or 1.0
             log.warning("chunk read failed (retrying in %.2fs): %r", delay_s, e)
@@ -202,7 +204,7 @@ class ChunkReceiver:
                 [keys.route_id(r, src) for r, on in routes.items() if not on]
             )
             self.transport.subscribe([keys.route_id(r, src) for r, on in routes.items() if on])
-        except Exception:
+        except Exception:  # a transport's failure of any kind: the routes are retried
             with self._cv:
                 self._book.retry_routes(routes)
                 self._book.requeue(batch)
@@ -215,7 +217,7 @@ class ChunkReceiver:
         ]
         try:
             values = self.transport.fetch(round_keys)
-        except Exception:
+        except Exception:  # a transport's failure of any kind: the round is retried
             with self._cv:
                 self._book.requeue(batch)
             raise
@@ -247,7 +249,7 @@ class ChunkReceiver:
                 if self.transport.discard(page) < len(page):
                     return
                 first += len(page)
-        except Exception as e:
+        except Exception as e:  # best effort: unread chunks expire anyway
             log.warning(
                 "deleting unread chunks of discarded %r failed (they expire): %r",
                 request_id,

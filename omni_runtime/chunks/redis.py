@@ -25,14 +25,14 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.retry import Retry
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.chunks.redis_packed import HeldPuts, put_pipe
 from omni_runtime.chunks.redis_wakeups import (
     WAKEUP_BATCH,
@@ -47,6 +47,7 @@ from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.keys import stored_chunk_key
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster, sync_client
+from omni_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class RedisConnector:
         client = sync_client(url, cluster=cluster, **kwargs)
         try:
             connector = cls(client, **own)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: the client made here is closed
             client.close()
             raise
         connector._owns_client = True
@@ -123,7 +124,7 @@ class RedisConnector:
             raw = self.client.getdel(name)
         except RedisError as e:
             raise TransportError(f"GETDEL {name!r} failed: {e}") from e
-        return None if raw is None else self._decode(name, raw)  # type: ignore[arg-type]
+        return None if raw is None else self._decode(name, cast(bytes, raw))
 
     # --- ChunkTransport -----------------------------------------------------------
 

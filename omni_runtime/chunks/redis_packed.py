@@ -17,6 +17,8 @@ import redis
 from redis.connection import Connection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from omni_runtime.redis_io import conn as rconn
+
 
 class PutPipe(Protocol):
     """What a put queues its commands on."""
@@ -38,9 +40,9 @@ def put_pipe(
 
 
 class HeldPuts:
-    """A connection kept for puts between them: a pool's get and release cost ~27 µs a
-    call here (redis-py 8 probes the socket on every get), more than packing a one-chunk
-    put. Whoever finds it free uses it (a try-lock); a put made at the same moment on
+    """A connection kept for puts between them: a pool's get and release (redis-py 8
+    probes the socket on every get) cost more than packing a one-chunk put
+    (docs/performance.md). Whoever finds it free uses it (a try-lock); a put made at the same moment on
     another thread takes a pooled connection as before."""
 
     def __init__(self, pool: ConnectionPool) -> None:
@@ -51,8 +53,8 @@ class HeldPuts:
     def drop(self) -> None:
         """Under `lock`: the held connection failed; the next put takes a fresh one."""
         if self.conn is not None:
-            self.conn.disconnect()  # type: ignore[no-untyped-call]
-            self.pool.release(self.conn)
+            rconn.drop(self.conn)
+            rconn.give_back(self.pool, self.conn)
             self.conn = None
 
     def close(self) -> None:
@@ -92,9 +94,9 @@ class PackedPipe:
             try:
                 fresh = held.conn is None
                 if fresh:
-                    held.conn = self.pool.get_connection()
+                    held.conn = rconn.take(self.pool)
                 try:
-                    return self._unwrap(_round_trip(cast(Connection, held.conn), cmds))
+                    return self._unwrap(rconn.round_trip(cast(Connection, held.conn), cmds))
                 except RedisConnectionError:
                     held.drop()
                     if fresh:
@@ -103,21 +105,11 @@ class PackedPipe:
                     # probed it): once more on a fresh one. Puts are idempotent.
             finally:
                 held.lock.release()
-        conn = self.pool.get_connection()
+        conn = rconn.take(self.pool)
         try:
-            return self._unwrap(_round_trip(conn, cmds))
+            return self._unwrap(rconn.round_trip(conn, cmds))
         finally:
-            self.pool.release(conn)
+            rconn.give_back(self.pool, conn)
 
     def _unwrap(self, replies: list[Any]) -> list[Any]:
         return list(replies[-1]) if self.transaction else replies
-
-
-def _round_trip(conn: Connection, cmds: list[tuple[Any, ...]]) -> list[Any]:
-    """Send every command, read every reply; a failure disconnects `conn` and raises."""
-    try:
-        conn.send_packed_command(conn.pack_commands(cmds))  # type: ignore[no-untyped-call]
-        return [conn.read_response() for _ in cmds]
-    except BaseException:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-        raise

@@ -25,6 +25,7 @@ from redis.connection import Connection, ConnectionPool
 from omni_runtime import keys
 from omni_runtime.chunks.redis_packed import PutPipe
 from omni_runtime.chunks.transport import route_and_id
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import pool_for_key
 
 log = logging.getLogger(__name__)
@@ -222,22 +223,21 @@ class NotifyWaiter:
                 blpop = ("BLPOP", self.notify_key, BLOCK_S)
                 lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
                 cmds = [("UNLINK", *unlink), blpop, lpop] if unlink else [blpop, lpop]
-                packed = conn.pack_commands(cmds)  # type: ignore[no-untyped-call]
-                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                rconn.send(conn, cmds)
                 self._in_flight, self._skip, sent = True, int(bool(unlink)), bool(unlink)
             if self._pair is None:
                 self._pair = socket.socketpair()
                 for end in self._pair:
                     end.setblocking(False)
             sock = self._sock
-            if sock is not None and not self._kicked.is_set() and not conn.can_read(timeout=0):
+            if sock is not None and not self._kicked.is_set() and not rconn.readable(conn):
                 select.select([sock, self._pair[0]], [], [], timeout_s)
-            while self._skip and conn.can_read(timeout=0):  # the UNLINK's reply comes first
-                conn.read_response()
+            while self._skip and rconn.readable(conn):  # the UNLINK's reply comes first
+                rconn.reply(conn)
                 self._skip -= 1
-            if self._skip or not conn.can_read(timeout=0):
+            if self._skip or not rconn.readable(conn):
                 return [], self._drain(), sent
-            popped, rest = conn.read_response(), conn.read_response()
+            popped, rest = rconn.reply(conn), rconn.reply(conn)
             self._in_flight = False
         except redis.RedisError:
             self._drop()
@@ -254,10 +254,10 @@ class NotifyWaiter:
     def _connection(self) -> Connection | None:
         if self._conn is None:
             pool = self._pool = pool_for_key(self.client, self.notify_key)
-            conn = pool.get_connection()
-            sock = conn._sock
-            if not isinstance(sock, socket.socket):
-                pool.release(conn)
+            conn = rconn.take(pool)
+            sock = rconn.socket_of(conn)
+            if sock is None:
+                rconn.give_back(pool, conn)
                 return None
             self._conn, self._sock = conn, sock
         return self._conn
@@ -284,7 +284,7 @@ class NotifyWaiter:
     def _drop(self) -> None:
         """A connection with a BLPOP in flight must not go back to the pool as is."""
         if self._conn is not None:
-            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            rconn.drop(self._conn)
             if self._pool is not None:
-                self._pool.release(self._conn)
+                rconn.give_back(self._pool, self._conn)
             self._conn, self._in_flight, self._skip = None, False, 0

@@ -18,7 +18,7 @@ from omni_runtime import keys
 from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport
 from omni_runtime.core.chunk_book import SendBook, SendItem, Staged
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class ChunkSender:
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-save-{stage_id}", daemon=True
         )
+
+    def start(self) -> None:
         self.thread.start()
 
     # --- caller's side: in-memory only ------------------------------------------
@@ -110,7 +112,7 @@ class ChunkSender:
         if not cancelled:
             try:
                 payload = self.build_payload(item.snapshot)
-            except Exception:
+            except Exception:  # user code (build_payload): whatever it raises skips the chunk
                 log.exception(
                     "build_payload failed for %r; chunk skipped",
                     item.request_id,
@@ -144,7 +146,7 @@ class ChunkSender:
             except ChunkRejected as e:
                 batch = self._reject(batch, items, e.rejected)
                 continue
-            except Exception as e:
+            except Exception as e:  # the SAVE thread must outlive any failed put: counted, retried
                 self.metrics.inc("omni_chunk_put_failures_total", len(batch), stage=self.stage_id)
                 log.error(
                     "put of %d chunk(s) failed, dropped (%s ...): %r", len(batch), items[0][0], e
@@ -194,7 +196,7 @@ class ChunkSender:
             self.transport.discard(
                 [keys.chunk_key(item.request_id, self.stage_id, i) for i in range(upto)]
             )
-        except Exception as e:
+        except Exception as e:  # best effort: the chunks expire anyway
             log.warning(
                 "deleting the chunks of aborted %r failed (they expire): %r",
                 item.request_id,

@@ -1,9 +1,9 @@
 """The default snapshot of `save_async` (SPEC §4): a copy no later mutation reaches.
 
 A chunk is data on its way to msgpack: trees of dicts, lists and tuples over strings,
-numbers, bytes and arrays. `copy.deepcopy` copies those ~3-4x slower than walking them
-here (its memo and dispatch per object: ~7 against ~2 µs for a talker's
-`{"token", "codes"}`, on the scheduler thread of every chunk). Immutable leaves are
+numbers, bytes and arrays. `copy.deepcopy` copies those several times slower than
+walking them here (its memo and dispatch per object, on the scheduler thread of every
+chunk: docs/performance.md). Immutable leaves are
 shared, the containers rebuilt; anything else (an array, a subclass, a user type) is
 left to `copy.deepcopy`, and so is a tree too deep to walk (a cycle, say: msgpack will
 refuse it later with its own error). Aliasing is not kept, which a tree bound for

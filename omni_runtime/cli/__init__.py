@@ -5,6 +5,7 @@ The subcommands themselves are in `commands`, what they print in `console`."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -24,6 +25,7 @@ from omni_runtime.cli.commands import (
 )
 from omni_runtime.cli.startup import document_fields, import_redis
 from omni_runtime.errors import OmniError
+from omni_runtime.local.forked import Children
 from omni_runtime.logs import configure_logging
 from omni_runtime.settings import Settings
 
@@ -139,7 +141,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "run",
         "run the whole pipeline locally for one prompt (starts Redis if none is given)",
         prompt=True,
-    ).set_defaults(func=cmd_run)
+    ).set_defaults(func=functools.partial(cmd_run, children=CHILDREN))
     serve = add(
         "serve",
         "serve the pipeline over HTTP, OpenAI-compatible, with a playground page at / "
@@ -147,7 +149,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         pipeline=False,  # its own --pipeline, given once per pipeline served (http/flags.py)
     )
     serve_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=functools.partial(cmd_serve, children=CHILDREN))
     b = add("bench", "load a running pipeline: requests/s and latency", mode=False)
     b.add_argument("-n", "--requests", type=int, default=1000, help="requests to send in all")
     b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-    except Exception as e:
+    except Exception as e:  # redis-py may not be imported: its errors are told by name
         if not _is_redis_error(e):
             raise
         print(
@@ -252,6 +254,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _prepare_children() -> None:
+    """Build the command lines the children parse, once, before they are forked."""
+    import_redis()
+    for command in ("orchestrator", "worker"):
+        parser_for(command)
+
+
+CHILDREN = Children(
+    main=main,
+    modules=(
+        "numpy",  # the codec's arrays (the demo's stages use it too)
+        "omni_runtime.orchestrator.proc",
+        "omni_runtime.worker.proc",
+    ),
+    prepare=_prepare_children,
+)
+"""What `run` and `serve` fork: this command line, its processes' modules imported first."""
 
 
 if __name__ == "__main__":

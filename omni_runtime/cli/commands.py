@@ -27,6 +27,7 @@ from omni_runtime.cli.console import (
 )
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import ConfigError, OmniError
+from omni_runtime.local.forked import Children
 from omni_runtime.pipeline import PipelineConfig, check_stage_options, load_pipeline
 from omni_runtime.settings import Settings
 
@@ -67,7 +68,7 @@ def _wav_rate(pipeline: PipelineConfig) -> int:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from omni_runtime.orchestrator_proc import OrchestratorService
+    from omni_runtime.orchestrator.proc import OrchestratorService
 
     settings = settings_of(args)
     log_settings(settings)
@@ -129,7 +130,7 @@ async def _submit_and_print(
     trace: bool = False,
     params: dict[str, Any] | None = None,
 ) -> None:
-    from omni_runtime.client import OmniClient
+    from omni_runtime.client.client import OmniClient
 
     async with OmniClient(settings) as client:
         await client.wait_ready(stage_ids)
@@ -170,7 +171,7 @@ def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
     handler(signal.SIGINT, frame)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, children: Children) -> int:
     """Its start-up overlaps: the redis-server starts while this process imports and
     checks what its children need, and they are forked from it (`forked`). Once every
     process has stopped it leaves at once (`exit_now`), after a Ctrl-C as well.
@@ -180,16 +181,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_stop_signal)
     try:
-        code = _run(args)
+        code = _run(args, children)
     except KeyboardInterrupt:
         code = 128 + (_STOPPED_BY[0] if _STOPPED_BY else signal.SIGINT)
     exit_now(code)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, children: Children) -> int:
     from omni_runtime.cli.startup import import_redis
-    from omni_runtime.forked import preload
-    from omni_runtime.launcher import ProcessGroup, child_env, settings_env, starting_redis
+    from omni_runtime.local.forked import preload
+    from omni_runtime.local.launcher import ProcessGroup, child_env, settings_env, starting_redis
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
@@ -204,12 +205,14 @@ def _run(args: argparse.Namespace) -> int:
 
             RedisClients.from_settings(settings)
         check_stage_options(pipeline, range(pipeline.last_stage + 1))
-        preload()
+        preload(children)
         url, how = redis_ready()
         print(f"pipeline {pipeline.name!r} ({pipeline.mode} mode) on {how}", flush=True)
         run_settings = settings.model_copy(update={"redis_url": url})
         env = child_env(url, settings_env(run_settings))  # every setting, however given
-        group = ProcessGroup(Path(args.pipeline), pipeline, env, fork=True, args=logging_args(args))
+        group = ProcessGroup(
+            Path(args.pipeline), pipeline, env, fork=children, args=logging_args(args)
+        )
         failed = True  # until the request has ended well; a Ctrl-C is no failure
         try:
             group.start()
@@ -243,7 +246,7 @@ async def _watch(group: Any, work: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from omni_runtime.loadgen import run_load
+    from omni_runtime.client.loadgen import run_load
 
     result = asyncio.run(
         run_load(settings_of(args), _pipeline(args), args.requests, args.concurrency, args.prompt)
@@ -252,14 +255,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, children: Children) -> int:
     try:
         from omni_runtime.http.serve import run_serve
     except ImportError as e:
         raise ConfigError(
             f"serve needs the serve extra: pip install 'omni-runtime[serve]' ({e})"
         ) from None
-    exit_now(run_serve(args, settings_of(args)))  # stopped and closed: no teardown to wait for
+    code = run_serve(args, settings_of(args), children, logging_args(args))
+    exit_now(code)  # stopped and closed: no teardown to wait for
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 `Orchestrator` (routing, `core/orchestrator.py`) builds on this: three queues and
 three kinds of task (plus one for deadlines). Two optional hooks serve a process
-that keeps request state durable: `sink` takes each user output synchronously (so
+that keeps request state durable (`Hooks`, given at construction): `sink` takes each user output synchronously (so
 the state change and the output it causes reach the shell in one step, with no
 await between), `on_change` hears which request's state changed (None: it ended),
 `step_done` hears that the adds (or outputs) queued so far are all handled.
@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from omni_runtime.core.deadlines import Deadlines
@@ -40,6 +41,20 @@ OutputSink = Callable[[OrchOutput], None]
 ChangeHook = Callable[[str, ReqState | None], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a shell that keeps request state durable hears from the core, given whole at
+    construction (the module docstring says when each is called)."""
+
+    sink: OutputSink | None = None
+    """Set: every user output goes here at once instead of `next_output`'s queue."""
+    on_change: ChangeHook | None = None
+    step_done: Callable[[], None] | None = None
+    """Called once the adds (or the outputs) queued so far are handled: the state is
+    whole again, so a shell batching its writes may send what they queued at once, in
+    one batch (one per output of a burst would make the rest wait a round trip)."""
+
+
 class OrchestratorLoops:
     """State, queues, tasks and the public API; subclasses supply the `_handle_*` methods."""
 
@@ -50,6 +65,7 @@ class OrchestratorLoops:
         forward_fn: ForwardFn = forward_previous_data,
         default_deadline_s: float | None = None,
         metrics: CounterSink | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         self.stages: list[Stage] = list(stages)
         self._managed: list[ManagedStage | None] = [
@@ -67,13 +83,8 @@ class OrchestratorLoops:
         self.default_deadline_s = default_deadline_s
         self.request_states: dict[str, ReqState] = {}
         self.dropped_outputs: int = 0
-        self.sink: OutputSink | None = None
-        """Set: every user output goes here at once instead of `next_output`'s queue."""
-        self.on_change: ChangeHook | None = None
-        self.step_done: Callable[[], None] | None = None
-        """Called once the adds (or the outputs) queued so far are handled: the state is
-        whole again, so a shell batching its writes may send what they queued at once, in
-        one batch (one per output of a burst would make the rest wait a round trip)."""
+        hooks = hooks or Hooks()
+        self.sink, self.on_change, self.step_done = hooks.sink, hooks.on_change, hooks.step_done
         self._req_q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         self._ready_q: asyncio.Queue[tuple[int, StageOutput]] = asyncio.Queue()
         self._out_q: asyncio.Queue[OrchOutput] = asyncio.Queue()
@@ -188,7 +199,7 @@ class OrchestratorLoops:
                 self._answered.clear()
                 try:
                     await self._handle_abort(request_id, "deadline exceeded")
-                except Exception as e:
+                except Exception as e:  # one request's deadline: any failure is contained to it
                     await self._contain("ending it at its deadline", request_id, e, True)
                 continue
             at = self._deadlines.next_at()
@@ -217,7 +228,7 @@ class OrchestratorLoops:
             live = out.request_id in self.request_states
             try:
                 await self._handle_output(stage_id, out)
-            except Exception as e:
+            except Exception as e:  # one output's routing: any failure is contained to its request
                 await self._contain(f"routing a stage {stage_id} output", out.request_id, e, live)
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
@@ -250,7 +261,7 @@ class OrchestratorLoops:
             return
         try:
             await self._end_with_error(request_id, f"internal error: {type(e).__name__}: {e}")
-        except Exception as again:
+        except Exception as again:  # the last resort of containment: log, count, go on
             self._count_contained("ending a failed request")
             log.error("could not end a failed request: %r", again, extra={"request_id": request_id})
 

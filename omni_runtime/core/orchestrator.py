@@ -81,7 +81,7 @@ class Orchestrator(OrchestratorLoops):
                 await managed.abort(request_id)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # a stage's abort: any failure is logged, the request still ends
                 log.warning(
                     "stage %d could not abort: %r", sid, e, extra={"request_id": request_id}
                 )
@@ -138,7 +138,7 @@ class Orchestrator(OrchestratorLoops):
             await self.stages[stage_id].submit(request_id, data, params)
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # a stage's submit: any failure fails that request alone
             log.warning("stage %d submit failed: %r", stage_id, e, extra={"request_id": request_id})
             if request_id in self.request_states:
                 await self._fail(

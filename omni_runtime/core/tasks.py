@@ -1,9 +1,8 @@
 """Stopping asyncio tasks for good.
 
 redis-py's asyncio client can swallow a cancellation that lands while a command is in
-progress: with redis-py 8.1, a task looping on SET against a real server went on
-running after `cancel()` in about a third of tries, a task looping on a blocking XREAD
-in about 2 %. A task cancelled once and then awaited could keep a shutdown waiting for
+progress (a task looping on SET, or on a blocking XREAD, against a real server can go on
+running after `cancel()`: docs/performance.md). A task cancelled once and then awaited could keep a shutdown waiting for
 ever. So a task is cancelled again, and again, until it has ended, within a deadline.
 """
 

@@ -89,7 +89,7 @@ class ManagedStage(Stage, Protocol):
 
 
 class CounterSink(Protocol):
-    """Where core components count (`omni_runtime.metrics.Metrics` is one)."""
+    """Where core components count (`omni_runtime.observe.metrics.Metrics` is one)."""
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None: ...
 

@@ -178,7 +178,7 @@ class SynthStream:
     def _run(self) -> None:
         try:
             self.engine.run(self)
-        except Exception as e:
+        except Exception as e:  # the synthesis thread's failure, whatever it is, goes to the reader
             self._queue.put(e)
         finally:
             self.done_at = time.perf_counter()

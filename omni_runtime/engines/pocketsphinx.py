@@ -68,7 +68,7 @@ def _decoder(key: ModelKey, max_decoders: int) -> Iterator[Any]:
     if decoder is None:
         try:
             decoder = _load(key)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: a failed load frees its place
             with _pool:
                 mine.made -= 1
                 _pool.notify()

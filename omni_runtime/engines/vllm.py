@@ -113,7 +113,7 @@ class VllmEngine:
                     return
                 if text:
                     yield text
-        except Exception as e:
+        except Exception as e:  # vLLM's own errors have no common base: told dead or not
             if engine.errored:
                 raise EngineDead(f"vLLM engine errored: {engine.dead_error!r}") from e
             raise
@@ -133,7 +133,7 @@ class VllmEngine:
             raise EngineDead(f"vLLM engine errored: {engine.dead_error!r}")
         try:
             await engine.check_health()
-        except Exception as e:
+        except Exception as e:  # any failure of the health check means an unhealthy engine
             raise EngineDead(f"vLLM check_health: {type(e).__name__}: {e}") from e
 
     def stats(self) -> EngineStats:

@@ -22,12 +22,12 @@ import numpy as np
 import numpy.typing as npt
 from redis.exceptions import RedisError
 
-from omni_runtime.client import OmniClient, RequestTimeoutError
+from omni_runtime.client.client import OmniClient, RequestTimeoutError
 from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients

@@ -21,13 +21,13 @@ from typing import Any, Literal, cast
 import numpy as np
 import soxr
 
-from omni_runtime.client import RequestTimeoutError
+from omni_runtime.client.client import RequestTimeoutError
+from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway, Run, Served
 from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
-from omni_runtime.playback import Playback
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from omni_runtime.client.playback import Playback
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_events import (
@@ -35,7 +36,6 @@ from omni_runtime.http.realtime_events import (
 )
 from omni_runtime.http.realtime_response import Item, Response, Status
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
-from omni_runtime.playback import Playback
 from omni_runtime.settings import Settings
 
 MAX_ITEMS = 200

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Header, Response
@@ -60,8 +60,14 @@ class GuardedStream(StreamingResponse):
     `finally` may then never run (it may be suspended at a `yield`), this does.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: str):
-        super().__init__(content, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        media_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -142,7 +148,7 @@ def media_router(gateway: Gateway) -> APIRouter:
                 _chat_sse(run, req.model, include_usage, prompt_tokens),
                 run.close,
                 media_type="text/event-stream",
-                headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},  # type: ignore[arg-type]
+                headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},
             )
         response.headers[REQUEST_ID_HEADER] = run.request_id
         try:
@@ -177,7 +183,7 @@ def media_router(gateway: Gateway) -> APIRouter:
         events = run.events()
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: a cancelled or failed wait closes the run
             run.close()
             raise
         if isinstance(first, FailureEvent):
@@ -202,7 +208,7 @@ def media_router(gateway: Gateway) -> APIRouter:
             "Cache-Control": "no-cache",
             REQUEST_ID_HEADER: run.request_id,
         }
-        return GuardedStream(body(), run.close, media_type="audio/pcm", headers=headers)  # type: ignore[arg-type]
+        return GuardedStream(body(), run.close, media_type="audio/pcm", headers=headers)
 
     return router
 
@@ -241,8 +247,8 @@ async def _chat_sse(
         int(time.time()),
     )
 
-    def chunk(delta: Delta, finish: str | None = None) -> bytes:
-        choice = ChunkChoice(delta=delta, finish_reason=finish)  # type: ignore[arg-type]
+    def chunk(delta: Delta, finish: Literal["stop", "error"] | None = None) -> bytes:
+        choice = ChunkChoice(delta=delta, finish_reason=finish)
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice])
         return _sse(body.model_dump_json(exclude_none=True))
 

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import math
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ from omni_runtime.http.app import create_app
 from omni_runtime.http.flags import add_serve_arguments as add_serve_arguments
 from omni_runtime.http.gateway import Gateway, check_served
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.launcher import ProcessGroup, child_env, local_redis, settings_env
+from omni_runtime.local.forked import Children
+from omni_runtime.local.launcher import ProcessGroup, child_env, local_redis, settings_env
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
@@ -47,9 +47,12 @@ def pipeline_paths(given: str | list[str]) -> list[str]:
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
 
 
-def run_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """`omni-runtime serve`: returns the exit code (1 if an embedded process died)."""
-    from omni_runtime.cli.commands import logging_args
+def run_serve(
+    args: argparse.Namespace, settings: Settings, children: Children, log_args: list[str]
+) -> int:
+    """`omni-runtime serve`: returns the exit code (1 if an embedded process died).
+    `children` is what an embedded deployment forks (the command line's entry point),
+    `log_args` the logging flags each of its processes is given."""
 
     paths = pipeline_paths(args.pipeline)
     # streaming unless the file or --mode says otherwise: a served answer's audio starts
@@ -67,7 +70,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(sig, signal.default_int_handler)
     try:
         served = list(zip(paths, pipelines, namespaces, strict=True))
-        return _run_serve(settings, served, serve, logging_args(args))
+        return _run_serve(settings, served, serve, children, log_args)
     except KeyboardInterrupt:
         return 0
 
@@ -76,6 +79,7 @@ def _run_serve(
     settings: Settings,
     served: list[tuple[str, PipelineConfig, str]],
     serve: ServeSettings,
+    children: Children,
     log_args: list[str],
 ) -> int:
     """`served`: each pipeline's file, config and namespace."""
@@ -88,7 +92,7 @@ def _run_serve(
                 if embedded:  # every setting, however given, reaches every process started
                     own = settings.model_copy(update={"namespace": namespace})
                     env = child_env(url, settings_env(own))
-                    group = ProcessGroup(Path(path), pipeline, env, fork=True, args=log_args)
+                    group = ProcessGroup(Path(path), pipeline, env, fork=children, args=log_args)
                     groups.append(group)
                     group.start()
                 log.info(
@@ -141,14 +145,3 @@ async def _serve_until_stopped(server: uvicorn.Server, groups: list[ProcessGroup
         await asyncio.wait({task}, timeout=0.5)
     await task
     return 0 if server.started else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m omni_runtime.http.serve ARGS` is `omni-runtime serve ARGS`."""
-    from omni_runtime.cli import main as cli_main
-
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,5 @@
-"""Observability of one process: metrics export, stats, timings, tracers' exporters.
+"""Observability of one process: the metrics registry (`metrics.py`) and its export,
+stats, timings, tracers and their exporters.
 
-`start_observability` starts, from the settings, what a process shell needs;
-the registry itself (`omni_runtime.metrics`) and the tracers (`omni_runtime.tracing`)
-stay at the top level because every component uses them.
+`start_observability` starts, from the settings, what a process shell needs.
 """

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from omni_runtime import keys
-from omni_runtime.tracing import RedisTracer, Tracer
+from omni_runtime.observe.tracing import RedisTracer, Tracer
 
 FINISHED = "request_finished"
 """The router's stamp of a request's last output: a request traced on demand ends there."""
@@ -34,7 +34,7 @@ class LazyRedisTracer:
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
     ) -> None:
         if self.tracer is None:
-            self.tracer = RedisTracer(self.redis_client(), self.names, self.ttl_s)
+            self.tracer = RedisTracer(self.redis_client(), self.names, self.ttl_s).start()
         self.tracer.stamp(event, request_id, stage_id, t_ns)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from omni_runtime import keys
-from omni_runtime.tracing import Flushable, Stamp, wall_ns
+from omni_runtime.observe.tracing import Flushable, Stamp, wall_ns
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,11 @@ class OtelTracer:
         self._open: OrderedDict[str, tuple[float, list[Stamp]]] = OrderedDict()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="otel-tracer", daemon=True)
+
+    def start(self) -> OtelTracer:
+        """Start the emitting thread; the tracer itself, for `OtelTracer(...).start()`."""
         self._thread.start()
+        return self
 
     def stamp(
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
@@ -118,7 +122,8 @@ class OtelTracer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(5)
         self.flush()
         if isinstance(self.provider, Flushable):
             self.provider.force_flush()
@@ -154,4 +159,4 @@ def otel_tracer_from_env(role: str = "omni") -> OtelTracer | None:
     service = os.environ.get("OTEL_SERVICE_NAME", "omni-runtime")
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return OtelTracer(provider, role)
+    return OtelTracer(provider, role).start()

@@ -20,7 +20,7 @@ import redis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
-from omni_runtime.metrics import HISTOGRAMS, Metrics
+from omni_runtime.observe.metrics import HISTOGRAMS, Metrics
 from omni_runtime.observe.redis_stats import (
     GroupInfo,
     StreamInfo,

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS, LabelKey, Metrics
+from omni_runtime.observe.metrics import COUNTERS, GAUGES, HISTOGRAMS, LabelKey, Metrics
 from omni_runtime.observe.probes import Probes, probes_app, serve_wsgi
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from omni_runtime import keys
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.redis_stats import ProcessInfo, StreamInfo
 
 GAUGE_NAMES = (

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.probes import Probes
+from omni_runtime.observe.tracing import Closable, FanOutTracer, FileTracer, RedisTracer, Tracer
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Closable, Tracer, tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +94,42 @@ def start_observability(
             )
             poller.start()
             obs._stops.append(poller.stop)
-    except BaseException:
+    except BaseException:  # cleanup, then re-raised: nothing half started is left running
         with contextlib.suppress(Exception):
             obs.close()
         raise
     return obs
+
+
+def tracer_for(
+    trace_file: Path | None,
+    trace: bool = False,
+    redis_client: Callable[[], Any] | None = None,
+    names: keys.Names | None = None,
+    ttl_s: int = 3600,
+    role: str = "omni",
+) -> Tracer | None:
+    """The tracer a process shell builds from its settings (None: tracing off).
+
+    `trace_file`: a `FileTracer`; `trace` (with a client factory and names): a
+    `RedisTracer`; and, when opentelemetry-sdk is installed and
+    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `observe.otel.OtelTracer` whose spans
+    are named after `role` ("orchestrator", "stage 1", "client").
+    """
+    tracers: list[Tracer] = []
+    if trace_file is not None:
+        tracers.append(FileTracer(trace_file))
+    if trace and redis_client is not None and names is not None:
+        tracers.append(RedisTracer(redis_client(), names, ttl_s).start())
+    if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        try:
+            from omni_runtime.observe.otel import otel_tracer_from_env
+        except ImportError:
+            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry is not installed")
+        else:
+            otel = otel_tracer_from_env(role)
+            if otel is not None:
+                tracers.append(otel)
+    if not tracers:
+        return None
+    return tracers[0] if len(tracers) == 1 else FanOutTracer(tracers)

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from omni_runtime import codec
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.wire import codec
 
 MAX_OPEN = 100_000
 """Requests timed at once; past it the oldest is forgotten (its end is not observed)."""

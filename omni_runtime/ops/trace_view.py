@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from omni_runtime.errors import ConfigError
+from omni_runtime.observe.tracing import Flushable, Stamp, read_redis_trace
 from omni_runtime.ops.flags import add_trace_arguments as add_trace_arguments
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Flushable, Stamp, read_redis_trace
 
 MAX_LABELLED = 80
 """Stamps named in the PNG; a longer timeline is drawn one row per lane, unlabelled."""

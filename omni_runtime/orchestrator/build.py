@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import Stage, forward_previous_data
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig, resolve_entry
 
 
@@ -16,6 +17,7 @@ def build_orchestrator(
     stages: Sequence[Stage],
     default_deadline_s: float | None = None,
     metrics: Metrics | None = None,
+    hooks: Hooks | None = None,
 ) -> Orchestrator:
     """The orchestrator class of the pipeline's mode, with its forward function."""
     forward = (
@@ -24,4 +26,4 @@ def build_orchestrator(
         else forward_previous_data
     )
     cls = StreamingOrchestrator if pipeline.mode == "streaming" else Orchestrator
-    return cls(stages, pipeline.final_stage_ids, forward, default_deadline_s, metrics)
+    return cls(stages, pipeline.final_stage_ids, forward, default_deadline_s, metrics, hooks)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from omni_runtime import keys
-from omni_runtime.messages import AbortMsg
-from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.orchestrator.backlog import read_backlog
+from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import GroupReader
-
-if TYPE_CHECKING:
-    from omni_runtime.orchestrator.slot import Shared
+from omni_runtime.wire.messages import AbortMsg
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ class ControlGuard:
             max_bytes=s.max_message_bytes,
             dead_letters=s.names.dead_letters,
             metrics=shared.metrics,
-            backoff=s.backoff(bounded=True),
+            backoff=Backoff.from_settings(s, bounded=True),
             block_budget=self._block_ms,
         )
         self.backlog_done = False

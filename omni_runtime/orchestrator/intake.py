@@ -15,11 +15,13 @@ from typing import Any, Final
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
+from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import ClientId, RequestId, clip_error
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import RequestView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import ClientId, RequestId, clip_error
+from omni_runtime.wire.views import RequestView
 
 _ADDRESS: Final = TypeAdapter(tuple[RequestId, ClientId])
 _PAYLOAD: Final = keys.PAYLOAD_FIELD.encode()
@@ -90,3 +92,13 @@ def same_request(prompt: Any, params: Any, cmd: RequestView) -> bool:
         )
     except CodecError:
         return False
+
+
+def retransmitted(cmd: RequestView, client_id: str, live: RequestView | ReqState | None) -> bool:
+    """The same client asking for what the `live` request under its id asked (the entry
+    still queued, or the state registered): its write retried, not a duplicate id."""
+    return (
+        live is not None
+        and client_id == cmd.client_id
+        and same_request(live.prompt, live.params, cmd)
+    )

@@ -20,39 +20,33 @@ import io
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput, ReqState
-from omni_runtime.messages import WIRE_VERSION
-from omni_runtime.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
-from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator import intake
+from omni_runtime.orchestrator.backlog import read_backlog
 from omni_runtime.orchestrator.build import build_orchestrator
 from omni_runtime.orchestrator.control import ControlGuard
-from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.backlog import read_backlog
+from omni_runtime.orchestrator.outbox import ClientOutbox
+from omni_runtime.orchestrator.request_store import RequestStore, to_state
+from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.orchestrator.stage_client import RedisStageClient
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
-from omni_runtime.redis_io.leases import Leases
-from omni_runtime.redis_io.liveness import StageWatch, no_live_worker
-from omni_runtime.redis_io.outbox import ClientOutbox
-from omni_runtime.redis_io.request_store import RequestStore, to_state
-from omni_runtime.redis_io.stage_client import RedisStageClient
+from omni_runtime.redis_io.liveness import no_live_worker
 from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
-from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress
-from omni_runtime.wire_views import AbortView, ClientCommandView, RequestView
+from omni_runtime.wire.messages import WIRE_VERSION
+from omni_runtime.wire.views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +60,6 @@ def _wedge_after() -> int | None:
     return int(value) if value.isdigit() else None
 
 
-@dataclass
-class Shared:
-    """What every slot of one process shares: one client, one writer, one lease set."""
-
-    pipeline: PipelineConfig
-    settings: Settings
-    client: aioredis.Redis
-    writer: StreamWriter
-    leases: Leases
-    metrics: Metrics
-    timer: RequestTimer
-    stage_watch: StageWatch
-    tracer: Tracer | None = None
-    recheck_stages: Callable[[], Awaitable[None]] | None = None
-    """Look at the stages' heartbeats again now (a replica may have beaten since)."""
-    begin_trace: Callable[[str], None] | None = None
-    """A request flagged `trace` arrived: stamp it from here on (`observe/on_demand.py`)."""
-    traced: set[str] | frozenset[str] = frozenset()
-    """The requests traced on demand: their stage inputs carry the flag."""
-
-
 class SlotService:
     def __init__(self, shared: Shared, slot: int, home: bool) -> None:
         s, p = shared.settings, shared.pipeline
@@ -95,7 +68,7 @@ class SlotService:
         self.home = home
         """The process's own slot reads new requests; a slot taken over only its backlog."""
         self.names = names = s.names
-        backoff = s.backoff(bounded=True)
+        backoff = Backoff.from_settings(s, bounded=True)
         self.stages = [
             RedisStageClient(
                 shared.client,
@@ -112,6 +85,7 @@ class SlotService:
                 backoff=backoff,
                 slot=slot,
                 fence=shared.leases,
+                block_budget=self._block_ms,
             )
             for sid in range(p.last_stage + 1)
         ]
@@ -120,13 +94,10 @@ class SlotService:
         joint_read = not is_cluster(shared.client)
         for stage in self.stages:
             stage.traced = shared.traced
-            stage.reader.block_budget = self._block_ms
             if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
                 joint.add(stage.reader)
-        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics)
-        self.core.sink = self._deliver
-        self.core.on_change = self._changed
-        self.core.step_done = shared.writer.send_now
+        hooks = Hooks(self._deliver, self._changed, shared.writer.send_now)
+        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics, hooks)
         self.requests: GroupReader[RequestView | AbortView] = GroupReader(
             shared.client,
             names.requests,
@@ -138,8 +109,8 @@ class SlotService:
             metrics=shared.metrics,
             backoff=backoff,
             block_budget=self._block_ms,
+            on_bad=self._answer_malformed,
         )
-        self.requests.on_bad = self._answer_malformed
         self.control = ControlGuard(shared, slot, home)
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of
@@ -355,7 +326,8 @@ class SlotService:
             queued = self._entry_of.get(rid)
             if queued is not None and queued[0] == entry_id:
                 return  # read again (a backlog re-read): acknowledged once registered
-            if not self._retransmitted(rid, cmd):
+            live = queued[1] if queued is not None else core.request_states.get(rid)
+            if not intake.retransmitted(cmd, self.client_of[rid], live):
                 self._refuse(cmd, intake.DUPLICATE_ID, intake.duplicate(rid))
             self._ack(entry_id)
             return
@@ -378,16 +350,6 @@ class SlotService:
         shared.timer.started(rid)
         await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
         # acknowledged with the batch that writes its state
-
-    def _retransmitted(self, rid: str, cmd: RequestView) -> bool:
-        """The same client asking for the same thing under a live id: its write retried."""
-        if self.client_of[rid] != cmd.client_id:
-            return False
-        queued = self._entry_of.get(rid)
-        if queued is not None:
-            return intake.same_request(queued[1].prompt, queued[1].params, cmd)
-        state = self.core.request_states.get(rid)
-        return state is not None and intake.same_request(state.prompt, state.params, cmd)
 
     def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
         """Answer a request that will not run with its one error final."""

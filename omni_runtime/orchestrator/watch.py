@@ -16,12 +16,13 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
-from omni_runtime.messages import REDIS_LOST_STATE
-from omni_runtime.mode_check import orchestrator_beat
-from omni_runtime.orchestrator.slot import Shared, SlotService
+from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.orchestrator.slot import SlotService
 from omni_runtime.redis_io.liveness import Absence, Replicas, StateEpoch, no_live_worker
+from omni_runtime.redis_io.mode_check import orchestrator_beat
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import ensure_group
+from omni_runtime.wire.messages import REDIS_LOST_STATE
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from redis.backoff import ExponentialBackoff
 
+from omni_runtime.settings import Settings
+
 
 @dataclass(slots=True)
 class Backoff:
@@ -24,6 +26,12 @@ class Backoff:
 
     def __post_init__(self) -> None:
         self._policy = ExponentialBackoff(cap=self.max_s, base=self.initial_s)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, bounded: bool = False) -> Backoff:
+        """The retry policy of one loop: bounded for writes, unbounded for reads."""
+        attempts = settings.retry_attempts if bounded else None
+        return cls(settings.retry_initial_s, settings.retry_max_s, attempts)
 
     def failed(self) -> float | None:
         """Count one failure; the delay before the next attempt, or None to give up."""

@@ -27,27 +27,20 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
 from redis.backoff import NoBackoff
-from redis.connection import ConnectionPool, PythonRespSerializer
+from redis.connection import ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from omni_runtime.errors import FatalError
-from omni_runtime.redis_io.packing import SmallFirstPacker, small_first_async
-from omni_runtime.redis_io.sentinel import (
-    async_primary,
-    is_sentinel_url,
-    parse_sentinel_url,
-    primary_address,
-    sync_primary,
-)
+from omni_runtime.redis_io.conn import use_small_first, use_small_first_async
+from omni_runtime.redis_io.sentinel import async_primary, primary_address, sync_primary
+from omni_runtime.sentinel_url import is_sentinel_url, parse_sentinel_url
 
 if TYPE_CHECKING:
     from omni_runtime.settings import Settings
 
-PACKER_BUFFER_CUTOFF = 6000
-"""redis-py's own cut-off between joining small arguments and sending large ones as is."""
 CLUSTER_SLOTS = 16384
 PROBE_TIMEOUT_S = 5.0
 """The start-up probe's connect and read timeout: a dead address fails in seconds."""
@@ -72,7 +65,7 @@ def is_cluster(client: object) -> bool:
 
 def cluster_info(client: redis.Redis) -> dict[str, str]:
     """CLUSTER INFO as a dict of strings (redis-py parses the reply; keep both shapes)."""
-    info = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+    info = client.execute_command("CLUSTER INFO")
     if isinstance(info, dict):
         return {str(k): v.decode() if isinstance(v, bytes) else str(v) for k, v in info.items()}
     text = info.decode() if isinstance(info, bytes) else str(info)
@@ -182,7 +175,7 @@ def check_namespace(client: redis.Redis, namespace: str, url: str) -> None:
 
 
 def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redis.Redis:
-    """A sync client for `url` whose commands are packed by `packing.SmallFirstPacker`
+    """A sync client for `url` whose commands are packed by `conn.SmallFirstPacker`
     (hiredis for small commands, redis-py's Python packer for MiB-size values).
     `redis_kwargs` go to the pool (e.g. `retry=`); closing the client closes it.
     With `cluster`, a `redis.cluster.RedisCluster` (its own pools per node; redis-py's
@@ -195,19 +188,11 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
             raise FatalError(f"Redis Cluster at {redacted(url)}: {e}") from e
     if is_sentinel_url(url):
         client = sync_primary(url, **redis_kwargs)
-        _small_first(client.connection_pool)
+        use_small_first(client.connection_pool)
         return client
     pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
-    _small_first(pool)
+    use_small_first(pool)
     return redis.Redis.from_pool(pool)
-
-
-def _small_first(pool: ConnectionPool) -> None:
-    # Built from the pool's own encoder so str arguments are encoded as the URL says
-    # (`encoding=`); the pool hands this one stateless packer to every connection.
-    encoder = pool.get_encoder()
-    packer = SmallFirstPacker if _is_utf8(encoder) else PythonRespSerializer
-    pool.connection_kwargs["command_packer"] = packer(PACKER_BUFFER_CUTOFF, encoder.encode)
 
 
 def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
@@ -216,16 +201,8 @@ def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
     if cluster:
         return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
     client = async_primary(url) if is_sentinel_url(url) else aioredis.Redis.from_url(url)
-    pool = client.connection_pool
-    if _is_utf8(pool.get_encoder()):  # type: ignore[no-untyped-call] # hiredis encodes str as UTF-8, strictly
-        pool.connection_class = small_first_async(pool.connection_class)
+    use_small_first_async(client.connection_pool)
     return client
-
-
-def _is_utf8(encoder: Any) -> bool:
-    return bool(
-        encoder.encoding.lower().replace("-", "") == "utf8" and encoder.encoding_errors == "strict"
-    )
 
 
 def pool_for_key(client: redis.Redis, key: str) -> ConnectionPool:

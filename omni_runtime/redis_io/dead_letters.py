@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import dead_letter_fields
 

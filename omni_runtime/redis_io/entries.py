@@ -14,9 +14,10 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
-from omni_runtime.wire_views import MODEL_OF, decode_views, is_view, view_of
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import MODEL_OF, decode_views, is_view, view_of
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ _ADAPTERS: dict[type, TypeAdapter[Any]] = {}
 
 def adapter_of(model: type[M] | TypeAdapter[M]) -> TypeAdapter[M]:
     """A model class or a `TypeAdapter` (for a discriminated union) as one validator; one
-    per class, made once (building one costs ~36 µs, more than validating a message)."""
+    per class, made once (building one costs more than validating many messages)."""
     if isinstance(model, TypeAdapter):
         return model
     adapter = _ADAPTERS.get(model)
@@ -73,7 +74,7 @@ def parse_entries(
 ) -> list[M]:
     """Validate an entry of one message or a batch of them; one bad message fails it whole.
 
-    `model` may be a pydantic model, a `TypeAdapter`, or a `wire_views` view (decoded in
+    `model` may be a pydantic model, a `TypeAdapter`, or a `wire.views` view (decoded in
     one pass; what the view refuses, its model decides)."""
     if is_view(model):
         return _views(fields, model, max_bytes, True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from omni_runtime import codec
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.write_ops import PAYLOAD, ExpireAt, HashDrop, HashPut, Op, XAdd, owners
+from omni_runtime.wire import codec
 
 PROBE_MAX_S = 0.25
 """The longest wait between two probes: memory freed is used within this."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -28,10 +28,21 @@ from omni_runtime.redis_io.groups import ensure_group, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 
-if TYPE_CHECKING:
-    from omni_runtime.redis_io.streams import GroupReader
-
 log = logging.getLogger(__name__)
+
+
+class Member(Protocol):
+    """What a joint read needs of a stream's reader (`streams.GroupReader`)."""
+
+    stream: str
+    group: str
+    consumer: str
+    cursor: BacklogCursor
+    joint: JointRead | None
+
+    def took(self, entries: list[Entry]) -> list[Entry]: ...
+
+    def read_failed(self, e: RedisError) -> float: ...
 
 
 class JointRead:
@@ -46,7 +57,7 @@ class JointRead:
     ) -> None:
         self.client, self.group, self.consumer = client, group, consumer
         self.block_budget = block_budget
-        self.members: dict[bytes, GroupReader[Any]] = {}
+        self.members: dict[bytes, Member] = {}
         self._waiting: dict[bytes, list[Entry]] = {}
         """stream → entries read for its member and not yet taken."""
         self._interrupt = ReadInterrupt()
@@ -56,7 +67,7 @@ class JointRead:
         self._brought = False
         """The last read brought entries, and no read was started since."""
 
-    def add(self, reader: GroupReader[Any]) -> None:
+    def add(self, reader: Member) -> None:
         if (reader.group, reader.consumer) != (self.group, self.consumer):
             raise ValueError(f"{reader.stream} is read by another group or consumer")
         self.members[reader.stream.encode()] = reader
@@ -78,7 +89,7 @@ class JointRead:
         for reader in self.members.values():
             reader.cursor = BacklogCursor(True)
 
-    async def fetch(self, reader: GroupReader[Any], count: int, block_ms: int) -> list[Entry]:
+    async def fetch(self, reader: Member, count: int, block_ms: int) -> list[Entry]:
         """The entries read for `reader`'s stream: those waiting, else what the next read
         (its own, or the one in progress) brings for it, maybe none; `[]` once interrupted.
 
@@ -106,7 +117,7 @@ class JointRead:
         """Before a next read is packed and sent, what the last one brought is handled:
         its members take their entries (bounded: a member may have stopped reading), then
         what they handed on (the dispatcher's routing) runs. Sent first, that read held a
-        light-load hop's routing back ~0.15 ms here."""
+        light-load hop's routing back (docs/architecture.md gives the figures)."""
         for _ in self.members:
             if not any(self._waiting.values()):
                 break

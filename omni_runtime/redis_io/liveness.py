@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
 from omni_runtime import keys
+
+
+class Fence(Protocol):
+    """What holds a process's writes while it is not known to be alive and in charge: an
+    orchestrator's slot leases (`leases.Leases`) and a worker's stall guard
+    (`worker.fence.StallFence`) are the two."""
+
+    async def hold(self) -> bool:
+        """Wait until writing is safe: True, or False once it never will be again."""
+        ...
+
+    def fresh(self) -> bool:
+        """Writing is safe now (`hold` would return True at once)."""
+        ...
 
 
 async def live_heartbeat(client: aioredis.Redis, names: keys.Names, stage_id: int) -> str | None:

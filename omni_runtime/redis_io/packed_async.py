@@ -19,6 +19,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from omni_runtime.redis_io import conn as rconn
+
 
 class AsyncPackedPipe:
     """Queue `fill_pipeline`'s commands, then `execute()`: one send, every reply read."""
@@ -82,7 +84,7 @@ class AsyncPackedPipe:
             self.send(conn)
             return await self.replies(conn, raise_on_error)
         pool = self.client.connection_pool
-        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        conn = await rconn.take_async(pool)
         try:
             self.send(conn)
             return await self.replies(conn, raise_on_error)
@@ -93,8 +95,7 @@ class AsyncPackedPipe:
         """Write the queued commands to `conn` (connected) now, without waiting: the socket
         takes them at once, or the transport buffers them (drained by `replies`)."""
         self._sent, self.commands = self.commands, []
-        # redis-py's own send is a coroutine only for its drain and timer; the write is not.
-        conn._writer.writelines(conn.pack_commands(self._sent))
+        rconn.write_now(conn, self._sent)
 
     async def replies(self, conn: Any, raise_on_error: bool = True) -> list[Any]:
         """The replies of what `send` wrote, an error reply as its `ResponseError` (raised
@@ -102,16 +103,13 @@ class AsyncPackedPipe:
         any other failure the connection is dropped (a half-read reply must not be read as
         the next command's) and the error raised."""
         out: list[Any] = []
-        try:
-            await conn._writer.drain()
+        async with rconn.in_step_async(conn):
+            await rconn.drain(conn)
             for _ in self._sent:
                 try:
-                    out.append(await conn.read_response())
+                    out.append(await rconn.reply_async(conn))
                 except ResponseError as e:  # read whole: the connection is still in step
                     out.append(e)
-        except BaseException:
-            await conn.disconnect()
-            raise
         if raise_on_error:
             for reply in out:
                 if isinstance(reply, ResponseError):

@@ -1,8 +1,7 @@
 """Stream reads packed and parsed by hand, where a reader owns its connection.
 
 redis-py's command path (pool, retry wrapper, reply callbacks building dicts) costs
-more than the read itself: on a 2-core VM an XREADGROUP of one entry took ~150 µs
-through it against ~75 µs packed and parsed here, round trip included. That is latency
+more than packing and parsing the read here (docs/performance.md). That is latency
 on every hop (a worker's input thread parses before it hands over, and builds its next
 read before it blocks again) and CPU per batch. Only where a reader holds a connection
 no other thread uses: a single-connection client (a worker's input thread), or one an
@@ -17,6 +16,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.entries import Entry, stream_reply
 
@@ -49,23 +49,17 @@ def xreadgroup_sync(
         reply = client.xreadgroup(group, consumer, dict(streams), count, block_ms)  # type: ignore[arg-type]
         return stream_reply(reply)
     args = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "BLOCK", block_ms)
-    try:
-        conn.send_packed_command(
-            conn.pack_command(*args, "STREAMS", *streams, *streams.values()), False
-        )
-        reply = conn.read_response()
-    except redis.exceptions.ResponseError:
-        raise  # a whole error reply: the connection is still in step
-    except BaseException:
-        conn.disconnect()  # a reply half read must not be read as the next one
-        raise
+    with rconn.in_step(conn, keep_on_error_reply=True):  # a whole error reply: still in step
+        rconn.send_one(conn, *args, "STREAMS", *streams, *streams.values(), check_health=False)
+        reply = rconn.reply(conn)
     return stream_entries(reply)
 
 
 class AsyncHeldReads:
     """Stream reads on one asyncio connection held for them (never released: the pool
     still closes it with the client), packed and parsed here. For one reader task: the
-    pool's get and release alone cost ~25 µs a read, redis-py's reply callbacks more."""
+    pool's get and release alone cost more than the packing, redis-py's reply callbacks
+    more again (docs/performance.md)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
@@ -87,14 +81,10 @@ class AsyncHeldReads:
         Raises RedisError; a failed read drops the connection (a reply half read must not
         be read as the next one), and the next read connects anew."""
         if self._conn is None:
-            self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            self._conn = await rconn.take_async(self.client.connection_pool)
         conn = self._conn
-        try:
-            await conn.send_packed_command(
-                conn.pack_command(*args, "STREAMS", *streams, *streams.values()), False
-            )
-            reply = await conn.read_response()
-        except BaseException:
-            await conn.disconnect()
-            raise
+        async with rconn.in_step_async(conn):
+            names = (*streams, *streams.values())
+            await rconn.send_one_async(conn, *args, "STREAMS", *names, check_health=False)
+            reply = await rconn.reply_async(conn)
         return stream_entries(reply)

@@ -15,9 +15,7 @@ that hand-pack commands on a pool's raw connection, reconnect to the new primary
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -25,112 +23,18 @@ import redis.asyncio.connection
 import redis.asyncio.sentinel as aiosentinel
 import redis.connection
 import redis.sentinel
-from redis.connection import parse_url
 
-SCHEMES = ("redis+sentinel", "rediss+sentinel")
-DEFAULT_SENTINEL_PORT = 26379
-SENTINEL_ONLY = ("sentinel_username", "sentinel_password")
-"""Query options for the sentinels themselves, not the Redis servers."""
-
-
-def is_sentinel_url(url: str) -> bool:
-    return urlsplit(url).scheme in SCHEMES
-
-
-@dataclass(frozen=True)
-class SentinelTarget:
-    """What a `redis+sentinel://` URL says: where the sentinels are, which service."""
-
-    sentinels: list[tuple[str, int]]
-    service: str
-    connection_kwargs: dict[str, Any] = field(default_factory=dict)
-    """For the Redis servers (db, password, timeouts, ssl): redis-py's URL options."""
-    sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Auth for the sentinels themselves (the socket options are added per client)."""
-
-    def where(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.sentinels)
-        return f"service {self.service!r} of sentinels {hosts}"
-
-
-def parse_sentinel_url(url: str) -> SentinelTarget:
-    """`ValueError` (one line) for a URL that names no sentinel or no service."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"not a sentinel URL (redis+sentinel://...): {url!r}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    sentinels = []
-    for item in hosts.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not port.isdigit():  # no port given ("host", "[::1]")
-            host, port = item.strip(), str(DEFAULT_SENTINEL_PORT)
-        host = host.strip("[]")
-        if not host or not 0 < int(port) < 65536:
-            raise ValueError(f"sentinel URL has a bad sentinel address {item!r}")
-        sentinels.append((unquote(host), int(port)))
-    path = [unquote(p) for p in parts.path.split("/") if p]
-    if not path or len(path) > 2:
-        raise ValueError("sentinel URL must name its service: redis+sentinel://host:port/service")
-    query = parse_qs(parts.query)
-    sentinel_kwargs = {
-        name.removeprefix("sentinel_"): unquote(query.pop(name)[0])
-        for name in SENTINEL_ONLY
-        if name in query
-    }
-    # redis-py parses the rest, so the options mean what they mean in a redis:// URL.
-    plain = "rediss" if parts.scheme.startswith("rediss") else "redis"
-    auth = f"{userinfo}@" if userinfo else ""
-    db = f"/{quote(path[1])}" if len(path) == 2 else ""
-    rest = urlencode({k: v[0] for k, v in query.items()})
-    kwargs: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call]
-        f"{plain}://{auth}sentinel-service{db}" + (f"?{rest}" if rest else "")
-    )
-    for name in ("host", "port", "connection_class"):
-        kwargs.pop(name, None)
-    if plain == "rediss":
-        kwargs["ssl"] = True
-    return SentinelTarget(sentinels, path[0], kwargs, sentinel_kwargs)
+from omni_runtime.redis_io.conn import (
+    AsyncFollowingConnection,
+    AsyncFollowingSSLConnection,
+    FollowingConnection,
+    FollowingSSLConnection,
+)
+from omni_runtime.sentinel_url import SentinelTarget, parse_sentinel_url
 
 
 def _socket_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k.startswith("socket_")}
-
-
-# redis-py's Sentinel connection finds the primary in `connect()`, but a command sent on a
-# disconnected connection reconnects through `connect_check_health()`, to the address it
-# had: a connection held outside the pool (the hand-packed commands' ones) would knock on
-# the dead primary's door for ever. These ask the sentinels on that path too (a reconnect
-# through `connect()` asks twice: one round trip to a sentinel, once per reconnect).
-
-
-class FollowingConnection(redis.sentinel.SentinelManagedConnection):
-    """A sync Sentinel connection that finds the primary on every reconnect."""
-
-    def connect_check_health(
-        self, check_health: bool = True, retry_socket_connect: bool = True
-    ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
-        super().connect_check_health(check_health, retry_socket_connect)
-
-
-class FollowingSSLConnection(FollowingConnection, redis.connection.SSLConnection):
-    pass
-
-
-class AsyncFollowingConnection(aiosentinel.SentinelManagedConnection):
-    """`FollowingConnection` for asyncio."""
-
-    async def connect_check_health(
-        self, check_health: bool = True, retry_socket_connect: bool = True
-    ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = await self.connection_pool.get_master_address()
-        await super().connect_check_health(check_health, retry_socket_connect)
-
-
-class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.connection.SSLConnection):
-    pass
 
 
 def _kwargs(target: SentinelTarget, redis_kwargs: dict[str, Any], aio: bool) -> dict[str, Any]:
@@ -174,12 +78,8 @@ def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
     target = parse_sentinel_url(url)
     kwargs = _kwargs(target, redis_kwargs, aio=False)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-        target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
-    )
-    client: SentinelRedis = manager.master_for(  # type: ignore[no-untyped-call]
-        target.service, redis_class=SentinelRedis
-    )
+    manager = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
+    client: SentinelRedis = manager.master_for(target.service, redis_class=SentinelRedis)
     client.sentinel_manager = manager
     return client
 
@@ -189,9 +89,7 @@ def async_primary(url: str, **redis_kwargs: Any) -> aioredis.Redis:
     target = parse_sentinel_url(url)
     kwargs = _kwargs(target, redis_kwargs, aio=True)
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
-    manager = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
-        target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs
-    )
+    manager = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
     client: AsyncSentinelRedis = manager.master_for(target.service, redis_class=AsyncSentinelRedis)
     client.sentinel_manager = manager
     return client
@@ -202,11 +100,11 @@ def primary_address(url: str, timeout_s: float) -> tuple[str, int]:
     (a ConnectionError) when none answers or none knows a healthy primary."""
     target = parse_sentinel_url(url)
     options = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    manager = redis.sentinel.Sentinel(
         target.sentinels, sentinel_kwargs={**options, **target.sentinel_kwargs}
     )
     try:
-        host, port = manager.discover_master(target.service)  # type: ignore[no-untyped-call]
+        host, port = manager.discover_master(target.service)
         return str(host), int(port)
     finally:
         manager.close()

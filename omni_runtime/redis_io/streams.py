@@ -11,7 +11,7 @@ API (stable):
   `SyncGroupReader(...)`, the same over a `redis.Redis`, also takes `stop=` (a
   `threading.Event` that cuts a back-off wait short). `model`: a pydantic model class
   or a `TypeAdapter`; `dead_letters`: `Names.dead_letters`; `backoff`: the policy
-  (`Settings.backoff(bounded=True)`): reads retry forever, writes `max_attempts` times.
+  (`Backoff.from_settings(settings, bounded=True)`): reads retry forever, writes `max_attempts` times.
   - `[await] read(count, block_ms) -> list[(entry_id: bytes, msg)]`: this consumer's
     own pending backlog from id 0 first (what a previous run read but never
     acknowledged), then new entries with `>`; after a failed read the backlog again
@@ -33,7 +33,7 @@ API (stable):
 * Re-exported from `entries`: `Entry`, `entry_fields`, `stream_reply`, `parse_entry`,
   `dead_letter_fields`, `BacklogCursor`.
 
-Counters (`omni_runtime.metrics`, labelled by `stream`): `omni_malformed_entries_total`,
+Counters (`omni_runtime.observe.metrics`, labelled by `stream`): `omni_malformed_entries_total`,
 `omni_dead_letters_total`, `omni_retries_total`, `omni_dropped_writes_total`.
 """
 
@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from pydantic import TypeAdapter
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.dead_letters import (
@@ -109,16 +109,18 @@ class _ReaderBase(Generic[M]):
         metrics: Metrics | None,
         backoff: Backoff | None,
         backlog_first: bool,
+        batches: bool = False,
+        on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
     ) -> None:
         self.stream, self.group, self.consumer = stream, group, consumer
         self.max_bytes = max_bytes
         self.metrics = metrics or Metrics()
         self.cursor = BacklogCursor(backlog_first)
         self.read_ns = 0
-        self.batches = False
-        """Entries may carry several messages (a stage's outputs): set by the reader's owner."""
+        self.batches = batches
+        """Entries may carry several messages (a stage's outputs)."""
         self.joint: JointRead | None = None
-        self.on_bad: Callable[[Sequence[BadEntry]], None] | None = None
+        self.on_bad = on_bad
         """Told of each read's malformed entries (as they are dead-lettered): a reader's
         owner may answer whoever sent them."""
         self._model = model
@@ -234,8 +236,21 @@ class GroupReader(_ReaderBase[M]):
         backoff: Backoff | None = None,
         backlog_first: bool = True,
         block_budget: Callable[[], int] | None = None,
+        batches: bool = False,
+        on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
     ) -> None:
-        super().__init__(stream, group, consumer, model, max_bytes, metrics, backoff, backlog_first)
+        super().__init__(
+            stream,
+            group,
+            consumer,
+            model,
+            max_bytes,
+            metrics,
+            backoff,
+            backlog_first,
+            batches,
+            on_bad,
+        )
         self.client = client
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()

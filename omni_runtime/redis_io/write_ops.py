@@ -2,8 +2,8 @@
 
 Pure: builds commands on a pipeline it is given, never sends them (`writer` does).
 The ops are slotted dataclasses, not frozen ones: a frozen `__init__` sets each field
-through `object.__setattr__` (an `XAdd` 3.6 against 0.9 µs here) and the orchestrator
-makes several per request. Nothing changes an op once it is queued (`replace` copies).
+through `object.__setattr__` (several times slower) and the orchestrator makes several
+per request. Nothing changes an op once it is queued (`replace` copies).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any, cast
 
 from redis.typing import EncodableT, FieldT
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
+from omni_runtime.wire import codec
 
 PAYLOAD = keys.PAYLOAD_FIELD
 
@@ -116,9 +117,8 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> list[list[Op]]:
 
     Urgent last, because Redis answers the readers a pipeline wakes last-woken first (its
     list of clients to write to is pushed at the head): of two readers blocked on streams
-    one pipeline XADDs to, the second stream's reader had its entry ~150 µs sooner at p50
-    here, in 9 pairs of 10; of three, the last stream's reader was answered first and the
-    first's last (mean ranks 1.3 / 2.0 / 2.7). Urgent entries keep the order they were
+    one pipeline XADDs to, the second stream's reader has its entry first; of three, the
+    last stream's reader is answered first and the first's last (docs/performance.md). Urgent entries keep the order they were
     queued in, so the last queued is answered first: a streaming request's inputs are
     submitted downstream first, and stage 0's, whose first token the user waits for, is
     heard first. Only XADDs wake readers; the rest answer this process alone.

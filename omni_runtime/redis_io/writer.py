@@ -36,18 +36,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime.errors import RedisOutOfMemoryError, TransportError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.conn import one_timeout, take_async
 from omni_runtime.redis_io.held_writes import HeldWrites
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
-from omni_runtime.redis_io.packing import one_timeout
 from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
 from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
-from omni_runtime.tracing import Tracer
 
 if TYPE_CHECKING:
-    from omni_runtime.redis_io.leases import Fence
+    from omni_runtime.redis_io.liveness import Fence
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class StreamWriter:
         metrics: Metrics | None = None,
         backoff: Backoff | None = None,
         hold_refused: bool = True,
+        fence: Fence | None = None,
+        on_failed: FailedHook | None = None,
     ) -> None:
         self.client = client
         self.maxlen = maxlen
@@ -99,13 +101,13 @@ class StreamWriter:
         """Writes refused for memory are held and written again later (an orchestrator: its
         requests go on once memory is freed); else given up at once (a client: a refused
         submission is answered at once, and never written behind its caller's back)."""
-        self.on_failed: FailedHook | None = None
+        self.on_failed = on_failed
         self.memory = MemorySeen()
         bounded = Backoff(b.initial_s, b.max_s, b.max_attempts or DEFAULT_ATTEMPTS)
         self._held = HeldWrites(b.initial_s, bounded.budget_s())
         self.sources: list[Callable[[], list[Op]]] = []
         """Called as each batch is taken: the ops that record state changed since."""
-        self.fence: Fence | None = None
+        self.fence = fence
         self._cluster = is_cluster(client)
         self._traced: list[tuple[str, int]] = []
         """(request id, stage id) of the stage inputs queued since the last batch (tracing on)."""
@@ -232,8 +234,9 @@ class StreamWriter:
     def send_now(self) -> None:
         """With writes queued and no batch on its way, send the batch now, from the
         caller's step (one whose state changes are complete: the durable states go with
-        it): waiting for the writer task's turn, behind the readers' next reads, cost a
-        light-load hop ~0.2 ms here. The writer task reads the replies."""
+        it): waiting for the writer task's turn, behind the readers' next reads, held a
+        light-load hop back (docs/architecture.md gives the figures). The writer task
+        reads the replies."""
         conn = self._conn
         if not self._ops or self._busy or conn is None or not conn.is_connected:
             return
@@ -358,7 +361,7 @@ class StreamWriter:
                 carried = fill_pipeline(pipe, ops)
                 return await pipe.execute(raise_on_error=False), carried
         if self._conn is None:  # held for good: the pool still closes it with the client
-            self._conn = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            self._conn = await take_async(self.client.connection_pool)
         packed = AsyncPackedPipe(self.client)
         carried = fill_pipeline(packed, ops)
         return await packed.execute(self._conn, raise_on_error=False), carried

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.messages import StageInputMsg
 from omni_runtime.stage_api import ChunkStream
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.messages import StageInputMsg
+from omni_runtime.wire.views import StageInputView
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~4x, and one is made per input

@@ -33,7 +33,7 @@ from omni_runtime.stage_api import (
     EngineStats,
     RequestAborted,
 )
-from omni_runtime.worker.engines import _LastChunkSink
+from omni_runtime.worker.last_chunk import LastChunkSink
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class AsyncEngineDriver:
                 f"engine {self.name} did not start within {self._start_timeout_s:g}s "
                 "(OMNI_ENGINE_START_TIMEOUT_S)"
             ) from None
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: a failed start leaves no thread
             self.close()
             raise
         log.info("engine %s started", self.name)
@@ -163,7 +163,7 @@ class AsyncEngineDriver:
             closing.result(CLOSE_TIMEOUT_S)
         except (TimeoutError, concurrent.futures.TimeoutError):
             log.warning("engine %s close() did not return within %gs", self.name, CLOSE_TIMEOUT_S)
-        except Exception:
+        except Exception:  # stage code's close: whatever it raises, the loop stops
             log.exception("engine %s close() raised", self.name)
         self._stop_loop()
 
@@ -220,7 +220,7 @@ class AsyncEngineDriver:
 
     async def _serve(self, request_id: str, data: Any, params: dict[str, Any] | None) -> None:
         """One request: iterate `generate`, queue its outputs; its errors end it alone."""
-        sink = _LastChunkSink(request_id, self._emit, hold=self._hold)
+        sink = LastChunkSink(request_id, self._emit, hold=self._hold)
         outputs = self.engine.generate(request_id, data, params)
         try:
             async for item in outputs:
@@ -232,7 +232,7 @@ class AsyncEngineDriver:
             pass  # aborted: the request wants nothing more
         except EngineDead as e:
             self._died(f"generate({request_id!r}) raised EngineDead: {e}")
-        except Exception as e:
+        except Exception as e:  # stage code: whatever generate raises fails its request alone
             log.exception("engine %s failed request", self.name, extra=_rid(request_id))
             self._emit(
                 request_id, None, True, f"{self.name} generate() raised {type(e).__name__}: {e}"
@@ -276,7 +276,7 @@ class AsyncEngineDriver:
     async def _abort_engine(self, request_id: str) -> None:
         try:
             await self.engine.abort(request_id)
-        except Exception:
+        except Exception:  # stage code's abort: whatever it raises, the request is dropped
             log.exception("engine %s abort() raised", self.name, extra=_rid(request_id))
 
     async def _watch_health(self) -> None:
@@ -287,7 +287,7 @@ class AsyncEngineDriver:
                 await asyncio.wait_for(self.engine.check_health(), interval)
             except TimeoutError:
                 reason = f"check_health() did not return within {interval:g}s"
-            except Exception as e:
+            except Exception as e:  # stage code's check_health: any failure is unhealthy
                 reason = f"check_health() raised {type(e).__name__}: {e}"
             else:
                 continue

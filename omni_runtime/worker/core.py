@@ -15,12 +15,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from omni_runtime import codec
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.messages import WIRE_VERSION, clip_error
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, clip_error
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
 from omni_runtime.worker.driver import EngineDriver
 from omni_runtime.worker.poison import POISON_STRIKES
@@ -103,7 +103,7 @@ class WorkerCore:
         Whatever raises while taking it fails that request alone (one error output)."""
         try:
             self._on_input(inp, now)
-        except Exception as e:
+        except Exception as e:  # one input's failure, of any kind, fails that request alone
             self._contain(inp.msg.request_id, "taking its input", e, inp.entry_id)
 
     def _contain(self, rid: str, what: str, e: Exception, entry_id: bytes | None) -> None:
@@ -196,7 +196,7 @@ class WorkerCore:
             req.last_input_at = now
             try:
                 req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
-            except Exception as e:
+            except Exception as e:  # stage code's stream: any failure fails that request alone
                 self._contain(rid, "taking its chunks", e, None)
         return bool(ready)
 

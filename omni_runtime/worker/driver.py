@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.logs import for_request as _rid
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import (
     ChunkStream,
     ClosableEngine,
@@ -100,7 +100,7 @@ class EngineDriver:
         if abort and in_engine:
             try:
                 self.engine.abort(request_id)
-            except Exception:
+            except Exception:  # stage code: whatever its abort raises, the request is dropped
                 log.exception("stage %d: abort() raised", self.stage_id, extra=_rid(request_id))
 
     def step(self) -> Stepped | None:
@@ -117,7 +117,7 @@ class EngineDriver:
             error = f"{self.stage_name} step() failed: {e}"
             log.error("stage %d: %s (requests %s)", self.stage_id, error, e.request_ids)
             return Stepped(failed=failed + [(rid, error) for rid in e.request_ids])
-        except Exception as e:
+        except Exception as e:  # stage code's step: whatever it raises starts the engine over
             ended, again = self._start_over(self.describe(method, e))
             return Stepped(failed=failed + ended, again=again)
         if self._counts:
@@ -164,14 +164,14 @@ class EngineDriver:
             try:
                 engine.reset()
                 return True
-            except Exception:
+            except Exception:  # stage code's reset: any failure falls back to a rebuild
                 log.exception("stage %d: engine reset() raised", self.stage_id)
         if self._rebuild is None:
             return False
         try:  # the new one first: if it cannot be built, the old one is all there is
             self.engine = self._rebuild()
             self._takes_params = takes_params(self.engine.add_request)
-        except Exception:
+        except Exception:  # stage code's constructor: any failure keeps the old engine
             log.exception("stage %d: the engine could not be built anew", self.stage_id)
             return False
         self._close(engine)
@@ -181,7 +181,7 @@ class EngineDriver:
         if isinstance(engine, ClosableEngine):
             try:
                 engine.close()
-            except Exception:
+            except Exception:  # stage code's close: whatever it raises, the old engine is gone
                 log.exception("stage %d: engine close() raised", self.stage_id)
 
     def _give_all(self, request_ids: Iterable[str]) -> Failures:
@@ -207,7 +207,7 @@ class EngineDriver:
                 add(request_id, given.data, params=given.params)
             else:
                 self.engine.add_request(request_id, given.data)
-        except Exception as e:
+        except Exception as e:  # stage code's add_request: any failure fails that request alone
             return self.describe("add_request", e)
         return None
 

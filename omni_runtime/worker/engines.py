@@ -24,11 +24,11 @@ from omni_runtime.stage_api import (
     AsyncStageEngine,
     ChunkStream,
     EngineOutput,
-    Final,
     RequestAborted,
     StageEngine,
     takes_params,
 )
+from omni_runtime.worker.last_chunk import Emit, LastChunkSink
 from omni_runtime.worker.stage_pool import StagePool
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,8 @@ CLOSE_GRACE_S = 1.0
 QUICK_CALL_S = 0.001
 """A stage whose calls take less than this (a moving average over all of them) runs them
 on the thread whose pass starts them, when that thread offers (`defer`): waking a pool
-thread would cost more than the call (~0.15 ms here). `OMNI_WORKER_QUICK_CALL_MS`."""
+thread would cost more than the call (docs/performance.md). `OMNI_WORKER_QUICK_CALL_MS`."""
 Defer = Callable[[Callable[[], None]], bool]
-
-Emit = Callable[[str, Any, bool], bool]
 
 
 class GeneratorEngine:
@@ -190,13 +188,13 @@ class GeneratorEngine:
                 self._emit(request_id, result, True)
         except RequestAborted:
             return
-        except Exception as e:
+        except Exception as e:  # stage code: whatever it raises fails its request alone
             log.exception("stage code failed for %r", request_id, extra={"request_id": request_id})
             self._emit(request_id, None, True, error=f"{type(e).__name__}: {e}")
 
     def _drain(self, request_id: str, gen: Generator[Any, Any, Any]) -> None:
         """Emit each chunk, holding one back unless the code marks its last with `Final`."""
-        sink = _LastChunkSink(request_id, self._emit, hold=not self._marks_final)
+        sink = LastChunkSink(request_id, self._emit, hold=not self._marks_final)
         try:
             for item in gen:
                 if not sink.push(item):
@@ -206,45 +204,10 @@ class GeneratorEngine:
         sink.end()
 
 
-class _LastChunkSink:
-    """One chunk of look-ahead, so the last chunk can be marked finished — unless the
-    stage is `marks_final`, whose chunks go out the moment they are yielded."""
-
-    _EMPTY = object()
-
-    def __init__(self, request_id: str, emit: Emit, hold: bool = True) -> None:
-        self.request_id = request_id
-        self.emit = emit
-        self.hold = hold
-        self.held: Any = self._EMPTY
-        self.done = False
-
-    def push(self, item: Any) -> bool:
-        """False: stop producing (aborted, or `Final` already sent)."""
-        if self.held is not self._EMPTY and not self.emit(self.request_id, self.held, False):
-            return False
-        self.held = self._EMPTY
-        if isinstance(item, Final):
-            self.done = True
-            self.emit(self.request_id, item.data, True)
-            return False
-        if not self.hold:
-            return self.emit(self.request_id, item, False)
-        self.held = item
-        return True
-
-    def end(self) -> None:
-        """The generator is exhausted: its last chunk (or a `None`) closes the request."""
-        if self.done:
-            return
-        last = None if self.held is self._EMPTY else self.held
-        self.emit(self.request_id, last, True)
-
-
 async def _collect_async(
     agen: AsyncGenerator[Any, Any], request_id: str, emit: Emit, hold: bool
 ) -> None:
-    sink = _LastChunkSink(request_id, emit, hold)
+    sink = LastChunkSink(request_id, emit, hold)
     try:
         async for item in agen:
             if not sink.push(item):

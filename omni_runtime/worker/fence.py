@@ -27,9 +27,11 @@ PENDING_LIMIT = 100_000
 """Pending entries read at once: every replica's inputs in flight, far below this."""
 
 
-class Fence:
-    """Shared by the heartbeat thread (renews it), the scheduler (confirms a check) and
-    the output thread (waits on it before each write)."""
+class StallFence:
+    """The worker's write fence: shared by the heartbeat thread (renews it), the scheduler
+    (confirms a check) and the output thread (waits on it before each write). A thread's
+    `liveness.Fence`: `fresh` as the orchestrator's leases say it, waited on by
+    `wait_writable` instead of an `await`."""
 
     def __init__(self, ttl_s: float) -> None:
         self.window_s = ttl_s * SAFE_SHARE
@@ -56,7 +58,7 @@ class Fence:
             self._renewed_at = max(self._renewed_at, beat_started)
             self._cv.notify_all()
 
-    def writable(self) -> bool:
+    def fresh(self) -> bool:
         with self._cv:
             return self._open()
 
@@ -117,7 +119,7 @@ class StallGuard:
     def __init__(
         self, client: redis.Redis, stream: str, consumer: str, ttl_s: float, wake: threading.Event
     ) -> None:
-        self.fence = Fence(ttl_s)
+        self.fence = StallFence(ttl_s)
         self.client = client
         self.stream = stream
         self.consumer = consumer
@@ -130,7 +132,7 @@ class StallGuard:
             return
         try:
             owned = read_ownership(self.client, self.stream, self.consumer)
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: the fence stays closed
             self.fence.confirmed(float("-inf"))  # still stale: the next beat checks again
             raise
         with self._lock:

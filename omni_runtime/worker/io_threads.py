@@ -18,14 +18,15 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
-from omni_runtime.messages import AbortMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.tracing import Tracer
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.messages import AbortMsg
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.unblock import OwnConnection
 
@@ -212,7 +213,7 @@ class ControlThread(_Loop):
         self.read_count = settings.read_count
         self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.max_bytes = settings.max_message_bytes
-        self.backoff = settings.backoff()
+        self.backoff = Backoff.from_settings(settings)
         self.metrics = metrics
         self._last_id = b"0-0"
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import Observability, start_observability
 from omni_runtime.observe.timings import StageTimer

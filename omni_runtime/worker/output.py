@@ -2,7 +2,7 @@
 
 Outputs and acknowledgements queue here and go out as one pipeline per round trip
 (whatever accumulated meanwhile). A failed write is retried with the bounded policy
-(`Settings.backoff(bounded=True)`): only the commands Redis refused (an entry written
+(`Backoff.from_settings(settings, bounded=True)`): only the commands Redis refused (an entry written
 twice would reach the orchestrator twice); a refusal for memory is tried again after a
 short delay (`held_writes.PROBE_MAX_S` at most), within the same time in all. Once that
 gives up, or Redis refuses an entry for good, the outputs are reported through
@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime import codec
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.held_writes import PROBE_MAX_S
 from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal
+from omni_runtime.wire import codec
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
-from omni_runtime.worker.fence import Fence
+from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output_io import (
     LOOP_SEND_MAX_BYTES,
     HeldConnection,
@@ -65,7 +65,7 @@ class OutputThread:
         backoff: Callable[[], Backoff],
         on_lost: Callable[[list[Outgoing], str], None],
         metrics: Metrics,
-        fence: Fence | None = None,
+        fence: StallFence | None = None,
         slot_stream: Callable[[int], str] | None = None,
         max_batch_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
@@ -128,7 +128,7 @@ class OutputThread:
             held is not None
             and held.up
             and not (self._writing or self._stop)
-            and (self.fence is None or self.fence.writable())
+            and (self.fence is None or self.fence.fresh())
         )
 
     def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes]) -> None:

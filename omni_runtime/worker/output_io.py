@@ -5,8 +5,8 @@ An `OutputBatch` is one round trip's outputs, routed once, and the inputs they l
 send a batch itself.
 
 Handing a batch to the output thread costs a thread wake and a hand-over of the
-interpreter lock before its first byte leaves (~0.1-0.3 ms on a busy 2-core machine, per
-stage of a request). When no write is in flight, the loop packs a small batch and sends
+interpreter lock before its first byte leaves, per stage of a request (measured in
+docs/performance.md). When no write is in flight, the loop packs a small batch and sends
 it on that connection itself (one `send` of a few KiB); the output thread reads the replies.
 Batches the thread writes itself go out on the same connection, packed by hand: redis-py's
 pipeline object costs more Python per call than the round trip (see `chunks/redis_packed`).
@@ -31,9 +31,11 @@ import redis
 from redis.connection import Connection
 from redis.exceptions import ResponseError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
+from omni_runtime.wire import codec
 from omni_runtime.worker.actions import Outgoing
 
 LOOP_SEND_MAX_BYTES = 16 * 1024
@@ -163,15 +165,11 @@ class HeldConnection:
     def send(self, commands: list[Command]) -> None:
         """Pack and send; connects first if down (the output thread only). Raises RedisError."""
         if self._conn is None:
-            self._conn = self._pool.get_connection()
+            self._conn = rconn.take(self._pool)
         conn = self._conn
         assert conn is not None
-        try:
-            packed = conn.pack_commands(commands)  # type: ignore[no-untyped-call]
-            conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-        except BaseException:
-            self._drop()
-            raise
+        with rconn.in_step(conn, self._drop):
+            rconn.send(conn, commands, check_health=False)
         self.up = True
 
     def replies(self, count: int) -> list[Any]:
@@ -180,25 +178,16 @@ class HeldConnection:
         conn = self._conn
         if conn is None:
             raise redis.exceptions.ConnectionError("the held connection was dropped")
-        out: list[Any] = []
-        try:
-            for _ in range(count):
-                try:
-                    out.append(conn.read_response())
-                except ResponseError as e:
-                    out.append(e)
-        except BaseException:
-            self._drop()  # replies left unread: the connection is out of step
-            raise
-        return out
+        with rconn.in_step(conn, self._drop):  # replies left unread: out of step
+            return rconn.replies(conn, count)
 
     def close(self) -> None:
         if self._conn is not None:
-            self._pool.release(self._conn)
+            rconn.give_back(self._pool, self._conn)
             self._conn = None
         self.up = False
 
     def _drop(self) -> None:
         self.up = False
         if self._conn is not None:
-            self._conn.disconnect()  # type: ignore[no-untyped-call]
+            rconn.drop(self._conn)

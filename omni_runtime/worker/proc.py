@@ -16,19 +16,21 @@ import time
 import uuid
 from typing import Any
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
-from omni_runtime.metrics import Metrics
-from omni_runtime.mode_check import check_worker_mode
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.redis_io.mode_check import check_worker_mode
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineDead
 from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
 from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.core import WorkerCore
@@ -135,7 +137,7 @@ class StageWorker:
             max_bytes=s.max_message_bytes,
             dead_letters=self.names.dead_letters,
             metrics=self.metrics,
-            backoff=s.backoff(bounded=True),
+            backoff=Backoff.from_settings(s, bounded=True),
         )
         self._input = InputThread(
             reader(stop=self._input_stop),
@@ -165,7 +167,7 @@ class StageWorker:
             self.out_stream,
             self.in_stream,
             maxlen=s.stream_maxlen,
-            backoff=lambda: s.backoff(bounded=True),
+            backoff=lambda: Backoff.from_settings(s, bounded=True),
             on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
             metrics=self.metrics,
             fence=self._guard.fence,

@@ -2,8 +2,8 @@
 
 `concurrent.futures.ThreadPoolExecutor` makes a `Future` per call, each with a
 `Condition` of its own, and runs a done-callback through it: for a light stage that was
-the largest share of the worker's CPU (`submit` and `Condition.__init__` together ~20 %
-of a seed stage's samples at c = 256). A stage call needs no result and no future: each
+the largest share of the worker's CPU (`submit` and `Condition.__init__`:
+docs/performance.md). A stage call needs no result and no future: each
 thread takes the next call off one queue, runs it, and reports it done.
 """
 

@@ -22,11 +22,13 @@ from redis.exceptions import RedisError
 from redis.typing import StreamIdT
 
 from omni_runtime import keys
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.redis_io import conn as rconn
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import HeartbeatThread
@@ -41,9 +43,7 @@ def name_connections(client: redis.Redis, names: keys.Names, stage_id: int, work
     """Every connection `client` opens from now on carries this worker's name (a single
     server: on a cluster the time fence alone guards a stalled replica's writes)."""
     if not is_cluster(client):
-        client.connection_pool.connection_kwargs["client_name"] = names.worker_connection(
-            stage_id, worker_id
-        )
+        rconn.name_connections(client, names.worker_connection(stage_id, worker_id))
 
 
 class Takeover:
@@ -73,7 +73,10 @@ class Takeover:
         self.stream = reader.stream
         self._can_disconnect = not is_cluster(client)
         self.dead_letters = SyncDeadLetters(
-            client, self.names.dead_letters, metrics=metrics, backoff=settings.backoff(bounded=True)
+            client,
+            self.names.dead_letters,
+            metrics=metrics,
+            backoff=Backoff.from_settings(settings, bounded=True),
         )
 
     def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:

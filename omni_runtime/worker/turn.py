@@ -2,7 +2,7 @@
 
 A function stage's loop pass is cheap: hand inputs to the engine, take its outputs, queue
 their writes. Waking the loop's own thread for it costs a thread switch per hand-off
-(~0.1 ms on a small VM, more when the interpreter lock is busy), and a request crosses three
+(more when the interpreter lock is busy: docs/performance.md), and a request crosses three
 of them per stage: input read → loop, stage code → loop, chunk received → loop. So the
 thread that delivers the work (the input reader, the pool thread whose stage code just
 emitted, the chunk receiver) runs the pass itself when no other thread is running one, and
@@ -87,7 +87,7 @@ class LoopTurn:
             local.calls = None
         # Hand the interpreter lock over now: the pass woke a pool thread for the stage
         # call (or the output thread), which would otherwise wait for this thread's next
-        # blocking call (its next read's packing) to run (~0.13 ms of a stage here).
+        # blocking call (its next read's packing) to run (docs/performance.md).
         time.sleep(0)
 
     def _pass_held(self) -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 
 import redis
 from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
 
+from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,12 @@ class OwnConnection:
         try:
             own = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
             conn = own.connection
-            if conn is None or not isinstance(getattr(conn, "_sock", None), socket.socket):
+            if conn is None or rconn.socket_of(conn) is None:
                 own.close()
                 return
             self._connected(conn)
             self.shared.client_unblock(self._id or 0)  # allowed? (nothing blocked: a no-op)
-            conn.register_connect_callback(self._connected)  # type: ignore[no-untyped-call]
+            rconn.on_connect(conn, self._connected)
         except RedisError as e:
             log.info("%s keeps short blocking reads (%s)", name, e)
             self._id = None
@@ -55,7 +55,7 @@ class OwnConnection:
                 own.close()
             return
         self.client = own
-        timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout_s = rconn.pool_option(client, "socket_timeout")
         self._long_ms = IDLE_BLOCK_MS
         if timeout_s is not None:
             self._long_ms = min(IDLE_BLOCK_MS, int(timeout_s * 1000) - TIMEOUT_MARGIN_MS)
@@ -76,5 +76,5 @@ class OwnConnection:
 
     def _connected(self, conn: AbstractConnection) -> None:
         """On every (re)connection: learn the connection's id, which changes with it."""
-        conn.send_command("CLIENT", "ID")  # type: ignore[no-untyped-call]
-        self._id = int(conn.read_response())
+        rconn.send_one(conn, "CLIENT", "ID")
+        self._id = int(rconn.reply(conn))

@@ -17,11 +17,12 @@ import fakeredis
 import pytest
 import redis
 
-from omni_runtime import ChunkAdapter, codec
+from omni_runtime import ChunkAdapter
 from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import ChunkTransport, Fetched, PutItem
 from omni_runtime.keys import stored_chunk_key
 from omni_runtime.redis_io.clients import sync_client
+from omni_runtime.wire import codec
 from tests.backends import REAL_REDIS_FIXTURES
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)

@@ -21,7 +21,7 @@ from omni_runtime.chunks import RedisConnector
 from omni_runtime.chunks.redis_packed import PackedPipe
 from omni_runtime.errors import CodecError, ConfigError, TransportError
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.packing import SmallFirstPacker
+from omni_runtime.redis_io.conn import SmallFirstPacker
 from tests.waiting import wait_until
 
 REAL = pytest.param("redis-server", marks=pytest.mark.redis_server)

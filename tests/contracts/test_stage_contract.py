@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.types import ManagedStage, StageFailure, StageOutput
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.stage_client import RedisStageClient
 from omni_runtime.redis_io.streams import Entry, ensure_group, entry_fields, parse_entry
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`python -m omni_runtime.http.serve …`, stopped with SIGTERM (it stops what it started)."""
+    """`python -m omni_runtime.cli serve …`, stopped with SIGTERM (it stops what it started)."""
 
     def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -38,7 +38,7 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_runtime.http.serve", *self.args],
+            [sys.executable, "-m", "omni_runtime.cli", "serve", *self.args],
             cwd=ROOT,
             env=self.env,
             stdout=self._log,

@@ -92,13 +92,14 @@ def test_bad_serve_settings_are_one_line() -> None:
 FORK_WINDOW = """
 import os, signal, sys
 from pathlib import Path
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.cli import CHILDREN
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 
 signal.signal(signal.SIGTERM, signal.default_int_handler)  # as `run` and `serve` take it
 os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
 group = ProcessGroup(Path("{pipeline}"), load_pipeline("{pipeline}"),
-                     child_env("redis://127.0.0.1:1"), fork=True)
+                     child_env("redis://127.0.0.1:1"), fork=CHILDREN)
 try:
     group.start()
     print("started", len(group.procs))

@@ -16,12 +16,12 @@ import redis.cluster
 
 from omni_runtime import keys
 from omni_runtime.errors import FatalError
-from omni_runtime.launcher import RedisServer, free_port
+from omni_runtime.local.launcher import RedisServer, free_port
+from omni_runtime.local.redis_cluster import cluster_node_port
 from omni_runtime.observe import redis_stats
 from omni_runtime.ops.status import collect_status
-from omni_runtime.redis_cluster import cluster_node_port
+from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.redis_io.clients import async_client, probe, redacted, sync_client
-from omni_runtime.redis_io.leases import Leases
 from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.worker.actions import stream_id
 from omni_runtime.worker.fence import read_ownership
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 def node_urls(cluster_url: str) -> list[str]:
     client = redis.cluster.RedisCluster.from_url(cluster_url)
     try:
-        return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())  # type: ignore[no-untyped-call]
+        return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())
     finally:
         client.close()
 
@@ -114,7 +114,7 @@ def half_a_cluster(tmp_path: Path) -> Iterator[str]:
     with RedisServer(extra_args=args, pick_port=cluster_node_port) as server:
         client = redis.Redis.from_url(server.url)
         try:
-            client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)  # type: ignore[no-untyped-call]
+            client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)
         finally:
             client.close()
         yield server.url

@@ -19,7 +19,7 @@ import pytest
 import soxr
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from tests.e2e.serving import ROOT, ServeProcess
 
@@ -148,7 +148,7 @@ def test_serve_exports_its_metrics_without_a_key(server: ServeProcess) -> None:
 def test_serve_refuses_to_start(args: tuple[str, ...], message: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_runtime.http.serve", *args],
+        [sys.executable, "-m", "omni_runtime.cli", "serve", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from omni_runtime.launcher import redis_server_binary
+from omni_runtime.local.launcher import redis_server_binary
 from tests.e2e.serving import ROOT, ServeProcess
 from tests.integration.http_support import wav_file
 from tests.services import unavailable

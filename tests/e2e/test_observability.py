@@ -24,9 +24,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.launcher import child_env, free_port
+from omni_runtime.local.launcher import child_env, free_port
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
 from tests.e2e.serving import ROOT

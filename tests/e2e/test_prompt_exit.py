@@ -21,13 +21,13 @@ import pytest
 import redis
 
 from omni_runtime import keys
-from omni_runtime.launcher import child_env
-from omni_runtime.messages import OrchOutputMsg, RequestMsg
-from omni_runtime.orchestrator_proc import OrchestratorService
+from omni_runtime.local.launcher import child_env
+from omni_runtime.orchestrator.proc import OrchestratorService
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.redis_io.entries import entry_fields, parse_entries, stream_reply
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from omni_runtime.wire.messages import OrchOutputMsg, RequestMsg
 from tests.e2e.serving import ROOT
 from tests.waiting import wait_for, wait_until
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from omni_runtime.engines.wer import wer
-from omni_runtime.launcher import redis_server_binary
+from omni_runtime.local.launcher import redis_server_binary
 from tests.e2e.serving import ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable

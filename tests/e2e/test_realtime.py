@@ -23,7 +23,7 @@ from websockets.client import ClientProtocol
 from websockets.uri import parse_uri
 
 from omni_runtime import keys
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.observe.redis_stats import read_heartbeats, server_now
 from omni_runtime.pipeline import load_pipeline
 from tests.e2e.realtime_client import (

@@ -26,7 +26,7 @@ import redis
 import yaml
 
 from omni_runtime.keys import Names
-from omni_runtime.tracing import read_redis_trace
+from omni_runtime.observe.tracing import read_redis_trace
 from tests.e2e.serving import free_port
 from tests.e2e.test_cli import OMNI, cli, cli_env, describe
 from tests.e2e.test_lifecycle_signals import launched, serve_ready

@@ -19,8 +19,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime import keys
-from omni_runtime.client import OmniClient
-from omni_runtime.metrics import Metrics
+from omni_runtime.client.client import OmniClient
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.settings import Settings
 from tests.faults.harness import FaultDeployment

@@ -21,9 +21,9 @@ import pytest
 import redis
 
 from omni_runtime.errors import OmniError
+from omni_runtime.local.redis_sentinel import SERVICE, RedisSentinelSet
+from omni_runtime.local.redis_server import redis_server_binary
 from omni_runtime.redis_io.clients import async_client, sync_client
-from omni_runtime.redis_sentinel import SERVICE, RedisSentinelSet
-from omni_runtime.redis_server import redis_server_binary
 from tests.services import unavailable
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
@@ -88,7 +88,7 @@ def test_held_connections_follow_a_switchover_and_a_sigkill(
         assert first is not None and held.port == first
 
         sentinel = redis.Redis(port=ha.sentinel_ports[0], socket_timeout=5)
-        sentinel.execute_command("SENTINEL FAILOVER", SERVICE)  # type: ignore[no-untyped-call]
+        sentinel.execute_command("SENTINEL FAILOVER", SERVICE)
         sentinel.close()
         second = ha.wait_primary_other_than(first, 30)
         # Until sentinel turns the old primary into a replica it still takes writes (and
@@ -114,7 +114,7 @@ async def test_a_held_asyncio_connection_follows_a_sigkill(
 ) -> None:
     ha = private_sentinels
     client = async_client(ha.url)
-    held = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    held = await client.connection_pool.get_connection()
     try:
         await held.send_command("SET", "k", "1")
         assert await held.read_response() == b"OK"

@@ -21,11 +21,11 @@ import httpx
 import pytest
 import redis
 
-from omni_runtime.client import OmniClient
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.client.client import OmniClient
+from omni_runtime.local.launcher import ProcessGroup, child_env
+from omni_runtime.observe.tracing import Stamp, read_redis_trace
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Stamp, read_redis_trace
 from tests.e2e.serving import ROOT, ServeProcess
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]

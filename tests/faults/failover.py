@@ -7,8 +7,8 @@ its grace; no partial success; new work is served again within the failover plus
 
 from __future__ import annotations
 
-from omni_runtime.messages import REDIS_LOST_STATE
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
+from omni_runtime.wire.messages import REDIS_LOST_STATE
 from tests.faults.harness import FaultReport, header
 
 N, CONCURRENCY = 1000, 100

@@ -25,9 +25,9 @@ import redis
 import redis.cluster
 import yaml
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.launcher import ProcessGroup, child_env
+from omni_runtime.local.launcher import ProcessGroup, child_env
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings

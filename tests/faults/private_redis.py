@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from types import TracebackType
 
-from omni_runtime.launcher import free_port, wait_for_ping
+from omni_runtime.local.launcher import free_port, wait_for_ping
 
 
 class PrivateRedis:

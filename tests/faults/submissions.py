@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from omni_runtime import codec
+from omni_runtime.wire import codec
 
 ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 ESCAPES = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("a"): 7, ord("b"): 8}
@@ -74,7 +74,7 @@ class SubmissionCounter:
 
     def _run(self) -> None:
         conn = self._conn = self.client.connection_pool.get_connection()
-        conn.send_command("MONITOR")  # type: ignore[no-untyped-call]
+        conn.send_command("MONITOR")
         conn.read_response()
         self._started.set()
         try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from tests.faults.harness import FULL, FaultDeployment
 from tests.waiting import wait_for
 

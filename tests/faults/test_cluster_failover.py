@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from omni_runtime.errors import OmniError
-from omni_runtime.redis_cluster import RedisCluster
-from omni_runtime.redis_server import redis_server_binary
+from omni_runtime.local.redis_cluster import RedisCluster
+from omni_runtime.local.redis_server import redis_server_binary
 from tests.faults.failover import CONCURRENCY, ENV, SETTINGS, N, check_failover
 from tests.faults.harness import FaultDeployment, run_load, seed_final_2
 from tests.services import unavailable

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from omni_runtime import keys
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from tests.faults.harness import FaultDeployment
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]

@@ -30,10 +30,11 @@ import redis
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from omni_runtime import codec, keys, messages
-from omni_runtime.client import OmniClient
+from omni_runtime import keys
+from omni_runtime.client.client import OmniClient
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import ClientCommand, ClientId, RequestId
+from omni_runtime.wire import codec, messages
+from omni_runtime.wire.messages import ClientCommand, ClientId, RequestId
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.hostile import HOSTILE, Deep, draw_many, hostile_docs, materialized, raw, valid_docs
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from omni_runtime import codec
 from omni_runtime.redis_io.write_ops import xadd_fields
+from omni_runtime.wire import codec
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.waiting import wait_for
 

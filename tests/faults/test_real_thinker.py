@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.faults.harness import WORKERS, FaultDeployment, header, run_load

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError
 from tests.faults.harness import FULL, FaultDeployment, seed_final_2

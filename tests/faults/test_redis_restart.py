@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.messages import REDIS_LOST_STATE
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
+from omni_runtime.wire.messages import REDIS_LOST_STATE
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import ENV
 from tests.faults.private_redis import PrivateRedis

@@ -13,14 +13,14 @@ import fakeredis
 import pytest
 import redis
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError
-from omni_runtime.messages import OrchOutputMsg
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from omni_runtime.wire.messages import OrchOutputMsg
 from tests.redis_full import FullableRedis
 from tests.waiting import wait_for
 

@@ -8,7 +8,7 @@ import fakeredis
 import numpy as np
 import pytest
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.redis_io.clients import RedisClients
 from tests.integration.test_client_sequence import out, send, settings

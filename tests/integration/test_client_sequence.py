@@ -8,15 +8,15 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import codec
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import RequestTimeoutError
-from omni_runtime.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, parse_entry, stream_reply
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import AbortMsg, OrchOutputMsg, RequestMsg
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,9 +9,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.streams import GroupReader, ensure_group, entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
+from omni_runtime.wire.messages import AbortMsg
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,7 @@ import fakeredis
 import pytest
 
 from omni_runtime import keys
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import CodecError
 from omni_runtime.pipeline import PipelineConfig, load_pipeline

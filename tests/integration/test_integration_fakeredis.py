@@ -11,14 +11,15 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.tasks import cancel_and_wait
-from omni_runtime.messages import StageOutputMsg
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields, stream_reply
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageOutputMsg
 from tests.cluster import InProcessCluster
 from tests.waiting import wait_for
 
@@ -237,7 +238,7 @@ async def test_a_stage_whose_upstream_goes_silent_fails_the_request_after_the_in
 async def test_requests_of_a_client_that_vanished_are_aborted(
     fake_clients: RedisClients, settings: Settings
 ) -> None:
-    from omni_runtime.client import OmniClient
+    from omni_runtime.client.client import OmniClient
 
     pipeline = omni_fast("sequential")
     pipeline.stages[0].options["token_delay_ms"] = 100
@@ -281,7 +282,7 @@ async def test_an_output_that_cannot_travel_fails_its_request_not_the_worker(
 async def test_a_prompt_over_the_size_limit_is_refused_before_sending(
     fake_clients: RedisClients, settings: Settings
 ) -> None:
-    from omni_runtime.client import OmniClient
+    from omni_runtime.client.client import OmniClient
     from omni_runtime.errors import CodecError
 
     small = settings.model_copy(update={"max_message_bytes": 1024})
@@ -294,9 +295,9 @@ async def test_requests_a_crashed_orchestrator_had_read_are_served_by_the_next_o
     fake_clients: RedisClients, settings: Settings
 ) -> None:
     """Read from the group but never acknowledged (the orchestrator died): not lost."""
-    from omni_runtime.client import OmniClient
-    from omni_runtime.messages import RequestMsg
+    from omni_runtime.client.client import OmniClient
     from omni_runtime.redis_io.streams import ensure_group
+    from omni_runtime.wire.messages import RequestMsg
 
     names = settings.names
     raw = fake_clients.aio()

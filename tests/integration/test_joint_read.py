@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from omni_runtime.messages import AbortMsg
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.streams import GroupReader, ensure_group, entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
+from omni_runtime.wire.messages import AbortMsg
 from tests.fakes import GroupMakerFailingOnce
 from tests.waiting import wait_for
 

@@ -10,11 +10,11 @@ import fakeredis
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.prometheus import start_metrics_server
 from omni_runtime.observe.start import start_observability
+from omni_runtime.observe.tracing import FanOutTracer, read_redis_trace
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import FanOutTracer, read_redis_trace
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

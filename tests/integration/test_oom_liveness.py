@@ -14,15 +14,17 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.chunks.redis import RedisConnector
 from omni_runtime.errors import OOM_MESSAGE
 from omni_runtime.keys import Names
-from omni_runtime.messages import StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.orchestrator.leases import Leases
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
-from omni_runtime.redis_io.leases import Leases
 from omni_runtime.settings import Settings
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageOutputMsg
 from omni_runtime.worker.actions import Outgoing
 from omni_runtime.worker.io_threads import HeartbeatThread
 from omni_runtime.worker.output import OutputThread
@@ -97,7 +99,7 @@ def output_thread(client: redis.Redis, lost: list[Any], attempts: int) -> Output
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: settings.backoff(bounded=True),
+        backoff=lambda: Backoff.from_settings(settings, bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )

@@ -12,16 +12,16 @@ from typing import Any, cast
 import fakeredis
 import pytest
 
-from omni_runtime import codec
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import DurableRequest
+from omni_runtime.orchestrator.proc import OrchestratorService
 from omni_runtime.orchestrator.slot import SlotService
-from omni_runtime.orchestrator_proc import OrchestratorService
 from omni_runtime.pipeline import PipelineConfig, load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.settings import Settings
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import DurableRequest
 from omni_runtime.worker.proc import StageWorker
 from tests.waiting import wait_for
 

@@ -15,15 +15,15 @@ import redis
 from rich.console import Console
 
 from omni_runtime import keys
-from omni_runtime.ops.trace_view import add_trace_arguments, run_trace, stage_spans
-from omni_runtime.settings import Settings
-from omni_runtime.tracing import (
+from omni_runtime.observe.start import tracer_for
+from omni_runtime.observe.tracing import (
     FanOutTracer,
     MemoryTracer,
     RedisTracer,
     read_redis_trace,
-    tracer_for,
 )
+from omni_runtime.ops.trace_view import add_trace_arguments, run_trace, stage_spans
+from omni_runtime.settings import Settings
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,7 +62,7 @@ def _stamp_a_request(tracer: Any, rid: str) -> None:
 
 
 def test_stamps_land_in_a_per_request_list_with_a_ttl(client: redis.Redis) -> None:
-    tracer = RedisTracer(client, N, ttl_s=120)
+    tracer = RedisTracer(client, N, ttl_s=120).start()
     try:
         before = time.time_ns()
         _stamp_a_request(tracer, "r1")
@@ -79,7 +79,7 @@ def test_stamps_land_in_a_per_request_list_with_a_ttl(client: redis.Redis) -> No
 
 
 def test_a_full_queue_drops_instead_of_blocking() -> None:
-    tracer = RedisTracer(fakeredis.FakeRedis(), N, max_queue=10, flush_interval_s=60)
+    tracer = RedisTracer(fakeredis.FakeRedis(), N, max_queue=10, flush_interval_s=60).start()
     try:
         for i in range(50):
             tracer.stamp("input_read", "r", i)
@@ -90,7 +90,7 @@ def test_a_full_queue_drops_instead_of_blocking() -> None:
 
 def test_redis_down_counts_dropped_stamps() -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    tracer = RedisTracer(dead, N, flush_interval_s=0.01)
+    tracer = RedisTracer(dead, N, flush_interval_s=0.01).start()
     try:
         tracer.stamp("input_read", "r", 0)
         wait_until(lambda: tracer.dropped == 1)
@@ -101,7 +101,7 @@ def test_redis_down_counts_dropped_stamps() -> None:
 def test_trace_list_is_trimmed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keys, "TRACE_MAX_EVENTS", 5)
     r = fakeredis.FakeRedis()
-    tracer = RedisTracer(r, N)
+    tracer = RedisTracer(r, N).start()
     for i in range(12):
         tracer.stamp("input_read", "r", i)
     assert tracer.flush()
@@ -129,7 +129,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _traced(client: redis.Redis, rid: str) -> None:
-    tracer = RedisTracer(client, N)
+    tracer = RedisTracer(client, N).start()
     _stamp_a_request(tracer, rid)
     assert tracer.flush()
     tracer.close()

@@ -10,12 +10,13 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import ReqState
-from omni_runtime.messages import WIRE_VERSION
-from omni_runtime.redis_io.request_store import GRACE_S, RequestStore, to_state
+from omni_runtime.orchestrator.request_store import GRACE_S, RequestStore, to_state
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, fill_pipeline
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION
 
 NAMES = keys.Names("t")
 

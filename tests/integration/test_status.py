@@ -17,7 +17,7 @@ from rich.console import Console
 
 from omni_runtime import keys
 from omni_runtime.errors import ConfigError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.redis_stats import heartbeat_value, parse_heartbeat
 from omni_runtime.ops.dead_letters import (

@@ -7,10 +7,10 @@ from pathlib import Path
 import fakeredis
 import pytest
 
+from omni_runtime.observe.tracing import MemoryTracer, read_trace_file
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import MemoryTracer, read_trace_file
 from tests.cluster import InProcessCluster
 
 pytestmark = pytest.mark.timeout(60)

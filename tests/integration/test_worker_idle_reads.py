@@ -11,14 +11,14 @@ import pytest
 import redis
 
 from omni_runtime import keys
-from omni_runtime.messages import AbortMsg, StageInputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.entries import entry_fields
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire.messages import AbortMsg, StageInputMsg
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
 from omni_runtime.worker.unblock import IDLE_BLOCK_MS, OwnConnection
@@ -115,7 +115,7 @@ def test_an_unblocked_read_resumes_on_a_new_connection_after_a_disconnect(redis_
     first = own._id
     assert first is not None
     assert own.client.connection is not None
-    own.client.connection.disconnect()  # type: ignore[no-untyped-call]
+    own.client.connection.disconnect()
     assert own.client.ping()  # reconnected: the id followed the new connection
     assert own._id is not None and own._id != first
     own.close()

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import redis
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageOutputMsg
 from omni_runtime.worker.actions import Outgoing
-from omni_runtime.worker.fence import Fence
+from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.output_io import OutputBatch
 from tests.waiting import wait_until
@@ -39,7 +40,7 @@ class Writer:
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
         self.metrics = Metrics()
-        self.fence = Fence(ttl_s=60)
+        self.fence = StallFence(ttl_s=60)
         self.thread = OutputThread(
             self.client,
             OUT,

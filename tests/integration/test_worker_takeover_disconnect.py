@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageInputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.takeover import Takeover, name_connections
 

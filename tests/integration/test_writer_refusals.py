@@ -17,14 +17,15 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError, TransportError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
 from omni_runtime.redis_io.write_ops import ExpireAt, HashPut
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
 from tests.redis_full import FullableRedis
 from tests.waiting import wait_for
 
@@ -138,8 +139,7 @@ async def test_a_write_refused_for_good_fails_its_request_alone_and_is_not_retri
     probe = redis.Redis.from_url(full_redis.url)
     probe.hset("states", "bad", b"x")
     metrics, failed = Metrics(), Failed()
-    writer = StreamWriter(client, 100, metrics=metrics)
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, metrics=metrics, on_failed=failed)
     task = await running(writer)
     try:
         writer.queue(ExpireAt("states", 2**63, owner="bad"))
@@ -164,8 +164,7 @@ async def test_a_client_writer_fails_a_write_refused_for_memory_at_once(
     """A refused submission is answered at once and never written behind its caller."""
     probe = redis.Redis.from_url(full_redis.url)
     failed = Failed()
-    writer = StreamWriter(client, 100, hold_refused=False)
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, hold_refused=False, on_failed=failed)
     task = await running(writer)
     try:
         with full_redis.full():
@@ -186,8 +185,7 @@ async def test_writes_held_for_memory_are_given_up_after_the_retry_budget(
     full_redis: FullableRedis, client: aioredis.Redis
 ) -> None:
     failed = Failed()
-    writer = StreamWriter(client, 100, backoff=Backoff(0.001, 0.002, 3))
-    writer.on_failed = failed
+    writer = StreamWriter(client, 100, backoff=Backoff(0.001, 0.002, 3), on_failed=failed)
     task = await running(writer)
     try:
         with full_redis.full():
@@ -209,7 +207,7 @@ async def test_the_packed_pipe_reads_every_reply_past_an_error_reply(
 ) -> None:
     """Read whole, the connection stays in step: the next round trip on it is answered."""
     await client.set("text", "not a stream")
-    conn: Any = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    conn: Any = await client.connection_pool.get_connection()
     try:
         pipe = AsyncPackedPipe(client)
         pipe.xadd("text", {PAYLOAD: b"x"}, maxlen=10)

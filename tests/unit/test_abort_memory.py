@@ -12,9 +12,9 @@ import pytest
 
 from omni_runtime import Orchestrator
 from omni_runtime.core.types import StageOutput
-from omni_runtime.messages import StageInputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import EngineOutput
+from omni_runtime.wire.messages import StageInputMsg
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.core import WorkerCore
 

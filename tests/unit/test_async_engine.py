@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from omni_runtime.errors import StartupTimeoutError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.pipeline import StageConfig
 from omni_runtime.stage_api import (
     ChunkStream,

@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks.harness.cpu import MACHINE, process_tree
 from benchmarks.peers.load import Samples
 from benchmarks.peers.report import OMNI_SYS, RAY_SYS, Cell, rows
-from omni_runtime.playback import Playback
+from omni_runtime.client.playback import Playback
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.launcher import child_env, settings_env
+from omni_runtime.local.launcher import child_env, settings_env
 from omni_runtime.settings import Settings
 from tests.every_setting import NON_DEFAULT
 

@@ -13,7 +13,7 @@ import pytest
 from omni_runtime import ChunkAdapter
 from omni_runtime.chunks import MemoryConnector, PollingTransport, RedisConnector
 from omni_runtime.chunks.transport import PutItem
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from tests.fakes import Gate
 from tests.waiting import wait_until
 

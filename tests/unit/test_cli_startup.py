@@ -16,9 +16,9 @@ import omni_runtime
 from omni_runtime.cli import parse_args, parser_for
 from omni_runtime.cli.commands import settings_of
 from omni_runtime.cli.startup import document_fields
-from omni_runtime.forked import ForkedProcess
-from omni_runtime.launcher import redis_server_binary
-from omni_runtime.redis_server import RedisServer, ping
+from omni_runtime.local.forked import ForkedProcess
+from omni_runtime.local.launcher import redis_server_binary
+from omni_runtime.local.redis_server import RedisServer, ping
 from omni_runtime.settings import Settings
 from tests.services import unavailable
 

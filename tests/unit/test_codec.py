@@ -1,4 +1,4 @@
-"""Rules of the wire codec (omni_runtime.codec): msgpack round trips, zero-copy arrays,
+"""Rules of the wire codec (omni_runtime.wire.codec): msgpack round trips, zero-copy arrays,
 and CodecError as the only failure on untrusted bytes."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
-from omni_runtime.codec import (
+from omni_runtime.errors import CodecError
+from omni_runtime.wire.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_DEPTH,
     NDARRAY_EXT_CODE,
@@ -29,7 +30,6 @@ from omni_runtime.codec import (
     encode_decoded,
     encode_model,
 )
-from omni_runtime.errors import CodecError
 
 SETTINGS = settings(deadline=None, max_examples=200)
 
@@ -236,7 +236,7 @@ def test_a_failed_encode_leaves_the_next_one_whole() -> None:
 
 
 def test_a_packer_grown_by_a_big_message_is_not_kept() -> None:
-    from omni_runtime import codec
+    from omni_runtime.wire import codec
 
     encode({"small": 1})
     assert codec._PACKERS.packer is not None
@@ -394,7 +394,7 @@ def test_module_imports_and_works_without_numpy() -> None:
         f"""
         import sys
         sys.modules["numpy"] = None  # make `import numpy` fail
-        from omni_runtime.codec import decode, encode
+        from omni_runtime.wire.codec import decode, encode
         from omni_runtime.errors import CodecError
         assert decode(encode({{"a": [1, b"x"]}})) == {{"a": [1, b"x"]}}
         try:

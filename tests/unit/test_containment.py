@@ -11,14 +11,16 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import Orchestrator, OrchOutput, codec, keys
+from omni_runtime import Orchestrator, OrchOutput, keys
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
-from omni_runtime.messages import WIRE_VERSION, StageOutputMsg
-from omni_runtime.metrics import Metrics
-from omni_runtime.redis_io.request_store import RequestStore
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.orchestrator.request_store import RequestStore
 from omni_runtime.redis_io.write_ops import ExpireAt, HashPut
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, StageOutputMsg
 from tests.fakes import identity_forward, seed_stages
 from tests.unit.test_worker_core import inp, make
 from tests.waiting import wait_for
@@ -85,8 +87,7 @@ async def test_a_sink_that_raises_on_one_output_fails_that_request_with_one_fina
         got.append(out)
 
     metrics = Metrics()
-    orch = kind(seed_stages(), {2}, identity_forward, metrics=metrics)
-    orch.sink = sink
+    orch = kind(seed_stages(), {2}, identity_forward, metrics=metrics, hooks=Hooks(sink))
     async with orch:
         await orch.add_request("bad", "poison")
         await orch.add_request("good", "fine")

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS
+from omni_runtime.observe.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRICS_PORT = 9400

@@ -14,16 +14,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import os, socket, sys
-from omni_runtime.forked import can_fork, fork_main, preload
+from omni_runtime.cli import CHILDREN, main
+from omni_runtime.local.forked import can_fork, fork_main, preload
 
 assert can_fork()
-preload()
+preload(CHILDREN)
 log = open(sys.argv[1], "wb")
-version = fork_main(["--version"], dict(os.environ), log)
-bad = fork_main(["no-such-command"], dict(os.environ), log)
+version = fork_main(main, ["--version"], dict(os.environ), log)
+bad = fork_main(main, ["no-such-command"], dict(os.environ), log)
 silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
 env = {**os.environ, "OMNI_REDIS_URL": f"redis://127.0.0.1:{silent.getsockname()[1]}/0"}
-waiting = fork_main(["worker", "--pipeline", "workers/seed.yaml", "--stage", "0"], env, log)
+waiting = fork_main(main, ["worker", "--pipeline", "workers/seed.yaml", "--stage", "0"], env, log)
 print(version.wait(60), bad.wait(60), waiting.poll())
 waiting.kill()
 print(waiting.wait(60))

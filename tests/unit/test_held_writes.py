@@ -16,7 +16,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.redis_io.held_writes import PROBE_MAX_S, HeldWrites
 from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal, sort_replies
 from omni_runtime.redis_io.write_ops import (
@@ -28,6 +28,7 @@ from omni_runtime.redis_io.write_ops import (
     XAdd,
     fill_pipeline,
 )
+from omni_runtime.wire import codec
 
 OOM = OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from omni_runtime.client.inbox import IdleWait, Pending
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.redis_io.inbox import IdleWait, Pending
 
 pytestmark = pytest.mark.timeout(30)
 

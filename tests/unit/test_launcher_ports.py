@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from omni_runtime.launcher import ProcessGroup
+from omni_runtime.local.launcher import ProcessGroup
 from omni_runtime.pipeline import load_pipeline
 
 OMNI = Path(__file__).resolve().parents[2] / "workers" / "omni.yaml"

@@ -7,13 +7,13 @@ import pytest
 
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import OrchOutputMsg
+from omni_runtime.orchestrator.outbox import ClientOutbox
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.liveness import Absence, StageWatch, StateEpoch
-from omni_runtime.redis_io.outbox import ClientOutbox
 from omni_runtime.redis_io.streams import stream_reply
 from omni_runtime.redis_io.write_ops import XAck, fill_pipeline
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire.messages import OrchOutputMsg
 
 
 def test_absence_is_gone_only_after_a_whole_ttl_missing() -> None:

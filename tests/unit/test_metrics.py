@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_runtime.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
+from omni_runtime.observe.metrics import COUNTERS, GAUGES, HISTOGRAMS, Metrics
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.prometheus import (
     MetricsCollector,

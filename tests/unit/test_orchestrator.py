@@ -10,7 +10,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from tests.fakes import identity_forward, seed_stages
 from tests.waiting import wait_for
 

@@ -7,6 +7,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.core.loops import Hooks
 from omni_runtime.core.streaming import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
 from tests.fakes import identity_forward, prefix_wav
@@ -43,17 +44,15 @@ async def test_a_restored_request_past_its_deadline_ends_with_one_error() -> Non
 
 async def test_the_sink_and_the_change_hook_see_every_output_and_state_change() -> None:
     stages = [InMemoryStage(), InMemoryStage()]
-    orch = Orchestrator(stages, {0, 1}, identity_forward)
     seen: list[OrchOutput] = []
     changes: list[tuple[str, bool, frozenset[int]]] = []
-    orch.sink = seen.append
 
     def changed(rid: str, state: ReqState | None) -> None:
         changes.append(
             (rid, state is not None, frozenset(state.finished) if state else frozenset())
         )
 
-    orch.on_change = changed
+    orch = Orchestrator(stages, {0, 1}, identity_forward, hooks=Hooks(seen.append, changed))
     async with orch:
         await orch.add_request("r1", "p")
         await wait_for(lambda: bool(stages[0].submitted))
@@ -76,11 +75,10 @@ async def test_step_done_is_heard_once_a_burst_of_outputs_is_all_handled() -> No
     """A shell sends what a step queued when it hears `step_done`: once per burst, so the
     outputs read together leave together (one per output would hold the rest back)."""
     stages = [InMemoryStage()]
-    orch = Orchestrator(stages, {0}, identity_forward)
     seen: list[OrchOutput] = []
     heard: list[int] = []
-    orch.sink = seen.append
-    orch.step_done = lambda: heard.append(len(seen))
+    hooks = Hooks(seen.append, step_done=lambda: heard.append(len(seen)))
+    orch = Orchestrator(stages, {0}, identity_forward, hooks=hooks)
     async with orch:
         await orch.add_request("r1", "p")
         await wait_for(lambda: bool(stages[0].submitted))

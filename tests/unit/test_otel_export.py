@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rich.console import Console
 
 from omni_runtime.observe.otel import OtelTracer, export_stamps
+from omni_runtime.observe.tracing import RedisTracer
 from omni_runtime.ops.trace_view import add_trace_arguments, run_trace
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import RedisTracer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,8 +54,8 @@ def test_export_stamps_makes_a_request_span_and_one_per_stage() -> None:
 
 def test_live_tracer_emits_each_request_once_quiet_and_joins_processes() -> None:
     provider, exporter = _provider()
-    orchestrator = OtelTracer(provider, "orchestrator", idle_s=0.05)
-    worker = OtelTracer(provider, "stage 1", idle_s=0.05)
+    orchestrator = OtelTracer(provider, "orchestrator", idle_s=0.05).start()
+    worker = OtelTracer(provider, "stage 1", idle_s=0.05).start()
     try:
         orchestrator.stamp("request_read", "r2")
         worker.stamp("input_read", "r2", 1, time.monotonic_ns())
@@ -73,7 +73,7 @@ def test_live_tracer_emits_each_request_once_quiet_and_joins_processes() -> None
 
 def test_live_tracer_bounds_open_requests() -> None:
     provider, exporter = _provider()
-    tracer = OtelTracer(provider, idle_s=600, max_requests=3)
+    tracer = OtelTracer(provider, idle_s=600, max_requests=3).start()
     try:
         for i in range(5):
             tracer.stamp("request_read", f"r{i}")
@@ -86,7 +86,7 @@ def test_live_tracer_bounds_open_requests() -> None:
 def test_trace_command_exports_to_a_provider() -> None:
     settings = Settings(redis_url="redis://unused")
     client = fakeredis.FakeRedis()
-    tracer = RedisTracer(client, settings.names)
+    tracer = RedisTracer(client, settings.names).start()
     for event, rid, stage, _t in STAMPS:
         tracer.stamp(event, rid, stage)
     assert tracer.flush()

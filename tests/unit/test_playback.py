@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_runtime.playback import AUDIBLE_GAP_S, Continuity, Playback, audio_seconds
+from omni_runtime.client.playback import AUDIBLE_GAP_S, Continuity, Playback, audio_seconds
 
 
 def test_chunks_arriving_before_the_buffer_runs_dry_play_without_a_gap() -> None:

@@ -10,9 +10,8 @@ import pytest
 from pydantic import TypeAdapter
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import AbortMsg, ClientCommand, RequestMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import (
     GroupReader,
@@ -22,6 +21,8 @@ from omni_runtime.redis_io.streams import (
     ensure_group_sync,
     entry_fields,
 )
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import AbortMsg, ClientCommand, RequestMsg, StageOutputMsg
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer, StageTimer, entry_age_s
 
 

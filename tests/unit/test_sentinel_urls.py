@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from omni_runtime.errors import FatalError
 from omni_runtime.redis_io.clients import probe, redacted
-from omni_runtime.redis_io.sentinel import is_sentinel_url, parse_sentinel_url
+from omni_runtime.sentinel_url import is_sentinel_url, parse_sentinel_url
 from omni_runtime.settings import Settings
 
 

@@ -10,9 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
@@ -28,6 +28,7 @@ from omni_runtime.redis_io.write_ops import (
     merged,
 )
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)

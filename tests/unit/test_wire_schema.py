@@ -15,9 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from omni_runtime import codec, messages
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import (
+from omni_runtime.orchestrator import intake
+from omni_runtime.orchestrator.request_store import expiry_ms
+from omni_runtime.settings import Settings
+from omni_runtime.wire import codec, messages
+from omni_runtime.wire.messages import (
     AbortMsg,
     ClientCommand,
     DurableRequest,
@@ -26,10 +29,7 @@ from omni_runtime.messages import (
     StageInputMsg,
     StageOutputMsg,
 )
-from omni_runtime.orchestrator import intake
-from omni_runtime.redis_io.request_store import expiry_ms
-from omni_runtime.settings import Settings
-from omni_runtime.wire_views import (
+from omni_runtime.wire.views import (
     ClientCommandView,
     OrchOutputView,
     RequestView,
@@ -226,8 +226,8 @@ def test_the_client_refuses_what_a_reader_would_refuse_at_submit() -> None:
 
 
 def test_limits_are_consistent_across_modules() -> None:
+    from omni_runtime.orchestrator.leases import MAX_SLOTS
     from omni_runtime.pipeline import PipelineConfig
-    from omni_runtime.redis_io.leases import MAX_SLOTS
 
     assert MAX_SLOTS == messages.MAX_SLOTS
     stages = PipelineConfig.model_fields["stages"].metadata

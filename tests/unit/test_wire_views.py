@@ -1,22 +1,27 @@
-"""Each `wire_views` mirror reads exactly what its pydantic model reads: same fields and
+"""Each `wire.views` mirror reads exactly what its pydantic model reads: same fields and
 defaults, same accepted values, same error for what it refuses (the one-pass decode
 must never let through what the model would refuse, nor refuse what it would take)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any, get_args, get_origin
 
 import msgspec
+import msgspec.inspect
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
-from omni_runtime.wire_views import (
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import AbortMsg, RequestMsg
+from omni_runtime.wire.views import (
     MODEL_OF,
     AbortView,
     ClientCommandView,
@@ -214,3 +219,58 @@ def msgpack_ext(payload: bytes) -> Any:
     import msgpack
 
     return msgpack.ExtType(codec.NDARRAY_EXT_CODE, payload)
+
+
+BOUNDS = ("gt", "ge", "lt", "le", "min_length", "max_length")
+
+
+def _model_bounds(annotation: Any, metadata: Sequence[Any] = ()) -> list[tuple[str, Any]]:
+    """Every bound a pydantic annotation carries, however deep (lists, maps, unions)."""
+    found: list[tuple[str, Any]] = []
+    for item in metadata:
+        found += [(b, getattr(item, b)) for b in BOUNDS if getattr(item, b, None) is not None]
+        if isinstance(item, FieldInfo):
+            found += _model_bounds(None, item.metadata)
+        elif getattr(item, "pattern", None) is not None:
+            found.append(("pattern", item.pattern))
+    if get_origin(annotation) is Annotated:
+        inner, *meta = get_args(annotation)
+        return found + _model_bounds(inner, meta)
+    for arg in get_args(annotation):
+        found += _model_bounds(arg)
+    return found
+
+
+def _view_bounds(info: Any) -> list[tuple[str, Any]]:
+    """Every bound msgspec checks on a field of a view, however deep."""
+    found = [(b, getattr(info, b)) for b in BOUNDS if getattr(info, b, None) is not None]
+    if getattr(info, "pattern", None) is not None:  # anchored for Python's re: `\A … \Z`
+        found.append(("pattern", "^" + info.pattern.removeprefix("\\A").removesuffix("\\Z") + "$"))
+    for inner in ("types", "item_type", "key_type", "value_type"):
+        value = getattr(info, inner, None)
+        for sub in value if isinstance(value, tuple) else [value] if value is not None else []:
+            found += _view_bounds(sub)
+    return found
+
+
+@pytest.mark.parametrize("view", [*VIEWS, RequestView, AbortView])
+def test_each_view_is_made_from_its_model_field_by_field(view: Any) -> None:
+    """The views are generated from the models (one definition): same fields, the same
+    required ones and defaults, and every bound at every depth, nothing else."""
+    models = {v: m for v, m in MODEL_OF.items() if isinstance(v, type)}
+    model = {**models, RequestView: RequestMsg, AbortView: AbortMsg}[view]
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    struct = msgspec.inspect.type_info(view)
+    assert isinstance(struct, msgspec.inspect.StructType)
+    fields = {f.name: f for f in struct.fields}
+    expected = set(model.model_fields) - ({"type"} if view in (RequestView, AbortView) else set())
+    assert set(fields) == expected
+    for name, field in fields.items():
+        info = model.model_fields[name]
+        assert field.required == (info.is_required() or name == "type"), name
+        if not field.required:
+            assert field.default == info.get_default(call_default_factory=True), name
+        if view is StageOutputRelayView and name == "data":
+            continue  # kept as read (msgspec.Raw), checked by `codec.check`
+        model_bounds = _model_bounds(info.annotation, info.metadata)
+        assert sorted(map(repr, _view_bounds(field.type))) == sorted(map(repr, model_bounds)), name

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from omni_runtime import codec
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import EngineOutput, StepFailed
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.worker.actions import Actions, Input
 from omni_runtime.worker.core import WorkerCore
 

@@ -13,12 +13,13 @@ from typing import Any
 import fakeredis
 import pytest
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
-from omni_runtime.worker.fence import Fence, StallGuard, read_ownership
+from omni_runtime.worker.fence import StallFence, StallGuard, read_ownership
 from omni_runtime.worker.output import OutputThread
 from tests.unit.test_worker_core import make
 
@@ -28,14 +29,14 @@ IN, OUT = "ns:stage:1:in", "ns:stage:1:out"
 
 
 def test_writes_need_no_check_within_the_window_and_wait_for_one_after_a_stall() -> None:
-    fence = Fence(ttl_s=5.0)
+    fence = StallFence(ttl_s=5.0)
     now = time.monotonic()
-    assert not fence.renew(now) and fence.writable()
+    assert not fence.renew(now) and fence.fresh()
     stalled_until = now + 10.0  # the next beat starts well past the TTL
     assert fence.renew(stalled_until)
-    assert not fence.writable() and not fence.wait_writable(0.01)
+    assert not fence.fresh() and not fence.wait_writable(0.01)
     fence.confirmed(stalled_until)
-    assert fence.writable()
+    assert fence.fresh()
 
 
 def test_an_ownership_snapshot_tells_claimed_inputs_from_ones_delivered_after_it() -> None:

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from omni_runtime import codec
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.pipeline import StageConfig
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import engine_factory

@@ -9,13 +9,15 @@ import fakeredis
 import pytest
 import redis
 
-from omni_runtime import codec, keys
-from omni_runtime.messages import StageInputMsg, StageOutputMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime import keys
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
-from omni_runtime.wire_views import StageInputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
+from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input, Outgoing
 from omni_runtime.worker.io_threads import Slots
 from omni_runtime.worker.output import OutputThread
@@ -89,7 +91,7 @@ def output_thread(client: FlakyRedis, lost: Lost, attempts: int) -> OutputThread
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: settings.backoff(bounded=True),
+        backoff=lambda: Backoff.from_settings(settings, bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -144,7 +144,11 @@ class RedisTracer:
         self._closing = False
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="redis-tracer", daemon=True)
+
+    def start(self) -> RedisTracer:
+        """Start the writing thread; the tracer itself, for `RedisTracer(...).start()`."""
         self._thread.start()
+        return self
 
     def stamp(
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
@@ -167,7 +171,8 @@ class RedisTracer:
     def close(self, timeout_s: float = 5.0) -> None:
         self._closing = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -225,37 +230,3 @@ class FanOutTracer:
         for tracer in self.tracers:
             if isinstance(tracer, Closable):
                 tracer.close()
-
-
-def tracer_for(
-    trace_file: Path | None,
-    trace: bool = False,
-    redis_client: Callable[[], Any] | None = None,
-    names: keys.Names | None = None,
-    ttl_s: int = 3600,
-    role: str = "omni",
-) -> Tracer | None:
-    """The tracer a process shell builds from its settings (None: tracing off).
-
-    `trace_file`: a `FileTracer`; `trace` (with a client factory and names): a
-    `RedisTracer`; and, when opentelemetry-sdk is installed and
-    OTEL_EXPORTER_OTLP_ENDPOINT is set, an `observe.otel.OtelTracer` whose spans
-    are named after `role` ("orchestrator", "stage 1", "client").
-    """
-    tracers: list[Tracer] = []
-    if trace_file is not None:
-        tracers.append(FileTracer(trace_file))
-    if trace and redis_client is not None and names is not None:
-        tracers.append(RedisTracer(redis_client(), names, ttl_s))
-    if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        try:
-            from omni_runtime.observe.otel import otel_tracer_from_env
-        except ImportError:
-            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry is not installed")
-        else:
-            otel = otel_tracer_from_env(role)
-            if otel is not None:
-                tracers.append(otel)
-    if not tracers:
-        return None
-    return tracers[0] if len(tracers) == 1 else FanOutTracer(tracers)

@@ -14,7 +14,7 @@ Type mapping (what ``decode(encode(x))`` gives back):
 * numpy ndarray: read-only ndarray with the same dtype and shape (object and structured dtypes
   are refused). numpy scalars: the equivalent Python scalar.
 
-Arrays are one ext (code ``NDARRAY_EXT_CODE``), laid out in `ndarray_ext`. ``decode`` is the
+Arrays are one ext (code ``NDARRAY_EXT_CODE``), laid out in `ndarray`. ``decode`` is the
 door for untrusted bytes, so any failure there surfaces as exactly ``CodecError``.
 
 Containers nest at most ``MAX_DEPTH`` levels (an array at the root, a batch of messages,
@@ -40,9 +40,9 @@ import msgpack
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from omni_runtime import ndarray_ext
 from omni_runtime.errors import CodecError
-from omni_runtime.ndarray_ext import NDARRAY_EXT_CODE
+from omni_runtime.wire import ndarray
+from omni_runtime.wire.ndarray import NDARRAY_EXT_CODE
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -78,8 +78,7 @@ def encode(obj: Any) -> bytes:
     """Serialize ``obj`` to msgpack; unsupported types raise CodecError naming the type.
 
     Each thread keeps one packer: `msgpack.packb` makes a new one per call, and getting
-    its buffer cost more than packing (~2 of ~3.5 µs for a small message, ~9 of ~22 µs
-    for an audio chunk). A packer that failed, is in use further up this thread's stack,
+    its buffer cost more than the packing itself for a small message (docs/performance.md). A packer that failed, is in use further up this thread's stack,
     or grew past `_PACKER_KEEP_BYTES` is not kept."""
     check_depth(obj)
     packer: msgpack.Packer | None = getattr(_PACKERS, "packer", None)
@@ -153,7 +152,7 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
         raise
     except RecursionError as e:
         raise CodecError(_too_deep(max_depth)) from e
-    except Exception as e:
+    except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
     if not within(obj, max_depth):
         raise CodecError(_too_deep(max_depth))
@@ -170,8 +169,8 @@ _NESTING: Final = frozenset((list, dict, tuple))
 
 def within(obj: Any, depth: int) -> bool:
     """Whether `obj` nests at most `depth` levels of lists and maps (tuples: decoded map
-    keys). Only containers are visited, a level of scalars in one C pass (`map(type)`):
-    ~0.5 µs for a small message, ~13 µs for 1,000 ints (the encoding itself ~10 µs)."""
+    keys). Only containers are visited, a level of scalars in one C pass (`map(type)`), so
+    the check costs about what the encoding does, not more."""
     kind = type(obj)
     if kind is dict:
         if depth <= 0:
@@ -268,7 +267,7 @@ def _default(obj: object) -> Any:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
-            return msgpack.ExtType(NDARRAY_EXT_CODE, ndarray_ext.payload(obj))
+            return msgpack.ExtType(NDARRAY_EXT_CODE, ndarray.payload(obj))
         if isinstance(obj, np.generic):
             return obj.item()
     raise CodecError(
@@ -279,13 +278,13 @@ def _default(obj: object) -> Any:
 def _ext_hook(code: int, view: memoryview) -> Any:
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
-    return ndarray_ext.array(view)
+    return ndarray.array(view)
 
 
 def _check_hook(code: int, view: memoryview) -> None:
     if code != NDARRAY_EXT_CODE:
         raise CodecError(f"unknown msgpack ext type {code}")
-    ndarray_ext.check(view)
+    ndarray.check(view)
 
 
 def _ext_default(obj: object) -> Any:

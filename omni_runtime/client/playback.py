@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.stats import percentile
+from omni_runtime.observe.stats import percentile
 
 AUDIBLE_GAP_S = 0.1
 """A request "plays continuously" when none of its gaps is longer than this."""

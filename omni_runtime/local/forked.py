@@ -1,10 +1,11 @@
 """Start the local pipeline's processes by forking a parent that has imported the runtime once.
 
-A fresh interpreter per process pays ~1 s of imports (redis, pydantic, numpy) on every
-start, and the four processes of the demo share two cores: `run` waited ~3 s for them.
-A forked child inherits the parent's imported modules and is ready in tens of
-milliseconds. Each child is still its own OS process with its own log file, PID and
-signals; it runs the same command line (`omni_runtime.cli.main`) a spawned one would.
+A fresh interpreter per process pays the runtime's imports (redis, pydantic, numpy) on
+every start, and the processes of a pipeline share the machine's cores. A forked child
+inherits the parent's imported modules and is ready at once (`benchmarks/startup.py`
+measures both). Each child is still its own OS process with its own log file, PID and
+signals; it runs the same command line a spawned one would, through the entry point the
+command line hands down (`Children`): this module never imports the CLI back.
 
 Forking is safe only from a parent with one thread and no running event loop (a thread
 holding a lock at the fork would leave it held forever in the child): `can_fork` says
@@ -25,15 +26,20 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO
 
-PRELOAD = (
-    "numpy",  # the codec's arrays (the demo's stages use it too)
-    "omni_runtime.cli",
-    "omni_runtime.orchestrator_proc",
-    "omni_runtime.worker.proc",
-)
-"""What every child needs: imported once, in the parent, before the first fork."""
+
+@dataclass(frozen=True, slots=True)
+class Children:
+    """What a forked child runs, given by the command line that forks it."""
+
+    main: Callable[[list[str]], int]
+    """The command line's entry point: the child's exit code for its arguments."""
+    modules: tuple[str, ...] = ()
+    """What every child needs: imported once, in the parent, before the first fork."""
+    prepare: Callable[[], None] | None = None
+    """Run in the parent before the imports (e.g. building the children's parsers)."""
 
 
 def can_fork() -> bool:
@@ -75,18 +81,14 @@ def release_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def preload(modules: Iterable[str] = PRELOAD) -> None:
-    """Import what the children run (a missing optional module is the child's business),
-    and build the command lines they parse."""
-    from omni_runtime.cli import parser_for
-    from omni_runtime.cli.startup import import_redis
-
-    import_redis()
-    for name in modules:
+def preload(children: Children) -> None:
+    """Import what the children run (a missing optional module is the child's business)
+    and prepare what they parse, once, in the parent."""
+    if children.prepare is not None:
+        children.prepare()
+    for name in children.modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    for command in ("orchestrator", "worker"):
-        parser_for(command)
 
 
 class ForkedProcess:
@@ -146,6 +148,7 @@ def _pidfd(pid: int) -> int | None:
 
 
 def fork_main(
+    main: Callable[[list[str]], int],
     argv: list[str],
     env: dict[str, str],
     log: IO[bytes],
@@ -153,7 +156,7 @@ def fork_main(
     fresh: Iterable[str] = (),
     at_start: Callable[[], None] | None = None,
 ) -> ForkedProcess:
-    """Fork a child running `omni-runtime ARGV` with environment `env`, output to `log`.
+    """Fork a child running `main(argv)` with environment `env`, output to `log`.
 
     The child never returns into the caller's code: it leaves through `os._exit`.
     `inherited` are the parent's files the child must not keep (its siblings' logs).
@@ -171,10 +174,10 @@ def fork_main(
     try:
         if at_start is not None:
             at_start()
-        code = _child(argv, env, log, inherited, fresh)
+        code = _child(main, argv, env, log, inherited, fresh)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
+    except BaseException:  # a forked child never returns into the parent's code
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
@@ -185,6 +188,7 @@ def fork_main(
 
 
 def _child(
+    main: Callable[[list[str]], int],
     argv: list[str],
     env: dict[str, str],
     log: IO[bytes],
@@ -209,6 +213,4 @@ def _child(
     for package in fresh:
         for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
             del sys.modules[name]
-    from omni_runtime.cli import main
-
     return main(argv)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.messages import WIRE_VERSION, clip_error
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, clip_error
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ class DurableRequest(_Wire):
 
     The stage data `forward_fn` will still need (sequential mode, stages not yet
     finished) is kept beside it, one hash field per chunk, written once each:
-    `stage_chunks` says how many there are per stage (`redis_io/request_store.py`).
+    `stage_chunks` says how many there are per stage (`orchestrator/request_store.py`).
     `stage_data` holds it inline, as states were written before. `stage_seq` is, per
     stage, the next output seq not yet handled; `out_seq` the seq of the client's next
     output; `deadline_at` a wall-clock time.
@@ -194,7 +194,7 @@ class DurableRequest(_Wire):
         default_factory=dict
     )
     """Per stage, how many chunks of its data the store keeps beside the state (fields of
-    their own, written once each: `redis_io/request_store.py`)."""
+    their own, written once each: `orchestrator/request_store.py`)."""
     stage_seq: Annotated[dict[StageId, Seq], Field(max_length=MAX_STAGES)] = Field(
         default_factory=dict
     )

@@ -18,21 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import StageFailure, StageOutput
-from omni_runtime.messages import WIRE_VERSION, AbortMsg
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.leases import Fence
+from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.tracing import Tracer
-from omni_runtime.wire_views import StageOutputRelayView, StageOutputView
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import WIRE_VERSION, AbortMsg
+from omni_runtime.wire.views import StageOutputRelayView, StageOutputView
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class RedisStageClient:
         backoff: Backoff | None = None,
         slot: int = 0,
         fence: Fence | None = None,
+        block_budget: Callable[[], int] | None = None,
     ) -> None:
         self.writer = writer
         self.stage_id = stage_id
@@ -118,8 +121,9 @@ class RedisStageClient:
             dead_letters=names.dead_letters,
             metrics=self.metrics,
             backoff=backoff,
+            block_budget=block_budget,
+            batches=True,
         )
-        self.reader.batches = True
         self.seq = SeqFilter()
         self.handled_seq: dict[str, int] = {}
         self._entry_of: dict[int, tuple[bytes, str, int]] = {}

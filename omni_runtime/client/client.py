@@ -30,7 +30,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omni_runtime import codec, keys, wire_views
+from omni_runtime import keys
+from omni_runtime.client.inbox import IdleWait, Inbox
+from omni_runtime.client.playback import Playback, audio_seconds
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import (
@@ -40,22 +42,23 @@ from omni_runtime.errors import (
     StartupTimeoutError,
     TransportError,
 )
-from omni_runtime.messages import AbortMsg, checked_request
-from omni_runtime.metrics import Metrics
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import LazyRedisTracer
+from omni_runtime.observe.start import tracer_for
+from omni_runtime.observe.tracing import Closable
 from omni_runtime.pipeline import OutputsConfig
-from omni_runtime.playback import Playback, audio_seconds
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
 from omni_runtime.redis_io.entries import parse_entries
-from omni_runtime.redis_io.inbox import IdleWait, Inbox
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields
 from omni_runtime.redis_io.write_ops import XDel
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Closable, tracer_for
+from omni_runtime.wire import codec, views
+from omni_runtime.wire.messages import AbortMsg, checked_request
 
 __all__ = ["OmniClient", "RequestTimeoutError"]
 
@@ -122,10 +125,10 @@ class OmniClient:
             self.redis,
             self.settings.stream_maxlen,
             metrics=self.metrics,
-            backoff=self.settings.backoff(bounded=True),
+            backoff=Backoff.from_settings(self.settings, bounded=True),
             hold_refused=False,  # a refused submission fails at once
+            on_failed=self._write_failed,
         )
-        self._writer.on_failed = self._write_failed
         self._writer_task = asyncio.create_task(self._writer.run(), name="client-writer")
         self._heartbeat_key = self.names.client_heartbeat(self.client_id)
         self._epoch = StateEpoch(self.redis, self.names.epoch)
@@ -319,7 +322,7 @@ class OmniClient:
 
     async def _read_outputs(self) -> None:
         self._last_id = b"0-0"
-        s, backoff = self.settings, self.settings.backoff()
+        s, backoff = self.settings, Backoff.from_settings(self.settings)
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:
@@ -351,7 +354,7 @@ class OmniClient:
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:
-            msgs = parse_entries(fields, wire_views.OrchOutputView, self.settings.max_message_bytes)
+            msgs = parse_entries(fields, views.OrchOutputView, self.settings.max_message_bytes)
         except CodecError as e:
             self.metrics.inc("omni_malformed_entries_total", stream=self.out_stream)
             await self._dead.send(self.out_stream, None, entry_id, str(e), fields)

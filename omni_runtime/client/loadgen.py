@@ -6,10 +6,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from omni_runtime.client import OmniClient
+from omni_runtime.client.client import OmniClient
+from omni_runtime.observe.stats import percentile
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.settings import Settings
-from omni_runtime.stats import percentile
 
 
 @dataclass(slots=True)

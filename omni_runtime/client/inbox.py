@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.metrics import Metrics
-from omni_runtime.wire_views import OrchOutputView
+from omni_runtime.observe.metrics import Metrics
+from omni_runtime.wire.views import OrchOutputView
 
 log = logging.getLogger(__name__)
 

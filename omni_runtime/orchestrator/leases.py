@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, RedisError, WatchError
@@ -48,18 +48,6 @@ log = logging.getLogger(__name__)
 FRESH_FRACTION = 0.75
 """Share of the TTL after a round's start during which the leases count as held."""
 MAX_SLOTS = keys.MAX_SLOTS
-
-
-class Fence(Protocol):
-    """What holds a writer's batches while its process's lease is not known fresh."""
-
-    async def hold(self) -> bool:
-        """Wait until writing is safe: True, or False once it never will be again."""
-        ...
-
-    def fresh(self) -> bool:
-        """Writing is safe now (`hold` would return True at once)."""
-        ...
 
 
 class LeaseLost(FatalError):
@@ -216,7 +204,7 @@ class Leases:
                     ]
                     if taken:
                         self._lose(taken)
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()
                     for slot, key, value, gen in zip(slots, lease_keys, values, gens, strict=True):
                         pipe.hset(registry, str(slot), self.token)
                         if value is not None:
@@ -261,7 +249,7 @@ class Leases:
             try:
                 await pipe.watch(key)
                 if self._mine(await pipe.get(key)):
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()
                     pipe.delete(key)
                     pipe.xadd(released, {"slot": slot}, maxlen=keys.RELEASED_MAXLEN)
                     pipe.expire(released, keys.RELEASED_TTL_S)

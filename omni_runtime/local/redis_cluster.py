@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-from omni_runtime.redis_server import RedisServer, free_port
+from omni_runtime.local.redis_server import RedisServer, free_port
 
 if TYPE_CHECKING:
     import redis
@@ -96,7 +96,7 @@ class RedisCluster:
                 )
                 self.nodes.append(node.start())
             self._form()
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: no node is left running
             self.stop()
             raise
         return self
@@ -111,18 +111,16 @@ class RedisCluster:
             per_node = -(-CLUSTER_SLOTS // self.masters)
             for i, client in enumerate(clients[: self.masters]):
                 slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
-                client.execute_command("CLUSTER ADDSLOTS", *slots)  # type: ignore[no-untyped-call]
+                client.execute_command("CLUSTER ADDSLOTS", *slots)
             for node in self.nodes[1:]:
-                clients[0].execute_command(  # type: ignore[no-untyped-call]
-                    "CLUSTER MEET", "127.0.0.1", node.port
-                )
+                clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port)
             deadline = time.monotonic() + self.timeout_s
-            ids = [c.execute_command("CLUSTER MYID") for c in clients[: self.masters]]  # type: ignore[no-untyped-call]
+            ids = [c.execute_command("CLUSTER MYID") for c in clients[: self.masters]]
             for n, client in enumerate(clients[self.masters :]):
                 primary_id = ids[n % self.masters]
                 while True:  # a replica can follow only a primary it has heard of
                     try:
-                        client.execute_command("CLUSTER REPLICATE", primary_id)  # type: ignore[no-untyped-call]
+                        client.execute_command("CLUSTER REPLICATE", primary_id)
                         break
                     except redis.ResponseError:
                         self._check(deadline)
@@ -182,7 +180,7 @@ class RedisCluster:
 
         try:
             # redis-py parses the reply: address -> fields
-            nodes = cast(dict[str, Any], clients[0].execute_command("CLUSTER NODES"))  # type: ignore[no-untyped-call]
+            nodes = cast(dict[str, Any], clients[0].execute_command("CLUSTER NODES"))
             dead = [v for k, v in nodes.items() if str(k).endswith(f":{dead_port}")]
             if not dead or "fail" not in str(dead[0].get("flags", "")).split(","):
                 return False
@@ -194,7 +192,7 @@ class RedisCluster:
         import redis
 
         try:
-            nodes = clients[0].execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
+            nodes = clients[0].execute_command("CLUSTER NODES")
             return str(nodes) + " | " + " | ".join(str(c.info("replication")) for c in clients)
         except redis.RedisError as e:
             return str(e)

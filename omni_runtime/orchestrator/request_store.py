@@ -37,12 +37,13 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
-from omni_runtime.messages import MAX_WALL_CLOCK_S, DurableRequest
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, Op
 from omni_runtime.redis_io.writer import StreamWriter
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import MAX_WALL_CLOCK_S, DurableRequest
 
 log = logging.getLogger(__name__)
 

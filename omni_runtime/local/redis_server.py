@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-from omni_runtime.parent_death import exit_with_parent
+from omni_runtime.local.parent_death import exit_with_parent
 
 
 def free_port() -> int:

@@ -23,30 +23,34 @@ from typing import cast
 
 from redis.exceptions import RedisError
 
-from omni_runtime import codec, keys
+from omni_runtime import keys
 from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
-from omni_runtime.metrics import Metrics
-from omni_runtime.mode_check import check_orchestrator_mode
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import start_observability
 from omni_runtime.observe.timings import RequestTimer
+from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
-from omni_runtime.orchestrator.slot import Shared, SlotService
+from omni_runtime.orchestrator.leases import LeaseLost, Leases
+from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.orchestrator.slot import SlotService
+from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients, is_cluster
-from omni_runtime.redis_io.leases import LeaseLost, Leases
+from omni_runtime.redis_io.conn import name_connections
 from omni_runtime.redis_io.liveness import StageWatch
-from omni_runtime.redis_io.stage_client import RedisStageClient
+from omni_runtime.redis_io.mode_check import check_orchestrator_mode
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
-from omni_runtime.tracing import Tracer
 from omni_runtime.watchdog import Progress, Stuck, Watchdog
-from omni_runtime.wire_views import AbortView, RequestView
+from omni_runtime.wire import codec
+from omni_runtime.wire.views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +78,20 @@ class OrchestratorService:
         self.client = self.clients.aio()
         self.tracer: Tracer | None = None
         """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
-        self.writer = StreamWriter(
-            self.client, s.stream_maxlen, None, metrics=self.metrics, backoff=s.backoff(True)
-        )
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
-            self.client.connection_pool.connection_kwargs["client_name"] = self.leases.client_name
+            name_connections(self.client, self.leases.client_name)
         else:  # one pool per node: the time fence alone (docs/operations.md)
             self.leases.can_disconnect = False
-        self.writer.fence = self.leases
-        self.writer.on_failed = self._writes_failed
+        self.writer = StreamWriter(
+            self.client,
+            s.stream_maxlen,
+            None,
+            metrics=self.metrics,
+            backoff=Backoff.from_settings(s, True),
+            fence=self.leases,
+            on_failed=self._writes_failed,
+        )
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
         self.shared = Shared(
@@ -95,9 +103,9 @@ class OrchestratorService:
             self.metrics,
             self.timer,
             StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
+            recheck_stages=self._recheck_stages,
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
-        self.shared.recheck_stages = self._recheck_stages
         self.slots: dict[int, SlotService] = {}
         self.home: SlotService | None = None
         self.deposed: LeaseLost | None = None

@@ -8,7 +8,7 @@ The pad keeps the decoded zero-copy view aligned for every dtype. Both ways reme
 what they worked out per header: a stream of audio chunks has few dtypes and shapes,
 and building or checking the header was most of an array's cost (packing it with
 msgpack, nested inside the encode that met the array, took a second packer's buffer:
-~30 µs of ~40). The payload's length is checked on every array, never remembered.
+most of the array's cost). The payload's length is checked on every array, never remembered.
 numpy is imported only here, and only when an array is met.
 """
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from omni_runtime.errors import FatalError, StartupTimeoutError
-from omni_runtime.parent_death import exit_with_parent
-from omni_runtime.redis_server import RedisServer, free_port, ping, redis_server_binary
+from omni_runtime.local.parent_death import exit_with_parent
+from omni_runtime.local.redis_server import RedisServer, free_port, ping, redis_server_binary
 
 SERVICE = "omni"
 
@@ -69,7 +69,7 @@ class RedisSentinelSet:
             for i in range(self.n_sentinels):
                 self._start_sentinel(binary, i, primary.port)
             self._wait_ready()
-        except BaseException:
+        except BaseException:  # cleanup, then re-raised: no server is left running
             self.stop()
             raise
         return self

@@ -27,7 +27,8 @@ from typing import IO, Any
 from pydantic_core import to_jsonable_python
 
 from omni_runtime.errors import FatalError
-from omni_runtime.forked import (
+from omni_runtime.local.forked import (
+    Children,
     ForkedProcess,
     can_fork,
     fork_main,
@@ -35,14 +36,14 @@ from omni_runtime.forked import (
     release_stop_signals,
     stop_signals_held,
 )
-from omni_runtime.parent_death import exit_with_parent
+from omni_runtime.local.parent_death import exit_with_parent
+from omni_runtime.local.redis_cluster import RedisCluster as RedisCluster
+from omni_runtime.local.redis_server import RedisServer as RedisServer
+from omni_runtime.local.redis_server import free_port as free_port
+from omni_runtime.local.redis_server import ping as ping
+from omni_runtime.local.redis_server import redis_server_binary as redis_server_binary
+from omni_runtime.local.redis_server import wait_for_ping as wait_for_ping
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_cluster import RedisCluster as RedisCluster
-from omni_runtime.redis_server import RedisServer as RedisServer
-from omni_runtime.redis_server import free_port as free_port
-from omni_runtime.redis_server import ping as ping
-from omni_runtime.redis_server import redis_server_binary as redis_server_binary
-from omni_runtime.redis_server import wait_for_ping as wait_for_ping
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,9 @@ def embedded_redis() -> Iterator[str]:
 class ProcessGroup:
     """The orchestrator and workers of one pipeline, each its own OS process.
 
-    With `fork=True` (what `run` and `serve` use) the processes are forked from this one
-    once it has imported the runtime (`forked`), when it safely can, instead of each
-    starting an interpreter and importing it again: start-up drops from seconds to
-    tens of milliseconds.
+    With `fork` (what `run` and `serve` give: the command line's entry point, `Children`)
+    the processes are forked from this one once it has imported the runtime (`forked`),
+    when it safely can, instead of each starting an interpreter and importing it again.
 
     Each process dies with this one, however it ends (`parent_death`); `args` are added
     to each one's command line (`run`'s and `serve`'s logging flags)."""
@@ -127,7 +127,7 @@ class ProcessGroup:
         pipeline: PipelineConfig,
         env: dict[str, str],
         *,
-        fork: bool = False,
+        fork: Children | None = None,
         args: Sequence[str] = (),
     ) -> None:
         self.pipeline_path = pipeline_path
@@ -142,8 +142,8 @@ class ProcessGroup:
         """With OMNI_METRICS_PORT=P in `env`, process i (orchestrator first) serves on P + i."""
 
     def start(self) -> None:
-        if self.fork and can_fork():
-            preload()
+        if self.fork is not None and can_fork():
+            preload(self.fork)
         base = [sys.executable, "-m", "omni_runtime.cli"]
         common = ["--pipeline", str(self.pipeline_path), "--mode", self.pipeline.mode]
         common += self.args
@@ -165,11 +165,10 @@ class ProcessGroup:
         logfile = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
         proc: subprocess.Popen[bytes] | ForkedProcess
         with stop_signals_held():  # a stop signal comes once the child is in `procs`
-            if (
-                self.fork and can_fork()
-            ):  # cmd[3:]: the arguments after `python -m omni_runtime.cli`
+            if self.fork is not None and can_fork():  # cmd[3:]: after `python -m omni_runtime.cli`
                 siblings = [f for _n, _p, f in self.procs]
-                proc = fork_main(cmd[3:], env, logfile, siblings, self._stage_packages(), at_start)
+                fresh = self._stage_packages()
+                proc = fork_main(self.fork.main, cmd[3:], env, logfile, siblings, fresh, at_start)
             else:
                 proc = subprocess.Popen(
                     cmd,
