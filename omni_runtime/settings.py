@@ -146,6 +146,9 @@ class Settings(BaseSettings):
     realtime_max_send_bytes: Annotated[int, Field(gt=0, le=1024 * 1024 * 1024)] = 8 * 1024 * 1024
     """`/v1/realtime`: server events queued for a client that does not read them; past this
     the session ends instead of memory growing."""
+    realtime_send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    """`/v1/realtime`: a server event the client's socket has not taken for this long ends
+    the session (a client that stopped reading, froze, or vanished without a reset)."""
 
     @field_validator("redis_url")
     @classmethod

@@ -3,7 +3,10 @@
 One socket is one session (`realtime_session.Session`): a reader takes client events
 in order and a writer sends server events, each from a queue bounded in bytes
 (`OMNI_REALTIME_MAX_SEND_BYTES`): a client that stops reading ends its session
-instead of growing the server's memory. A malformed or unknown event gets one
+instead of growing the server's memory, and so does one whose socket takes no event for
+`OMNI_REALTIME_SEND_TIMEOUT_S` (frozen, or gone without a reset: its request is not left
+running for it). A client's close frame or TCP reset ends the session at once (uvicorn's
+sans-I/O protocol reports either as soon as it arrives). A malformed or unknown event gets one
 `error` event and the session goes on; an event larger than
 `OMNI_REALTIME_MAX_EVENT_BYTES` too. A session ends after
 `OMNI_REALTIME_MAX_SESSION_S`, or `OMNI_REALTIME_IDLE_TIMEOUT_S` without a client
@@ -153,7 +156,7 @@ class Connection:
             log.info("realtime session %s ended: %s", self.session.id, why)
             await self._close(why)
 
-    async def _read(self, writer: asyncio.Task[None]) -> str:
+    async def _read(self, writer: asyncio.Task[bool]) -> str:
         """Client events until the session ends; why it ended."""
         s = self.settings
         loop = asyncio.get_running_loop()
@@ -173,8 +176,13 @@ class Connection:
             if self.overflow_wait in done:
                 receiving.cancel()
                 return "the client did not read its events (OMNI_REALTIME_MAX_SEND_BYTES)"
-            if writer in done:  # a send failed: the client is gone
+            if writer in done:  # a send failed (the client is gone) or timed out
                 receiving.cancel()
+                if not writer.cancelled() and writer.exception() is None and writer.result():
+                    timeout = self.settings.realtime_send_timeout_s
+                    return (
+                        f"the client took no event for {timeout:g} s (OMNI_REALTIME_SEND_TIMEOUT_S)"
+                    )
                 return "closed by the client"
             if receiving not in done:
                 if loop.time() >= ends_at:
@@ -208,10 +216,17 @@ class Connection:
         except EventError as e:
             self.outbox.put(error_event(e, event_id))
 
-    async def _write(self) -> None:
-        """Send queued events; returns when the outbox overflows (the client stopped reading)."""
+    async def _write(self) -> bool:
+        """Send queued events until the outbox overflows (False) or a send is not taken
+        within `realtime_send_timeout_s` (True): either way the client stopped reading."""
+        timeout = self.settings.realtime_send_timeout_s
         while (text := await self.outbox.get()) is not None:
-            await self.websocket.send_text(text)
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.websocket.send_text(text)
+            except TimeoutError:
+                return True
+        return False
 
     async def _close(self, why: str) -> None:
         """Say why, then close; a client that takes neither is left to the transport."""

@@ -115,6 +115,10 @@ async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup], dra
         host=serve.host,
         port=serve.port,
         lifespan="on",
+        # the sans-I/O protocol hands the app a client's close frame at once; the legacy
+        # one (`auto` before uvicorn 0.50) holds it until the TCP connection closes, which a
+        # client not reading the server's backlog delays by its close timeout (10 s)
+        ws="websockets-sansio",
         timeout_graceful_shutdown=max(1, math.ceil(drain_s)),
         log_config=None,  # keep the process's logging setup
     )
