@@ -239,7 +239,7 @@ def vocoder(
 
     `voice`: an espeak-ng voice name; `voices` maps other names (an API's) to one.
     """
-    chosen = voice_params(params, voice, speed)
+    chosen = voice_params(params, voice, speed, voices or {})
     name = chosen.voice or DEFAULT_VOICE
     name = (voices or {}).get(name, name)
     engine = get_espeak(buflength_ms, library)

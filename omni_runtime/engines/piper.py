@@ -151,10 +151,9 @@ def chosen_voice(
     num_threads: int = 1,
 ) -> tuple[Any, int | None, float]:
     """(the loaded voice, its speaker id, the speed) a request asks for, over the options."""
-    chosen = voice_params(params, options.get("voice"), options.get("speed", 1.0))
-    path, spk = resolve_voice(
-        chosen.voice, options.get("model"), options.get("speaker"), options.get("voices")
-    )
+    voices = options.get("voices") or {}
+    chosen = voice_params(params, options.get("voice"), options.get("speed", 1.0), voices)
+    path, spk = resolve_voice(chosen.voice, options.get("model"), options.get("speaker"), voices)
     piper_voice = load_voice(path, with_session=with_session, num_threads=num_threads)
     return piper_voice, speaker_id(piper_voice, spk), chosen.speed  # an unknown voice fails here
 

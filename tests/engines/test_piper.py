@@ -81,8 +81,19 @@ def test_a_request_can_name_the_voice_and_an_unknown_one_fails() -> None:
     model = str(piper.bundled_voice())
     for params in ({"voice": "joe"}, {"voice": "en_US-joe-medium"}, {"voice": "alloy"}):
         assert talk("Hi.", voices={"alloy": model}, params=params)[0]["text"] == "Hi."
-    with pytest.raises(ValueError, match="unknown voice or speaker 'alloy'"):
-        talk("Hi.", params={"voice": "alloy"})
+    with pytest.raises(ValueError, match="unknown voice or speaker 'nobody'"):
+        talk("Hi.", params={"voice": "nobody"})
+
+
+def test_openai_voice_names_speak_in_the_stages_own_voice() -> None:
+    """What OpenAI clients send by default works on a piper pipeline: not mapped in
+    `voices`, an OpenAI name is the stage's voice (the same ids, the same audio)."""
+    default = talk(SENTENCES)
+    for name in ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse",
+                 "marin", "cedar"):  # fmt: skip
+        assert talk(SENTENCES, params={"voice": name}) == default
+    said = audio(unwrap(piper.vocoder(default, params={"voice": "marin"}))).size
+    assert said == pytest.approx(audio(unwrap(piper.vocoder(default))).size, rel=0.05)  # VITS
     with pytest.raises(ValueError, match="speed"):
         talk("Hi.", params={"speed": 9})
 

@@ -38,3 +38,11 @@ def test_the_speed_bounds_are_inclusive() -> None:
 def test_params_must_be_a_dict() -> None:
     with pytest.raises(ValueError, match="must be a dict"):
         voice_params(["fast"], None, 1.0)  # type: ignore[arg-type]
+
+
+def test_an_openai_voice_the_stage_does_not_map_keeps_the_stages_voice() -> None:
+    assert voice_params({"voice": "alloy", "speed": 2}, "en-us", 1.0).voice == "en-us"
+    assert voice_params({"voice": "marin"}, None, 1.0).voice is None  # the stage's default
+    mapped = voice_params({"voice": "alloy"}, "en-us", 1.0, known={"alloy": "en-gb"})
+    assert mapped.voice == "alloy"  # the stage's `voices` says what it is
+    assert voice_params({"voice": "alloys"}, "en-us", 1.0).voice == "alloys"  # not OpenAI's
