@@ -204,10 +204,12 @@ class ChunkStream:
 
     Iterating blocks for the next chunk (stage code runs on its own thread);
     `async for` waits without blocking its event loop (async engines); `take` never
-    blocks (for step engines).
+    blocks (for step engines). `prompt` is the request's prompt, as stage 0 got it: what
+    sequential mode's `forward_fn` is given beside the upstream's data.
     """
 
-    def __init__(self, items: Iterable[Any] = (), closed: bool = False) -> None:
+    def __init__(self, items: Iterable[Any] = (), closed: bool = False, prompt: Any = None) -> None:
+        self.prompt = prompt
         self._cv = threading.Condition()
         self._items: list[Any] = list(items)
         self._closed = closed

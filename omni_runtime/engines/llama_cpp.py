@@ -19,13 +19,14 @@ import importlib.util
 import logging
 import threading
 import zlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
 
@@ -76,11 +77,6 @@ class SamplingParams(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)
     ] = Field(default_factory=list)
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
-
-
-def upstream_text(chunks: Iterable[Any]) -> str:
-    """A previous stage's text chunks as one user turn (a ChunkStream blocks till it ends)."""
-    return "".join(str(c) for c in chunks if c).strip()
 
 
 def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -174,7 +170,7 @@ class LlamaCppEngine:
         if self._server is None or self._pool is None or self._slots is None:
             raise EngineDead("llama.cpp engine not started (or closed)")
         if isinstance(data, ChunkStream):  # after a speech-to-text stage, streaming mode
-            data = await asyncio.to_thread(upstream_text, data)
+            data = heard_turn(data.prompt, await asyncio.to_thread(upstream_text, data))
         elif isinstance(data, list):  # the same, sequential mode: its chunks
             data = upstream_text(data)
         body = self._request_body(request_id, data, params)

@@ -1,23 +1,34 @@
-"""A speech-in pipeline's forward function: the transcript joins the conversation.
+"""A spoken turn in a conversation: the transcript joins the messages sent with it.
 
 `workers/listen.yaml` hears a spoken turn (stage 0, speech to text) and answers it
 (stage 1, the thinker). A front end holding a conversation (`/v1/realtime`) sends
 `{"wav": ..., "messages": [...]}`: the thinker then gets those messages with the
-transcript as the last user turn, so it answers in context. Without `messages`, the
-thinker gets the transcript alone, as the default forward gives it. Sequential mode
-only: in streaming mode stages read their upstream's chunks and no forward runs.
+transcript as the last user turn, so it answers in context; without `messages`, the
+transcript alone. The same rule in both modes: in sequential mode `forward` (listen.yaml's
+`forward:`) builds the thinker's input; in streaming mode no forward runs, and the thinker
+(`llama_cpp.LlamaCppEngine`) applies `heard_turn` to its upstream's `ChunkStream`, which
+carries the request's prompt.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from omni_runtime.engines.llama_cpp import upstream_text
+
+def upstream_text(chunks: Iterable[Any]) -> str:
+    """A previous stage's text chunks as one user turn (a ChunkStream blocks till it ends)."""
+    return "".join(str(c) for c in chunks if c).strip()
+
+
+def heard_turn(prompt: Any, transcript: str) -> Any:
+    """The thinker's input for a spoken turn: the prompt's `messages`, then the transcript."""
+    history = prompt.get("messages") if isinstance(prompt, dict) else None
+    if not isinstance(history, list) or not history:
+        return transcript
+    return {"messages": [*history, {"role": "user", "content": transcript}]}
 
 
 def forward(next_stage_id: int, prompt: Any, previous: list[Any]) -> Any:
     """`forward_fn(next_stage_id, prompt, previous_stage_data)` (see `pipeline.forward`)."""
-    history = prompt.get("messages") if isinstance(prompt, dict) else None
-    if next_stage_id != 1 or not isinstance(history, list) or not history:
-        return previous
-    return {"messages": [*history, {"role": "user", "content": upstream_text(previous)}]}
+    return heard_turn(prompt, upstream_text(previous)) if next_stage_id == 1 else previous

@@ -143,7 +143,7 @@ class WorkerCore:
         req = ActiveRequest(inp.entry_id, now)
         data = inp.msg.data
         if inp.msg.streaming and self.receives_chunks:
-            req.stream = data = ChunkStream()
+            req.stream = data = ChunkStream(prompt=data)  # streaming sends every stage the prompt
             self._actions.receiver_loads.append(rid)
         self._active[rid] = req
         error = self.driver.add(rid, data, inp.msg.params)
