@@ -1,0 +1,105 @@
+"""`/v1/realtime` on the real models, with the official `openai` client: workers/listen.yaml
+(pocketsphinx hears, SmolLM2-135M answers, piper speaks) served by `omni-runtime serve`,
+in both modes. Speech goes in as 24 kHz PCM16 made by piper, with `append` + `commit`.
+
+The thinker samples greedily here (listen.yaml with `temperature: 0`; the Realtime API
+has no temperature to send), so "did it see the first turn" has one answer per run: the
+second turn's answer names what only the first turn said, and the same question asked
+in a fresh session does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import yaml
+
+from omni_runtime.engines.wer import wer
+from omni_runtime.launcher import redis_server_binary
+from tests.e2e.realtime_client import Heard, send_speech, speech, until_done
+from tests.e2e.serving import ROOT, ServeProcess
+from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
+from tests.services import unavailable
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.redis_server]
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
+REMEMBER = "Remember the word banana."
+RECALL = "What word did I ask you to remember?"
+
+
+@pytest.fixture(scope="module", params=["sequential", "streaming"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "a redis-server")
+    tmp = tmp_path_factory.mktemp(f"listen-{request.param}")
+    pipeline = yaml.safe_load((ROOT / "workers" / "listen.yaml").read_text())
+    thinker = next(s for s in pipeline["stages"] if s["name"] == "thinker")
+    thinker["options"]["temperature"] = 0.0
+    path = tmp / "listen.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    with ServeProcess(tmp / "serve.log", "--pipeline", str(path), "--mode", request.param) as s:
+        yield s
+
+
+def client(server: ServeProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+async def spoken_turn(conn: Any, pcm: bytes) -> Heard:
+    """Append the speech, commit it, ask for the answer; the response as heard."""
+    await send_speech(conn, pcm)
+    await conn.input_audio_buffer.commit()
+    await conn.response.create()
+    return await until_done(conn)
+
+
+async def open_session(conn: Any) -> None:
+    assert (await conn.recv()).type == "session.created"
+    await conn.session.update(session={
+        "type": "realtime", "output_modalities": ["audio"],
+        "audio": {"input": {"turn_detection": None}, "output": {"voice": "alloy"}},
+    })  # fmt: skip
+    assert (await conn.recv()).type == "session.updated"
+
+
+async def test_a_spoken_question_is_transcribed_and_answered_aloud(server: ServeProcess) -> None:
+    """`alloy`, an OpenAI voice piper does not have, speaks in piper's default voice."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        heard = await spoken_turn(conn, speech(SENTENCE))
+    print(f"heard {heard.input_transcript!r}; answered {heard.transcript!r}")
+    assert heard.errors == [] and heard.status == "completed", heard.kinds
+    assert wer(SENTENCE, heard.input_transcript) <= 0.35, heard.input_transcript
+    assert len(heard.transcript.split()) >= 3, heard.transcript
+    assert heard.kinds.index("conversation.item.input_audio_transcription.completed") < (
+        heard.kinds.index("response.output_audio.delta")
+    )
+    samples = np.frombuffer(bytes(heard.audio), "<i2")
+    assert samples.size > 24_000 // 2 and np.abs(samples).max() > 1000  # speech, not silence
+    assert heard.done.response.audio.output.voice == "alloy"
+
+
+async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProcess) -> None:
+    remember, recall = speech(REMEMBER), speech(RECALL)
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        first = await spoken_turn(conn, remember)
+        second = await spoken_turn(conn, recall)
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        alone = await spoken_turn(conn, recall)  # the same words, without the first turn
+    turns = [(h.input_transcript, h.transcript) for h in (first, second, alone)]
+    print("\n".join(f"heard {q!r}; answered {a!r}" for q, a in turns))
+    for h in (first, second, alone):
+        assert h.errors == [] and h.status == "completed", h.kinds
+    assert "banana" in first.input_transcript.lower(), turns
+    assert "banana" not in second.input_transcript.lower(), turns
+    assert "banana" in second.transcript.lower(), turns  # it saw the first turn
+    assert "banana" not in alone.transcript.lower(), turns  # nothing else made it say it
