@@ -48,6 +48,7 @@ SCENARIOS = (
     "idle_cpu",
     "startup",
     "real_pipeline",
+    "realtime",
 )
 PEERS = "peers"
 """Only with --peers: Ray Serve is an optional extra, not installed by default."""
