@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,6 @@ import openai
 import pytest
 import redis
 import websockets
-from websockets.client import ClientProtocol
-from websockets.uri import parse_uri
 
 from omni_runtime import keys
 from omni_runtime.local.launcher import ProcessGroup, child_env
@@ -299,33 +296,32 @@ async def test_a_client_that_stops_reading_ends_its_session(tight: Deployment) -
         "content": [{"type": "input_text", "text": "y" * 30_000}],
     }
     create = json.dumps({"type": "conversation.item.create", "item": item})
-    await asyncio.to_thread(never_reading_client, tight.serve.port, [create] * 300)
-    wait_until(lambda: tight.metric("omni_realtime_sessions_open") == 0, 30)
+
+    def ended() -> bool:
+        return tight.metric("omni_realtime_sessions_open") == 0
+
+    await asyncio.to_thread(never_reading_client, tight.serve.port, [create] * 300, ended)
     grown_kib = rss_kib(tight.serve.proc.pid) - rss_before
     assert grown_kib < 16 * 1024, f"serve grew {grown_kib} KiB for a client not reading"
     assert "did not read its events" in tight.serve.log()
 
 
-def never_reading_client(port: int, events: list[str]) -> None:
+def never_reading_client(port: int, events: list[str], ended: Callable[[], bool]) -> None:
     """Open a session and send `events` (each comes back twice, ~18 MB in all), reading
-    nothing after the handshake; websockets' sans-I/O protocol does the framing."""
-    proto = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/realtime?model=omni"))
-    request = proto.connect()
-    request.headers["Authorization"] = f"Bearer {KEY}"
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        proto.send_request(request)
-        sock.sendall(b"".join(proto.data_to_send()))
-        while proto.handshake_exc is None and not proto.events_received():
-            proto.receive_data(sock.recv(4096))
-        assert proto.handshake_exc is None, proto.handshake_exc
-        sock.settimeout(2)  # once the server stops reading, sends block
+    nothing after the handshake, and stay connected until `ended` (the kernel may take
+    every event into the server's socket buffer: the client must not leave first)."""
+    client = RawClient(port, KEY, rcvbuf=4096)
+    try:
+        client.sock.settimeout(2)  # once the server stops reading, sends block
         try:
             for text in events:
-                proto.send_text(text.encode())
-                sock.sendall(b"".join(proto.data_to_send()))
+                client.proto.send_text(text.encode())
+                client.sock.sendall(b"".join(client.proto.data_to_send()))
         except OSError:  # the server stopped reading: it ended the session
             pass
+        wait_until(ended, 30)
+    finally:
+        client.close()
 
 
 async def test_a_disconnect_aborts_the_response_at_every_stage(demo: Deployment) -> None:
