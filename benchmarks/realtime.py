@@ -17,7 +17,7 @@ Sessions: S sessions at once, T text turns each (25 distinct words, ~2.7 s of au
 the next turn after a think time (uniform 0-40 ms) once `response.done` came. A turn
 completes when its status is `completed` and its audio has the demo's exact length;
 a listener plays each turn's audio from its first delta in real time
-(`omni_runtime.playback`): a turn "has no gap" when no delta came more than 100 ms after
+(`omni_runtime.client.playback`): a turn "has no gap" when no delta came more than 100 ms after
 the audio before it had played out. Baseline: one session alone, same turns, same run.
 """
 
@@ -43,7 +43,7 @@ from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.report import ROOT, Row, ratio
 from benchmarks.harness.serve import Serve
 from benchmarks.harness.stats import percentile
-from omni_runtime.playback import AUDIBLE_GAP_S, Playback
+from omni_runtime.client.playback import AUDIBLE_GAP_S, Playback
 
 OMNI = ROOT / "workers" / "omni.yaml"
 KEY = "bench-key-0123456789"

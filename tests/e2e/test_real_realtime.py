@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from omni_runtime.engines.wer import wer
-from omni_runtime.launcher import redis_server_binary
+from omni_runtime.local.launcher import redis_server_binary
 from tests.e2e.realtime_client import Heard, send_speech, speech, until_done
 from tests.e2e.serving import ROOT, ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
