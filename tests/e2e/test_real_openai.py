@@ -50,10 +50,12 @@ def wav_frames(data: bytes) -> tuple[int, int]:
 def test_a_streamed_chat_answer_comes_as_text_and_speech(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="voice",
-        messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        # A long answer: its text takes seconds to write, its first words a fraction of that
+        messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
         modalities=["text", "audio"],
         audio={"format": "pcm16", "voice": "joe"},
-        max_tokens=40,
+        max_tokens=160,
+        seed=3,
         stream=True,
     )
     text, audio, first_audio_after = [], bytearray(), None
