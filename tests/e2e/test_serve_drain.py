@@ -1,0 +1,70 @@
+"""SIGTERM to `serve` while it streams an answer: it accepts nothing new, finishes the open
+stream within its drain deadline (`OMNI_DRAIN_S`), then stops what it started and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omni_runtime.local.launcher import redis_server_binary
+from tests.e2e.serving import ServeProcess
+from tests.services import unavailable
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
+
+DRAIN_S = 20.0
+WORDS = 120
+"""The demo thinks a word per 20 ms: an answer of seconds, still streaming at the SIGTERM."""
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.TransportError:
+        return True
+    return False
+
+
+def test_sigterm_finishes_the_open_stream_and_refuses_new_work(tmp_path: Path) -> None:
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "a redis-server")
+    body = {
+        "model": "omni",
+        "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(WORDS))}],
+        "stream": True,
+    }
+    with ServeProcess(
+        tmp_path / "serve.log", "--pipeline", "workers/omni.yaml", env={"OMNI_DRAIN_S": "20"}
+    ) as serve:
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read() -> None:
+            with httpx.stream(
+                "POST", f"{serve.url}/v1/chat/completions", json=body, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(30), serve.log()
+        serve.proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        wait_until(lambda: refused(serve.url), 10)  # new connections go nowhere
+        assert reader.is_alive() or lines[-1] == "data: [DONE]"  # the open one goes on
+        reader.join(DRAIN_S)
+        assert not reader.is_alive()
+        assert lines[-1] == "data: [DONE]", (lines[-3:], serve.log())
+        words = "".join(lines)
+        assert f"w{WORDS - 1}" in words.lower(), serve.log()  # the whole answer
+        assert serve.proc.wait(DRAIN_S + 15) == 0, serve.log()
+        assert time.monotonic() - stopped_at < DRAIN_S + 15
