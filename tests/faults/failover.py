@@ -16,9 +16,16 @@ DEADLINE_S = 15.0
 RETRY_MAX_S = 0.5
 """The runtime's longest wait between retries: the service is back within this of the
 failover (the default, 2 s, would take up the whole of the target's slack)."""
+RETRY_ATTEMPTS = 60
+"""A write's retries must outlast the failover: 20 (the default) at 0.5 s apart gave up
+after ~10 s, within a Cluster failover on a loaded machine (7-9 s and more)."""
 RESUME_SLACK_S = 2.0
-ENV = {"OMNI_DEADLINE_S": str(DEADLINE_S), "OMNI_RETRY_MAX_S": str(RETRY_MAX_S)}
-SETTINGS = {"deadline_s": DEADLINE_S, "retry_max_s": RETRY_MAX_S}
+ENV = {
+    "OMNI_DEADLINE_S": str(DEADLINE_S),
+    "OMNI_RETRY_MAX_S": str(RETRY_MAX_S),
+    "OMNI_RETRY_ATTEMPTS": str(RETRY_ATTEMPTS),
+}
+SETTINGS = {"deadline_s": DEADLINE_S, "retry_max_s": RETRY_MAX_S, "retry_attempts": RETRY_ATTEMPTS}
 LOSS_ERRORS = {REDIS_LOST_STATE, "outputs lost", DEADLINE_EXCEEDED}
 """What a request whose writes died with the old primary may end with: the orchestrator
 saw its state gone, the client saw a gap in its sequence numbers, or nobody had it and its
