@@ -197,7 +197,7 @@ class NotifyWaiter:
         self._conn: Connection | None = None
         self._pool: ConnectionPool | None = None
         """The pool of the server holding the notify list (a cluster node's, on a cluster)."""
-        self._sock: socket.socket | None = None
+        self._socket: socket.socket | None = None
         self._in_flight = False
         self._skip = 0
         """Replies ahead of the BLPOP's still to be read (the UNLINK sent with it)."""
@@ -229,7 +229,7 @@ class NotifyWaiter:
                 self._pair = socket.socketpair()
                 for end in self._pair:
                     end.setblocking(False)
-            sock = self._sock
+            sock = self._socket
             if sock is not None and not self._kicked.is_set() and not rconn.readable(conn):
                 select.select([sock, self._pair[0]], [], [], timeout_s)
             while self._skip and rconn.readable(conn):  # the UNLINK's reply comes first
@@ -259,7 +259,7 @@ class NotifyWaiter:
             if sock is None:
                 rconn.give_back(pool, conn)
                 return None
-            self._conn, self._sock = conn, sock
+            self._conn, self._socket = conn, sock
         return self._conn
 
     def _slice(self, timeout_s: float, unlink: Sequence[str]) -> list[bytes]:

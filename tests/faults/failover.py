@@ -7,9 +7,14 @@ its grace; no partial success; new work is served again within the failover plus
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.wire.messages import REDIS_LOST_STATE
-from tests.faults.harness import FaultReport, header
+from tests.faults.harness import FaultDeployment, FaultReport, header, run_load, seed_final_2
 
 N, CONCURRENCY = 1000, 100
 DEADLINE_S = 15.0
@@ -45,3 +50,27 @@ def check_failover(report: FaultReport, failover_s: float) -> None:
     assert not any(report.late_successes.values()), report  # no error final, then a success
     assert report.resumed_s is not None, report
     assert report.resumed_s <= failover_s + RESUME_SLACK_S, report
+
+
+async def fail_over_under_load(
+    url: str, tmp_path: Path, scenario: str, kill_and_wait: Callable[[], None]
+) -> None:
+    """The seed pipeline on `url` under the load above; `kill_and_wait` (run on a thread)
+    kills the primary and returns once another has taken over; then the promises."""
+    failover_s: list[float] = []
+    with FaultDeployment(
+        url, tmp_path, "seed.yaml", env=ENV, final_stage_ids=[2],
+        stages={1: {"options": {"delay_ms": 5}}},
+    ) as d:  # fmt: skip
+        d.settings = d.settings.model_copy(update=SETTINGS)
+
+        async def kill_primary() -> None:
+            killed = time.monotonic()
+            await asyncio.to_thread(kill_and_wait)
+            failover_s.append(time.monotonic() - killed)
+
+        prompts = {f"r{i}": f"a{i} b{i}" for i in range(N)}
+        report = await run_load(
+            d, scenario, prompts, seed_final_2, CONCURRENCY, N // 4, kill_primary, timeout_s=30
+        )
+    check_failover(report, failover_s[0])
