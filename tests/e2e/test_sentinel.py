@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from omni_runtime.local.redis_sentinel import SERVICE, RedisSentinelSet
 from omni_runtime.local.redis_server import redis_server_binary
 from omni_runtime.redis_io.clients import async_client, sync_client
 from tests.services import unavailable
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
@@ -51,13 +52,6 @@ def role(port: int) -> str:
         return str(client.info("replication")["role"])
     finally:
         client.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def send(conn: Any, *args: Any) -> Any:
