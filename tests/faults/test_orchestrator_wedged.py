@@ -78,9 +78,14 @@ async def test_a_wedged_slot_loop_stops_its_process_and_loses_nothing(
     assert WATCHDOG_S <= float(noticed[1]) <= WATCHDOG_S + 5 * period_s, wedged_log  # to 0.1 s
     assert "in _read_requests" in wedged_log, "the log shows where the loop is stuck"
     assert taken is not None and taken[1] == "1", healthy_log
-    # The lease was given back: the slot is taken over at the healthy one's next renewal
+    # The lease was given back: the takeover starts at the healthy one's next renewal
     # round (every quarter TTL), not once the lease lapsed (a TTL after the last renewal,
     # itself at most a quarter TTL before the exit: 3/4 TTL after it at the earliest).
-    handed_over = logged_at(healthy_log, taken[0]) - logged_at(wedged_log, GIVEN_BACK)
-    print(f"slot given back -> taken over: {handed_over.total_seconds():.3f} s")
-    assert handed_over.total_seconds() < LEASE_TTL_S * 3 / 4, (wedged_log, healthy_log)
+    # The takeover's line is logged once its requests are restored, which under load takes
+    # a while of its own: it says how long, and that is not part of the hand-over.
+    logged_s = (
+        logged_at(healthy_log, taken[0]) - logged_at(wedged_log, GIVEN_BACK)
+    ).total_seconds()
+    handed_over_s = logged_s - float(taken[3])
+    print(f"slot given back -> takeover started: {handed_over_s:.3f} s (restored {taken[3]} s)")
+    assert handed_over_s < LEASE_TTL_S * 3 / 4, (wedged_log, healthy_log)
