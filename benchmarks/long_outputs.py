@@ -103,8 +103,8 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
                     m.latencies.extend(res["latencies_ns"])
                     m.errors.extend(res["errors"])
     finally:
-        for c in clients:
-            c.stop()
+        for client in clients:
+            client.stop()
         d.stop()
     return make_rows(sizes, got)
 

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import numpy as np
-import soxr
 
 from omni_runtime.client.client import RequestTimeoutError
 from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.http.audio import AudioFormatError, as_pcm, pcm16
+from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway, Run, Served
 from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
@@ -155,9 +154,7 @@ class Response:
         """Emit the request's outputs as they come; the failure, if one ends it."""
         outs, timer = self.served.outputs, self.gateway.timer
         stt, audio = transcript_stage(self.served), "audio" in self.modalities
-        resampler = None
-        if audio and outs.sample_rate != SAMPLE_RATE:
-            resampler = soxr.ResampleStream(outs.sample_rate, SAMPLE_RATE, 1, dtype="float32")
+        resample = Resampler(outs.sample_rate, SAMPLE_RATE)
         stream = cast(
             AsyncGenerator[OrchOutput, None],
             run.client.stream(run.request_id, self.served.settings.request_timeout_s),
@@ -180,14 +177,14 @@ class Response:
                     elif out.stage_id == outs.audio_stage and audio:
                         self._heard_done()
                         pcm = as_pcm(out.data)
-                        self._audio(resampler.resample_chunk(pcm) if resampler else pcm)
+                        self._audio(resample(pcm))
         except RequestTimeoutError as e:
             return str(e)
         except AudioFormatError as e:
             return f"stage {outs.audio_stage}: {e}"
         self._heard_done()
-        if resampler is not None:
-            self._audio(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+        if audio:
+            self._audio(resample.flush())
         return None
 
     def _heard_done(self) -> None:
