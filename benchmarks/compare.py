@@ -134,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(rows["before"], rows["after"])
     print(f"\nthis checkout / {args.rev}, median [range] over {args.pairs} pairs "
           f"({'quick' if quick else 'full'}); within {TOLERANCE:.0%} counts as the same")  # fmt: skip
-    print(f"{'scenario':<18} {'config':<48} {'value':<22} {'p99':<22} {'same-run ratio':<22}")
+    print(
+        f"{'scenario':<18} {'config':<40} {'metric':<26} {'value':<20} {'p99':<20} {'same-run ratio'}"
+    )
     for r in result:
-        print(f"{r['scenario']:<18} {r['config'][:48]:<48} {cell(r.get('value')):<22} "
-              f"{cell(r.get('p99')):<22} {cell(r.get('ratio')):<22}")  # fmt: skip
+        print(f"{r['scenario']:<18} {r['config'][:40]:<40} {r['metric'][:26]:<26} "
+              f"{cell(r.get('value')):<20} {cell(r.get('p99')):<20} {cell(r.get('ratio'))}")  # fmt: skip
     write_json(RESULTS / "compare.json", {
         "rev": args.rev, "pairs": args.pairs, "quick": quick, "environment": env,
         "elapsed_s": time.perf_counter() - started, "rows": result,
