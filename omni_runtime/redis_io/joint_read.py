@@ -23,8 +23,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime.redis_io.entries import BacklogCursor, Entry
-from omni_runtime.redis_io.groups import ensure_group, no_group
+from omni_runtime.redis_io.entries import BacklogCursor, Entry, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 
@@ -43,6 +42,8 @@ class Member(Protocol):
     def took(self, entries: list[Entry]) -> list[Entry]: ...
 
     def read_failed(self, e: RedisError) -> float: ...
+
+    async def make_group(self) -> None: ...
 
 
 class JointRead:
@@ -152,7 +153,7 @@ class JointRead:
         log.warning("group %s of %s vanished; recreating it", self.group, list(streams))
         try:
             for reader in self.members.values():
-                await ensure_group(self.client, reader.stream, self.group)
+                await reader.make_group()
         except RedisError as e:  # Redis went away again meanwhile: a failed read
             await self._failed(e)
 

@@ -67,10 +67,10 @@ from omni_runtime.redis_io.entries import (
     SortedEntries,
     dead_letter_fields,
     entry_fields,
+    no_group,
     parse_entry,
     stream_reply,
 )
-from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.raw_reads import xreadgroup_sync
@@ -94,6 +94,24 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
+
+
+def ensure_group_sync(client: redis.Redis, stream: str, group: str) -> None:
+    """Create the group from id 0 so entries written before it existed are still read."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """`ensure_group_sync` for the event loop."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
 
 
 class _ReaderBase(Generic[M]):
@@ -300,7 +318,7 @@ class GroupReader(_ReaderBase[M]):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
             try:
-                await ensure_group(self.client, self.stream, self.group)
+                await self.make_group()
             except RedisError as again:  # Redis went away again meanwhile: a failed read
                 await asyncio.sleep(self.read_failed(again))
             return None
@@ -308,6 +326,10 @@ class GroupReader(_ReaderBase[M]):
             await asyncio.sleep(self.read_failed(e))
             return None
         return self.took([entry for _s, batch in stream_reply(reply) for entry in batch])
+
+    async def make_group(self) -> None:
+        """Make the group anew (it vanished with its stream): `ensure_group`."""
+        await ensure_group(self.client, self.stream, self.group)
 
     async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)

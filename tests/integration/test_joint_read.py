@@ -170,7 +170,7 @@ async def test_a_group_made_anew_while_redis_goes_away_again_is_a_failed_read(
     _joint, (r0, _r1, _r2) = await members(client)
     assert await r0.read(10, 50) == []  # backlogs walked, groups in use
     maker = GroupMakerFailingOnce()
-    monkeypatch.setattr("omni_runtime.redis_io.joint_read.ensure_group", maker.ensure)
+    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group", maker.ensure)
     await client.delete(*STREAMS)  # the groups vanish with their streams
     await put(client, "out:0", "lost-group")  # a new stream, without the group
     # Made anew from the stream's start: the entry written meanwhile is read, once.
