@@ -28,11 +28,9 @@ from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import start_observability
+from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.leases import LeaseLost, Leases
 from omni_runtime.orchestrator.shared import Shared
@@ -73,11 +71,11 @@ class OrchestratorService:
         self.pipeline = pipeline
         self.settings = settings
         self.names = s.names
-        self.metrics = metrics or Metrics()
+        self.obs = Observability(metrics)
+        """Handed to every part that counts or stamps; started by `run`."""
+        self.metrics = self.obs.metrics
         self.clients = clients or RedisClients.from_settings(s)
         self.client = self.clients.aio()
-        self.tracer: Tracer | None = None
-        """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
             name_connections(self.client, self.leases.client_name)
@@ -86,8 +84,7 @@ class OrchestratorService:
         self.writer = StreamWriter(
             self.client,
             s.stream_maxlen,
-            None,
-            metrics=self.metrics,
+            obs=self.obs,
             backoff=Backoff.from_settings(s, True),
             fence=self.leases,
             on_failed=self._writes_failed,
@@ -100,7 +97,7 @@ class OrchestratorService:
             self.client,
             self.writer,
             self.leases,
-            self.metrics,
+            self.obs,
             self.timer,
             StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
             recheck_stages=self._recheck_stages,
@@ -154,13 +151,9 @@ class OrchestratorService:
         codec.warm_up()
         self.shared.stage_watch.restarted(asyncio.get_running_loop().time())
         probes = Probes(ready=self._not_ready)
-        obs = start_observability(
-            self.settings, self.metrics, "orchestrator", self.clients.sync, True, probes=probes
+        self.obs.start(
+            self.settings, "orchestrator", self.clients.sync, poll_streams=True, probes=probes
         )
-        switch = TraceSwitch(obs.tracer, obs.on_demand, self._trace_with)
-        self.shared.begin_trace = switch.begin
-        if switch.on_demand is not None:
-            self.shared.traced = switch.on_demand.requests
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")
         self._loop = asyncio.get_running_loop()
@@ -196,7 +189,7 @@ class OrchestratorService:
             if self.watchdog is not None:  # the service may end with its process going on
                 self.watchdog.stop()
             await cancel_and_wait([writer_task])
-            obs.close()
+            self.obs.close()
             await self.client.aclose()
         if self.deposed is not None:
             raise self.deposed
@@ -274,13 +267,6 @@ class OrchestratorService:
         for slot in list(self.leases.held):
             await self.leases.release(slot)
         log.error("orchestrator slots given back; exiting")
-
-    def _trace_with(self, tracer: Tracer | None) -> None:
-        """Every component stamps through this tracer (process-wide, or on demand)."""
-        self.tracer = self.writer.tracer = self.shared.tracer = tracer
-        for served in self.slots.values():
-            for stage in served.stages:
-                stage.tracer = tracer
 
     async def _serve(self, slot: int, home: bool) -> SlotService:
         served = SlotService(self.shared, slot, home)

@@ -19,7 +19,7 @@ import redis
 from redis.exceptions import RedisError
 
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.tracing import Tracer
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
@@ -152,7 +152,7 @@ class InputThread(_Loop):
         settings: Settings,
         *,
         stage_id: int,
-        tracer: Tracer | None,
+        obs: Observability,
         stop: threading.Event | None = None,
     ) -> None:
         super().__init__("input-reader", stop)
@@ -162,8 +162,8 @@ class InputThread(_Loop):
         self.read_count = settings.read_count
         self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.stage_id = stage_id
-        self.tracer = tracer
-        self.on_demand: Tracer | None = None
+        self.obs = obs
+        """Its tracers, read at each stamp (started with the worker's `run`)."""
 
     def start(self) -> None:
         self.own = OwnConnection(self.reader.client, "input-reader")
@@ -189,7 +189,7 @@ class InputThread(_Loop):
             if not got:
                 continue
             for _eid, msg in got:  # the process's tracer, or a request's own (`trace`)
-                tracer = self.tracer or (self.on_demand if msg.trace else None)
+                tracer = self.obs.tracer or (self.obs.on_demand if msg.trace else None)
                 if tracer is not None:
                     tracer.stamp("input_read", msg.request_id, self.stage_id, self.reader.read_ns)
             self.deliver([Input(eid, msg) for eid, msg in got])
