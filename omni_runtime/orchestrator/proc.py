@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from typing import cast
 
@@ -39,7 +40,7 @@ from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.clients import RedisClients, is_cluster
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.conn import name_connections
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.mode_check import check_orchestrator_mode
@@ -52,6 +53,9 @@ from omni_runtime.wire.views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 
+TEST_WEDGE_AFTER = "OMNI_TEST_WEDGE_AFTER"
+"""A test hook, for the watchdog's fault scenario only: set to N, a slot's request loop
+blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
 FLUSH_TIMEOUT_S = 2.0
 GIVE_BACK_S = 3.0
 """A wedged process's last act, giving its leases back, gets this long (else they lapse)."""
@@ -77,10 +81,8 @@ class OrchestratorService:
         self.clients = clients or RedisClients.from_settings(s)
         self.client = self.clients.aio()
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
-        if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
+        if self.leases.can_disconnect:  # a takeover closes them by name (CLIENT KILL)
             name_connections(self.client, self.leases.client_name)
-        else:  # one pool per node: the time fence alone (docs/operations.md)
-            self.leases.can_disconnect = False
         self.writer = StreamWriter(
             self.client,
             s.stream_maxlen,
@@ -101,6 +103,7 @@ class OrchestratorService:
             self.timer,
             StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
             recheck_stages=self._recheck_stages,
+            wedge_after=_wedge_after(),
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
         self.slots: dict[int, SlotService] = {}
@@ -263,7 +266,7 @@ class OrchestratorService:
         with contextlib.suppress(TimeoutError):  # what the slots had written goes out first
             async with asyncio.timeout(FLUSH_TIMEOUT_S / 2):
                 await self.writer.written()
-        self.leases.lost = True  # nothing more is written: the next holder owns the slots
+        self.leases.shut()
         for slot in list(self.leases.held):
             await self.leases.release(slot)
         log.error("orchestrator slots given back; exiting")
@@ -369,3 +372,8 @@ class OrchestratorService:
 
     async def _recheck_stages(self) -> None:
         await self.watch.stages(asyncio.get_running_loop().time())
+
+
+def _wedge_after() -> int | None:
+    value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
+    return int(value) if value.isdigit() else None

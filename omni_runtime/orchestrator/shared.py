@@ -32,3 +32,6 @@ class Shared:
     stage_watch: StageWatch
     recheck_stages: Callable[[], Awaitable[None]] | None = None
     """Look at the stages' heartbeats again now (a replica may have beaten since)."""
+    wedge_after: int | None = None
+    """A test hook (`proc.TEST_WEDGE_AFTER`): a slot's request loop blocks for good before
+    it takes its (N+1)th entry."""

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import io
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -50,15 +49,6 @@ from omni_runtime.wire.views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
 
-TEST_WEDGE_AFTER = "OMNI_TEST_WEDGE_AFTER"
-"""A test hook, for the watchdog's fault scenario only: set to N, a slot's request loop
-blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
-
-
-def _wedge_after() -> int | None:
-    value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
-    return int(value) if value.isdigit() else None
-
 
 class SlotService:
     def __init__(self, shared: Shared, slot: int, home: bool) -> None:
@@ -69,6 +59,11 @@ class SlotService:
         """The process's own slot reads new requests; a slot taken over only its backlog."""
         self.names = names = s.names
         backoff = Backoff.from_settings(s, bounded=True)
+        consumer = keys.orchestrator_consumer(slot)
+        # Every stage's outputs in one read (a cluster: in several slots, each read alone).
+        joint = None
+        if not is_cluster(shared.client):
+            joint = JointRead(shared.client, keys.ORCHESTRATOR_GROUP, consumer, self._block_ms)
         self.stages = [
             RedisStageClient(
                 shared.client,
@@ -85,15 +80,10 @@ class SlotService:
                 slot=slot,
                 fence=shared.leases,
                 block_budget=self._block_ms,
+                joint=joint,
             )
             for sid in range(p.last_stage + 1)
         ]
-        consumer = keys.orchestrator_consumer(slot)
-        joint = JointRead(shared.client, keys.ORCHESTRATOR_GROUP, consumer, self._block_ms)
-        joint_read = not is_cluster(shared.client)
-        for stage in self.stages:
-            if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
-                joint.add(stage.reader)
         hooks = Hooks(self._deliver, self._changed, shared.writer.send_now)
         self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.obs.metrics, hooks)
         self.requests: GroupReader[RequestView | AbortView] = GroupReader(
@@ -142,7 +132,6 @@ class SlotService:
             where=self._where,
         )
         """Watched by the process's watchdog: a batch in hand must be taken, entry by entry."""
-        self._wedge_after = _wedge_after()
 
     def _block_ms(self) -> int:
         """How long a read of this slot may block: `block_ms` with requests in flight; idle,
@@ -299,10 +288,8 @@ class SlotService:
                     await shared.recheck_stages()
             self._in_hand = len(batch)
             for entry_id, cmd in batch:
-                if self.taken == self._wedge_after:
-                    log.warning(
-                        "%s: slot %d's request loop blocks for good", TEST_WEDGE_AFTER, self.slot
-                    )
+                if self.taken == self.shared.wedge_after:
+                    log.warning("a test hook: slot %d's request loop blocks for good", self.slot)
                     await asyncio.Event().wait()
                 try:
                     await self._take(entry_id, cmd)

@@ -28,6 +28,7 @@ from omni_runtime import keys
 from omni_runtime.core.types import StageFailure, StageOutput
 from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
@@ -92,6 +93,7 @@ class RedisStageClient:
         slot: int = 0,
         fence: Fence | None = None,
         block_budget: Callable[[], int] | None = None,
+        joint: JointRead | None = None,
     ) -> None:
         self.writer = writer
         self.stage_id = stage_id
@@ -121,6 +123,7 @@ class RedisStageClient:
             backoff=backoff,
             block_budget=block_budget,
             batches=True,
+            joint=joint,
         )
         self.seq = SeqFilter()
         self.handled_seq: dict[str, int] = {}

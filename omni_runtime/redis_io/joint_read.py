@@ -37,7 +37,6 @@ class Member(Protocol):
     group: str
     consumer: str
     cursor: BacklogCursor
-    joint: JointRead | None
 
     def took(self, entries: list[Entry]) -> list[Entry]: ...
 
@@ -73,7 +72,6 @@ class JointRead:
             raise ValueError(f"{reader.stream} is read by another group or consumer")
         self.members[reader.stream.encode()] = reader
         self._waiting[reader.stream.encode()] = []
-        reader.joint = self
 
     @property
     def interrupted(self) -> bool:

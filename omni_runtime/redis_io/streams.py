@@ -20,7 +20,7 @@ API (stable):
     their stop flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
   - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short
     (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
-    On a single server it reads through a `joint_read.JointRead` (`joint`): its own, or
+    On a single server it reads through a `joint_read.JointRead`: its own, or `joint=`,
     one shared with other streams of its group and consumer.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
     obtained otherwise (XCLAIM): malformed ones dead-lettered, trimmed ones acked.
@@ -137,7 +137,6 @@ class _ReaderBase(Generic[M]):
         self.read_ns = 0
         self.batches = batches
         """Entries may carry several messages (a stage's outputs)."""
-        self.joint: JointRead | None = None
         self.on_bad = on_bad
         """Told of each read's malformed entries (as they are dead-lettered): a reader's
         owner may answer whoever sent them."""
@@ -256,6 +255,7 @@ class GroupReader(_ReaderBase[M]):
         block_budget: Callable[[], int] | None = None,
         batches: bool = False,
         on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
+        joint: JointRead | None = None,
     ) -> None:
         super().__init__(
             stream,
@@ -273,8 +273,12 @@ class GroupReader(_ReaderBase[M]):
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()
         self.block_budget = block_budget
-        if not is_cluster(client):  # reads on a connection of its own, packed by hand
-            JointRead(client, group, consumer).add(self)
+        if joint is None and not is_cluster(client):  # a connection of its own, packed by hand
+            joint = JointRead(client, group, consumer)
+        self.joint = joint
+        """The read this reader's entries come through (None: a cluster's, read alone)."""
+        if joint is not None:
+            joint.add(self)
 
     @property
     def reading(self) -> bool:

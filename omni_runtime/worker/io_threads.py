@@ -24,7 +24,7 @@ from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
-from omni_runtime.watchdog import Progress
+from omni_runtime.watchdog import Progress, redis_retries_s
 from omni_runtime.wire.messages import AbortMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
@@ -105,16 +105,26 @@ class Slots:
             return self._free
 
 
+def retries_s(settings: Settings) -> float:
+    """The longest a bounded Redis retry keeps a reading thread from going around."""
+    return redis_retries_s(settings.retry_attempts, settings.retry_max_s)
+
+
 class _Loop:
     """A daemon thread running `_run` until `request_stop()`; a reading one blocks on its
     own connection (`own`), whose read `request_stop` and `join` end. Each round of `_run`
     beats `progress` (the process's watchdog watches it until the thread is stopped)."""
 
-    def __init__(self, name: str, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self, name: str, stop: threading.Event | None = None, slack_s: float = 0.0
+    ) -> None:
         self._stop = stop or threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.own: OwnConnection | None = None
-        self.progress = Progress(f"the worker's {name} thread", lambda: not self._stop.is_set())
+        self.progress = Progress(
+            f"the worker's {name} thread", lambda: not self._stop.is_set(), slack_s=slack_s
+        )
+        """`slack_s`: its longest legitimate wait (a Redis retry, a heartbeat's sleep)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -155,7 +165,7 @@ class InputThread(_Loop):
         obs: Observability,
         stop: threading.Event | None = None,
     ) -> None:
-        super().__init__("input-reader", stop)
+        super().__init__("input-reader", stop, retries_s(settings))
         self.reader = reader
         self.slots = slots
         self.deliver = deliver
@@ -206,7 +216,7 @@ class ControlThread(_Loop):
         settings: Settings,
         metrics: Metrics,
     ) -> None:
-        super().__init__("control-reader")
+        super().__init__("control-reader", None, retries_s(settings))
         self.client = client
         self.stream = stream
         self.deliver = deliver
@@ -271,8 +281,9 @@ class HeartbeatThread(_Loop):
         status: Callable[[], dict[str, Any]],
         after_beat: Callable[[], None],
         fence_check: Callable[[float], None] = lambda _started: None,
+        retries_s: float = 0.0,
     ) -> None:
-        super().__init__("heartbeat")
+        super().__init__("heartbeat", None, retries_s + interval_s)
         self.client = client
         self.key = key
         self.interval_s = interval_s

@@ -28,7 +28,7 @@ from omni_runtime.redis_io.mode_check import check_worker_mode
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineDead
-from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
+from omni_runtime.watchdog import Progress, Stuck, Watchdog
 from omni_runtime.wire import codec
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
@@ -217,14 +217,8 @@ class StageWorker:
             return
         self._watchdog = Watchdog(s.watchdog_s, self._give_back)
         self._watchdog.watch(self._progress)
-        retries_s = redis_retries_s(s.retry_attempts, s.retry_max_s)
-        for thread, wait_s in (
-            (self._input, 0.0),
-            (self._control, 0.0),
-            (self._heartbeat, s.heartbeat_interval_s),
-        ):
-            thread.progress.slack_s = retries_s + wait_s
-            self._watchdog.watch(thread.progress)
+        for thread in (self._input, self._control, self._heartbeat):
+            self._watchdog.watch(thread.progress)  # each allowed its Redis retries (`slack_s`)
         self._watchdog.start()
 
     def _give_back(self, _stuck: list[Stuck]) -> None:
