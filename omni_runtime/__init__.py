@@ -14,8 +14,7 @@ if TYPE_CHECKING:
     from omni_runtime.chunks.adapter import ChunkAdapter
     from omni_runtime.chunks.memory import MemoryConnector
     from omni_runtime.core.in_memory import InMemoryStage
-    from omni_runtime.core.orchestrator import Orchestrator
-    from omni_runtime.core.streaming import StreamingOrchestrator
+    from omni_runtime.core.orchestrator import Orchestrator, StreamingOrchestrator
     from omni_runtime.core.types import OrchOutput, ReqState, StageOutput
 
 _EXPORTS = {
@@ -26,7 +25,7 @@ _EXPORTS = {
     "Orchestrator": "omni_runtime.core.orchestrator",
     "ReqState": "omni_runtime.core.types",
     "StageOutput": "omni_runtime.core.types",
-    "StreamingOrchestrator": "omni_runtime.core.streaming",
+    "StreamingOrchestrator": "omni_runtime.core.orchestrator",
 }
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from omni_runtime.core.in_memory import InMemoryStage
-from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync
+from omni_runtime.redis_io.streams import ensure_group, ensure_group_sync
 
 
 def split_words(_rid: str, prompt: str) -> Iterable[tuple[Any, bool]]:

@@ -72,6 +72,7 @@ class RedisConnector:
         prefix: str = "",
         max_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
         retry: Backoff = PUT_RETRY,
+        owns_client: bool = False,
     ) -> None:
         if ttl_s <= 0:
             raise ConfigError(f"RedisConnector ttl_s must be > 0 (chunks must expire), got {ttl_s}")
@@ -82,7 +83,8 @@ class RedisConnector:
         self.prefix = prefix
         self.max_bytes = max_bytes
         self.retry = retry
-        self._owns_client = False
+        self._owns_client = owns_client
+        """`close()` closes the client too (one made for this connector)."""
         self._cluster = is_cluster(client)
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._sender = WakeupSender(prefix, ttl_s)
@@ -103,11 +105,10 @@ class RedisConnector:
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
         client = sync_client(url, cluster=cluster, **kwargs)
         try:
-            connector = cls(client, **own)
+            connector = cls(client, **own, owns_client=True)
         except BaseException:  # cleanup, then re-raised: the client made here is closed
             client.close()
             raise
-        connector._owns_client = True
         return connector
 
     # --- SPEC connector -----------------------------------------------------------

@@ -43,9 +43,7 @@ from omni_runtime.errors import (
     TransportError,
 )
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.on_demand import LazyRedisTracer
-from omni_runtime.observe.start import tracer_for
-from omni_runtime.observe.tracing import Closable
+from omni_runtime.observe.start import Observability
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
@@ -84,18 +82,12 @@ class OmniClient:
         self.clients = clients or RedisClients.from_settings(settings)
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
-        self.tracer = tracer_for(
-            settings.trace_file,
-            settings.trace,
-            self.clients.sync,
-            self.names,
-            settings.trace_ttl_s,
-            "client",
-        )
-        self._on_demand = LazyRedisTracer(self.clients.sync, self.names, settings.trace_ttl_s)
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
-        self.metrics = metrics or Metrics()
+        self.obs = Observability(metrics)
+        """Its counters and tracers (started on entry); `metrics` may be shared with
+        other clients of one process (the HTTP front door's)."""
+        self.metrics = self.obs.metrics
         self.inbox = Inbox(self.metrics, settings.client_buffer_outputs)
         self.redis_condition = RedisCondition()
         """What this client last learned of Redis (unreachable, out of memory)."""
@@ -118,13 +110,14 @@ class OmniClient:
 
     async def __aenter__(self) -> OmniClient:
         codec.warm_up()
+        self.obs.start(self.settings, "client", self.clients.sync, serve=False)
         self.redis: aioredis.Redis = self.clients.aio()
         self._errorstats = not is_cluster(self.redis)  # INFO of which node?
         self._reads = AsyncHeldReads(self.redis)  # this client's output reads, by hand
         self._writer = StreamWriter(
             self.redis,
             self.settings.stream_maxlen,
-            metrics=self.metrics,
+            obs=self.obs,
             backoff=Backoff.from_settings(self.settings, bounded=True),
             hold_refused=False,  # a refused submission fails at once
             on_failed=self._write_failed,
@@ -170,9 +163,7 @@ class OmniClient:
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.out_stream, self._heartbeat_key)
         await self.redis.aclose()
-        if isinstance(self.tracer, Closable):
-            self.tracer.close()
-        self._on_demand.close()
+        self.obs.close()
 
     async def wait_ready(self, stage_ids: list[int], timeout_s: float | None = None) -> None:
         """Wait until the orchestrator and a worker of every listed stage beat their heartbeat."""
@@ -211,7 +202,8 @@ class OmniClient:
         request was not submitted), `TransportError` if it could not be sent otherwise."""
         started = asyncio.get_running_loop().time()  # the request's deadline counts from here
         request_id = request_id or uuid.uuid4().hex
-        if (tracer := self.tracer or (self._on_demand if trace else None)) is not None:
+        obs = self.obs
+        if (tracer := obs.tracer or (obs.on_demand if trace else None)) is not None:
             tracer.stamp("client_submitted", request_id)
         msg = checked_request(
             request_id=request_id,

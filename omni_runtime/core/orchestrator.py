@@ -1,11 +1,17 @@
-"""The central router of a pipeline (SPEC §3): sequential mode.
+"""The central router of a pipeline (SPEC §3), in both modes.
 
-Three queues and three kinds of task (plus one for deadlines). Request state
-changes in the handler (add, abort), the deadline task (abort) and the
-dispatcher (outputs), each time completely before its next await, so an output
-handled while a `submit` is in flight always sees a consistent `ReqState`. The
-same class runs in-process (`InMemoryStage`) and in the orchestrator process
-(Redis stage clients).
+Three queues and three kinds of task (plus one for deadlines, `core/loops.py`). Request
+state changes in the handler (add, abort), the deadline task (abort) and the dispatcher
+(outputs), each time completely before its next await, so an output handled while a
+`submit` is in flight always sees a consistent `ReqState`. The same classes run
+in-process (`InMemoryStage`) and in the orchestrator process (Redis stage clients).
+
+`Orchestrator` is sequential mode: a stage starts once the one before it finished, on its
+data. `StreamingOrchestrator` ("async chunk" mode) starts every stage at once, each reading
+its input as chunks: it still sees every stage's outputs, to emit the final stages' and to
+know when a request is done, but forwards nothing (stage n+1 consumes stage n's chunks
+straight from the data plane, the ChunkAdapter). Only `_handle_add` and `_handle_output`
+differ.
 """
 
 from __future__ import annotations
@@ -180,3 +186,26 @@ class Orchestrator(OrchestratorLoops):
         for managed in self._managed:
             if managed is not None:
                 managed.request_ended(request_id)
+
+
+class StreamingOrchestrator(Orchestrator):
+    """Every stage at once, reading chunks; forwards nothing."""
+
+    async def _handle_add(
+        self, request_id: str, prompt: Any, params: dict[str, Any] | None = None
+    ) -> None:
+        state = await self._register_or_reject(request_id, prompt, params)
+        if state is None:
+            return
+        # Downstream first: a receiver is listening before its upstream's first chunk.
+        for sid in reversed(range(self.last_stage + 1)):
+            state.submitted.add(sid)
+            await self._submit(request_id, sid, prompt)
+            if request_id not in self.request_states:
+                return  # that submit failed and ended the request
+
+    async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
+        """Steps 1-4 of the base class; step 5 (forwarding) is the workers' job here."""
+        state = await self._record(stage_id, out)
+        if state is not None and stage_id in self.final_stage_ids:
+            await self._emit_final(out.request_id, stage_id, state, out)

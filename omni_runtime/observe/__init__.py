@@ -1,5 +1,6 @@
 """Observability of one process: the metrics registry (`metrics.py`) and its export,
 stats, timings, tracers and their exporters.
 
-`start_observability` starts, from the settings, what a process shell needs.
+`start.Observability` is the one object a process shell builds, hands to its parts and
+starts from the settings.
 """

@@ -7,14 +7,15 @@ the `X-Omni-Trace: 1` header) carries the flag on its `RequestMsg` and its
 
 The cost when nothing is traced stays what it is with tracing off: the stamp sites
 check `tracer is not None` (or a message's flag), and nothing else. That is why the
-router (the orchestrator) switches its components' tracer (`TraceSwitch`) to an
-`OnDemandTracer` only while a traced request is in flight, and back to `None` after.
+router (the orchestrator) switches its tracer of the moment (`Observability.tracer`, which
+its parts read at each stamp) to an `OnDemandTracer` only while a traced request is in
+flight, and back to `None` after (`Observability.begin_trace`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from omni_runtime import keys
 from omni_runtime.observe.tracing import RedisTracer, Tracer
@@ -45,9 +46,15 @@ class LazyRedisTracer:
 class OnDemandTracer:
     """Stamps the requests in `requests` only; a request leaves it at its `FINISHED` stamp."""
 
-    def __init__(self, tracer: Tracer, on_idle: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        tracer: Tracer,
+        on_idle: Callable[[], None] = lambda: None,
+        requests: set[str] | None = None,
+    ) -> None:
         self.tracer = tracer
-        self.requests: set[str] = set()
+        self.requests: set[str] = set() if requests is None else requests
+        """The requests traced (`Observability.traced`, which the router's parts read)."""
         self.on_idle = on_idle
         """Called when the last traced request has finished."""
 
@@ -61,43 +68,3 @@ class OnDemandTracer:
             self.requests.discard(request_id)
             if not self.requests:
                 self.on_idle()
-
-
-class Traceable(Protocol):
-    """A component that carries the traced flag on what it sends (a stage client)."""
-
-    traced: set[str] | frozenset[str]
-
-
-class TraceSwitch:
-    """The tracer of the router's components: the process-wide one, or, while requests
-    traced on demand are in flight and it is None, an `OnDemandTracer` (set through
-    `apply`, on every component at once). `stages` learn which requests are traced, to
-    carry the flag to their workers."""
-
-    def __init__(
-        self,
-        base: Tracer | None,
-        on_demand: Tracer | None,
-        apply: Callable[[Tracer | None], None],
-        stages: Iterable[Traceable] = (),
-    ) -> None:
-        self.base = base
-        self.apply = apply
-        self.on_demand = (
-            None if on_demand is None else OnDemandTracer(on_demand, lambda: apply(base))
-        )
-        traced: set[str] | frozenset[str] = frozenset()
-        if self.on_demand is not None:
-            traced = self.on_demand.requests
-        for stage in stages:
-            stage.traced = traced
-        apply(base)
-
-    def begin(self, request_id: str) -> None:
-        """A request with its `trace` flag set arrived: stamp it from now to its end."""
-        if self.on_demand is None or self.base is not None:
-            return  # (a process-wide tracer stamps every request already)
-        if not self.on_demand.requests:
-            self.apply(self.on_demand)
-        self.on_demand.requests.add(request_id)

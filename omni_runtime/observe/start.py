@@ -1,9 +1,17 @@
-"""What a process shell starts for observability, in one call, and stops in one call.
+"""A process's observability: one object, built by its shell, handed whole to its parts.
 
-From its settings: the `/metrics` endpoint (`OMNI_METRICS_PORT`), the tracer
-(`OMNI_TRACE_FILE`, `OMNI_TRACE`, OpenTelemetry from `OTEL_EXPORTER_OTLP_ENDPOINT`)
-and the stats poller (stream gauges in the orchestrator; every process's
-latency summary in `<ns>:stats:<role>` for `omni-runtime status`).
+`Observability` holds the metrics registry and the tracers. A process shell builds it
+with its other parts and passes it to each one that counts or stamps, through its
+constructor; its `run` starts it (`start`), and its shutdown closes it (`close`). From the
+settings, `start` runs the `/metrics` endpoint (`OMNI_METRICS_PORT`), the tracer
+(`OMNI_TRACE_FILE`, `OMNI_TRACE`, OpenTelemetry from `OTEL_EXPORTER_OTLP_ENDPOINT`), the
+tracer of requests traced on demand, and the stats poller (stream gauges in the
+orchestrator; every process's latency summary in `<ns>:stats:<role>` for
+`omni-runtime status`).
+
+A part reads `obs.tracer` at each stamp and never keeps it: the router switches it while
+requests traced on demand are in flight (`begin_trace`, `observe/on_demand.py`), and
+every part stamps through the new one without being told.
 """
 
 from __future__ import annotations
@@ -12,13 +20,12 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.on_demand import LazyRedisTracer
+from omni_runtime.observe.on_demand import LazyRedisTracer, OnDemandTracer
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.tracing import Closable, FanOutTracer, FileTracer, RedisTracer, Tracer
@@ -27,78 +34,116 @@ from omni_runtime.settings import Settings
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class Observability:
-    """The running pieces; `close()` flushes traces and stops every thread and server."""
+    """Metrics and tracers of one process; nothing runs until `start`."""
 
-    metrics: Metrics
-    tracer: Tracer | None
-    on_demand: Tracer | None = None
-    """Stamps the requests traced on demand when `tracer` does not write to Redis already
-    (`observe.on_demand`); started by its first stamp."""
-    _stops: list[Callable[[], None]] = field(default_factory=list)
+    def __init__(
+        self,
+        metrics: Metrics | None = None,
+        tracer: Tracer | None = None,
+        on_demand: Tracer | None = None,
+    ) -> None:
+        self.metrics = metrics or Metrics()
+        self.tracer = tracer
+        """The tracer of the moment (None: tracing off): read at each stamp, never kept."""
+        self.on_demand = on_demand
+        """Stamps a request whose message carries the `trace` flag, when `tracer` does not
+        write to Redis already (`observe.on_demand`); started by its first stamp."""
+        self.traced: set[str] = set()
+        """The router's requests traced on demand, in flight: their stage inputs carry the
+        flag to the workers."""
+        self._base = tracer
+        self._router: OnDemandTracer | None = None
+        self._stops: list[Callable[[], None]] = []
+
+    def start(
+        self,
+        settings: Settings,
+        role: str,
+        redis_client: Callable[[], Any] | None = None,
+        *,
+        serve: bool = True,
+        poll_streams: bool = False,
+        poll_interval_s: float | None = None,
+        const_labels: dict[str, str] | None = None,
+        probes: Probes | None = None,
+    ) -> Observability:
+        """Start what `settings` asks for; `role` is "orchestrator", "stage:<k>:<worker>"
+        or "client".
+
+        `redis_client` is a factory of sync clients (`RedisClients.sync`); each background
+        thread gets its own. Without it, only the file tracer and the metrics endpoint
+        run. `serve`: the metrics endpoint (with `probes` answering `/health` and `/ready`
+        beside `/metrics`) and the stats poller, which a client inside another process
+        leaves to that process; `poll_interval_s` defaults to `settings.stats_interval_s`.
+        """
+        labels = {"role": role.split(":", 1)[0], **(const_labels or {})}
+        if (
+            serve and settings.metrics_port > 0
+        ):  # prometheus_client (~0.1 s to import) only when asked for
+            from omni_runtime.observe.prometheus import maybe_start_metrics_server
+
+            self._stops.append(
+                maybe_start_metrics_server(self.metrics, settings.metrics_port, labels, probes)
+            )
+        try:
+            self.tracer = self._base = tracer_for(
+                settings.trace_file,
+                settings.trace,
+                redis_client,
+                settings.names,
+                settings.trace_ttl_s,
+                role,
+            )
+            if isinstance(self.tracer, Closable):
+                self._stops.append(self.tracer.close)
+            if redis_client is not None and not settings.trace:
+                on_demand = LazyRedisTracer(redis_client, settings.names, settings.trace_ttl_s)
+                self.on_demand = on_demand
+                self._stops.append(on_demand.close)
+                self._router = OnDemandTracer(on_demand, self._untrace, self.traced)
+            if serve and redis_client is not None:
+                interval_s = poll_interval_s or settings.stats_interval_s
+                poller = StreamStatsPoller(
+                    redis_client(),
+                    settings.names,
+                    self.metrics,
+                    role,
+                    interval_s,
+                    poll_streams,
+                    settings,
+                )
+                poller.start()
+                self._stops.append(poller.stop)
+        except BaseException:  # cleanup, then re-raised: nothing half started is left running
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
+        return self
+
+    def begin_trace(self, request_id: str) -> None:
+        """The router read a request flagged `trace`: every part of this process stamps it
+        from now to its end (`FINISHED`), while requests not traced cost what they cost
+        with tracing off. A process-wide tracer stamps every request already."""
+        router = self._router
+        if router is None or self._base is not None:
+            return
+        if not self.traced:
+            self.tracer = router
+        self.traced.add(request_id)
+
+    def _untrace(self) -> None:
+        """The last request traced on demand ended: back to no tracer."""
+        self.tracer = self._base
 
     def close(self) -> None:
+        """Flush traces and stop every thread and server `start` started."""
         for stop in reversed(self._stops):
             try:
                 stop()
             except Exception as e:  # shutting down: report, and stop the rest
                 log.warning("stopping %r failed: %r", stop, e)
         self._stops.clear()
-
-
-def start_observability(
-    settings: Settings,
-    metrics: Metrics,
-    role: str,
-    redis_client: Callable[[], Any] | None = None,
-    poll_streams: bool = False,
-    poll_interval_s: float | None = None,
-    const_labels: dict[str, str] | None = None,
-    probes: Probes | None = None,
-) -> Observability:
-    """Start what `settings` asks for; `role` is "orchestrator", "stage:<k>:<worker>" or "client".
-
-    `redis_client` is a factory of sync clients (`RedisClients.sync`); each
-    background thread gets its own. Without it, only the file tracer and the
-    metrics endpoint run. `probes` answer `/health` and `/ready` beside `/metrics`;
-    `poll_interval_s` defaults to `settings.stats_interval_s`.
-    """
-    labels = {"role": role.split(":", 1)[0], **(const_labels or {})}
-    obs = Observability(metrics, None)
-    if settings.metrics_port > 0:  # prometheus_client (~0.1 s to import) only when asked for
-        from omni_runtime.observe.prometheus import maybe_start_metrics_server
-
-        obs._stops.append(
-            maybe_start_metrics_server(metrics, settings.metrics_port, labels, probes)
-        )
-    try:
-        obs.tracer = tracer_for(
-            settings.trace_file,
-            settings.trace,
-            redis_client,
-            settings.names,
-            settings.trace_ttl_s,
-            role,
-        )
-        if isinstance(obs.tracer, Closable):
-            obs._stops.append(obs.tracer.close)
-        if redis_client is not None and not settings.trace:
-            on_demand = LazyRedisTracer(redis_client, settings.names, settings.trace_ttl_s)
-            obs.on_demand = on_demand
-            obs._stops.append(on_demand.close)
-        if redis_client is not None:
-            interval_s = poll_interval_s or settings.stats_interval_s
-            poller = StreamStatsPoller(
-                redis_client(), settings.names, metrics, role, interval_s, poll_streams, settings
-            )
-            poller.start()
-            obs._stops.append(poller.stop)
-    except BaseException:  # cleanup, then re-raised: nothing half started is left running
-        with contextlib.suppress(Exception):
-            obs.close()
-        raise
-    return obs
 
 
 def tracer_for(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from omni_runtime.core.loops import Hooks
-from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import Orchestrator, StreamingOrchestrator
 from omni_runtime.core.types import Stage, forward_previous_data
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.pipeline import PipelineConfig, resolve_entry

@@ -44,7 +44,7 @@ class ControlGuard:
             AbortMsg,
             max_bytes=s.max_message_bytes,
             dead_letters=s.names.dead_letters,
-            metrics=shared.metrics,
+            metrics=shared.obs.metrics,
             backoff=Backoff.from_settings(s, bounded=True),
             block_budget=self._block_ms,
         )
@@ -75,7 +75,7 @@ class ControlGuard:
                         break
                     batch = backlog
             except Exception as e:  # stopped, this slot's control entries would stay pending
-                self.shared.metrics.inc("omni_contained_errors_total", where="reading control")
+                self.shared.obs.metrics.inc("omni_contained_errors_total", where="reading control")
                 log.error("reading %s failed: %r", self.stream, e, exc_info=e)
                 await asyncio.sleep(RETRY_S)
                 continue

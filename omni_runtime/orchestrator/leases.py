@@ -42,6 +42,7 @@ from redis.exceptions import OutOfMemoryError, RedisError, WatchError
 
 from omni_runtime import keys
 from omni_runtime.errors import FatalError
+from omni_runtime.redis_io.clients import is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Leases:
         self.client_name = names.orchestrator_connection(self.token)
         """Set on every connection of the process's client (`CLIENT SETNAME`)."""
         self._kill_refused = False
-        self.can_disconnect = True
+        self.can_disconnect = not is_cluster(client)
         """False where connections cannot be named (a cluster client): time fence only."""
         self.held: set[int] = set()
         self.generation: dict[int, int] = {}
@@ -231,6 +232,11 @@ class Leases:
             return True
         text = value.decode() if isinstance(value, bytes) else value
         return text == self.token
+
+    def shut(self) -> None:
+        """Nothing more is written from now (the slots are being given back): the next
+        holder owns them."""
+        self.lost = True
 
     def _lose(self, slots: list[int]) -> None:
         self.lost = True

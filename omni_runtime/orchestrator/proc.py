@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from typing import cast
 
@@ -28,11 +29,9 @@ from omni_runtime.core.orchestrator import Orchestrator
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.on_demand import TraceSwitch
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import start_observability
+from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.leases import LeaseLost, Leases
 from omni_runtime.orchestrator.shared import Shared
@@ -41,7 +40,7 @@ from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.clients import RedisClients, is_cluster
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.conn import name_connections
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.mode_check import check_orchestrator_mode
@@ -54,6 +53,9 @@ from omni_runtime.wire.views import AbortView, RequestView
 
 log = logging.getLogger(__name__)
 
+TEST_WEDGE_AFTER = "OMNI_TEST_WEDGE_AFTER"
+"""A test hook, for the watchdog's fault scenario only: set to N, a slot's request loop
+blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
 FLUSH_TIMEOUT_S = 2.0
 GIVE_BACK_S = 3.0
 """A wedged process's last act, giving its leases back, gets this long (else they lapse)."""
@@ -73,21 +75,18 @@ class OrchestratorService:
         self.pipeline = pipeline
         self.settings = settings
         self.names = s.names
-        self.metrics = metrics or Metrics()
+        self.obs = Observability(metrics)
+        """Handed to every part that counts or stamps; started by `run`."""
+        self.metrics = self.obs.metrics
         self.clients = clients or RedisClients.from_settings(s)
         self.client = self.clients.aio()
-        self.tracer: Tracer | None = None
-        """Set in `run`, with the rest of the observability (`OMNI_TRACE_FILE`, `OMNI_TRACE`)."""
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
-        if not is_cluster(self.client):  # a takeover closes them by name (CLIENT KILL)
+        if self.leases.can_disconnect:  # a takeover closes them by name (CLIENT KILL)
             name_connections(self.client, self.leases.client_name)
-        else:  # one pool per node: the time fence alone (docs/operations.md)
-            self.leases.can_disconnect = False
         self.writer = StreamWriter(
             self.client,
             s.stream_maxlen,
-            None,
-            metrics=self.metrics,
+            obs=self.obs,
             backoff=Backoff.from_settings(s, True),
             fence=self.leases,
             on_failed=self._writes_failed,
@@ -100,10 +99,11 @@ class OrchestratorService:
             self.client,
             self.writer,
             self.leases,
-            self.metrics,
+            self.obs,
             self.timer,
             StageWatch(ttl_s, 0.0, holds=s.scale_to_zero),
             recheck_stages=self._recheck_stages,
+            wedge_after=_wedge_after(),
         )
         self.watch = Watch(self.shared, lambda: list(self.slots.values()))
         self.slots: dict[int, SlotService] = {}
@@ -154,13 +154,9 @@ class OrchestratorService:
         codec.warm_up()
         self.shared.stage_watch.restarted(asyncio.get_running_loop().time())
         probes = Probes(ready=self._not_ready)
-        obs = start_observability(
-            self.settings, self.metrics, "orchestrator", self.clients.sync, True, probes=probes
+        self.obs.start(
+            self.settings, "orchestrator", self.clients.sync, poll_streams=True, probes=probes
         )
-        switch = TraceSwitch(obs.tracer, obs.on_demand, self._trace_with)
-        self.shared.begin_trace = switch.begin
-        if switch.on_demand is not None:
-            self.shared.traced = switch.on_demand.requests
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")
         self._loop = asyncio.get_running_loop()
@@ -196,7 +192,7 @@ class OrchestratorService:
             if self.watchdog is not None:  # the service may end with its process going on
                 self.watchdog.stop()
             await cancel_and_wait([writer_task])
-            obs.close()
+            self.obs.close()
             await self.client.aclose()
         if self.deposed is not None:
             raise self.deposed
@@ -270,17 +266,10 @@ class OrchestratorService:
         with contextlib.suppress(TimeoutError):  # what the slots had written goes out first
             async with asyncio.timeout(FLUSH_TIMEOUT_S / 2):
                 await self.writer.written()
-        self.leases.lost = True  # nothing more is written: the next holder owns the slots
+        self.leases.shut()
         for slot in list(self.leases.held):
             await self.leases.release(slot)
         log.error("orchestrator slots given back; exiting")
-
-    def _trace_with(self, tracer: Tracer | None) -> None:
-        """Every component stamps through this tracer (process-wide, or on demand)."""
-        self.tracer = self.writer.tracer = self.shared.tracer = tracer
-        for served in self.slots.values():
-            for stage in served.stages:
-                stage.tracer = tracer
 
     async def _serve(self, slot: int, home: bool) -> SlotService:
         served = SlotService(self.shared, slot, home)
@@ -383,3 +372,8 @@ class OrchestratorService:
 
     async def _recheck_stages(self) -> None:
         await self.watch.stages(asyncio.get_running_loop().time())
+
+
+def _wedge_after() -> int | None:
+    value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
+    return int(value) if value.isdigit() else None

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import RequestTimer
-from omni_runtime.observe.tracing import Tracer
 from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.liveness import StageWatch
@@ -26,13 +25,13 @@ class Shared:
     client: aioredis.Redis
     writer: StreamWriter
     leases: Leases
-    metrics: Metrics
+    obs: Observability
+    """The process's metrics and tracer of the moment (`begin_trace` for a request flagged
+    `trace`)."""
     timer: RequestTimer
     stage_watch: StageWatch
-    tracer: Tracer | None = None
     recheck_stages: Callable[[], Awaitable[None]] | None = None
     """Look at the stages' heartbeats again now (a replica may have beaten since)."""
-    begin_trace: Callable[[str], None] | None = None
-    """A request flagged `trace` arrived: stamp it from here on (`observe/on_demand.py`)."""
-    traced: set[str] | frozenset[str] = frozenset()
-    """The requests traced on demand: their stage inputs carry the flag."""
+    wedge_after: int | None = None
+    """A test hook (`proc.TEST_WEDGE_AFTER`): a slot's request loop blocks for good before
+    it takes its (N+1)th entry."""

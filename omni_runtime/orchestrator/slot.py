@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import io
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -50,15 +49,6 @@ from omni_runtime.wire.views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
 
-TEST_WEDGE_AFTER = "OMNI_TEST_WEDGE_AFTER"
-"""A test hook, for the watchdog's fault scenario only: set to N, a slot's request loop
-blocks for good before it takes its (N+1)th entry, as a bug would wedge it."""
-
-
-def _wedge_after() -> int | None:
-    value = os.environ.get(TEST_WEDGE_AFTER, "").strip()
-    return int(value) if value.isdigit() else None
-
 
 class SlotService:
     def __init__(self, shared: Shared, slot: int, home: bool) -> None:
@@ -69,6 +59,11 @@ class SlotService:
         """The process's own slot reads new requests; a slot taken over only its backlog."""
         self.names = names = s.names
         backoff = Backoff.from_settings(s, bounded=True)
+        consumer = keys.orchestrator_consumer(slot)
+        # Every stage's outputs in one read (a cluster: in several slots, each read alone).
+        joint = None
+        if not is_cluster(shared.client):
+            joint = JointRead(shared.client, keys.ORCHESTRATOR_GROUP, consumer, self._block_ms)
         self.stages = [
             RedisStageClient(
                 shared.client,
@@ -80,24 +75,17 @@ class SlotService:
                 max_message_bytes=s.max_message_bytes,
                 streaming=p.mode == "streaming" and sid > 0,
                 relay=p.mode == "streaming",  # nothing forwarded: data kept as read
-                tracer=shared.tracer,
-                metrics=shared.metrics,
+                obs=shared.obs,
                 backoff=backoff,
                 slot=slot,
                 fence=shared.leases,
                 block_budget=self._block_ms,
+                joint=joint,
             )
             for sid in range(p.last_stage + 1)
         ]
-        consumer = keys.orchestrator_consumer(slot)
-        joint = JointRead(shared.client, keys.ORCHESTRATOR_GROUP, consumer, self._block_ms)
-        joint_read = not is_cluster(shared.client)
-        for stage in self.stages:
-            stage.traced = shared.traced
-            if joint_read:  # every stage's outputs in one read (a cluster: in several slots)
-                joint.add(stage.reader)
         hooks = Hooks(self._deliver, self._changed, shared.writer.send_now)
-        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.metrics, hooks)
+        self.core = build_orchestrator(p, self.stages, s.deadline_s, shared.obs.metrics, hooks)
         self.requests: GroupReader[RequestView | AbortView] = GroupReader(
             shared.client,
             names.requests,
@@ -106,7 +94,7 @@ class SlotService:
             cast("type[RequestView | AbortView]", ClientCommandView),
             max_bytes=s.max_message_bytes,
             dead_letters=names.dead_letters,
-            metrics=shared.metrics,
+            metrics=shared.obs.metrics,
             backoff=backoff,
             block_budget=self._block_ms,
             on_bad=self._answer_malformed,
@@ -144,7 +132,6 @@ class SlotService:
             where=self._where,
         )
         """Watched by the process's watchdog: a batch in hand must be taken, entry by entry."""
-        self._wedge_after = _wedge_after()
 
     def _block_ms(self) -> int:
         """How long a read of this slot may block: `block_ms` with requests in flight; idle,
@@ -266,8 +253,8 @@ class SlotService:
             if why is not None:
                 out = OrchOutput(out.request_id, out.stage_id, None, True, f"{out.error}; {why}")
         self.outbox.send(out)
-        if out.finished and self.shared.tracer is not None:
-            self.shared.tracer.stamp(FINISHED, out.request_id)
+        if out.finished and (tracer := self.shared.obs.tracer) is not None:
+            tracer.stamp(FINISHED, out.request_id)
         self.shared.timer.output(out.request_id, out.data, out.finished, out.error)
 
     def _where(self) -> str:
@@ -301,10 +288,8 @@ class SlotService:
                     await shared.recheck_stages()
             self._in_hand = len(batch)
             for entry_id, cmd in batch:
-                if self.taken == self._wedge_after:
-                    log.warning(
-                        "%s: slot %d's request loop blocks for good", TEST_WEDGE_AFTER, self.slot
-                    )
+                if self.taken == self.shared.wedge_after:
+                    log.warning("a test hook: slot %d's request loop blocks for good", self.slot)
                     await asyncio.Event().wait()
                 try:
                     await self._take(entry_id, cmd)
@@ -339,10 +324,10 @@ class SlotService:
             self._refuse(cmd, *refused)
             self._ack(entry_id)
             return
-        if cmd.trace and shared.begin_trace is not None:
-            shared.begin_trace(rid)  # traced on demand: this process stamps it too
-        if shared.tracer is not None:
-            shared.tracer.stamp("request_read", rid, None, self.requests.read_ns)
+        if cmd.trace:
+            shared.obs.begin_trace(rid)  # traced on demand: this process stamps it too
+        if (tracer := shared.obs.tracer) is not None:
+            tracer.stamp("request_read", rid, None, self.requests.read_ns)
         self.client_of[rid] = cmd.client_id
         self.deadline_at[rid] = time.time() + (cmd.deadline_s or shared.settings.deadline_s)
         self.read_at[rid] = asyncio.get_running_loop().time()
@@ -353,7 +338,7 @@ class SlotService:
 
     def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
         """Answer a request that will not run with its one error final."""
-        self.shared.metrics.inc("omni_requests_refused_total", reason=reason)
+        self.shared.obs.metrics.inc("omni_requests_refused_total", reason=reason)
         log.info("request refused: %s", error, extra={"request_id": cmd.request_id})
         self.outbox.refuse(cmd.request_id, cmd.client_id, error)
 
@@ -363,7 +348,7 @@ class SlotService:
     def _take_failed(self, entry_id: bytes, cmd: RequestView | AbortView, e: Exception) -> None:
         """`_take` raised: a request it had not handed to the core gets one error final."""
         rid = cmd.request_id
-        self.shared.metrics.inc("omni_contained_errors_total", where="taking a request")
+        self.shared.obs.metrics.inc("omni_contained_errors_total", where="taking a request")
         log.error("taking a request failed: %r", e, exc_info=e, extra={"request_id": rid})
         queued = self._entry_of.get(rid)
         if isinstance(cmd, RequestView) and queued is not None and queued[0] == entry_id:
@@ -382,13 +367,13 @@ class SlotService:
         for _entry_id, fields, error in bad:
             address = intake.answerable(fields, self.shared.settings.max_message_bytes)
             if address is not None:
-                self.shared.metrics.inc(
+                self.shared.obs.metrics.inc(
                     "omni_requests_refused_total", reason=intake.INVALID_REQUEST
                 )
                 self.outbox.refuse(*address, intake.invalid(error))
 
     def _state_failed(self, rid: str, e: Exception) -> None:
         """The request's durable state could not be written: it fails (one error final)."""
-        self.shared.metrics.inc("omni_contained_errors_total", where="saving a request state")
+        self.shared.obs.metrics.inc("omni_contained_errors_total", where="saving a request state")
         log.error("request state not saved: %r", e, exc_info=e, extra={"request_id": rid})
         self.core.fail_soon(rid, f"request state cannot be saved: {type(e).__name__}: {e}")

@@ -26,9 +26,9 @@ import redis.asyncio as aioredis
 
 from omni_runtime import keys
 from omni_runtime.core.types import StageFailure, StageOutput
-from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.tracing import Tracer
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
@@ -88,12 +88,12 @@ class RedisStageClient:
         max_message_bytes: int,
         streaming: bool = False,
         relay: bool = False,
-        tracer: Tracer | None = None,
-        metrics: Metrics | None = None,
+        obs: Observability | None = None,
         backoff: Backoff | None = None,
         slot: int = 0,
         fence: Fence | None = None,
         block_budget: Callable[[], int] | None = None,
+        joint: JointRead | None = None,
     ) -> None:
         self.writer = writer
         self.stage_id = stage_id
@@ -105,10 +105,10 @@ class RedisStageClient:
         self.read_count = read_count
         self.block_ms = block_ms
         self.streaming = streaming
-        self.tracer = tracer
-        self.traced: set[str] | frozenset[str] = frozenset()
-        """The requests traced on demand: their inputs carry the flag to the workers."""
-        self.metrics = metrics or Metrics()
+        self.obs = obs or Observability()
+        """Its counters; the tracer of the moment and the requests traced on demand (their
+        inputs carry the flag to the workers), read at each use."""
+        self.metrics = self.obs.metrics
         # Relayed (streaming: nothing is forwarded): data kept as read, checked, not decoded.
         view = StageOutputRelayView if relay else StageOutputView
         self.reader: GroupReader[StageOutputView] = GroupReader(
@@ -123,6 +123,7 @@ class RedisStageClient:
             backoff=backoff,
             block_budget=block_budget,
             batches=True,
+            joint=joint,
         )
         self.seq = SeqFilter()
         self.handled_seq: dict[str, int] = {}
@@ -145,9 +146,9 @@ class RedisStageClient:
     async def submit(
         self, request_id: str, data: Any, params: dict[str, Any] | None = None
     ) -> None:
-        if self.tracer is not None:
-            self.tracer.stamp("input_submitted", request_id, self.stage_id)
-        trace = request_id in self.traced
+        if (tracer := self.obs.tracer) is not None:
+            tracer.stamp("input_submitted", request_id, self.stage_id)
+        trace = request_id in self.obs.traced
         msg = {
             "v": WIRE_VERSION,
             "type": "stage_input",
@@ -200,9 +201,9 @@ class RedisStageClient:
                 self._idle.set()
             outputs = self._accept(batch)
             if outputs:
-                if self.tracer is not None:
+                if (tracer := self.obs.tracer) is not None:
                     for out in outputs:
-                        self.tracer.stamp("output_returned", out.request_id, self.stage_id)
+                        tracer.stamp("output_returned", out.request_id, self.stage_id)
                 return outputs
 
     def output_handled(self, out: StageOutput) -> None:
@@ -242,8 +243,8 @@ class RedisStageClient:
             out = StageOutput(msg.request_id, data, msg.finished or msg.error is not None)
             self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)
-            if self.tracer is not None:
-                self.tracer.stamp("output_read", msg.request_id, self.stage_id, self.reader.read_ns)
+            if (tracer := self.obs.tracer) is not None:
+                tracer.stamp("output_read", msg.request_id, self.stage_id, self.reader.read_ns)
         for entry_id, n in taken.items():
             if n:
                 self._unhandled[entry_id] = self._unhandled.get(entry_id, 0) + n

@@ -85,14 +85,14 @@ class Watch:
             "Redis restarted empty: ending %d requests in flight",
             sum(len(slot.client_of) for slot in slots),
         )
-        self.shared.metrics.inc("omni_redis_restarts_total")
+        self.shared.obs.metrics.inc("omni_redis_restarts_total")
         self._clients_absent.reset()
         self.shared.stage_watch.restarted(now)
         for slot in slots:
             for stream in slot.streams():
                 await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
             for rid in list(slot.client_of):
-                self.shared.metrics.inc("omni_aborts_total", reason="redis restarted")
+                self.shared.obs.metrics.inc("omni_aborts_total", reason="redis restarted")
                 await slot.core.abort_request(rid, REDIS_LOST_STATE)
 
     async def stages(self, now: float) -> None:
@@ -105,13 +105,13 @@ class Watch:
             log.warning("stage %d has a live worker again", sid)
         for sid in sorted(new):
             log.error("stage %d has no live worker: failing its requests", sid)
-            shared.metrics.inc("omni_stage_down_total", stage=sid)
+            shared.obs.metrics.inc("omni_stage_down_total", stage=sid)
             for slot in self.slots():
                 states = slot.core.request_states
                 for rid in list(slot.client_of):
                     state = states.get(rid)
                     if state is None or sid not in state.finished:
-                        shared.metrics.inc("omni_aborts_total", reason="no live worker")
+                        shared.obs.metrics.inc("omni_aborts_total", reason="no live worker")
                         await slot.core.abort_request(rid, no_live_worker(sid))
 
     async def _clients_are(self, client_ids: list[str], alive: list[Any], now: float) -> None:
@@ -124,7 +124,7 @@ class Watch:
         for slot in self.slots():
             for rid, cid in list(slot.client_of.items()):
                 if cid in gone:
-                    self.shared.metrics.inc("omni_aborts_total", reason="client went away")
+                    self.shared.obs.metrics.inc("omni_aborts_total", reason="client went away")
                     await slot.core.abort_request(rid, "client went away")
 
 

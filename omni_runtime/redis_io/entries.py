@@ -3,7 +3,8 @@
 Every entry is exactly one field, `keys.PAYLOAD_FIELD`, holding a msgpack wire
 message that names its `type`, or an array of them (a batch: several messages for
 one reader in one entry, see `codec.encode_batch`). Nothing here does I/O: `streams` wraps it in
-readers and the dead-letter path (import from there).
+readers and the dead-letter path (import from there). Writers and the client use the
+format alone (`entry_fields`, `parse_entries`), without a reader.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from redis.exceptions import ResponseError
 
 from omni_runtime import keys
 from omni_runtime.errors import CodecError
@@ -124,6 +126,13 @@ def dead_letter_fields(
     """What the dead-letter stream keeps of a bad entry: where, why, and its first bytes."""
     raw = b"".join(fields.values())[:DEAD_LETTER_RAW_BYTES] if fields else b""
     return {"stream": stream, "id": entry_id, "error": error[:1000], "raw": raw}
+
+
+def no_group(e: ResponseError) -> bool:
+    """The group or its stream vanished (Redis flushed: UNBLOCKED while blocked in the
+    read; fakeredis words a vanished stream its own way)."""
+    text = str(e)
+    return any(m in text for m in ("NOGROUP", "UNBLOCKED", "requires the key to exist"))
 
 
 class BacklogCursor:

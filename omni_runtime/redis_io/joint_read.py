@@ -23,8 +23,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from omni_runtime.redis_io.entries import BacklogCursor, Entry
-from omni_runtime.redis_io.groups import ensure_group, no_group
+from omni_runtime.redis_io.entries import BacklogCursor, Entry, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 
@@ -38,11 +37,12 @@ class Member(Protocol):
     group: str
     consumer: str
     cursor: BacklogCursor
-    joint: JointRead | None
 
     def took(self, entries: list[Entry]) -> list[Entry]: ...
 
     def read_failed(self, e: RedisError) -> float: ...
+
+    async def make_group(self) -> None: ...
 
 
 class JointRead:
@@ -72,7 +72,6 @@ class JointRead:
             raise ValueError(f"{reader.stream} is read by another group or consumer")
         self.members[reader.stream.encode()] = reader
         self._waiting[reader.stream.encode()] = []
-        reader.joint = self
 
     @property
     def interrupted(self) -> bool:
@@ -152,7 +151,7 @@ class JointRead:
         log.warning("group %s of %s vanished; recreating it", self.group, list(streams))
         try:
             for reader in self.members.values():
-                await ensure_group(self.client, reader.stream, self.group)
+                await reader.make_group()
         except RedisError as e:  # Redis went away again meanwhile: a failed read
             await self._failed(e)
 

@@ -20,7 +20,7 @@ API (stable):
     their stop flag. A vanished group is recreated. `read_ns`: monotonic ns of the last reply.
   - `interrupt()` (async flavour): shutdown cuts the blocking read in progress short
     (`interrupt.ReadInterrupt`); what it was delivered stays pending, read again.
-    On a single server it reads through a `joint_read.JointRead` (`joint`): its own, or
+    On a single server it reads through a `joint_read.JointRead`: its own, or `joint=`,
     one shared with other streams of its group and consumer.
   - `[await] accept(entries) -> list[(entry_id, msg)]`: the same checks for entries
     obtained otherwise (XCLAIM): malformed ones dead-lettered, trimmed ones acked.
@@ -67,10 +67,10 @@ from omni_runtime.redis_io.entries import (
     SortedEntries,
     dead_letter_fields,
     entry_fields,
+    no_group,
     parse_entry,
     stream_reply,
 )
-from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync, no_group
 from omni_runtime.redis_io.interrupt import ReadInterrupt, ReadInterrupted
 from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.raw_reads import xreadgroup_sync
@@ -96,6 +96,24 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 
+def ensure_group_sync(client: redis.Redis, stream: str, group: str) -> None:
+    """Create the group from id 0 so entries written before it existed are still read."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """`ensure_group_sync` for the event loop."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
 class _ReaderBase(Generic[M]):
     """State both flavours share: names, validator, cursor, read back-off, counters."""
 
@@ -119,7 +137,6 @@ class _ReaderBase(Generic[M]):
         self.read_ns = 0
         self.batches = batches
         """Entries may carry several messages (a stage's outputs)."""
-        self.joint: JointRead | None = None
         self.on_bad = on_bad
         """Told of each read's malformed entries (as they are dead-lettered): a reader's
         owner may answer whoever sent them."""
@@ -238,6 +255,7 @@ class GroupReader(_ReaderBase[M]):
         block_budget: Callable[[], int] | None = None,
         batches: bool = False,
         on_bad: Callable[[Sequence[BadEntry]], None] | None = None,
+        joint: JointRead | None = None,
     ) -> None:
         super().__init__(
             stream,
@@ -255,8 +273,12 @@ class GroupReader(_ReaderBase[M]):
         self._dead = DeadLetters(client, dead_letters, metrics=self.metrics, backoff=backoff)
         self._interrupt = ReadInterrupt()
         self.block_budget = block_budget
-        if not is_cluster(client):  # reads on a connection of its own, packed by hand
-            JointRead(client, group, consumer).add(self)
+        if joint is None and not is_cluster(client):  # a connection of its own, packed by hand
+            joint = JointRead(client, group, consumer)
+        self.joint = joint
+        """The read this reader's entries come through (None: a cluster's, read alone)."""
+        if joint is not None:
+            joint.add(self)
 
     @property
     def reading(self) -> bool:
@@ -300,7 +322,7 @@ class GroupReader(_ReaderBase[M]):
                 raise
             log.warning("group %s of %s vanished; recreating it", self.group, self.stream)
             try:
-                await ensure_group(self.client, self.stream, self.group)
+                await self.make_group()
             except RedisError as again:  # Redis went away again meanwhile: a failed read
                 await asyncio.sleep(self.read_failed(again))
             return None
@@ -308,6 +330,10 @@ class GroupReader(_ReaderBase[M]):
             await asyncio.sleep(self.read_failed(e))
             return None
         return self.took([entry for _s, batch in stream_reply(reply) for entry in batch])
+
+    async def make_group(self) -> None:
+        """Make the group anew (it vanished with its stream): `ensure_group`."""
+        await ensure_group(self.client, self.stream, self.group)
 
     async def accept(self, entries: Sequence[Entry]) -> list[tuple[bytes, M]]:
         batch = self._sort(entries)

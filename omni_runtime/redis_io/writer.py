@@ -36,8 +36,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from omni_runtime.errors import RedisOutOfMemoryError, TransportError
-from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.tracing import Tracer
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.conn import one_timeout, take_async
@@ -83,9 +82,8 @@ class StreamWriter:
         self,
         client: aioredis.Redis,
         maxlen: int,
-        tracer: Tracer | None = None,
         *,
-        metrics: Metrics | None = None,
+        obs: Observability | None = None,
         backoff: Backoff | None = None,
         hold_refused: bool = True,
         fence: Fence | None = None,
@@ -93,8 +91,9 @@ class StreamWriter:
     ) -> None:
         self.client = client
         self.maxlen = maxlen
-        self.tracer = tracer
-        self.metrics = metrics or Metrics()
+        self.obs = obs or Observability()
+        """Its counters, and the tracer of the moment for the stage inputs' writes."""
+        self.metrics = self.obs.metrics
         self.backoff = b = backoff or Backoff(0.01, 1.0, DEFAULT_ATTEMPTS)
         """Bounded: after `max_attempts` failures a batch is dropped and reported."""
         self.hold_refused = hold_refused
@@ -145,7 +144,7 @@ class StreamWriter:
         reader is answered first (`fill_pipeline`), before the clients given outputs. `trace`
         (request id, stage id) stamps when the pipeline carrying the entry starts and ends.
         `owner`: the request the entry belongs to (`on_failed` hears if it is given up)."""
-        if trace is not None and self.tracer is not None:
+        if trace is not None and self.obs.tracer is not None:
             self._traced.append(trace)
         maxlen = maxlen or self.maxlen
         self.queue(XAdd(stream, fields, maxlen, urgent, max_age_s, merge_up_to, owner))
@@ -310,9 +309,10 @@ class StreamWriter:
         return ok
 
     def _stamp(self, event: str, traced: list[tuple[str, int]]) -> None:
-        if self.tracer is not None:
+        tracer = self.obs.tracer
+        if tracer is not None:
             for rid, sid in traced:
-                self.tracer.stamp(event, rid, sid)
+                tracer.stamp(event, rid, sid)
 
     def _dropped(self, ops: list[Op]) -> None:
         for op in ops:

@@ -19,12 +19,12 @@ import redis
 from redis.exceptions import RedisError
 
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.tracing import Tracer
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.settings import Settings
-from omni_runtime.watchdog import Progress
+from omni_runtime.watchdog import Progress, redis_retries_s
 from omni_runtime.wire.messages import AbortMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
@@ -105,16 +105,26 @@ class Slots:
             return self._free
 
 
+def retries_s(settings: Settings) -> float:
+    """The longest a bounded Redis retry keeps a reading thread from going around."""
+    return redis_retries_s(settings.retry_attempts, settings.retry_max_s)
+
+
 class _Loop:
     """A daemon thread running `_run` until `request_stop()`; a reading one blocks on its
     own connection (`own`), whose read `request_stop` and `join` end. Each round of `_run`
     beats `progress` (the process's watchdog watches it until the thread is stopped)."""
 
-    def __init__(self, name: str, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self, name: str, stop: threading.Event | None = None, slack_s: float = 0.0
+    ) -> None:
         self._stop = stop or threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.own: OwnConnection | None = None
-        self.progress = Progress(f"the worker's {name} thread", lambda: not self._stop.is_set())
+        self.progress = Progress(
+            f"the worker's {name} thread", lambda: not self._stop.is_set(), slack_s=slack_s
+        )
+        """`slack_s`: its longest legitimate wait (a Redis retry, a heartbeat's sleep)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -152,18 +162,18 @@ class InputThread(_Loop):
         settings: Settings,
         *,
         stage_id: int,
-        tracer: Tracer | None,
+        obs: Observability,
         stop: threading.Event | None = None,
     ) -> None:
-        super().__init__("input-reader", stop)
+        super().__init__("input-reader", stop, retries_s(settings))
         self.reader = reader
         self.slots = slots
         self.deliver = deliver
         self.read_count = settings.read_count
         self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.stage_id = stage_id
-        self.tracer = tracer
-        self.on_demand: Tracer | None = None
+        self.obs = obs
+        """Its tracers, read at each stamp (started with the worker's `run`)."""
 
     def start(self) -> None:
         self.own = OwnConnection(self.reader.client, "input-reader")
@@ -189,7 +199,7 @@ class InputThread(_Loop):
             if not got:
                 continue
             for _eid, msg in got:  # the process's tracer, or a request's own (`trace`)
-                tracer = self.tracer or (self.on_demand if msg.trace else None)
+                tracer = self.obs.tracer or (self.obs.on_demand if msg.trace else None)
                 if tracer is not None:
                     tracer.stamp("input_read", msg.request_id, self.stage_id, self.reader.read_ns)
             self.deliver([Input(eid, msg) for eid, msg in got])
@@ -206,7 +216,7 @@ class ControlThread(_Loop):
         settings: Settings,
         metrics: Metrics,
     ) -> None:
-        super().__init__("control-reader")
+        super().__init__("control-reader", None, retries_s(settings))
         self.client = client
         self.stream = stream
         self.deliver = deliver
@@ -271,8 +281,9 @@ class HeartbeatThread(_Loop):
         status: Callable[[], dict[str, Any]],
         after_beat: Callable[[], None],
         fence_check: Callable[[float], None] = lambda _started: None,
+        retries_s: float = 0.0,
     ) -> None:
-        super().__init__("heartbeat")
+        super().__init__("heartbeat", None, retries_s + interval_s)
         self.client = client
         self.key = key
         self.interval_s = interval_s

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import Observability, start_observability
+from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import StageTimer
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineStats
@@ -25,20 +24,20 @@ from omni_runtime.worker.actions import Actions, Input
 class WorkerObservation:
     def __init__(
         self,
-        metrics: Metrics,
+        obs: Observability,
         stage_id: int,
         worker_id: str,
         in_stream: str,
         max_concurrency: int | None = None,
     ) -> None:
-        self.metrics = metrics
+        self.obs = obs
+        self.metrics = obs.metrics
         self.max_concurrency = max_concurrency
         self.stage_id = stage_id
         self.worker_id = worker_id
         self.in_stream = in_stream
         self.started_at = time.time()
-        self.timer = StageTimer(metrics, stage_id)
-        self._obs: Observability | None = None
+        self.timer = StageTimer(obs.metrics, stage_id)
         self._engine_stats: Callable[[], EngineStats] | None = None
 
     def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
@@ -54,18 +53,14 @@ class WorkerObservation:
 
     def start(
         self, settings: Settings, redis_client: Callable[[], Any], probes: Probes | None = None
-    ) -> Observability:
+    ) -> None:
         """The metrics endpoint (with `probes`), tracers and stats poller `settings` ask for."""
         role = f"stage:{self.stage_id}:{self.worker_id}"
         labels = {"stage": str(self.stage_id)}
-        self._obs = start_observability(
-            settings, self.metrics, role, redis_client, const_labels=labels, probes=probes
-        )
-        return self._obs
+        self.obs.start(settings, role, redis_client, const_labels=labels, probes=probes)
 
     def close(self) -> None:
-        if self._obs is not None:
-            self._obs.close()
+        self.obs.close()
 
     def inputs(self, inputs: list[Input]) -> None:
         for inp in inputs:

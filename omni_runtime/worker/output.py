@@ -12,11 +12,11 @@ later outputs of those requests are skipped until their error output comes throu
 
 Each request's outputs go to the output stream of the orchestrator slot that owns it
 (`StageInputMsg.owner`, recorded by `route` as its input is handed to the core). The
-outputs of one round trip for one stream share entries (`output_io.pack_entries`, up to
+outputs of one round trip for one stream share entries (`output_batch.pack_entries`, up to
 `max_batch_bytes` each): one XADD per stream and round trip, however many requests.
 
 When no write is in flight, `publish` sends a small batch from the loop itself on the
-thread's held connection (`output_io`), and the thread only reads its replies; a batch
+thread's held connection (`output_batch`), and the thread only reads its replies; a batch
 whose send or replies fail is written again by the thread, after the fence check.
 """
 
@@ -37,13 +37,12 @@ from omni_runtime.redis_io.refusals import Refusal, oom_message, refusal
 from omni_runtime.wire import codec
 from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import StallFence
-from omni_runtime.worker.output_io import (
+from omni_runtime.worker.output_batch import (
     LOOP_SEND_MAX_BYTES,
     HeldConnection,
     OutputBatch,
-    pack_entries,
+    OwnerRoutes,
 )
-from omni_runtime.worker.output_routes import OwnerRoutes
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ class OutputThread:
         back: a batch left with the loop would hold every later output."""
         batch: OutputBatch | None = None
         try:
-            batch = self._batch(*self._skip_lost(outputs, acks))
+            batch = self._batch(outputs, acks)
             held = self._held
             if held is not None and batch.payload_bytes <= LOOP_SEND_MAX_BYTES:
                 commands = batch.pack(self.in_stream, self.maxlen)
@@ -210,7 +209,7 @@ class OutputThread:
                 acks, self._acks = self._acks, []
                 self._writing = True
             try:
-                self._write(self._batch(*self._skip_lost(outputs, acks)))
+                self._write(self._batch(outputs, acks))
             finally:
                 with self._cv:
                     self._writing = False
@@ -242,11 +241,15 @@ class OutputThread:
                 return False
         return True
 
+    def _batch(self, outputs: list[Outgoing], acks: list[bytes]) -> OutputBatch:
+        """Routed and packed, without the lost requests' outputs (but their acks)."""
+        if self._lost:
+            outputs, acks = self._skip_lost(outputs, acks)
+        return OutputBatch.routed(outputs, acks, self.routes, self.max_batch_bytes)
+
     def _skip_lost(
         self, outputs: list[Outgoing], acks: list[bytes]
     ) -> tuple[list[Outgoing], list[bytes]]:
-        if not self._lost:
-            return outputs, acks
         kept: list[Outgoing] = []
         for out in outputs:
             if out.request_id not in self._lost:
@@ -257,18 +260,6 @@ class OutputThread:
             elif out.ack is not None:
                 acks.append(out.ack)  # its input is done with all the same
         return kept, acks
-
-    def _batch(self, outputs: list[Outgoing], acks: list[bytes]) -> OutputBatch:
-        by_stream: dict[str, list[Outgoing]] = {}
-        for out in outputs:
-            by_stream.setdefault(self.routes.stream_of(out), []).append(out)
-        entries = [
-            entry
-            for stream, outs in by_stream.items()
-            for entry in pack_entries(stream, outs, self.max_batch_bytes)
-        ]
-        ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
-        return OutputBatch(outputs, entries, ack_ids)
 
     def _write(self, batch: OutputBatch) -> None:
         """Write the batch; what Redis refuses, again, alone: for memory after a probe's

@@ -19,8 +19,8 @@ from typing import Any
 from omni_runtime import keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
-from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
+from omni_runtime.observe.start import Observability
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import RedisClients
@@ -28,7 +28,7 @@ from omni_runtime.redis_io.mode_check import check_worker_mode
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineDead
-from omni_runtime.watchdog import Progress, Stuck, Watchdog, redis_retries_s
+from omni_runtime.watchdog import Progress, Stuck, Watchdog
 from omni_runtime.wire import codec
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Actions, Input, Outgoing
@@ -74,9 +74,11 @@ class StageWorker:
         self.receives_chunks = self.streaming and stage_id > 0
         self.in_stream = self.names.stage_in(stage_id)
         self.out_stream = self.names.stage_out(stage_id)
-        self.metrics = Metrics()
+        self.obs = Observability()
+        """Handed to the parts that count or stamp; started by `run`."""
+        self.metrics = self.obs.metrics
         self.observed = WorkerObservation(
-            self.metrics, stage_id, self.worker_id, self.in_stream, s.worker_max_concurrency
+            self.obs, stage_id, self.worker_id, self.in_stream, s.worker_max_concurrency
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -145,7 +147,7 @@ class StageWorker:
             self._inputs.put,
             s,
             stage_id=stage_id,
-            tracer=None,  # set in `run`, with the rest of the observability
+            obs=self.obs,
             stop=self._input_stop,
         )
         self._control = ControlThread(
@@ -193,8 +195,7 @@ class StageWorker:
             self.adapter = ChunkAdapter(
                 self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
-        obs = self.observed.start(s, self.clients.sync, Probes(ready=self._not_ready))
-        self._input.tracer, self._input.on_demand = obs.tracer, obs.on_demand
+        self.observed.start(s, self.clients.sync, Probes(ready=self._not_ready))
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts
@@ -216,14 +217,8 @@ class StageWorker:
             return
         self._watchdog = Watchdog(s.watchdog_s, self._give_back)
         self._watchdog.watch(self._progress)
-        retries_s = redis_retries_s(s.retry_attempts, s.retry_max_s)
-        for thread, wait_s in (
-            (self._input, 0.0),
-            (self._control, 0.0),
-            (self._heartbeat, s.heartbeat_interval_s),
-        ):
-            thread.progress.slack_s = retries_s + wait_s
-            self._watchdog.watch(thread.progress)
+        for thread in (self._input, self._control, self._heartbeat):
+            self._watchdog.watch(thread.progress)  # each allowed its Redis retries (`slack_s`)
         self._watchdog.start()
 
     def _give_back(self, _stuck: list[Stuck]) -> None:

@@ -31,7 +31,7 @@ from omni_runtime.settings import Settings
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
-from omni_runtime.worker.io_threads import HeartbeatThread
+from omni_runtime.worker.io_threads import HeartbeatThread, retries_s
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class Takeover:
             status,
             self,
             guard.after_beat,
+            retries_s(self.settings),
         )
 
     def __call__(self) -> None:

@@ -21,6 +21,7 @@ from omni_runtime import keys
 from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.types import ManagedStage, StageFailure, StageOutput
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.streams import Entry, ensure_group, entry_fields, parse_entry
@@ -53,11 +54,12 @@ class RedisHarness:
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
-        self.metrics = Metrics()
-        self.writer = StreamWriter(client, keys.STREAM_MAXLEN, metrics=self.metrics)
+        self.obs = Observability()
+        self.metrics = self.obs.metrics
+        self.writer = StreamWriter(client, keys.STREAM_MAXLEN, obs=self.obs)
         self.stage = RedisStageClient(
             client, self.writer, SID, NAMES, read_count=64, block_ms=50,
-            max_message_bytes=1 << 20, metrics=self.metrics, backoff=Backoff(0.001, 0.01, 5),
+            max_message_bytes=1 << 20, obs=self.obs, backoff=Backoff(0.001, 0.01, 5),
         )  # fmt: skip
         self._writer_task = asyncio.create_task(self.writer.run())
 
@@ -250,7 +252,7 @@ async def test_a_relaying_stage_holds_each_outputs_own_bytes(redis_harness: Redi
     h = redis_harness
     stage = RedisStageClient(
         h.client, h.writer, SID, NAMES, read_count=64, block_ms=50,
-        max_message_bytes=1 << 20, metrics=h.metrics, relay=True,
+        max_message_bytes=1 << 20, obs=h.obs, relay=True,
     )  # fmt: skip
     pcm = np.arange(1600, dtype=np.float32)
     values = ["tok", pcm, {"k": [1, 2]}]

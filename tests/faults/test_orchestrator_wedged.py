@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.orchestrator.slot import TEST_WEDGE_AFTER
+from omni_runtime.orchestrator.proc import TEST_WEDGE_AFTER
 from omni_runtime.watchdog import WEDGED_EXIT_CODE, Watchdog
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import ENV, LEASE_TTL_S, wait_for_slots

@@ -9,8 +9,13 @@ import time
 import fakeredis
 import pytest
 
-from omni_runtime.redis_io.groups import ensure_group, ensure_group_sync
-from omni_runtime.redis_io.streams import GroupReader, SyncGroupReader, entry_fields
+from omni_runtime.redis_io.streams import (
+    GroupReader,
+    SyncGroupReader,
+    ensure_group,
+    ensure_group_sync,
+    entry_fields,
+)
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.wire.messages import AbortMsg
 from tests.fakes import GroupMakerFailingOnce

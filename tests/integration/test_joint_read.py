@@ -55,9 +55,8 @@ async def members(
     for stream in STREAMS:
         await ensure_group(client, stream, "g")
         reader = GroupReader(
-            client, stream, "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead"
+            client, stream, "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead", joint=joint
         )
-        joint.add(reader)
         readers.append(reader)
     return joint, readers
 
@@ -134,9 +133,10 @@ async def test_malformed_and_trimmed_entries_are_handled_as_by_a_lone_reader(
     assert await client.xlen("dead") == 1
     entry = (await client.xpending_range("out:1", "g", "-", "+", 10))[0]["message_id"]
     await client.xdel("out:1", entry)  # read, then trimmed before being handled
-    joint2 = JointRead(client, "g", "c")
-    again = GroupReader(client, "out:1", "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead")
-    joint2.add(again)
+    again = GroupReader(
+        client, "out:1", "g", "c", AbortMsg, max_bytes=1 << 20, dead_letters="dead",
+        joint=JointRead(client, "g", "c"),
+    )  # fmt: skip
     assert await asyncio.wait_for(again.read(10, 200), 5) == []
     assert (await client.xpending("out:1", "g"))["pending"] == 0  # the trimmed one acked
 
@@ -170,7 +170,7 @@ async def test_a_group_made_anew_while_redis_goes_away_again_is_a_failed_read(
     _joint, (r0, _r1, _r2) = await members(client)
     assert await r0.read(10, 50) == []  # backlogs walked, groups in use
     maker = GroupMakerFailingOnce()
-    monkeypatch.setattr("omni_runtime.redis_io.joint_read.ensure_group", maker.ensure)
+    monkeypatch.setattr("omni_runtime.redis_io.streams.ensure_group", maker.ensure)
     await client.delete(*STREAMS)  # the groups vanish with their streams
     await put(client, "out:0", "lost-group")  # a new stream, without the group
     # Made anew from the stream's start: the entry written meanwhile is read, once.

@@ -9,6 +9,7 @@ import pytest
 
 from omni_runtime.keys import Names
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.orchestrator.leases import LeaseLost, Leases
 from omni_runtime.redis_io.writer import StreamWriter
 
@@ -88,7 +89,7 @@ async def test_the_writer_holds_while_the_lease_is_stale_and_refuses_once_lost(
     a = Leases(redis, NAMES, TTL_S, clock=clock)
     await a.take(0)
     metrics = Metrics()
-    writer = StreamWriter(redis, 1000, metrics=metrics, fence=a)
+    writer = StreamWriter(redis, 1000, obs=Observability(metrics), fence=a)
     task = asyncio.create_task(writer.run())
     writer.xadd("s", {"m": b"1"})
     await writer.written()

@@ -11,8 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.prometheus import start_metrics_server
-from omni_runtime.observe.start import start_observability
+from omni_runtime.observe.start import Observability
 from omni_runtime.observe.tracing import FanOutTracer, read_redis_trace
 from omni_runtime.settings import Settings
 from tests.waiting import wait_until
@@ -36,7 +37,7 @@ def test_settings_fields_come_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_everything_off_by_default() -> None:
-    obs = start_observability(Settings(redis_url="redis://unused"), Metrics(), "orchestrator")
+    obs = Observability().start(Settings(redis_url="redis://unused"), "orchestrator")
     assert obs.tracer is None
     obs.close()
 
@@ -46,9 +47,8 @@ def test_tracing_stats_and_metrics_when_asked(tmp_path: Path) -> None:
     settings = Settings(redis_url="redis://unused", trace=True, trace_file=tmp_path / "t.log")
     metrics = Metrics()
     metrics.observe("omni_e2e_request_latency_seconds", 0.5)
-    obs = start_observability(
+    obs = Observability(metrics).start(
         settings,
-        metrics,
         "orchestrator",
         lambda: fakeredis.FakeRedis(server=server),
         poll_streams=True,
@@ -79,3 +79,45 @@ def test_role_label_on_every_series() -> None:
         stop()
     (sample,) = [s for f in fams for s in f.samples if s.name == "omni_takeovers_total"]
     assert sample.labels == {"role": "stage", "stage": "1"}
+
+
+def test_the_router_stamps_a_request_traced_on_demand_from_its_read_to_its_end() -> None:
+    """Tracing off: `begin_trace` switches the tracer every part reads to one that stamps
+    the traced requests only, and back to none when the last of them finished."""
+    server = fakeredis.FakeServer()
+    settings = Settings(redis_url="redis://unused")
+    obs = Observability().start(
+        settings, "orchestrator", lambda: fakeredis.FakeRedis(server=server), serve=False
+    )
+    reader = fakeredis.FakeRedis(server=server)
+    try:
+        assert obs.tracer is None
+        obs.begin_trace("r1")
+        assert obs.tracer is not None and obs.traced == {"r1"}
+        obs.tracer.stamp("request_read", "r1")
+        obs.tracer.stamp("request_read", "r2")  # not traced: not stamped
+        obs.tracer.stamp(FINISHED, "r1")
+        assert obs.tracer is None and not obs.traced
+    finally:
+        obs.close()  # flushes the trace
+    assert [s[0] for s in read_redis_trace(reader, settings.names, "r1")] == [
+        "request_read",
+        FINISHED,
+    ]
+    assert read_redis_trace(reader, settings.names, "r2") == []
+
+
+def test_a_process_wide_tracer_is_not_switched_for_a_request_traced_on_demand(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(redis_url="redis://unused", trace_file=tmp_path / "t.log")
+    obs = Observability().start(
+        settings, "orchestrator", lambda: fakeredis.FakeRedis(), serve=False
+    )
+    try:
+        base = obs.tracer
+        assert base is not None
+        obs.begin_trace("r1")
+        assert obs.tracer is base
+    finally:
+        obs.close()

@@ -8,8 +8,7 @@ import fakeredis
 import pytest
 
 from omni_runtime.core.in_memory import InMemoryStage
-from omni_runtime.core.orchestrator import Orchestrator
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import Orchestrator, StreamingOrchestrator
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings

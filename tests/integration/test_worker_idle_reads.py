@@ -12,6 +12,7 @@ import redis
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.entries import entry_fields
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
@@ -43,7 +44,9 @@ def input_thread(client: redis.Redis, stream: str) -> tuple[InputThread, Handoff
         max_bytes=SETTINGS.max_message_bytes, dead_letters=f"{stream}:dead", stop=stop,
     )  # fmt: skip
     got: Handoff[Input] = Handoff(threading.Event().set)
-    thread = InputThread(reader, Slots(4), got.put, SETTINGS, stage_id=0, tracer=None, stop=stop)
+    thread = InputThread(
+        reader, Slots(4), got.put, SETTINGS, stage_id=0, obs=Observability(), stop=stop
+    )
     return thread, got
 
 

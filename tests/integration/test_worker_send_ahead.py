@@ -20,7 +20,7 @@ from omni_runtime.wire.messages import StageOutputMsg
 from omni_runtime.worker.actions import Outgoing
 from omni_runtime.worker.fence import StallFence
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.output_io import OutputBatch
+from omni_runtime.worker.output_batch import OutputBatch
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)

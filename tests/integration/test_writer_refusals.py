@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from omni_runtime import keys
 from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError, TransportError
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
@@ -84,7 +85,7 @@ async def test_only_what_redis_refused_for_memory_is_written_again_and_once(
     entry: Any = probe.xadd("in", {PAYLOAD: b"handled"})
     probe.xreadgroup("g", "c", {"in": ">"})
     metrics = Metrics()
-    writer = StreamWriter(client, 100, metrics=metrics)
+    writer = StreamWriter(client, 100, obs=Observability(metrics))
     task = await running(writer)
     try:
         with full_redis.full():
@@ -139,7 +140,7 @@ async def test_a_write_refused_for_good_fails_its_request_alone_and_is_not_retri
     probe = redis.Redis.from_url(full_redis.url)
     probe.hset("states", "bad", b"x")
     metrics, failed = Metrics(), Failed()
-    writer = StreamWriter(client, 100, metrics=metrics, on_failed=failed)
+    writer = StreamWriter(client, 100, obs=Observability(metrics), on_failed=failed)
     task = await running(writer)
     try:
         writer.queue(ExpireAt("states", 2**63, owner="bad"))

@@ -10,7 +10,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import StreamingOrchestrator
 from tests.fakes import identity_forward
 from tests.waiting import wait_for
 

@@ -13,7 +13,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, keys
 from omni_runtime.core.loops import Hooks
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.orchestrator.request_store import RequestStore

@@ -213,3 +213,42 @@ def test_every_broad_except_says_why_it_must_be_broad() -> None:
                 if "#" not in line and not above.startswith("#"):
                     bare.append(f"{path.relative_to(ROOT)}:{i + 1}")
     assert not bare, bare
+
+
+READS_THE_ENVIRONMENT = {
+    "omni_runtime.settings": "the one place settings are read (`OMNI_*`)",
+    "omni_runtime.cli": "the entry point: `OMNI_SETTINGS_FILE`",
+    "omni_runtime.local.launcher": "hands its environment to the processes it starts",
+    "omni_runtime.local.forked": "gives each forked child its own environment",
+    "omni_runtime.local.redis_server": "`OMNI_REDIS_SERVER`, the binary a local deployment runs",
+    "omni_runtime.observe.start": "OpenTelemetry's own `OTEL_*` variables, read as its SDK does",
+    "omni_runtime.observe.otel": "OpenTelemetry's own `OTEL_*` variables, read as its SDK does",
+    "omni_runtime.orchestrator.proc": "a process shell: the watchdog's fault-test hook",
+}
+"""Modules that read `os.environ`, and why: every other one gets its settings from its
+process shell, through its constructor."""
+BUILDS_SETTINGS = {"omni_runtime.settings", "omni_runtime.cli", "omni_runtime.http.settings"}
+
+
+def test_settings_come_from_the_shell_not_the_environment() -> None:
+    """Below the entry point and the shells, no module reads the environment or builds its
+    own `Settings`: a component is handed what it needs."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            reads = (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("environ", "getenv", "environb")
+            )
+            builds = (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "Settings"
+            )
+            if reads and name not in READS_THE_ENVIRONMENT:
+                found.append(f"{name} reads the environment")
+            if builds and name not in BUILDS_SETTINGS:
+                found.append(f"{name} builds Settings")
+    assert not found, found

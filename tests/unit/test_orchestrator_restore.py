@@ -8,7 +8,7 @@ import pytest
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.loops import Hooks
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import StreamingOrchestrator
 from omni_runtime.core.types import ReqState
 from tests.fakes import identity_forward, prefix_wav
 from tests.waiting import wait_for

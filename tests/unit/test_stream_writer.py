@@ -13,6 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.entries import parse_entries, parse_entry
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
@@ -112,7 +113,7 @@ async def test_writes_are_given_up_after_bounded_attempts_counted_and_reported()
         connection_pool = DownPool()
 
     metrics = Metrics()
-    writer = StreamWriter(Down(), 100, metrics=metrics, backoff=Backoff(0.001, 0.002, 3))  # type: ignore[arg-type]
+    writer = StreamWriter(Down(), 100, obs=Observability(metrics), backoff=Backoff(0.001, 0.002, 3))  # type: ignore[arg-type]
     task = asyncio.create_task(writer.run())
     try:
         writer.xadd("a", {"m": b"1"})

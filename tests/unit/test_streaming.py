@@ -8,7 +8,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import Behaviour, InMemoryStage
-from omni_runtime.core.streaming import StreamingOrchestrator
+from omni_runtime.core.orchestrator import StreamingOrchestrator
 from omni_runtime.core.types import StageFailure
 from tests.fakes import identity_forward, seed_stages, split_words
 from tests.waiting import wait_for

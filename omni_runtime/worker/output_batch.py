@@ -1,6 +1,10 @@
-"""The output thread's round trips: a batch of writes, and the connection held for them.
+"""One round trip of the worker's outputs: where each goes, what is sent, the connection.
 
-An `OutputBatch` is one round trip's outputs, routed once, and the inputs they let go.
+`OwnerRoutes` sends each request's outputs to the output stream of the orchestrator slot
+that owns it (`StageInputMsg.owner`, recorded as its input is handed to the core); owners
+of ended requests are kept a while, so an error output published after a request's final
+still finds its way. An `OutputBatch` is one round trip's outputs, routed once, packed as
+few entries per stream as fit (`pack_entries`), and the inputs they let go.
 `HeldConnection` is the output thread's own connection, on which the worker's loop may
 send a batch itself.
 
@@ -24,6 +28,8 @@ reach the orchestrator twice.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +42,41 @@ from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.wire import codec
-from omni_runtime.worker.actions import Outgoing
+from omni_runtime.worker.actions import Input, Outgoing
 
 LOOP_SEND_MAX_BYTES = 16 * 1024
 """Largest batch (payload bytes) the loop sends itself; bigger ones go to the thread. A
 busy step engine's batches are big: packed on the thread, they overlap its next step
 (which releases the interpreter lock while a model computes) instead of delaying it."""
+ENDED_ROUTES = 10_000
+"""Owners of ended requests remembered, for an error output published after the end."""
 
 Command = tuple[Any, ...]
+
+
+class OwnerRoutes:
+    """Recorded by the loop as inputs arrive, read by whichever thread routes a batch."""
+
+    def __init__(self, slot_stream: Callable[[int], str]) -> None:
+        self.slot_stream = slot_stream
+        self._owner: dict[str, int] = {}
+        self._ended: OrderedDict[str, int] = OrderedDict()
+
+    def record(self, inputs: Sequence[Input]) -> None:
+        """Who owns each request, before any output of it is published."""
+        for inp in inputs:
+            self._owner[inp.msg.request_id] = inp.msg.owner
+
+    def stream_of(self, out: Outgoing) -> str:
+        rid = out.request_id
+        slot = self._owner.pop(rid, None) if out.ends else self._owner.get(rid)
+        if slot is None:
+            slot = self._ended.get(rid, 0)
+        elif out.ends:
+            self._ended[rid] = slot
+            if len(self._ended) > ENDED_ROUTES:
+                self._ended.popitem(last=False)
+        return self.slot_stream(slot)
 
 
 @dataclass(slots=True)
@@ -90,6 +123,22 @@ class OutputBatch:
     commands: list[Command] = field(default_factory=list)
     acked: bool = False
     """The XACK and XDEL went through: a retry sends only the refused entries."""
+
+    @classmethod
+    def routed(
+        cls, outputs: list[Outgoing], acks: list[bytes], routes: OwnerRoutes, max_bytes: int
+    ) -> OutputBatch:
+        """Each output to its owner's stream, as few entries per stream as fit `max_bytes`."""
+        by_stream: dict[str, list[Outgoing]] = {}
+        for out in outputs:
+            by_stream.setdefault(routes.stream_of(out), []).append(out)
+        entries = [
+            entry
+            for stream, outs in by_stream.items()
+            for entry in pack_entries(stream, outs, max_bytes)
+        ]
+        ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
+        return cls(outputs, entries, ack_ids)
 
     @property
     def payload_bytes(self) -> int:
