@@ -8,13 +8,14 @@ latency summary in `<ns>:stats:<role>` for `omni-runtime status`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
@@ -39,10 +40,12 @@ class Observability:
     _stops: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
+        """Stop every piece, the last started first; one that fails (a trace file or Redis
+        that cannot take the last stamps) is reported, and the rest still stop."""
         for stop in reversed(self._stops):
             try:
                 stop()
-            except Exception as e:  # shutting down: report, and stop the rest
+            except (OSError, ValueError, RedisError) as e:
                 log.warning("stopping %r failed: %r", stop, e)
         self._stops.clear()
 
@@ -72,6 +75,7 @@ def start_observability(
         obs._stops.append(
             maybe_start_metrics_server(metrics, settings.metrics_port, labels, probes)
         )
+    started = False
     try:
         obs.tracer = tracer_for(
             settings.trace_file,
@@ -94,10 +98,10 @@ def start_observability(
             )
             poller.start()
             obs._stops.append(poller.stop)
-    except BaseException:  # cleanup, then re-raised: nothing half started is left running
-        with contextlib.suppress(Exception):
+        started = True
+    finally:
+        if not started:  # nothing half started is left running
             obs.close()
-        raise
     return obs
 
 

@@ -39,7 +39,7 @@ from omni_runtime.errors import RedisOutOfMemoryError, TransportError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.tracing import Tracer
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.clients import REDIS_FAILURES, is_cluster
 from omni_runtime.redis_io.conn import one_timeout, take_async
 from omni_runtime.redis_io.held_writes import HeldWrites
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
@@ -249,7 +249,9 @@ class StreamWriter:
         try:
             pipe.send(conn)
             batch.pipe = pipe
-        except Exception as e:  # the writer task writes it the usual way
+        except (RedisError, OSError, RuntimeError) as e:  # not connected, a packing error, a
+            # transport closed for writing (asyncio's RuntimeError): the writer task writes it
+            # the usual way
             log.warning("stream write could not be sent at once: %r", e)
         self._sent, self._busy = batch, True
         self._pending.set()
@@ -297,7 +299,8 @@ class StreamWriter:
     async def _guarded(self, ops: list[Op]) -> bool:
         try:
             return await self._write(ops) if ops else True
-        except Exception as e:  # never die with callers waiting on `written`
+        except REDIS_FAILURES as e:  # what `_write` does not retry itself (a connection
+            # that cannot be made, a cluster's error): given up, and the writer goes on
             log.exception("stream writer failed on a batch of %d writes", len(ops))
             self._give_up(ops, TransportError(f"stream writer failed: {e!r}"))
             return False
