@@ -249,9 +249,8 @@ class StreamWriter:
         try:
             pipe.send(conn)
             batch.pipe = pipe
-        except (RedisError, OSError, RuntimeError) as e:  # not connected, a packing error, a
-            # transport closed for writing (asyncio's RuntimeError): the writer task writes it
-            # the usual way
+        except (RedisError, OSError, RuntimeError) as e:  # not connected, or its transport
+            # closed for writing (asyncio's RuntimeError): the writer task writes it as usual
             log.warning("stream write could not be sent at once: %r", e)
         self._sent, self._busy = batch, True
         self._pending.set()
@@ -299,8 +298,7 @@ class StreamWriter:
     async def _guarded(self, ops: list[Op]) -> bool:
         try:
             return await self._write(ops) if ops else True
-        except REDIS_FAILURES as e:  # what `_write` does not retry itself (a connection
-            # that cannot be made, a cluster's error): given up, and the writer goes on
+        except REDIS_FAILURES as e:  # what `_write` does not retry: given up, the writer goes on
             log.exception("stream writer failed on a batch of %d writes", len(ops))
             self._give_up(ops, TransportError(f"stream writer failed: {e!r}"))
             return False
