@@ -15,6 +15,7 @@ holds (`on_stuck`, which the process bounds itself), and exits with `WEDGED_EXIT
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -23,6 +24,9 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +85,10 @@ class Progress:
         self.rounds += 1
 
     def describe(self) -> str:
-        try:
-            return self.where() if self.where is not None else thread_stack(self.thread_id)
-        except Exception as e:  # a diagnostic must never stop the watchdog from acting
-            return f"(cannot tell: {e!r})"
+        """Where the loop is; a diagnostic that raises must never stop the watchdog."""
+        where = self.where or functools.partial(thread_stack, self.thread_id)
+        described = foreign.call(where)
+        return f"(cannot tell: {described.error!r})" if isinstance(described, Raised) else described
 
 
 @dataclass(frozen=True)
@@ -187,10 +191,9 @@ class Watchdog:
                 self.limit_s,
                 s.where.rstrip(),
             )
-        try:
-            self.on_stuck(stuck)
-        except Exception:  # the process exits next whatever failed: log it
-            log.exception("giving back what the process holds failed")
+        gave_back = foreign.call(self.on_stuck, stuck)
+        if isinstance(gave_back, Raised):  # the process exits next whatever failed
+            log.error("giving back what the process holds failed", exc_info=gave_back.error)
         for handler in logging.getLogger().handlers:  # the exit skips every cleanup
             handler.flush()
         sys.stdout.flush()

@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 from omni_runtime import keys
 from omni_runtime.chunks.transport import ChunkTransport
+from omni_runtime.core import foreign
 from omni_runtime.core.chunk_book import Chunk
+from omni_runtime.core.foreign import Raised
 from omni_runtime.core.recv_book import Poll, RecvBook
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
@@ -155,7 +157,8 @@ class ChunkReceiver:
         try:
             step()
             backoff.succeeded()
-        except Exception as e:  # the RECV thread must outlive any failure of a round: retried
+        except Exception as e:  # the RECV thread must outlive any failure of a round (which
+            # runs a connector's code, and may raise anything): counted, retried
             self.metrics.inc("omni_chunk_get_failures_total", stage=self.stage_id)
             delay_s = backoff.failed() or 1.0
             log.warning("chunk read failed (retrying in %.2fs): %r", delay_s, e)
@@ -199,28 +202,32 @@ class ChunkReceiver:
 
     def _route(self, routes: dict[str, bool], batch: list[Poll]) -> None:
         src = self.src_stage_id
+        done = False
         try:
             self.transport.unsubscribe(
                 [keys.route_id(r, src) for r, on in routes.items() if not on]
             )
             self.transport.subscribe([keys.route_id(r, src) for r, on in routes.items() if on])
-        except Exception:  # a transport's failure of any kind: the routes are retried
-            with self._cv:
-                self._book.retry_routes(routes)
-                self._book.requeue(batch)
-            raise
+            done = True
+        finally:
+            if not done:  # whatever stopped it (then raised on): the routes are retried
+                with self._cv:
+                    self._book.retry_routes(routes)
+                    self._book.requeue(batch)
 
     def _fetch(self, batch: list[Poll]) -> None:
         src = self.src_stage_id
         round_keys = [
             keys.chunk_key(p.request_id, src, p.next_id + j) for p in batch for j in range(p.depth)
         ]
+        fetched = False
         try:
             values = self.transport.fetch(round_keys)
-        except Exception:  # a transport's failure of any kind: the round is retried
-            with self._cv:
-                self._book.requeue(batch)
-            raise
+            fetched = True
+        finally:
+            if not fetched:  # whatever stopped it (then raised on): the round is retried
+                with self._cv:
+                    self._book.requeue(batch)
         with self._cv:
             done = self._book.commit(batch, values)  # a MalformedChunk is not a chunk: skipped
         for rid, chunk_id in done.malformed:
@@ -240,19 +247,19 @@ class ChunkReceiver:
 
     def _sweep(self, request_id: str, first: int) -> None:
         """Delete a discarded request's unread chunks, page by page while pages are full."""
-        try:
-            while True:
-                page = [
-                    keys.chunk_key(request_id, self.src_stage_id, first + i)
-                    for i in range(SWEEP_PAGE)
-                ]
-                if self.transport.discard(page) < len(page):
-                    return
-                first += len(page)
-        except Exception as e:  # best effort: unread chunks expire anyway
-            log.warning(
-                "deleting unread chunks of discarded %r failed (they expire): %r",
-                request_id,
-                e,
-                extra={"request_id": request_id},
-            )
+        while True:
+            page = [
+                keys.chunk_key(request_id, self.src_stage_id, first + i) for i in range(SWEEP_PAGE)
+            ]
+            discarded = foreign.call(self.transport.discard, page)  # a connector's code
+            if isinstance(discarded, Raised):  # best effort: unread chunks expire anyway
+                log.warning(
+                    "deleting unread chunks of discarded %r failed (they expire): %r",
+                    request_id,
+                    discarded.error,
+                    extra={"request_id": request_id},
+                )
+                return
+            if discarded < len(page):
+                return
+            first += len(page)

@@ -20,6 +20,7 @@ inline-served keys riding the next round trip. Redis failures raise `TransportEr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -104,11 +105,10 @@ class RedisConnector:
         own = {k: kwargs.pop(k) for k in ("ttl_s", "prefix", "max_bytes", "retry") if k in kwargs}
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
         client = sync_client(url, cluster=cluster, **kwargs)
-        try:
+        with contextlib.ExitStack() as unless_made:  # the client made here is closed
+            unless_made.callback(client.close)
             connector = cls(client, **own, owns_client=True)
-        except BaseException:  # cleanup, then re-raised: the client made here is closed
-            client.close()
-            raise
+            unless_made.pop_all()
         return connector
 
     # --- SPEC connector -----------------------------------------------------------

@@ -17,7 +17,9 @@ from typing import Any
 from omni_runtime import keys
 from omni_runtime.chunks.snapshot import snapshot as snapshot_tree
 from omni_runtime.chunks.transport import ChunkRejected, ChunkTransport
+from omni_runtime.core import foreign
 from omni_runtime.core.chunk_book import SendBook, SendItem, Staged
+from omni_runtime.core.foreign import Raised
 from omni_runtime.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -110,14 +112,16 @@ class ChunkSender:
             return None
         payload = None
         if not cancelled:
-            try:
-                payload = self.build_payload(item.snapshot)
-            except Exception:  # user code (build_payload): whatever it raises skips the chunk
-                log.exception(
+            built = foreign.call(self.build_payload, item.snapshot)
+            if isinstance(built, Raised):  # user code: whatever it raises skips the chunk
+                log.error(
                     "build_payload failed for %r; chunk skipped",
                     item.request_id,
+                    exc_info=built.error,
                     extra={"request_id": item.request_id},
                 )
+            else:
+                payload = built
         if payload is None and not item.is_final:
             self._skip(item)
             return None
@@ -141,15 +145,17 @@ class ChunkSender:
                 )
                 for s in batch
             ]
-            try:
-                self.transport.put_batch(items)
-            except ChunkRejected as e:
-                batch = self._reject(batch, items, e.rejected)
+            put = foreign.call(self.transport.put_batch, items)  # a connector's code
+            if isinstance(put, Raised) and isinstance(put.error, ChunkRejected):
+                batch = self._reject(batch, items, put.error.rejected)
                 continue
-            except Exception as e:  # the SAVE thread must outlive any failed put: counted, retried
+            if isinstance(put, Raised):  # the SAVE thread outlives any failed put: counted
                 self.metrics.inc("omni_chunk_put_failures_total", len(batch), stage=self.stage_id)
                 log.error(
-                    "put of %d chunk(s) failed, dropped (%s ...): %r", len(batch), items[0][0], e
+                    "put of %d chunk(s) failed, dropped (%s ...): %r",
+                    len(batch),
+                    items[0][0],
+                    put.error,
                 )
                 self._sent(batch, ok=False)
                 return
@@ -192,14 +198,14 @@ class ChunkSender:
             upto = self._book.purge(item)
         if not upto:
             return
-        try:
-            self.transport.discard(
-                [keys.chunk_key(item.request_id, self.stage_id, i) for i in range(upto)]
-            )
-        except Exception as e:  # best effort: the chunks expire anyway
+        discarded = foreign.call(  # a connector's code
+            self.transport.discard,
+            [keys.chunk_key(item.request_id, self.stage_id, i) for i in range(upto)],
+        )
+        if isinstance(discarded, Raised):  # best effort: the chunks expire anyway
             log.warning(
                 "deleting the chunks of aborted %r failed (they expire): %r",
                 item.request_id,
-                e,
+                discarded.error,
                 extra={"request_id": item.request_id},
             )

@@ -220,9 +220,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _is_redis_error(e: BaseException) -> bool:
-    exceptions = sys.modules.get("redis.exceptions")  # not imported: cannot be one
-    return exceptions is not None and isinstance(e, exceptions.RedisError)
+def _redis_errors() -> tuple[type[Exception], ...]:
+    """redis-py's base error, once redis-py is imported (an `except` clause evaluates this
+    only when an exception is being matched); before, none can be one: an empty tuple."""
+    exceptions = sys.modules.get("redis.exceptions")
+    return () if exceptions is None else (exceptions.RedisError,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-    except Exception as e:  # redis-py may not be imported: its errors are told by name
-        if not _is_redis_error(e):
-            raise
+    except _redis_errors() as e:  # redis-py is imported late (`run`): the class, once it is
         print(
             f"omni-runtime: error: Redis: {e} (check OMNI_REDIS_URL / --redis-url)", file=sys.stderr
         )

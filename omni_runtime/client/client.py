@@ -47,7 +47,7 @@ from omni_runtime.observe.start import Observability
 from omni_runtime.pipeline import OutputsConfig
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
-from omni_runtime.redis_io.clients import RedisClients, is_cluster
+from omni_runtime.redis_io.clients import REDIS_FAILURES, RedisClients, is_cluster
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
@@ -326,7 +326,8 @@ class OmniClient:
                 batch = await self._reads.xread(streams, s.read_count, s.block_ms)
                 backoff.succeeded()
                 self.redis_condition.reachable()
-            except Exception as e:  # a reader that dies leaves every request to its deadline
+            except REDIS_FAILURES as e:  # retried: a reader that died would leave every request
+                # to its deadline
                 if isinstance(e, RedisConnectionError | RedisTimeoutError):
                     self.redis_condition.unreachable(e, loop.time())
                 delay_s = backoff.failed() or 0.0

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omni_runtime.core import foreign
 from omni_runtime.core.deadlines import Deadlines
+from omni_runtime.core.foreign import Raised
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.core.types import (
     CounterSink,
@@ -177,15 +180,13 @@ class OrchestratorLoops:
             kind, request_id, payload = await self._req_q.get()
             self._answered.clear()
             live = request_id in self.request_states
-            try:
-                if kind == "add":
-                    prompt, params = payload
-                    await self._handle_add(request_id, prompt, params)
-                else:
-                    await self._handle_abort(request_id, payload)
-            except Exception as e:  # fails this request alone (CancelledError passes)
-                needs_final = not live if kind == "add" else live
-                await self._contain(f"handling its {kind}", request_id, e, needs_final)
+            needs_final = not live if kind == "add" else live
+            if kind == "add":
+                prompt, params = payload
+                handle = functools.partial(self._handle_add, request_id, prompt, params)
+            else:
+                handle = functools.partial(self._handle_abort, request_id, payload)
+            await self._contained(f"handling its {kind}", request_id, needs_final, handle)
             if kind == "add" and self._req_q.empty():
                 self._step_done()
 
@@ -197,10 +198,12 @@ class OrchestratorLoops:
             request_id = self._deadlines.pop_due(loop.time())
             if request_id is not None:
                 self._answered.clear()
-                try:
-                    await self._handle_abort(request_id, "deadline exceeded")
-                except Exception as e:  # one request's deadline: any failure is contained to it
-                    await self._contain("ending it at its deadline", request_id, e, True)
+                await self._contained(
+                    "ending it at its deadline",
+                    request_id,
+                    True,
+                    functools.partial(self._handle_abort, request_id, "deadline exceeded"),
+                )
                 continue
             at = self._deadlines.next_at()
             with contextlib.suppress(TimeoutError):
@@ -211,11 +214,15 @@ class OrchestratorLoops:
         """One reader per stage → one FIFO → one dispatcher keeps each stage's order."""
         stage = self.stages[stage_id]
         while True:
-            try:
-                outputs = await stage.get_output()
-            except Exception as e:  # a reader that stopped would stall every request
+            outputs = await foreign.acall(stage.get_output)  # a stage is duck-typed (SPEC §2)
+            if isinstance(outputs, Raised):  # a reader that stopped would stall every request
                 self._count_contained(f"reading stage {stage_id}")
-                log.error("stage %d: reading outputs failed: %r", stage_id, e, exc_info=e)
+                log.error(
+                    "stage %d: reading outputs failed: %r",
+                    stage_id,
+                    outputs.error,
+                    exc_info=outputs.error,
+                )
                 await asyncio.sleep(READ_RETRY_S)
                 continue
             for out in outputs:
@@ -226,10 +233,12 @@ class OrchestratorLoops:
             stage_id, out = await self._ready_q.get()
             self._answered.clear()
             live = out.request_id in self.request_states
-            try:
-                await self._handle_output(stage_id, out)
-            except Exception as e:  # one output's routing: any failure is contained to its request
-                await self._contain(f"routing a stage {stage_id} output", out.request_id, e, live)
+            await self._contained(
+                f"routing a stage {stage_id} output",
+                out.request_id,
+                live,
+                functools.partial(self._handle_output, stage_id, out),
+            )
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
                 managed.output_handled(out)
@@ -239,31 +248,38 @@ class OrchestratorLoops:
     def _step_done(self) -> None:
         if self.step_done is None:
             return
-        try:
-            self.step_done()
-        except Exception as e:  # the shell's hook: the writer task sends what it left
+        done = foreign.call(self.step_done)  # the shell's hook
+        if isinstance(done, Raised):  # the writer task sends what it left
             self._count_contained("step_done")
-            log.error("step_done failed: %r", e, exc_info=e)
+            log.error("step_done failed: %r", done.error, exc_info=done.error)
 
     def _count_contained(self, where: str) -> None:
         if self.metrics is not None:
             self.metrics.inc("omni_contained_errors_total", where=where)
 
-    async def _contain(self, what: str, request_id: str, e: Exception, needs_final: bool) -> None:
-        """An exception while handling one request: that request ends with one error final
-        (unless it has had one: `needs_final` False, or one went out during this step) and
-        the loop goes on. Logged with the request id, counted."""
-        self._count_contained(what)
-        log.error(
-            "request failed while %s: %r", what, e, exc_info=e, extra={"request_id": request_id}
-        )
-        if not needs_final or request_id in self._answered:
-            return
+    async def _contained(
+        self,
+        what: str,
+        request_id: str,
+        needs_final: bool,
+        handle: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Handle one request: whatever that raises ends this request alone, with one error
+        final (unless it has had one: `needs_final` False, or one went out during this
+        step), and the loop goes on. Logged with the request id, counted. Ending it may
+        fail too: that is logged and counted in turn (`needs_final` False: no third try)."""
         try:
-            await self._end_with_error(request_id, f"internal error: {type(e).__name__}: {e}")
-        except Exception as again:  # the last resort of containment: log, count, go on
-            self._count_contained("ending a failed request")
-            log.error("could not end a failed request: %r", again, extra={"request_id": request_id})
+            await handle()
+        except Exception as e:  # a request's handling runs stage code, `forward_fn` and the
+            # shell's hooks, which may raise anything: it fails that request alone
+            self._count_contained(what)
+            log.error(
+                "request failed while %s: %r", what, e, exc_info=e, extra={"request_id": request_id}
+            )
+            if needs_final and request_id not in self._answered:
+                error = f"internal error: {type(e).__name__}: {e}"
+                end = functools.partial(self._end_with_error, request_id, error)
+                await self._contained("ending a failed request", request_id, False, end)
 
     # --- hooks -----------------------------------------------------------------
 

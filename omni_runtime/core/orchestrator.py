@@ -16,10 +16,11 @@ differ.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.core.loops import OrchestratorLoops
 from omni_runtime.core.types import OrchOutput, ReqState, StageFailure, StageOutput
 
@@ -83,13 +84,13 @@ class Orchestrator(OrchestratorLoops):
             managed = self._managed[sid]
             if managed is None:
                 continue
-            try:
-                await managed.abort(request_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a stage's abort: any failure is logged, the request still ends
+            aborted = await foreign.acall(managed.abort, request_id)  # the stage's code
+            if isinstance(aborted, Raised):  # logged; the request still ends
                 log.warning(
-                    "stage %d could not abort: %r", sid, e, extra={"request_id": request_id}
+                    "stage %d could not abort: %r",
+                    sid,
+                    aborted.error,
+                    extra={"request_id": request_id},
                 )
 
     async def _record(self, stage_id: int, out: StageOutput) -> ReqState | None:
@@ -140,16 +141,17 @@ class Orchestrator(OrchestratorLoops):
         """Submit; a failing stage ends this request alone with one error output."""
         state = self.request_states.get(request_id)
         params = state.params if state is not None else None
-        try:
-            await self.stages[stage_id].submit(request_id, data, params)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a stage's submit: any failure fails that request alone
-            log.warning("stage %d submit failed: %r", stage_id, e, extra={"request_id": request_id})
+        submitted = await foreign.acall(self.stages[stage_id].submit, request_id, data, params)
+        if isinstance(submitted, Raised):  # the stage's code: that request alone fails
+            log.warning(
+                "stage %d submit failed: %r",
+                stage_id,
+                submitted.error,
+                extra={"request_id": request_id},
+            )
             if request_id in self.request_states:
-                await self._fail(
-                    request_id, stage_id, f"stage {stage_id} submit failed: {type(e).__name__}: {e}"
-                )
+                error = f"stage {stage_id} submit failed: {submitted.describe()}"
+                await self._fail(request_id, stage_id, error)
 
     async def _fail(self, request_id: str, stage_id: int, error: str) -> None:
         """End one request with exactly one error output; every other request goes on.

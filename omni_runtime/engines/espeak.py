@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.engines.text_chunks import (
     DEFAULT_FIRST_CLAUSE_CHARS,
     DEFAULT_MAX_CLAUSE_CHARS,
@@ -176,10 +178,10 @@ class SynthStream:
         return 0
 
     def _run(self) -> None:
-        try:
-            self.engine.run(self)
-        except Exception as e:  # the synthesis thread's failure, whatever it is, goes to the reader
-            self._queue.put(e)
+        try:  # the synthesis thread's failure, whatever it is, goes to the reader
+            ran = foreign.call(self.engine.run, self)
+            if isinstance(ran, Raised):
+                self._queue.put(ran.error)
         finally:
             self.done_at = time.perf_counter()
             self._queue.put(_END)

@@ -66,13 +66,15 @@ def _decoder(key: ModelKey, max_decoders: int) -> Iterator[Any]:
         if decoder is None:
             mine.made += 1
     if decoder is None:
+        loaded = False
         try:
             decoder = _load(key)
-        except BaseException:  # cleanup, then re-raised: a failed load frees its place
-            with _pool:
-                mine.made -= 1
-                _pool.notify()
-            raise
+            loaded = True
+        finally:
+            if not loaded:  # a failed load frees its place
+                with _pool:
+                    mine.made -= 1
+                    _pool.notify()
     try:
         yield decoder
     finally:

@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
 
@@ -106,17 +108,23 @@ class VllmEngine:
         prompt = await _prompt(data)
         self._active.add(request_id)
         try:
-            async for out in engine.generate(prompt, sampling, request_id):
+            outputs = engine.generate(prompt, sampling, request_id)
+            while True:
+                out = await foreign.acall(anext, outputs)
+                if isinstance(out, Raised):  # vLLM's errors have no common base: dead or not
+                    if isinstance(out.error, StopAsyncIteration):
+                        return
+                    if engine.errored:
+                        raise EngineDead(f"vLLM engine errored: {engine.dead_error!r}") from (
+                            out.error
+                        )
+                    raise out.error
                 text = out.outputs[0].text if out.outputs else ""
                 if out.finished:
                     yield Final(text)
                     return
                 if text:
                     yield text
-        except Exception as e:  # vLLM's own errors have no common base: told dead or not
-            if engine.errored:
-                raise EngineDead(f"vLLM engine errored: {engine.dead_error!r}") from e
-            raise
         finally:
             self._active.discard(request_id)
 
@@ -131,10 +139,9 @@ class VllmEngine:
             raise EngineDead("vLLM engine not started (or closed)")
         if engine.errored:
             raise EngineDead(f"vLLM engine errored: {engine.dead_error!r}")
-        try:
-            await engine.check_health()
-        except Exception as e:  # any failure of the health check means an unhealthy engine
-            raise EngineDead(f"vLLM check_health: {type(e).__name__}: {e}") from e
+        checked = await foreign.acall(engine.check_health)
+        if isinstance(checked, Raised):  # any failure of the check: an unhealthy engine
+            raise EngineDead(f"vLLM check_health: {checked.describe()}") from checked.error
 
     def stats(self) -> EngineStats:
         """The adapter's count of its requests: vLLM schedules `capacity` (`max_num_seqs`)

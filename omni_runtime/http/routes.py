@@ -181,11 +181,13 @@ def media_router(gateway: Gateway) -> APIRouter:
                 wav_bytes(pcm, outputs.sample_rate), media_type="audio/wav", headers=headers
             )
         events = run.events()
+        waited = False
         try:  # wait for the first audio: a pipeline failure can still be a proper error
             first = await _next_audio(events)
-        except BaseException:  # cleanup, then re-raised: a cancelled or failed wait closes the run
-            run.close()
-            raise
+            waited = True
+        finally:
+            if not waited:  # a cancelled or failed wait closes the run
+                run.close()
         if isinstance(first, FailureEvent):
             run.close()
             raise ApiError(first.status, first.message, code="pipeline_error")

@@ -180,11 +180,12 @@ def fork_main(
     except BaseException:  # a forked child never returns into the parent's code
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
+        try:
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(code)
+        finally:  # whatever the flushes raised: the exit comes all the same
+            os._exit(code)
 
 
 def _child(

@@ -6,6 +6,7 @@ with `replicas`, that many replicas of each primary, so a primary's death fails 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import tempfile
@@ -79,7 +80,8 @@ class RedisCluster:
 
     def start(self) -> RedisCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-cluster-"))
-        try:
+        with contextlib.ExitStack() as unless_started:  # no node is left running
+            unless_started.callback(self.stop)
             for i in range(self.masters * (1 + self.replicas)):
                 node_dir = self.dir / f"node{i}"
                 node_dir.mkdir()
@@ -96,9 +98,7 @@ class RedisCluster:
                 )
                 self.nodes.append(node.start())
             self._form()
-        except BaseException:  # cleanup, then re-raised: no node is left running
-            self.stop()
-            raise
+            unless_started.pop_all()
         return self
 
     def _form(self) -> None:

@@ -8,6 +8,7 @@ of half a minute.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -60,7 +61,8 @@ class RedisSentinelSet:
         if binary is None:
             raise FatalError("no redis-server on PATH (install it, or set OMNI_REDIS_SERVER)")
         self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-sentinel-"))
-        try:
+        with contextlib.ExitStack() as unless_started:  # no server is left running
+            unless_started.callback(self.stop)
             primary = self._start_server(binary, "primary", ())
             for i in range(self.n_replicas):
                 self._start_server(
@@ -69,9 +71,7 @@ class RedisSentinelSet:
             for i in range(self.n_sentinels):
                 self._start_sentinel(binary, i, primary.port)
             self._wait_ready()
-        except BaseException:  # cleanup, then re-raised: no server is left running
-            self.stop()
-            raise
+            unless_started.pop_all()
         return self
 
     def _start_server(self, binary: str, name: str, args: tuple[str, ...]) -> RedisServer:

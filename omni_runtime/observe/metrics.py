@@ -16,6 +16,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
+
 log = logging.getLogger(__name__)
 
 LabelKey = tuple[tuple[str, str], ...]
@@ -309,10 +312,9 @@ class Metrics:
             out = {name: dict(series) for name, series in self._gauges.items()}
             callbacks = list(self._callbacks.items())
         for (name, key), fn in callbacks:
-            try:
-                value = fn()
-            except Exception as e:  # a broken callback must not break the scrape
-                log.warning("gauge %s%s callback failed: %r", name, dict(key), e)
+            value = foreign.call(fn)  # handed in (an engine's count among them)
+            if isinstance(value, Raised):  # a broken callback must not break the scrape
+                log.warning("gauge %s%s callback failed: %r", name, dict(key), value.error)
                 continue
             if value is not None:
                 out.setdefault(name, {})[key] = float(value)

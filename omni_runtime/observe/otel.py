@@ -23,6 +23,8 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from omni_runtime import keys
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.observe.tracing import Flushable, Stamp, wall_ns
 
 log = logging.getLogger(__name__)
@@ -129,13 +131,14 @@ class OtelTracer:
             self.provider.force_flush()
 
     def _send(self, request_id: str, stamps: list[Stamp]) -> None:
-        try:
-            _emit(self._tracer, self.role, request_id, stamps, request_context(request_id))
-        except Exception as e:  # an exporter problem must not reach the runtime
+        sent = foreign.call(  # OpenTelemetry's SDK and the span processors configured in it
+            _emit, self._tracer, self.role, request_id, stamps, request_context(request_id)
+        )
+        if isinstance(sent, Raised):  # an exporter problem must not reach the runtime
             log.warning(
                 "exporting the trace of %r failed: %r",
                 request_id,
-                e,
+                sent.error,
                 extra={"request_id": request_id},
             )
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
+
 Check = Callable[[], str | None]
 """None when all is well, else why not (one line)."""
 
@@ -50,10 +53,11 @@ def probes_app(probes: Probes, metrics_app: Any) -> Any:
         check = {HEALTH_PATH: probes.live, READY_PATH: probes.ready}.get(path)
         if check is None:
             return metrics_app(environ, start_response)  # type: ignore[no-any-return]
-        try:
-            why = check()
-        except Exception as e:  # a probe that raises answers "not well", never a 500 loop
-            why = f"probe failed: {e!r}"
+        checked = foreign.call(check)  # the process's own check, handed in
+        if isinstance(checked, Raised):  # a probe that raises answers "not well", never a 500
+            why: str | None = f"probe failed: {checked.error!r}"
+        else:
+            why = checked
         body = ("ok" if why is None else why).encode() + b"\n"
         status = "200 OK" if why is None else "503 Service Unavailable"
         start_response(status, [("Content-Type", "text/plain; charset=utf-8")])

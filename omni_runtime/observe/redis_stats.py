@@ -80,8 +80,8 @@ def parse_heartbeat(raw: bytes | None) -> dict[str, Any]:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=MAX_VALUE_BYTES)
         if isinstance(doc, dict):
             return {str(k): v for k, v in doc.items()}
-    except Exception:  # not msgpack: a plain string such as today's worker id
-        pass
+    except (ValueError, TypeError):  # not msgpack (msgpack's errors are ValueErrors, an
+        pass  # unhashable key a TypeError): a plain string such as today's worker id
     return {"value": _s(raw)}
 
 

@@ -16,12 +16,13 @@ every part stamps through the new one without being told.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
@@ -86,6 +87,7 @@ class Observability:
             self._stops.append(
                 maybe_start_metrics_server(self.metrics, settings.metrics_port, labels, probes)
             )
+        started = False
         try:
             self.tracer = self._base = tracer_for(
                 settings.trace_file,
@@ -115,10 +117,10 @@ class Observability:
                 )
                 poller.start()
                 self._stops.append(poller.stop)
-        except BaseException:  # cleanup, then re-raised: nothing half started is left running
-            with contextlib.suppress(Exception):
+            started = True
+        finally:
+            if not started:  # nothing half started is left running
                 self.close()
-            raise
         return self
 
     def begin_trace(self, request_id: str) -> None:
@@ -137,11 +139,12 @@ class Observability:
         self.tracer = self._base
 
     def close(self) -> None:
-        """Flush traces and stop every thread and server `start` started."""
+        """Stop every piece, the last started first; one that fails (a trace file or Redis
+        that cannot take the last stamps) is reported, and the rest still stop."""
         for stop in reversed(self._stops):
             try:
                 stop()
-            except Exception as e:  # shutting down: report, and stop the rest
+            except (OSError, ValueError, RedisError) as e:
                 log.warning("stopping %r failed: %r", stop, e)
         self._stops.clear()
 

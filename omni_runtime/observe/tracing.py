@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from redis.exceptions import RedisClusterException, RedisError
+
 from omni_runtime import keys
 
 log = logging.getLogger(__name__)
@@ -197,7 +199,7 @@ class RedisTracer:
                     pipe.ltrim(key, -keys.TRACE_MAX_EVENTS, -1)
                     pipe.expire(key, self.ttl_s)
                 pipe.execute()
-        except Exception as e:  # RedisError, or a closed client at shutdown
+        except (RedisError, RedisClusterException, OSError) as e:  # Redis, a cluster, a socket
             self.dropped += len(stamps)
             log.warning("dropping %d trace stamps: %r", len(stamps), e)
 

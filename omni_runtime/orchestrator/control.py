@@ -18,6 +18,7 @@ from omni_runtime import keys
 from omni_runtime.orchestrator.backlog import read_backlog
 from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.clients import REDIS_FAILURES
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.wire.messages import AbortMsg
 
@@ -74,7 +75,8 @@ class ControlGuard:
                     if backlog is None:
                         break
                     batch = backlog
-            except Exception as e:  # stopped, this slot's control entries would stay pending
+            except REDIS_FAILURES as e:  # what the reader does not retry itself (an error reply,
+                # a cluster's): retried here, or this slot's control entries would stay pending
                 self.shared.obs.metrics.inc("omni_contained_errors_total", where="reading control")
                 log.error("reading %s failed: %r", self.stream, e, exc_info=e)
                 await asyncio.sleep(RETRY_S)

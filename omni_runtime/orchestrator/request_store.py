@@ -38,6 +38,8 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from omni_runtime import keys
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, Op
@@ -131,10 +133,9 @@ class RequestStore:
         puts: dict[str | bytes, bytes] = {}
         drops: list[str | bytes] = []
         for rid, state in dirty.items():
-            try:
-                doc = None if state is None else self.describe(rid, state)
-            except Exception as e:  # this request fails; the others' states are written
-                self._failed(rid, e)
+            doc = None if state is None else foreign.call(self.describe, rid, state)  # handed in
+            if isinstance(doc, Raised):  # this request fails; the others' states are written
+                self._failed(rid, doc.error)
                 continue
             if doc is None:
                 if rid in self._stored:  # else never written (it ended within one batch)
@@ -159,7 +160,8 @@ class RequestStore:
                 deadline_at = doc["deadline_at"]
                 until = None if deadline_at is None else expiry_ms(deadline_at)
                 blob = codec.encode_decoded(doc)
-            except Exception as e:  # this request fails; the others' states are written
+            except (CodecError, ValueError) as e:  # it cannot be encoded, its deadline is out of
+                # range: this request fails; the others' states are written
                 self._failed(rid, e)
                 self._renewed |= {rid} & renewed  # its next try still starts from index 0
                 continue

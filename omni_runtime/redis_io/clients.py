@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from omni_runtime.settings import Settings
 
 CLUSTER_SLOTS = 16384
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+"""What a Redis round trip raises when Redis, the network or a cluster's routing fails:
+redis-py's errors, the one of its cluster client that is no `RedisError`, and a socket's
+own (redis-py wraps most in its `ConnectionError`, a hand-packed write may not)."""
 PROBE_TIMEOUT_S = 5.0
 """The start-up probe's connect and read timeout: a dead address fails in seconds."""
 

@@ -236,12 +236,16 @@ def in_step(
     """A round trip on `conn`: whatever stops it midway drops the connection (`on_failure`,
     else a disconnect), since a reply half read must never be read as the next command's.
     With `keep_on_error_reply`, an error reply read whole leaves it as it is."""
+    whole = False
     try:
         yield
-    except BaseException as e:  # a timeout, a cancellation, a signal: any may cut a reply
-        if not (keep_on_error_reply and isinstance(e, ResponseError)):
-            (on_failure or conn.disconnect)()
+        whole = True
+    except ResponseError:  # an error reply, read whole
+        whole = keep_on_error_reply
         raise
+    finally:
+        if not whole:  # a timeout, a cancellation, a signal: any may have cut a reply
+            (on_failure or conn.disconnect)()
 
 
 def round_trip(conn: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
@@ -299,11 +303,13 @@ async def drop_async(conn: AsyncConnection) -> None:
 @contextlib.asynccontextmanager
 async def in_step_async(conn: AsyncConnection) -> AsyncIterator[None]:
     """`in_step` for an asyncio connection: a round trip stopped midway disconnects it."""
+    whole = False
     try:
         yield
-    except BaseException:  # a timeout, a cancellation: any may leave a reply half read
-        await conn.disconnect()
-        raise
+        whole = True
+    finally:
+        if not whole:  # a timeout, a cancellation: any may have left a reply half read
+            await conn.disconnect()
 
 
 # --- Sentinel: a connection that follows the primary ----------------------------------

@@ -180,8 +180,5 @@ class SortedEntries(Generic[M]):
                     self.good.extend((entry_id, msg) for msg in msgs)
                 else:
                     self.good.append((entry_id, parse_entry(fields, model, max_bytes)))
-            except CodecError as e:
+            except CodecError as e:  # untrusted: whatever breaks on it is refused as one
                 self.bad.append((entry_id, fields, str(e)))
-            except Exception as e:  # untrusted: whatever else breaks on it is its own fault
-                log.exception("reading entry %s failed", entry_id)
-                self.bad.append((entry_id, fields, f"unreadable: {type(e).__name__}: {e}"))

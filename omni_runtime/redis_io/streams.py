@@ -52,6 +52,8 @@ import redis.asyncio as aioredis
 from pydantic import TypeAdapter
 from redis.exceptions import RedisError, ResponseError
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import is_cluster
@@ -163,11 +165,14 @@ class _ReaderBase(Generic[M]):
         batch = SortedEntries(entries, self._model, self.max_bytes, self.batches)
         if batch.bad:
             self.metrics.inc("omni_malformed_entries_total", len(batch.bad), stream=self.stream)
-            if self.on_bad is not None:
-                try:
-                    self.on_bad(batch.bad)
-                except Exception:  # the answer is a courtesy: the entries go dead all the same
-                    log.exception("answering malformed entries of %s failed", self.stream)
+            if self.on_bad is not None:  # handed in; the answer is a courtesy: the entries go
+                answered = foreign.call(self.on_bad, batch.bad)  # dead all the same
+                if isinstance(answered, Raised):
+                    log.error(
+                        "answering malformed entries of %s failed",
+                        self.stream,
+                        exc_info=answered.error,
+                    )
         return batch
 
 

@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from omni_runtime.errors import RedisOutOfMemoryError, TransportError
 from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.clients import is_cluster
+from omni_runtime.redis_io.clients import REDIS_FAILURES, is_cluster
 from omni_runtime.redis_io.conn import one_timeout, take_async
 from omni_runtime.redis_io.held_writes import HeldWrites
 from omni_runtime.redis_io.packed_async import AsyncPackedPipe
@@ -248,7 +248,8 @@ class StreamWriter:
         try:
             pipe.send(conn)
             batch.pipe = pipe
-        except Exception as e:  # the writer task writes it the usual way
+        except (RedisError, OSError, RuntimeError) as e:  # not connected, or its transport
+            # closed for writing (asyncio's RuntimeError): the writer task writes it as usual
             log.warning("stream write could not be sent at once: %r", e)
         self._sent, self._busy = batch, True
         self._pending.set()
@@ -296,7 +297,7 @@ class StreamWriter:
     async def _guarded(self, ops: list[Op]) -> bool:
         try:
             return await self._write(ops) if ops else True
-        except Exception as e:  # never die with callers waiting on `written`
+        except REDIS_FAILURES as e:  # what `_write` does not retry: given up, the writer goes on
             log.exception("stream writer failed on a batch of %d writes", len(ops))
             self._give_up(ops, TransportError(f"stream writer failed: {e!r}"))
             return False

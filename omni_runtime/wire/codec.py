@@ -130,7 +130,8 @@ def decode(
         raise
     except RecursionError as e:
         raise CodecError(_too_deep(MAX_DEPTH)) from e
-    except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
+    except (msgspec.DecodeError, TypeError) as e:  # malformed msgpack (ValidationError is a
+        # DecodeError; an array's header too), or no bytes at all; the ext hook's CodecError
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
     check_depth(obj)
     return obj
@@ -152,7 +153,8 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
         raise
     except RecursionError as e:
         raise CodecError(_too_deep(max_depth)) from e
-    except Exception as e:  # untrusted bytes: whatever breaks is the message's fault
+    except (msgspec.DecodeError, TypeError) as e:  # malformed msgpack (ValidationError is a
+        # DecodeError; an array's header too), or no bytes at all; the ext hook's CodecError
         raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
     if not within(obj, max_depth):
         raise CodecError(_too_deep(max_depth))

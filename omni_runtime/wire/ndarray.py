@@ -64,10 +64,10 @@ def array(view: memoryview) -> Any:
     """A zero-copy, read-only array over one copy of the payload (``view`` points into a
     message at any offset: not aligned, and writable when the message was); every field
     checked, `CodecError` if one is wrong."""
+    data = bytes(view)
+    dt, shape, count, start = check(data)  # first: without numpy, a CodecError that says so
     import numpy as np
 
-    data = bytes(view)
-    dt, shape, count, start = check(data)
     flat = np.frombuffer(data, dtype=dt, count=count, offset=start)
     return flat if len(shape) == 1 else flat.reshape(shape)
 

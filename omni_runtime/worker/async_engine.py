@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.errors import StartupTimeoutError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.stage_api import (
@@ -92,17 +94,18 @@ class AsyncEngineDriver:
         )
         self._thread.start()
         started = asyncio.run_coroutine_threadsafe(self._start_engine(), loop)
+        ok = False
         try:  # the loop enforces the deadline; this wait only backs it up
             started.result(self._start_timeout_s + 5)
+            ok = True
         except (TimeoutError, concurrent.futures.TimeoutError):
-            self.close()  # what the engine loaded so far is released
             raise StartupTimeoutError(
                 f"engine {self.name} did not start within {self._start_timeout_s:g}s "
                 "(OMNI_ENGINE_START_TIMEOUT_S)"
             ) from None
-        except BaseException:  # cleanup, then re-raised: a failed start leaves no thread
-            self.close()
-            raise
+        finally:
+            if not ok:  # a failed start leaves no thread; what the engine loaded is released
+                self.close()
         log.info("engine %s started", self.name)
 
     def add_request(self, request_id: str, data: Any, params: dict[str, Any] | None = None) -> None:
@@ -159,12 +162,12 @@ class AsyncEngineDriver:
         with self._lock:
             self._live.clear()
         closing = asyncio.run_coroutine_threadsafe(self._close_engine(), loop)
-        try:
+        try:  # what the engine's close() raised is logged on the loop (`_close_engine`)
             closing.result(CLOSE_TIMEOUT_S)
         except (TimeoutError, concurrent.futures.TimeoutError):
             log.warning("engine %s close() did not return within %gs", self.name, CLOSE_TIMEOUT_S)
-        except Exception:  # stage code's close: whatever it raises, the loop stops
-            log.exception("engine %s close() raised", self.name)
+        except concurrent.futures.CancelledError:
+            log.warning("engine %s close() was cancelled", self.name)
         self._stop_loop()
 
     # --- on the event loop's thread -------------------------------------------------
@@ -207,7 +210,9 @@ class AsyncEngineDriver:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.engine.close()
+        closed = await foreign.acall(self.engine.close)
+        if isinstance(closed, Raised):  # whatever it raised, the loop stops
+            log.error("engine %s close() raised", self.name, exc_info=closed.error)
 
     def _begin(self, request_id: str, data: Any, params: dict[str, Any] | None) -> None:
         with self._lock:
@@ -223,28 +228,37 @@ class AsyncEngineDriver:
         sink = LastChunkSink(request_id, self._emit, hold=self._hold)
         outputs = self.engine.generate(request_id, data, params)
         try:
-            async for item in outputs:
-                if not sink.push(item):
-                    break
-            else:
-                sink.end()
-        except (asyncio.CancelledError, RequestAborted):
+            served = await foreign.acall(self._iterate, outputs, sink)
+            if isinstance(served, Raised):
+                self._generate_failed(request_id, served.error)
+        except asyncio.CancelledError:
             pass  # aborted: the request wants nothing more
-        except EngineDead as e:
-            self._died(f"generate({request_id!r}) raised EngineDead: {e}")
-        except Exception as e:  # stage code: whatever generate raises fails its request alone
-            log.exception("engine %s failed request", self.name, extra=_rid(request_id))
-            self._emit(
-                request_id, None, True, f"{self.name} generate() raised {type(e).__name__}: {e}"
-            )
         finally:
             aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await aclose()
+            if aclose is not None:  # what it raises, cancelled or not, changes nothing now
+                with contextlib.suppress(asyncio.CancelledError):
+                    await foreign.acall(aclose)
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
                 self._streams.pop(request_id, None)
+
+    @staticmethod
+    async def _iterate(outputs: Any, sink: LastChunkSink) -> None:
+        async for item in outputs:
+            if not sink.push(item):
+                return
+        sink.end()
+
+    def _generate_failed(self, request_id: str, e: Exception) -> None:
+        """`RequestAborted`: nothing more is wanted; `EngineDead`: the engine is; anything
+        else fails this request alone."""
+        if isinstance(e, RequestAborted):
+            return
+        if isinstance(e, EngineDead):
+            self._died(f"generate({request_id!r}) raised EngineDead: {e}")
+            return
+        log.error("engine %s failed request", self.name, exc_info=e, extra=_rid(request_id))
+        self._emit(request_id, None, True, f"{self.name} generate() raised {type(e).__name__}: {e}")
 
     def _emit(self, request_id: str, data: Any, finished: bool, error: str | None = None) -> bool:
         """Queue one output; False once the request is not wanted (aborted, engine dead)."""
@@ -274,23 +288,28 @@ class AsyncEngineDriver:
         asyncio.get_running_loop().create_task(self._abort_engine(request_id))
 
     async def _abort_engine(self, request_id: str) -> None:
-        try:
-            await self.engine.abort(request_id)
-        except Exception:  # stage code's abort: whatever it raises, the request is dropped
-            log.exception("engine %s abort() raised", self.name, extra=_rid(request_id))
+        aborted = await foreign.acall(self.engine.abort, request_id)
+        if isinstance(aborted, Raised):  # the request is dropped all the same
+            log.error(
+                "engine %s abort() raised",
+                self.name,
+                exc_info=aborted.error,
+                extra=_rid(request_id),
+            )
 
     async def _watch_health(self) -> None:
         interval = self._health_interval_s
         while True:
             await asyncio.sleep(interval)
-            try:
-                await asyncio.wait_for(self.engine.check_health(), interval)
-            except TimeoutError:
-                reason = f"check_health() did not return within {interval:g}s"
-            except Exception as e:  # stage code's check_health: any failure is unhealthy
-                reason = f"check_health() raised {type(e).__name__}: {e}"
-            else:
+            checked = await foreign.acall(
+                lambda: asyncio.wait_for(self.engine.check_health(), interval)
+            )
+            if not isinstance(checked, Raised):
                 continue
+            if isinstance(checked.error, TimeoutError):
+                reason = f"check_health() did not return within {interval:g}s"
+            else:  # any failure is unhealthy
+                reason = f"check_health() raised {checked.describe()}"
             self._died(f"{reason} (checked every OMNI_ENGINE_HEALTH_INTERVAL_S={interval:g})")
             return
 

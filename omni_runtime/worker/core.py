@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
@@ -194,10 +196,10 @@ class WorkerCore:
             if req is None or req.stream is None or not chunks:
                 continue
             req.last_input_at = now
-            try:
-                req.stream.extend([c["data"] for c in chunks], closed=bool(chunks[-1]["finished"]))
-            except Exception as e:  # stage code's stream: any failure fails that request alone
-                self._contain(rid, "taking its chunks", e, None)
+            data, closed = [c["data"] for c in chunks], bool(chunks[-1]["finished"])
+            extended = foreign.call(req.stream.extend, data, closed)  # tells stage code's
+            if isinstance(extended, Raised):  # listeners: a failure fails that request alone
+                self._contain(rid, "taking its chunks", extended.error, None)
         return bool(ready)
 
     def on_publish_failed(self, lost: Sequence[Outgoing], reason: str) -> None:

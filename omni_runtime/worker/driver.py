@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import (
@@ -98,27 +100,36 @@ class EngineDriver:
         self.quarantine.forget(request_id)
         self._given.pop(request_id, None)
         if abort and in_engine:
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # stage code: whatever its abort raises, the request is dropped
-                log.exception("stage %d: abort() raised", self.stage_id, extra=_rid(request_id))
+            aborted = foreign.call(self.engine.abort, request_id)
+            if isinstance(aborted, Raised):  # the request is dropped all the same
+                log.error(
+                    "stage %d: abort() raised",
+                    self.stage_id,
+                    exc_info=aborted.error,
+                    extra=_rid(request_id),
+                )
 
     def step(self) -> Stepped | None:
         """Step the engine if it has work; None if there was nothing to do."""
         admitted = self.quarantine.idle()
         failed = self._give_all(admitted)
         method = "has_work"
-        try:
-            if not self.engine.has_work():
-                return Stepped(failed=failed, again=bool(admitted)) if admitted else None
+        has_work = foreign.call(self.engine.has_work)
+        outputs: list[EngineOutput] | Raised = []
+        if isinstance(has_work, Raised):
+            outputs = has_work
+        elif not has_work:
+            return Stepped(failed=failed, again=bool(admitted)) if admitted else None
+        else:
             method = "step"
-            outputs = self.engine.step()
-        except StepFailed as e:
-            error = f"{self.stage_name} step() failed: {e}"
-            log.error("stage %d: %s (requests %s)", self.stage_id, error, e.request_ids)
-            return Stepped(failed=failed + [(rid, error) for rid in e.request_ids])
-        except Exception as e:  # stage code's step: whatever it raises starts the engine over
-            ended, again = self._start_over(self.describe(method, e))
+            outputs = foreign.call(self.engine.step)
+        if isinstance(outputs, Raised):
+            e = outputs.error
+            if isinstance(e, StepFailed):
+                error = f"{self.stage_name} step() failed: {e}"
+                log.error("stage %d: %s (requests %s)", self.stage_id, error, e.request_ids)
+                return Stepped(failed=failed + [(rid, error) for rid in e.request_ids])
+            ended, again = self._start_over(self.describe(method, e))  # the engine starts over
             return Stepped(failed=failed + ended, again=again)
         if self._counts:
             outputs = self._unsent(outputs, failed)
@@ -132,7 +143,9 @@ class EngineDriver:
 
     def describe(self, method: str, e: Exception) -> str:
         """Log an engine method's exception; the error its requests end with."""
-        log.exception("stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method)
+        log.error(
+            "stage %d (%s): engine %s() raised", self.stage_id, self.stage_name, method, exc_info=e
+        )
         return f"{self.stage_name} {method}() raised {type(e).__name__}: {e}"
 
     def _start_over(self, error: str) -> tuple[Failures, bool]:
@@ -161,28 +174,28 @@ class EngineDriver:
         """The engine's `reset()`, else a new one from the factory; False: neither worked."""
         engine = self.engine
         if isinstance(engine, ResettableEngine):
-            try:
-                engine.reset()
+            reset = foreign.call(engine.reset)
+            if not isinstance(reset, Raised):
                 return True
-            except Exception:  # stage code's reset: any failure falls back to a rebuild
-                log.exception("stage %d: engine reset() raised", self.stage_id)
+            log.error("stage %d: engine reset() raised", self.stage_id, exc_info=reset.error)
         if self._rebuild is None:
             return False
-        try:  # the new one first: if it cannot be built, the old one is all there is
-            self.engine = self._rebuild()
-            self._takes_params = takes_params(self.engine.add_request)
-        except Exception:  # stage code's constructor: any failure keeps the old engine
-            log.exception("stage %d: the engine could not be built anew", self.stage_id)
+        new = foreign.call(self._rebuild)  # the new one first: if it cannot be built, the
+        if isinstance(new, Raised):  # old one is all there is
+            log.error(
+                "stage %d: the engine could not be built anew", self.stage_id, exc_info=new.error
+            )
             return False
+        self.engine = new
+        self._takes_params = takes_params(new.add_request)
         self._close(engine)
         return True
 
     def _close(self, engine: StageEngine) -> None:
         if isinstance(engine, ClosableEngine):
-            try:
-                engine.close()
-            except Exception:  # stage code's close: whatever it raises, the old engine is gone
-                log.exception("stage %d: engine close() raised", self.stage_id)
+            closed = foreign.call(engine.close)
+            if isinstance(closed, Raised):  # whatever it raised, the old engine is gone
+                log.error("stage %d: engine close() raised", self.stage_id, exc_info=closed.error)
 
     def _give_all(self, request_ids: Iterable[str]) -> Failures:
         failed = []
@@ -201,14 +214,13 @@ class EngineDriver:
             if isinstance(given.data, ChunkStream):
                 given.data.rewind()
         given.runs += 1
-        try:
-            if self._takes_params:
-                add: Any = self.engine.add_request  # declares `params` (checked above)
-                add(request_id, given.data, params=given.params)
-            else:
-                self.engine.add_request(request_id, given.data)
-        except Exception as e:  # stage code's add_request: any failure fails that request alone
-            return self.describe("add_request", e)
+        if self._takes_params:
+            add: Any = self.engine.add_request  # declares `params` (checked above)
+            added = foreign.call(add, request_id, given.data, params=given.params)
+        else:
+            added = foreign.call(self.engine.add_request, request_id, given.data)
+        if isinstance(added, Raised):  # that request alone fails
+            return self.describe("add_request", added.error)
         return None
 
     def _unsent(self, outputs: list[EngineOutput], failed: Failures) -> list[EngineOutput]:

@@ -16,7 +16,10 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
 from typing import Any, cast
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.errors import ConfigError
+from omni_runtime.logs import for_request as _rid
 from omni_runtime.pipeline import StageConfig, resolve_entry
 from omni_runtime.stage_api import (
     MARKS_FINAL_ATTR,
@@ -171,26 +174,30 @@ class GeneratorEngine:
         self._call_s = took if last is None else 0.8 * last + 0.2 * took
 
     def _call(self, request_id: str, data: Any) -> None:
-        try:
-            if self._takes_params:
-                params = self._params.pop(request_id, None)
-                result = self._fn(data, **self._options, params=params)
-            else:
-                result = self._fn(data, **self._options)
-            if inspect.isasyncgen(result):
-                asyncio.run(_collect_async(result, request_id, self._emit, not self._marks_final))
-                return
-            if inspect.iscoroutine(result):
-                result = asyncio.run(result)
-            if inspect.isgenerator(result):
-                self._drain(request_id, result)
-            else:
-                self._emit(request_id, result, True)
-        except RequestAborted:
+        """Run the stage code for one request; whatever it raises fails that request alone."""
+        ran = foreign.call(self._run_stage, request_id, data)
+        if isinstance(ran, Raised) and not isinstance(ran.error, RequestAborted):
+            log.error(
+                "stage code failed for %r", request_id, exc_info=ran.error, extra=_rid(request_id)
+            )
+            self._emit(request_id, None, True, error=ran.describe())
+
+    def _run_stage(self, request_id: str, data: Any) -> None:
+        """The stage function, its coroutine or its generator (sync or async) run out."""
+        if self._takes_params:
+            params = self._params.pop(request_id, None)
+            result = self._fn(data, **self._options, params=params)
+        else:
+            result = self._fn(data, **self._options)
+        if inspect.isasyncgen(result):
+            asyncio.run(_collect_async(result, request_id, self._emit, not self._marks_final))
             return
-        except Exception as e:  # stage code: whatever it raises fails its request alone
-            log.exception("stage code failed for %r", request_id, extra={"request_id": request_id})
-            self._emit(request_id, None, True, error=f"{type(e).__name__}: {e}")
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        if inspect.isgenerator(result):
+            self._drain(request_id, result)
+        else:
+            self._emit(request_id, result, True)
 
     def _drain(self, request_id: str, gen: Generator[Any, Any, Any]) -> None:
         """Emit each chunk, holding one back unless the code marks its last with `Final`."""

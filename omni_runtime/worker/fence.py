@@ -130,11 +130,12 @@ class StallGuard:
     def after_beat(self, beat_started: float) -> None:
         if not self.fence.renew(beat_started):
             return
+        owned: Ownership | None = None
         try:
             owned = read_ownership(self.client, self.stream, self.consumer)
-        except BaseException:  # cleanup, then re-raised: the fence stays closed
-            self.fence.confirmed(float("-inf"))  # still stale: the next beat checks again
-            raise
+        finally:
+            if owned is None:  # failed: the fence stays closed, the next beat checks again
+                self.fence.confirmed(float("-inf"))
         with self._lock:
             self._checks.append((beat_started, owned))
         self._wake.set()

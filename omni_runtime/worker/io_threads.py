@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
+from omni_runtime.errors import CodecError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
@@ -255,7 +256,7 @@ class ControlThread(_Loop):
                     self._last_id = entry_id
                     try:
                         aborts.append(parse_entry(fields, AbortMsg, self.max_bytes).request_id)
-                    except Exception as e:  # CodecError, or whatever else breaks on it
+                    except CodecError as e:  # untrusted: `parse_entry` refuses it as one
                         # Broadcast: every worker sees it; the orchestrators' group on this
                         # stream dead-letters it (`orchestrator/control.py`).
                         self.metrics.inc("omni_malformed_entries_total", stream=self.stream)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from omni_runtime.core import foreign
+from omni_runtime.core.foreign import Raised
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import StageTimer
@@ -103,8 +105,7 @@ class WorkerObservation:
     def _engine_status(self) -> dict[str, Any]:
         if self._engine_stats is None:
             return {}
-        try:
-            stats = self._engine_stats()
-        except Exception as e:  # a broken count must not stop the heartbeat
-            return {"engine": {"error": f"{type(e).__name__}: {e}"}}
+        stats = foreign.call(self._engine_stats)  # the engine's: must not stop the heartbeat
+        if isinstance(stats, Raised):
+            return {"engine": {"error": stats.describe()}}
         return {"engine": asdict(stats)}

@@ -200,19 +200,70 @@ def test_no_module_is_over_400_lines() -> None:
             assert lines <= 400, f"{path.relative_to(ROOT)} has {lines} lines"
 
 
-def test_every_broad_except_says_why_it_must_be_broad() -> None:
-    """`except Exception` / `except BaseException` only with a comment on its line or the
-    line above: at a boundary (stage code, a thread's loop, untrusted bytes) or a cleanup
-    that re-raises."""
-    bare = []
-    for path in PACKAGE.rglob("*.py"):
+BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(node: ast.expr | None) -> bool:
+    """`except:`, `except Exception`, `except BaseException`, or a tuple naming either."""
+    if node is None:
+        return True
+    names = node.elts if isinstance(node, ast.Tuple) else [node]
+    return any(isinstance(n, ast.Name) and n.id in BROAD for n in names)
+
+
+def broad_handlers(package: Path = PACKAGE) -> list[tuple[str, int, bool]]:
+    """Every place that catches everything: (file, line, whether a comment on its line or
+    the line above says why). `contextlib.suppress(Exception)` counts as one too."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
         lines = path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            if re.search(r"except \(?(Base)?Exception\b", line):
-                above = lines[i - 1].strip() if i else ""
-                if "#" not in line and not above.startswith("#"):
-                    bare.append(f"{path.relative_to(ROOT)}:{i + 1}")
-    assert not bare, bare
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.ExceptHandler):
+                broad = _is_broad(node.type)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("suppress"):
+                broad = any(_is_broad(arg) for arg in node.args)
+            else:
+                continue
+            if broad:
+                line = lines[node.lineno - 1]
+                above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+                said = "#" in line or above.startswith("#")
+                found.append((path.name, node.lineno, said))
+    return found
+
+
+MAX_BROAD_EXCEPTS = 15
+"""Places that catch everything: where foreign code runs (`core/foreign.py`), where one
+request's failure is contained, and a few thread and process shells."""
+
+
+def test_broad_excepts_are_few_and_each_says_why_it_must_be_broad() -> None:
+    """A broad `except` only at a boundary (foreign code, a request contained, a thread or
+    process shell), with a comment on its line or the line above saying why; elsewhere a
+    handler names what can arrive. A cleanup that re-raises is a `finally`."""
+    found = broad_handlers()
+    assert len(found) <= MAX_BROAD_EXCEPTS, [f"{f}:{n}" for f, n, _ in found]
+    assert not [f"{f}:{n}" for f, n, said in found if not said]
+
+
+def test_the_broad_except_count_sees_every_form(tmp_path: Path) -> None:
+    (tmp_path / "forms.py").write_text(
+        "import contextlib\n"
+        "try:\n    pass\nexcept:  # 3\n    pass\n"
+        "try:\n    pass\nexcept Exception:\n    pass\n"
+        "try:\n    pass\n# 11: said above\nexcept BaseException as e:\n    pass\n"
+        "try:\n    pass\nexcept (OSError, Exception):\n    pass\n"
+        "with contextlib.suppress(ValueError, Exception):\n    pass\n"
+        "try:\n    pass\nexcept (OSError, ValueError):  # narrow: not counted\n    pass\n"
+        "with contextlib.suppress(OSError):\n    pass\n"
+    )
+    assert broad_handlers(tmp_path) == [
+        ("forms.py", 4, True),
+        ("forms.py", 8, False),
+        ("forms.py", 13, True),
+        ("forms.py", 17, False),
+        ("forms.py", 19, False),
+    ]
 
 
 READS_THE_ENVIRONMENT = {
