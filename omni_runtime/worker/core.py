@@ -196,7 +196,11 @@ class WorkerCore:
             if req is None or req.stream is None or not chunks:
                 continue
             req.last_input_at = now
-            data, closed = [c["data"] for c in chunks], bool(chunks[-1]["finished"])
+            try:
+                data, closed = [c["data"] for c in chunks], bool(chunks[-1]["finished"])
+            except (KeyError, TypeError) as e:  # not a chunk as a sender writes one
+                self._contain(rid, "taking its chunks", e, None)
+                continue
             extended = foreign.call(req.stream.extend, data, closed)  # tells stage code's
             if isinstance(extended, Raised):  # listeners: a failure fails that request alone
                 self._contain(rid, "taking its chunks", extended.error, None)
