@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
+import msgspec
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -292,7 +293,12 @@ class RedisConnector:
                 time.sleep(delay_s)
 
     def _encode(self, name: str, obj: Any) -> bytes:
-        data = codec.encode(obj)
+        """A chunk whose data is encoded already (`msgspec.Raw`: a worker's, the bytes of
+        its output's data) is written around those bytes; anything else by `codec.encode`."""
+        if type(obj) is dict and type(obj.get("data")) is msgspec.Raw:
+            data = codec.encode_decoded(obj)
+        else:
+            data = codec.encode(obj)
         if len(data) > self.max_bytes:
             raise CodecError(f"{name}: {len(data)} bytes exceed the limit of {self.max_bytes}")
         return data

@@ -15,7 +15,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-_IMMUTABLE: frozenset[type] = frozenset((str, bytes, int, float, bool, type(None)))
+import msgspec
+
+_IMMUTABLE: frozenset[type] = frozenset((str, bytes, int, float, bool, type(None), msgspec.Raw))
+"""(`msgspec.Raw`: data encoded already, as a worker saves its outputs' chunks.)"""
 
 
 def snapshot(obj: Any) -> Any:

@@ -3,8 +3,9 @@
 Every output of a request carries the next `seq` (0, 1, 2, …), so the client can
 drop repeats and notice a gap (SPEC §6). Outputs for one client that leave in the same
 round trip share one stream entry (a batch), up to `max_message_bytes`. Each message
-is encoded from a plain dict, without a model: every field comes from state the
-orchestrator already validated (`OrchOutputMsg` is what the client validates it as). Both maps follow the requests in flight:
+is an `OrchOutputOut` (made from `OrchOutputMsg`, which the client validates it as):
+every field comes from state the orchestrator already validated. Both maps follow the
+requests in flight:
 an entry is made when the request is read and dropped with its final output.
 """
 
@@ -16,8 +17,9 @@ from typing import Any
 from omni_runtime import keys
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.wire import codec
-from omni_runtime.wire.messages import WIRE_VERSION, clip_error
+from omni_runtime.wire import outgoing
+from omni_runtime.wire.messages import clip_error
+from omni_runtime.wire.outgoing import OrchOutputOut
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +78,15 @@ class ClientOutbox:
         error: str | None,
         seq: int,
     ) -> None:
-        msg = {
-            "v": WIRE_VERSION,
-            "type": "orch_output",
-            "request_id": request_id,
-            "stage_id": stage_id,
-            "data": data,
-            "finished": finished,
-            "error": None if error is None else clip_error(error),
-            "seq": seq,
-        }
+        msg = OrchOutputOut(
+            request_id=request_id,
+            stage_id=stage_id,
+            data=data,  # as a stage's output was read
+            finished=finished,
+            error=None if error is None else clip_error(error),
+            seq=seq,
+        )
         stream = self.names.client_out(client_id)
-        fields = {keys.PAYLOAD_FIELD: codec.encode_decoded(msg)}  # data as a stage's output read
+        fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}
         self.writer.xadd(stream, fields, merge_up_to=self.max_message_bytes, owner=request_id)
         self.writer.expire(stream, self.stream_ttl_s)

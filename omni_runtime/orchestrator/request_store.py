@@ -44,8 +44,9 @@ from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, Op
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.wire import codec
+from omni_runtime.wire import codec, outgoing
 from omni_runtime.wire.messages import MAX_WALL_CLOCK_S, DurableRequest
+from omni_runtime.wire.outgoing import DurableRequestOut
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ GRACE_S = 60.0
 _NONE: dict[Any, Any] = {}
 """No stage data (never written to)."""
 
-Describe = Callable[[str, ReqState], dict[str, Any] | None]
-"""A request's `DurableRequest` fields, a dict of its own (None: do not keep it)."""
+Describe = Callable[[str, ReqState], DurableRequestOut | None]
+"""A request's `DurableRequest` (None: do not keep it)."""
 Failed = Callable[[str, Exception], None]
 """A request whose state could not be written, and why."""
 
@@ -144,7 +145,7 @@ class RequestStore:
                     if had := self._chunks.pop(rid, None):
                         drops.extend(_fields(rid, had, _NONE))
                 continue
-            kept: dict[int, list[Any]] = doc.get("stage_data") or {}
+            kept: dict[int, list[Any]] = doc.stage_data
             had = self._chunks.get(rid, _NONE)
             new: dict[str | bytes, bytes] = _NONE
             counts: dict[int, int] = _NONE
@@ -156,10 +157,9 @@ class RequestStore:
                         for sid, data in kept.items()
                         for i in range(0 if rid in renewed else had.get(sid, 0), len(data))
                     }  # data as read
-                doc["stage_data"], doc["stage_chunks"] = _NONE, counts  # `describe` made it
-                deadline_at = doc["deadline_at"]
-                until = None if deadline_at is None else expiry_ms(deadline_at)
-                blob = codec.encode_decoded(doc)
+                doc = outgoing.replace(doc, stage_data=_NONE, stage_chunks=counts)
+                until = None if doc.deadline_at is None else expiry_ms(doc.deadline_at)
+                blob = outgoing.encode(doc)
             except (CodecError, ValueError) as e:  # it cannot be encoded, its deadline is out of
                 # range: this request fails; the others' states are written
                 self._failed(rid, e)

@@ -20,7 +20,7 @@ import io
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 from redis.exceptions import RedisError
 
@@ -44,7 +44,7 @@ from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.liveness import no_live_worker
 from omni_runtime.redis_io.streams import BadEntry, GroupReader, ensure_group
 from omni_runtime.watchdog import Progress
-from omni_runtime.wire.messages import WIRE_VERSION
+from omni_runtime.wire.outgoing import DurableRequestOut
 from omni_runtime.wire.views import AbortView, ClientCommandView, RequestView
 
 log = logging.getLogger(__name__)
@@ -200,9 +200,9 @@ class SlotService:
             log.warning("slot %d: %d requests in flight restored", self.slot, len(docs))
         return len(docs)
 
-    def _describe(self, rid: str, state: ReqState) -> dict[str, Any] | None:
-        """The request's `DurableRequest` as a plain dict: built on every hop, so without
-        the model's validation (it is validated when loaded)."""
+    def _describe(self, rid: str, state: ReqState) -> DurableRequestOut | None:
+        """The request's `DurableRequest`, as its writer's struct: built on every hop, so
+        without the model's validation (it is validated when loaded)."""
         client_id = self.client_of.get(rid)
         if client_id is None:
             return None
@@ -216,22 +216,20 @@ class SlotService:
             if self.shared.pipeline.mode == "sequential"
             else {}
         )
-        return {
-            "v": WIRE_VERSION,
-            "type": "request_state",
-            "request_id": rid,
-            "client_id": client_id,
-            "prompt": state.prompt,
-            "params": state.params,
-            "deadline_at": self.deadline_at.get(rid),
-            "submitted": sorted(state.submitted),
-            "finished": sorted(state.finished),
-            "stage_data": kept,
-            "stage_seq": {
+        return DurableRequestOut(
+            request_id=rid,
+            client_id=client_id,
+            prompt=state.prompt,
+            params=state.params,
+            deadline_at=self.deadline_at.get(rid),
+            submitted=sorted(state.submitted),
+            finished=sorted(state.finished),
+            stage_data=kept,
+            stage_seq={
                 st.stage_id: st.handled_seq[rid] for st in self.stages if rid in st.handled_seq
             },
-            "out_seq": self.outbox.next_seq(rid),
-        }
+            out_seq=self.outbox.next_seq(rid),
+        )
 
     def _changed(self, rid: str, state: ReqState | None) -> None:
         self.store.changed(rid, state)

@@ -4,9 +4,9 @@
 `StreamWriter`; `get_output` reads the stage's output stream with the kit's
 `GroupReader` (backlog first, malformed entries dead-lettered). An entry may carry
 several outputs (a worker batches each round trip's); it is acknowledged only once
-the orchestrator handled every output in it (`output_handled`). Inputs are encoded
-from plain dicts, without a model: every field is the orchestrator's own (the worker
-validates them as `StageInputMsg`).
+the orchestrator handled every output in it (`output_handled`). Inputs are built as
+`StageInputOut` (made from `StageInputMsg`), without the model's validation: every
+field is the orchestrator's own (the worker validates them as `StageInputMsg`).
 
 One client serves one orchestrator slot: its inputs name the slot as their owner,
 so workers answer on the slot's own output stream, read with the slot's consumer
@@ -32,8 +32,9 @@ from omni_runtime.redis_io.joint_read import JointRead
 from omni_runtime.redis_io.liveness import Fence
 from omni_runtime.redis_io.streams import GroupReader, entry_fields
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.wire import codec
-from omni_runtime.wire.messages import WIRE_VERSION, AbortMsg
+from omni_runtime.wire import outgoing
+from omni_runtime.wire.messages import AbortMsg
+from omni_runtime.wire.outgoing import StageInputOut
 from omni_runtime.wire.views import StageOutputRelayView, StageOutputView
 
 log = logging.getLogger(__name__)
@@ -149,18 +150,15 @@ class RedisStageClient:
         if (tracer := self.obs.tracer) is not None:
             tracer.stamp("input_submitted", request_id, self.stage_id)
         trace = request_id in self.obs.traced
-        msg = {
-            "v": WIRE_VERSION,
-            "type": "stage_input",
-            "request_id": request_id,
-            "trace": trace,
-            "data": data,
-            "streaming": self.streaming,
-            "owner": self.slot,
-        }
-        if params:
-            msg["params"] = params
-        fields = {keys.PAYLOAD_FIELD: codec.encode(msg)}  # bad data raises here
+        msg = StageInputOut(
+            request_id=request_id,
+            trace=trace,
+            data=data,
+            streaming=self.streaming,
+            owner=self.slot,
+            params=params or None,
+        )
+        fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}  # bad data raises here
         trace_id = (request_id, self.stage_id)
         self.writer.xadd(self.in_stream, fields, urgent=True, trace=trace_id, owner=request_id)
 

@@ -53,6 +53,7 @@ __all__ = [
     "encode",
     "encode_decoded",
     "encode_model",
+    "encode_raw",
     "typed_decoder",
     "warm_up",
 ]
@@ -81,6 +82,19 @@ def encode(obj: Any) -> bytes:
     its buffer cost more than the packing itself for a small message (docs/performance.md). A packer that failed, is in use further up this thread's stack,
     or grew past `_PACKER_KEEP_BYTES` is not kept."""
     check_depth(obj)
+    return _pack(obj)
+
+
+def encode_raw(obj: Any, max_depth: int = MAX_DEPTH - 1) -> msgspec.Raw:
+    """`encode` of a value that sits inside a message (`max_depth`: what is left of
+    `MAX_DEPTH` there, one level below the message's map), as `msgspec.Raw`: the message
+    around it goes to `encode_decoded`, which writes these bytes as they are. So a value
+    from user code is encoded by `encode`'s rules, once, however many messages carry it."""
+    check_field(obj, max_depth)
+    return msgspec.Raw(_pack(obj))
+
+
+def _pack(obj: Any) -> bytes:
     packer: msgpack.Packer | None = getattr(_PACKERS, "packer", None)
     _PACKERS.packer = None  # taken: a re-entrant call makes its own
     if packer is None:
@@ -101,7 +115,8 @@ def encode_decoded(obj: Any) -> bytes:
     containers of the types in the mapping above): the same bytes, ~4x sooner, by msgspec.
 
     Never for a value from user code: msgspec encodes sets, dataclasses, naive datetimes
-    and more, which `encode` refuses. Hand those to `encode`."""
+    and more, which `encode` refuses. Hand those to `encode`, or to `encode_raw` first: a
+    `msgspec.Raw` is written as it is, and so is a message struct (`wire.outgoing`)."""
     check_depth(obj)
     try:
         return _ENCODER.encode(obj)
@@ -163,6 +178,13 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
 def check_depth(obj: Any) -> None:
     """`CodecError` if `obj` nests deeper than `MAX_DEPTH` (a root array: one more)."""
     if not within(obj, MAX_DEPTH + 1 if type(obj) is list else MAX_DEPTH):
+        raise CodecError(_too_deep(MAX_DEPTH))
+
+
+def check_field(obj: Any, max_depth: int = MAX_DEPTH - 1) -> None:
+    """`CodecError` if a message's field nests deeper than what is left of `MAX_DEPTH`
+    there (`max_depth`: one level below the message's map)."""
+    if not within(obj, max_depth):
         raise CodecError(_too_deep(MAX_DEPTH))
 
 

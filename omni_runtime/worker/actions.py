@@ -7,7 +7,8 @@ and ownership snapshots without importing the core.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from omni_runtime.stage_api import ChunkStream
 from omni_runtime.wire.messages import StageInputMsg
@@ -45,7 +46,9 @@ class Actions:
 
     outputs: list[Outgoing] = field(default_factory=list)
     acks: list[bytes] = field(default_factory=list)
-    chunk_saves: list[tuple[str, Any, bool]] = field(default_factory=list)
+    chunk_saves: list[tuple[str, msgspec.Raw, bool]] = field(default_factory=list)
+    """(request, its output's data as encoded for its output message, final): the chunk
+    carries the same bytes (`chunks.redis.RedisConnector` writes them as they are)."""
     discards: list[str] = field(default_factory=list)
     receiver_loads: list[str] = field(default_factory=list)
     receiver_cleanups: list[str] = field(default_factory=list)

@@ -21,8 +21,9 @@ from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import ChunkStream, EngineOutput, StageEngine
-from omni_runtime.wire import codec
-from omni_runtime.wire.messages import WIRE_VERSION, clip_error
+from omni_runtime.wire import codec, outgoing
+from omni_runtime.wire.messages import clip_error
+from omni_runtime.wire.outgoing import StageOutputOut
 from omni_runtime.worker.actions import Actions, ActiveRequest, Input, Outgoing, Ownership
 from omni_runtime.worker.driver import EngineDriver
 from omni_runtime.worker.poison import POISON_STRIKES
@@ -30,6 +31,8 @@ from omni_runtime.worker.poison import POISON_STRIKES
 log = logging.getLogger(__name__)
 
 MODES = ("sequential", "streaming")  # by `streaming`; an input in the other mode fails
+CHUNK_ENVELOPE_BYTES = len(codec.encode({"data": None, "finished": False})) - 1
+"""What a chunk (`core.chunk_book.Chunk`) adds to its data's encoded bytes."""
 ABORT_MEMORY_S, ABORT_MEMORY_MAX = 60.0, 10_000
 """Aborted ids are remembered (to drop their late inputs) this long, and at most this many."""
 
@@ -254,17 +257,26 @@ class WorkerCore:
             self._recent_aborts.popitem(last=False)
 
     def _emit(self, out: EngineOutput) -> None:
-        """One engine output: encode it (or turn it into the request's error), publish it."""
+        """One engine output: encode it (or turn it into the request's error), publish it.
+
+        Its data is encoded once, here: the bytes go into the output the orchestrator
+        reads and, as they are, into the chunk the next stage reads. What cannot travel
+        fails the request here, a chunk the orchestrator will not see too."""
         rid = out.request_id
         req = self._active.get(rid)
         if req is None:
             return  # aborted or failed meanwhile
         is_error = out.error is not None
         ends = out.finished or is_error
-        try:  # even a chunk the orchestrator will not see: what cannot travel fails here
-            payload = _encode_output(rid, out.data, out.finished, out.error, req.seq)
-            if len(payload) > self.max_message_bytes:  # the reader would refuse it
-                raise CodecError(f"{len(payload)} bytes > OMNI_MAX_MESSAGE_BYTES")
+        reported = is_error or self.reports_outputs  # else its chunks carry it on (SPEC §6)
+        payload = b""
+        try:
+            data = codec.encode_raw(out.data)
+            if reported:
+                payload = _encode_output(rid, data, out.finished, out.error, req.seq)
+            size = len(payload) if reported else len(data) + CHUNK_ENVELOPE_BYTES
+            if size > self.max_message_bytes:  # the reader would refuse it
+                raise CodecError(f"{size} bytes > OMNI_MAX_MESSAGE_BYTES")
         except CodecError as e:
             log.error("stage %d: output cannot be sent: %s", self.stage_id, e, extra=_rid(rid))
             self._fail(rid, f"output cannot be sent: {e}", abort_engine=not ends)
@@ -272,8 +284,8 @@ class WorkerCore:
         if is_error:
             self._actions.discards.append(rid)
         elif self.sends_chunks:
-            self._actions.chunk_saves.append((rid, out.data, out.finished))
-        if not (is_error or self.reports_outputs):  # its chunks carry it on (SPEC §6)
+            self._actions.chunk_saves.append((rid, data, out.finished))
+        if not reported:
             if not ends:
                 req.seq += 1
                 return
@@ -308,7 +320,8 @@ class WorkerCore:
 
 
 def _encode_output(rid: str, data: Any, finished: bool, error: str | None, seq: int) -> bytes:
-    """A `StageOutputMsg`'s wire bytes from a dict: no model per chunk (the reader validates)."""
-    msg = {"v": WIRE_VERSION, "type": "stage_output", "request_id": rid, "data": data}
+    """A `StageOutputMsg`'s wire bytes, built as its `StageOutputOut`: no model per output
+    (the reader validates it)."""
     error = None if error is None else clip_error(error)
-    return codec.encode(msg | {"finished": finished, "error": error, "seq": seq})
+    msg = StageOutputOut(request_id=rid, data=data, finished=finished, error=error, seq=seq)
+    return outgoing.encode(msg)

@@ -15,27 +15,22 @@ from omni_runtime.core.types import ReqState
 from omni_runtime.orchestrator.request_store import GRACE_S, RequestStore, to_state
 from omni_runtime.redis_io.write_ops import ExpireAt, HashDrop, HashPut, fill_pipeline
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.wire import codec
-from omni_runtime.wire.messages import WIRE_VERSION
+from omni_runtime.wire import codec, outgoing
+from omni_runtime.wire.outgoing import DurableRequestOut
 
 NAMES = keys.Names("t")
 
 
 def describe_with(deadlines: dict[str, float | None]) -> Any:
-    def describe(rid: str, state: ReqState) -> dict[str, Any]:
-        return {
-            "v": WIRE_VERSION,
-            "type": "request_state",
-            "request_id": rid,
-            "client_id": "c1",
-            "prompt": state.prompt,
-            "deadline_at": deadlines[rid],
-            "submitted": sorted(state.submitted),
-            "finished": sorted(state.finished),
-            "stage_data": {},
-            "stage_seq": {},
-            "out_seq": 0,
-        }
+    def describe(rid: str, state: ReqState) -> DurableRequestOut:
+        return DurableRequestOut(
+            request_id=rid,
+            client_id="c1",
+            prompt=state.prompt,
+            deadline_at=deadlines[rid],
+            submitted=sorted(state.submitted),
+            finished=sorted(state.finished),
+        )
 
     return describe
 
@@ -128,11 +123,11 @@ def test_the_hash_goes_with_its_last_state(ended: bool) -> None:
     asyncio.run(main())
 
 
-def describe_kept(rid: str, state: ReqState) -> dict[str, Any]:
+def describe_kept(rid: str, state: ReqState) -> DurableRequestOut:
     """As the orchestrator's: the data of every stage not finished (sequential mode)."""
-    doc: dict[str, Any] = describe_with({rid: None})(rid, state)
-    doc["stage_data"] = {s: d for s, d in state.stage_data.items() if s not in state.finished}
-    return doc
+    doc: DurableRequestOut = describe_with({rid: None})(rid, state)
+    kept = {s: d for s, d in state.stage_data.items() if s not in state.finished}
+    return outgoing.replace(doc, stage_data=kept)
 
 
 def chunk(sid: int, i: int, rid: str = "a") -> bytes:
@@ -224,7 +219,7 @@ def test_a_state_with_its_data_inline_loads_and_moves_it_to_chunk_fields() -> No
         client = fakeredis.FakeAsyncRedis()
         key = NAMES.orchestrator_states(0)
         old = describe_kept("a", ReqState(prompt="p", submitted={0}, stage_data={0: ["t0"]}))
-        await client.hset(key, "a", codec.encode(old))
+        await client.hset(key, "a", outgoing.encode(old))
         store = RequestStore(StreamWriter(client, 100), NAMES, 0, describe_kept)
         (doc,) = await store.load(client, max_bytes=1 << 20)
         st = to_state(doc)

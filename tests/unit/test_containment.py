@@ -20,7 +20,8 @@ from omni_runtime.orchestrator.request_store import RequestStore
 from omni_runtime.redis_io.write_ops import ExpireAt, HashPut
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire import codec
-from omni_runtime.wire.messages import WIRE_VERSION, StageOutputMsg
+from omni_runtime.wire.messages import StageOutputMsg
+from omni_runtime.wire.outgoing import DurableRequestOut
 from tests.fakes import identity_forward, seed_stages
 from tests.unit.test_worker_core import inp, make
 from tests.waiting import wait_for
@@ -123,19 +124,17 @@ def test_a_state_that_cannot_be_written_fails_its_request_alone() -> None:
     failed: list[tuple[str, str]] = []
     docs: dict[str, Any] = {"good": now + 10, "inf": float("inf"), "nan": float("nan")}
 
-    def describe(rid: str, state: ReqState) -> dict[str, Any]:
+    def describe(rid: str, state: ReqState) -> DurableRequestOut:
         if rid == "broken":
             raise KeyError("describe broke")
-        return {
-            "v": WIRE_VERSION,
-            "type": "request_state",
-            "request_id": rid,
-            "client_id": "c1",
-            "prompt": state.prompt,
-            "deadline_at": docs.get(rid, now + 5),
-            "submitted": [0],
-            "finished": [],
-        }
+        return DurableRequestOut(
+            request_id=rid,
+            client_id="c1",
+            prompt=state.prompt,
+            deadline_at=docs.get(rid, now + 5),
+            submitted=[0],
+            finished=[],
+        )
 
     writer = StreamWriter(fakeredis.FakeAsyncRedis(), maxlen=100)
     store = RequestStore(

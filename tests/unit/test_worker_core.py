@@ -83,6 +83,11 @@ def published(actions: Actions) -> list[tuple[str, int, Any, bool, str | None]]:
     return [(m.request_id, m.seq, m.data, m.finished, m.error) for m in msgs]
 
 
+def saved(actions: Actions) -> list[tuple[str, Any, bool]]:
+    """The chunks the shell is to save, their data decoded (the core encodes it once)."""
+    return [(rid, codec.decode(bytes(raw)), last) for rid, raw, last in actions.chunk_saves]
+
+
 def test_outputs_carry_per_request_sequence_numbers_and_the_final_acks_its_input() -> None:
     core, _ = make()
     core.on_input(inp("a", [1, 2, 3]), now=0)
@@ -167,7 +172,7 @@ def test_streaming_outputs_are_saved_as_chunks_and_errors_discard_them() -> None
     while core.step():
         pass
     actions = core.take_actions()
-    assert actions.chunk_saves == [("a", 1, False), ("a", 2, True)]
+    assert saved(actions) == [("a", 1, False), ("a", 2, True)]
     assert actions.receiver_cleanups == [] and actions.discards == []
     core.on_input(inp("b", [3]), now=0)
     engine.fail_on["step"] = StepFailed(["b"], "bad")
@@ -183,7 +188,7 @@ def test_a_streaming_stage_that_is_not_final_reports_only_its_end_and_without_da
     while core.step():
         pass
     actions = core.take_actions()
-    assert actions.chunk_saves == [("a", 1, False), ("a", 2, False), ("a", 3, True)]
+    assert saved(actions) == [("a", 1, False), ("a", 2, False), ("a", 3, True)]
     assert published(actions) == [("a", 2, None, True, None)]
     assert [o.ack for o in actions.outputs] == [b"a-0"]
     core.on_input(inp("b", [{1, 2}]), now=0)  # what cannot travel still fails its request
