@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import fakeredis
+import msgspec
+import numpy as np
 import pytest
 
+from omni_runtime import keys
+from omni_runtime.chunks.redis import RedisConnector
+from omni_runtime.chunks.transport import ChunkRejected
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.stage_api import EngineOutput, StepFailed
 from omni_runtime.wire import codec
@@ -207,6 +213,50 @@ def test_an_output_that_cannot_travel_fails_its_request() -> None:
     assert error is not None and error.startswith("output cannot be sent")
     assert engine.aborted == ["a"]
     assert core.metrics.value("omni_requests_failed_total", stage=1) == 1
+
+
+def test_an_outputs_data_is_encoded_once_for_its_output_and_its_chunk() -> None:
+    """The output message and the chunk carry the same bytes; the chunk is written around
+    them exactly as a chunk encoded whole would be."""
+    pcm = np.arange(6, dtype=np.float32)
+    core, _engine = make(sends_chunks=True)  # reports its outputs and sends chunks
+    core.on_input(inp("a", [{"pcm": pcm, "text": "hi"}]), now=0)
+    core.step()
+    actions = core.take_actions()
+    ((_rid, raw, last),) = actions.chunk_saves
+    (out,) = actions.outputs
+    assert isinstance(raw, msgspec.Raw) and bytes(raw) in out.payload
+    msg = codec.decode_model(out.payload, StageOutputMsg)
+    np.testing.assert_array_equal(msg.data["pcm"], pcm)
+    server = fakeredis.FakeServer()
+    connector = RedisConnector(fakeredis.FakeRedis(server=server), ttl_s=60)
+    connector.put_batch([("a_1_0", {"data": raw, "finished": last}, True)])
+    stored = fakeredis.FakeRedis(server=server).get(keys.stored_chunk_key("a_1_0", ""))
+    assert stored == codec.encode({"data": {"pcm": pcm, "text": "hi"}, "finished": True})
+
+
+@pytest.mark.parametrize("size", [99, 100, 101])
+def test_a_chunk_the_orchestrator_will_not_see_is_held_to_the_chunks_own_limit(size: int) -> None:
+    """What its transport would refuse fails the request here, and nothing else does."""
+    envelope = len(codec.encode({"data": "x" * 40, "finished": True})) - 40  # a str8
+    text = "x" * (size - envelope)
+    chunk = {"data": text, "finished": True}
+    assert len(codec.encode(chunk)) == size
+    core, _engine = make(sends_chunks=True, reports_outputs=False, max_message_bytes=100)
+    core.on_input(inp("a", [text]), now=0)
+    core.step()
+    actions = core.take_actions()
+    ((_rid, _seq, _data, finished, error),) = published(actions)
+    assert finished and (error is None) == (size <= 100)
+    connector = RedisConnector(fakeredis.FakeRedis(), ttl_s=60, max_bytes=100)
+    if size <= 100:
+        ((_rid, raw, last),) = actions.chunk_saves
+        connector.put_batch([("a_1_0", {"data": raw, "finished": last}, True)])
+        assert connector.get("a_1_0") == chunk
+    else:
+        assert actions.chunk_saves == [] and "output cannot be sent" in str(error)
+        with pytest.raises(ChunkRejected):
+            connector.put_batch([("a_1_0", chunk, True)])
 
 
 def test_a_step_that_raises_with_no_reset_and_no_factory_fails_every_request_it_holds() -> None:
