@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import redis
 from pydantic import TypeAdapter
@@ -33,8 +34,9 @@ from omni_runtime.redis_io import conn as rconn
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.raw_reads import xreadgroup_sync
 from omni_runtime.redis_io.write_ops import XAdd
-from omni_runtime.wire import codec
+from omni_runtime.wire import codec, outgoing
 from omni_runtime.wire.messages import StageOutputMsg
+from omni_runtime.wire.outgoing import OrchOutputOut, StageOutputOut
 from omni_runtime.wire.views import StageOutputView, decode_views
 
 RESULTS = Path(__file__).resolve().parent / "results" / "micro.json"
@@ -85,12 +87,51 @@ def pair(name: str, chosen: Op, other: Op, reps: int, calls: int) -> dict[str, A
     }
 
 
+def output_as_dict(rid: str, data: Any, seq: int) -> bytes:
+    """A stage output as the worker wrote it before `wire.outgoing`: a dict literal."""
+    msg = {"v": 1, "type": "stage_output", "request_id": rid, "data": data, "finished": False}
+    return codec.encode(msg | {"error": None, "seq": seq})
+
+
+def output_as_struct(rid: str, data: Any, seq: int) -> bytes:
+    """A stage output as the worker writes it: its data once (`codec.encode_raw`), then
+    the `StageOutputOut` around it."""
+    raw = codec.encode_raw(data)
+    return outgoing.encode(StageOutputOut(request_id=rid, data=raw, finished=False, seq=seq))
+
+
+def output_and_chunk_as_dicts(rid: str, data: Any, seq: int) -> bytes:
+    """A streaming stage's output and chunk before: the output whole (to measure it, even
+    when not sent), a snapshot for the SAVE thread, the chunk encoded there again."""
+    output_as_dict(rid, data, seq)
+    return codec.encode({"data": snapshot(data), "finished": False})
+
+
+def output_and_chunk_as_structs(rid: str, data: Any, seq: int) -> bytes:
+    """And now: the data encoded once; the output and the chunk carry those bytes."""
+    raw = codec.encode_raw(data)
+    outgoing.encode(StageOutputOut(request_id=rid, data=raw, finished=False, seq=seq))
+    return codec.encode_decoded({"data": snapshot(raw), "finished": False})
+
+
+def client_output_as_dict(data: Any) -> bytes:
+    """A client output as the outbox wrote it before `wire.outgoing`."""
+    msg = {"v": 1, "type": "orch_output", "request_id": "r1", "stage_id": 1, "data": data}
+    return codec.encode_decoded(msg | {"finished": False, "error": None, "seq": 3})
+
+
+def client_output_as_struct(data: Any) -> bytes:
+    msg = OrchOutputOut(request_id="r1", stage_id=1, data=data, finished=False, seq=3)
+    return outgoing.encode(msg)
+
+
 def in_process(reps: int, calls: int) -> list[dict[str, Any]]:
     small = ("XADD", "omni:stage:1:out", "MAXLEN", "~", 10000, "*", "m", b"x" * 200)
     python = PythonRespSerializer(6000, redis.ConnectionPool().get_encoder().encode)
     msg = {"v": 1, "type": "stage_output", "request_id": "r1", "data": "hello", "finished": False}
     raw = codec.encode({**msg, "error": None, "seq": 3})
     chunk = {"tokens": list(range(64)), "text": "a talker's chunk", "pcm": np.zeros(480)}
+    relayed = msgspec.Raw(codec.encode(chunk))
     return [
         pair(
             "pack a small XADD: hiredis (conn.pack_small) / redis-py's Python packer",
@@ -103,6 +144,43 @@ def in_process(reps: int, calls: int) -> list[dict[str, Any]]:
             "read a stage output: msgspec view (wire.views) / msgpack + pydantic model",
             lambda: decode_views(raw, StageOutputView, False),
             lambda: StageOutputMsg.model_validate(codec.decode(raw)),
+            reps,
+            calls,
+        ),
+        pair(
+            "write a stage output (a token): outgoing struct / a pydantic model",
+            lambda: output_as_struct("r1", "hello", 3),
+            lambda: codec.encode_model(
+                StageOutputMsg(request_id="r1", data="hello", seq=3, finished=False)
+            ),
+            reps,
+            calls,
+        ),
+        pair(
+            "write a stage output (a token): outgoing struct / a dict literal",
+            lambda: output_as_struct("r1", "hello", 3),
+            lambda: output_as_dict("r1", "hello", 3),
+            reps,
+            calls,
+        ),
+        pair(
+            "write a stage output (audio chunk): outgoing struct / a dict literal",
+            lambda: output_as_struct("r1", chunk, 3),
+            lambda: output_as_dict("r1", chunk, 3),
+            reps,
+            calls,
+        ),
+        pair(
+            "a streaming output and its chunk (audio): data encoded once / twice + snapshot",
+            lambda: output_and_chunk_as_structs("r1", chunk, 3),
+            lambda: output_and_chunk_as_dicts("r1", chunk, 3),
+            reps,
+            calls,
+        ),
+        pair(
+            "write a client output (relayed audio): outgoing struct / a dict literal",
+            lambda: client_output_as_struct(relayed),
+            lambda: client_output_as_dict(relayed),
             reps,
             calls,
         ),

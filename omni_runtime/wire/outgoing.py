@@ -41,14 +41,14 @@ def out_struct(model: type[BaseModel], name: str) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, fields, kw_only=True, frozen=True, module=__name__)
 
 
-def _nests(annotation: Any) -> bool:
-    """Whether a field of this annotation may hold lists or maps (its depth is checked)."""
+def _free_form(annotation: Any) -> bool:
+    """Whether a field of this annotation holds values of any shape (`Any` within it)."""
+    if annotation is Any:
+        return True
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Annotated:
-        return _nests(args[0])
-    if origin in (Union, UnionType):
-        return any(_nests(a) for a in args)
-    return annotation is Any or origin in (list, dict)
+        return _free_form(args[0])
+    return origin in (Union, UnionType, list, dict) and any(_free_form(a) for a in args)
 
 
 if TYPE_CHECKING:  # to the type checker a struct is its model: the same fields, by making
@@ -80,11 +80,12 @@ USER_DATA: Final[dict[Any, str]] = {StageInputOut: "data", StageOutputOut: "data
 """The field of a message that carries a value from stage code (an engine's output,
 `forward_fn`'s): encoded by msgpack's rules (`codec.encode_raw`), never msgspec's."""
 
-_NESTING: Final[dict[Any, tuple[str, ...]]] = {
-    struct: tuple(n for n, info in model.model_fields.items() if _nests(info.annotation))
+_FREE_FORM: Final[dict[Any, tuple[str, ...]]] = {
+    struct: tuple(n for n, info in model.model_fields.items() if _free_form(info.annotation))
     for struct, model in MODEL_OF.items()
 }
-"""Each struct's fields that may hold lists or maps: their depth is bounded."""
+"""Each struct's fields of free form (a prompt, a stage's data): how deep they nest is
+bounded here. The others' shapes are their model's (a list of ints, a map of scalars)."""
 
 M = TypeVar("M")
 
@@ -96,7 +97,7 @@ def encode(msg: Out) -> bytes:
     user = USER_DATA.get(kind)
     if user is not None and type(getattr(msg, user)) is not msgspec.Raw:
         msg = replace(msg, **{user: codec.encode_raw(getattr(msg, user))})
-    for name in _NESTING[kind]:
+    for name in _FREE_FORM[kind]:
         codec.check_field(getattr(msg, name))
     return codec.encode_decoded(msg)
 
