@@ -80,6 +80,9 @@ USER_DATA: Final[dict[Any, str]] = {StageInputOut: "data", StageOutputOut: "data
 """The field of a message that carries a value from stage code (an engine's output,
 `forward_fn`'s): encoded by msgpack's rules (`codec.encode_raw`), never msgspec's."""
 
+_AS_IS: Final = frozenset((msgspec.Raw, type(None), bool, int, float, str, bytes))
+"""Values msgspec writes as msgpack would (or refuses as it would): no `encode_raw`."""
+
 _FREE_FORM: Final[dict[Any, tuple[str, ...]]] = {
     struct: tuple(n for n, info in model.model_fields.items() if _free_form(info.annotation))
     for struct, model in MODEL_OF.items()
@@ -95,7 +98,7 @@ def encode(msg: Out) -> bytes:
     (the wire format does not name it, or it nests deeper than `codec.MAX_DEPTH`)."""
     kind = type(msg)
     user = USER_DATA.get(kind)
-    if user is not None and type(getattr(msg, user)) is not msgspec.Raw:
+    if user is not None and type(getattr(msg, user)) not in _AS_IS:
         msg = replace(msg, **{user: codec.encode_raw(getattr(msg, user))})
     for name in _FREE_FORM[kind]:
         codec.check_field(getattr(msg, name))
