@@ -37,7 +37,6 @@ from omni_runtime.redis_io.write_ops import HashPut
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import (
-    WIRE_VERSION,
     AbortMsg,
     DurableRequest,
     OrchOutputMsg,
@@ -45,6 +44,7 @@ from omni_runtime.wire.messages import (
     StageInputMsg,
     StageOutputMsg,
 )
+from omni_runtime.wire.outgoing import DurableRequestOut
 from tests.hostile import KINDS, any_docs, raw
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,20 +164,15 @@ def test_a_tracer_whose_redis_is_gone_drops_its_stamps_and_keeps_writing() -> No
         tracer.close()
 
 
-def _doc(rid: str, state: ReqState, deadline_at: float | None) -> dict[str, Any]:
-    return {
-        "v": WIRE_VERSION,
-        "type": "request_state",
-        "request_id": rid,
-        "client_id": "c1",
-        "prompt": state.prompt,
-        "deadline_at": deadline_at,
-        "submitted": sorted(state.submitted),
-        "finished": sorted(state.finished),
-        "stage_data": {},
-        "stage_seq": {},
-        "out_seq": 0,
-    }
+def _doc(rid: str, state: ReqState, deadline_at: float | None) -> DurableRequestOut:
+    return DurableRequestOut(
+        request_id=rid,
+        client_id="c1",
+        prompt=state.prompt,
+        deadline_at=deadline_at,
+        submitted=sorted(state.submitted),
+        finished=sorted(state.finished),
+    )
 
 
 def test_a_state_that_cannot_be_written_fails_its_request_alone() -> None:
@@ -188,7 +183,7 @@ def test_a_state_that_cannot_be_written_fails_its_request_alone() -> None:
     for _ in range(codec.MAX_DEPTH + 1):
         deep = [deep]
 
-    def describe(rid: str, state: ReqState) -> dict[str, Any]:
+    def describe(rid: str, state: ReqState) -> DurableRequestOut:
         if rid == "broken":
             raise KeyError("a bug in describe")
         return _doc(rid, state, float("inf") if rid == "far" else now + 10)
