@@ -58,6 +58,8 @@ class FaultReport:
     error, by that error's kind (only a gap, `outputs lost`, may rightly come first)."""
     error_texts: dict[str, str] = field(default_factory=dict)
     """The first full error text of each reason in `errors`."""
+    wrong_outputs: dict[str, str] = field(default_factory=dict)
+    """What the first few `wrong` requests got, in short: a wrong answer must say how."""
     stall_before_s: float = 0.0
     """The longest wait of any request for its next output (or its first, from its
     submission) that ended before the fault: the load's own stalls."""
@@ -285,6 +287,8 @@ async def run_load(
             report.ok += 1
         else:
             report.wrong += 1
+            if len(report.wrong_outputs) < 3:
+                report.wrong_outputs[rid] = f"{prompts[rid]!r} -> {_outline(outs)}"
     if fault_at is not None:
         ends = [done_at[r] for r in in_flight_at_fault if r in done_at]
         report.recovery_s = max(ends) - fault_at if ends else 0.0
@@ -305,3 +309,12 @@ def seed_final_2(prompt: str) -> list[tuple[int, Any, bool]]:
     """Seed pipeline with finals {2}: one `wav:WORD` output per word, the last finished."""
     words = prompt.split()
     return [(2, f"wav:{w.upper()}", i == len(words) - 1) for i, w in enumerate(words)]
+
+
+def _outline(outs: list[OrchOutput]) -> str:
+    """Outputs in short: (stage, data or its array's dtype and shape, finished) each."""
+    shown = [
+        (o.stage_id, f"{o.data.dtype}{o.data.shape}" if hasattr(o.data, "dtype") else o.data)
+        for o in outs
+    ]
+    return repr([(*s, o.finished) for s, o in zip(shown, outs, strict=True)])[:2000]
