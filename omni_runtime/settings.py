@@ -249,9 +249,9 @@ class Settings(BaseSettings):
 
     def require_redis_url(self) -> str:
         if self.redis_url is None:
-            from omni_runtime.errors import ConfigError
+            from omni_runtime.errors import NO_REDIS_URL, ConfigError
 
-            raise ConfigError("no Redis URL: set OMNI_REDIS_URL or pass --redis-url")
+            raise ConfigError(NO_REDIS_URL)
         return self.redis_url
 
     @property

@@ -79,7 +79,9 @@ class OmniClient:
         self.outputs = outputs
         """The pipeline's audio stage and rate: with one, `stream` measures playback gaps."""
         self.names = settings.names
-        self.clients = clients or RedisClients.from_settings(settings)
+        self.clients = clients or RedisClients.connect(
+            settings.redis_url, settings.redis_cluster, settings.namespace
+        )
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
         self._reader: asyncio.Task[None] | None = None

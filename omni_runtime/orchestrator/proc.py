@@ -79,7 +79,7 @@ class OrchestratorService:
         """Handed to every part that counts or stamps; started by `run`."""
         self.observe = s.part(ObserveSettings)
         self.metrics = self.obs.metrics
-        self.clients = clients or RedisClients.from_settings(s)
+        self.clients = clients or RedisClients.connect(s.redis_url, s.redis_cluster, s.namespace)
         self.client = self.clients.aio()
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if self.leases.can_disconnect:  # a takeover closes them by name (CLIENT KILL)

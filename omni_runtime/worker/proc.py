@@ -72,7 +72,7 @@ class StageWorker:
         self.stage = pipeline.stage(stage_id)
         self.stage_id = stage_id
         self.settings = settings
-        self.clients = clients or RedisClients.from_settings(s)
+        self.clients = clients or RedisClients.connect(s.redis_url, s.redis_cluster, s.namespace)
         self.names = s.names
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.streaming = pipeline.mode == "streaming"
