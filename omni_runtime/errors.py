@@ -39,6 +39,9 @@ class ConfigError(FatalError):
     """A pipeline file or setting is invalid; the message names the field and the file."""
 
 
+NO_REDIS_URL = "no Redis URL: set OMNI_REDIS_URL or pass --redis-url"
+
+
 class StartupTimeoutError(FatalError, TimeoutError):
     """A process did not become ready in time; the message names the setting to raise."""
 

@@ -1,4 +1,8 @@
-"""One settings object, built once at the edge (CLI) and passed down explicitly.
+"""One settings object, built once at the edge (CLI) and held by the process shells.
+
+A shell hands each of its parts what that part needs, through the part's constructor:
+loose values, or the part's own frozen dataclass of settings (`part`). No part below a
+shell takes the whole object (`tests/unit/test_layout.py` checks who imports it).
 
 Every field can be set from the environment with the `OMNI_` prefix, e.g.
 `OMNI_REDIS_URL=rediss://user:secret@host:6380/0` points every process at one Redis.
@@ -6,8 +10,9 @@ Every field can be set from the environment with the `OMNI_` prefix, e.g.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -22,6 +27,11 @@ from pydantic_settings import (
 
 from omni_runtime import keys
 from omni_runtime.wire import messages
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Part = TypeVar("Part", bound="DataclassInstance")
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -239,14 +249,21 @@ class Settings(BaseSettings):
 
     def require_redis_url(self) -> str:
         if self.redis_url is None:
-            from omni_runtime.errors import ConfigError
+            from omni_runtime.errors import NO_REDIS_URL, ConfigError
 
-            raise ConfigError("no Redis URL: set OMNI_REDIS_URL or pass --redis-url")
+            raise ConfigError(NO_REDIS_URL)
         return self.redis_url
 
     @property
     def names(self) -> keys.Names:
         return keys.Names(self.namespace)
+
+    def part(self, cls: type[Part], **also: Any) -> Part:
+        """The settings of one part of a process: `cls` is the part's frozen dataclass,
+        each field named as the setting it takes; `also` gives its fields that are not
+        settings (a shared `RetrySettings`)."""
+        given = {f.name: getattr(self, f.name) for f in fields(cls) if f.name not in also}
+        return cls(**given, **also)
 
 
 def describe_settings_error(e: ValidationError) -> str:

@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace, children: Children) -> int:
         if settings.redis_url is not None:  # unusable: one line now, not one per process later
             from omni_runtime.redis_io.clients import RedisClients
 
-            RedisClients.from_settings(settings)
+            RedisClients.connect(settings.redis_url, settings.redis_cluster, settings.namespace)
         check_stage_options(pipeline, range(pipeline.last_stage + 1))
         preload(children)
         url, how = redis_ready()

@@ -43,9 +43,9 @@ from omni_runtime.errors import (
     TransportError,
 )
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.pipeline import OutputsConfig
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.client_deadlines import ClientDeadlines, RedisCondition
 from omni_runtime.redis_io.clients import REDIS_FAILURES, RedisClients, is_cluster
 from omni_runtime.redis_io.entries import parse_entries
@@ -79,7 +79,9 @@ class OmniClient:
         self.outputs = outputs
         """The pipeline's audio stage and rate: with one, `stream` measures playback gaps."""
         self.names = settings.names
-        self.clients = clients or RedisClients.from_settings(settings)
+        self.clients = clients or RedisClients.connect(
+            settings.redis_url, settings.redis_cluster, settings.namespace
+        )
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
         self._reader: asyncio.Task[None] | None = None
@@ -87,6 +89,8 @@ class OmniClient:
         self.obs = Observability(metrics)
         """Its counters and tracers (started on entry); `metrics` may be shared with
         other clients of one process (the HTTP front door's)."""
+        self.observe = settings.part(ObserveSettings)
+        self.retry = settings.part(RetrySettings)
         self.metrics = self.obs.metrics
         self.inbox = Inbox(self.metrics, settings.client_buffer_outputs)
         self.redis_condition = RedisCondition()
@@ -110,7 +114,7 @@ class OmniClient:
 
     async def __aenter__(self) -> OmniClient:
         codec.warm_up()
-        self.obs.start(self.settings, "client", self.clients.sync, serve=False)
+        self.obs.start(self.observe, "client", self.clients.sync, serve=False)
         self.redis: aioredis.Redis = self.clients.aio()
         self._errorstats = not is_cluster(self.redis)  # INFO of which node?
         self._reads = AsyncHeldReads(self.redis)  # this client's output reads, by hand
@@ -118,7 +122,7 @@ class OmniClient:
             self.redis,
             self.settings.stream_maxlen,
             obs=self.obs,
-            backoff=Backoff.from_settings(self.settings, bounded=True),
+            backoff=self.retry.backoff(bounded=True),
             hold_refused=False,  # a refused submission fails at once
             on_failed=self._write_failed,
         )
@@ -314,7 +318,7 @@ class OmniClient:
 
     async def _read_outputs(self) -> None:
         self._last_id = b"0-0"
-        s, backoff = self.settings, Backoff.from_settings(self.settings)
+        s, backoff = self.settings, self.retry.backoff()
         beat_at = 0.0
         loop = asyncio.get_running_loop()
         while not self._closing:

@@ -23,6 +23,7 @@ from omni_runtime.http.errors import (
 )
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.realtime import realtime_router
+from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.routes import media_router
 from omni_runtime.http.schemas import ModelCard, ModelList
 from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
@@ -167,7 +168,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     v1.include_router(media_router(gateway))
     v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)
-    app.include_router(realtime_router(gateway, api_key_check(gateway)))  # its own key check
+    realtime = gateway.settings.part(RealtimeSettings)
+    app.include_router(realtime_router(gateway, api_key_check(gateway), realtime))  # own key check
     uploads = {UPLOAD_PATH: gateway.serve.max_upload_bytes}
     app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes, paths=uploads)
     return app

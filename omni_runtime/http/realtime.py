@@ -32,7 +32,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_events import EventError, error_event, event, parse_client_event
-from omni_runtime.http.realtime_session import Session
+from omni_runtime.http.realtime_session import RealtimeSettings, Session
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Outbox:
         return text
 
 
-def realtime_router(gateway: Gateway, check_key: KeyCheck) -> APIRouter:
+def realtime_router(gateway: Gateway, check_key: KeyCheck, settings: RealtimeSettings) -> APIRouter:
     router = APIRouter()
 
     @router.websocket(PATH)
@@ -102,7 +102,7 @@ def realtime_router(gateway: Gateway, check_key: KeyCheck) -> APIRouter:
             await _refuse(websocket, e, subprotocol)
             return
         await websocket.accept(subprotocol=subprotocol)
-        await Connection(gateway, served, websocket).run()
+        await Connection(gateway, served, websocket, settings).run()
 
     return router
 
@@ -129,9 +129,11 @@ async def _refuse(websocket: WebSocket, err: ApiError, subprotocol: str | None) 
 
 
 class Connection:
-    def __init__(self, gateway: Gateway, served: Served, websocket: WebSocket) -> None:
+    def __init__(
+        self, gateway: Gateway, served: Served, websocket: WebSocket, settings: RealtimeSettings
+    ) -> None:
         self.gateway, self.websocket = gateway, websocket
-        self.settings = served.settings
+        self.settings = settings
         self.outbox = Outbox(self.settings.realtime_max_send_bytes)
         self.session = Session(gateway, served, self.settings, self.outbox.put)
 

@@ -87,6 +87,8 @@ class Response:
     playback: Playback
     """The session's listener: every response's audio, for gaps within each response."""
     on_done: Callable[[Response, Status], None]
+    timeout_s: float
+    """How long the request's outputs are waited for (`OMNI_REQUEST_TIMEOUT_S`)."""
     id: str = field(default_factory=lambda: new_id("resp"))
     item: Item = field(default_factory=lambda: Item(new_id("item"), "assistant"))
     status: Status | None = None
@@ -157,7 +159,7 @@ class Response:
         resample = Resampler(outs.sample_rate, SAMPLE_RATE)
         stream = cast(
             AsyncGenerator[OrchOutput, None],
-            run.client.stream(run.request_id, self.served.settings.request_timeout_s),
+            run.client.stream(run.request_id, self.timeout_s),
         )
         try:
             async with aclosing(stream) as outputs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.client.playback import Playback
@@ -36,7 +37,6 @@ from omni_runtime.http.realtime_events import (
 )
 from omni_runtime.http.realtime_response import Item, Response, Status
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
-from omni_runtime.settings import Settings
 
 MAX_ITEMS = 200
 """Conversation items a session keeps (oldest dropped): the thinker takes 256 messages."""
@@ -44,13 +44,32 @@ MIN_COMMIT_MS = 100
 BYTES_PER_MS = SAMPLE_RATE * 2 // 1000
 
 
+@dataclass(frozen=True, slots=True)
+class RealtimeSettings:
+    """What a `/v1/realtime` connection takes of the settings (`Settings.part`, by the app)."""
+
+    realtime_max_event_bytes: int
+    realtime_max_buffer_s: float
+    realtime_max_session_s: float
+    realtime_idle_timeout_s: float
+    realtime_max_send_bytes: int
+    realtime_send_timeout_s: float
+    request_timeout_s: float
+
+
 class Session:
     """Takes client events (`handle`), emits server events through `emit`."""
 
     def __init__(
-        self, gateway: Gateway, served: Served, settings: Settings, emit: Callable[[Any], None]
+        self,
+        gateway: Gateway,
+        served: Served,
+        settings: RealtimeSettings,
+        emit: Callable[[Any], None],
     ) -> None:
         self.gateway, self.served, self.emit = gateway, served, emit
+        self.timeout_s = settings.request_timeout_s
+        """A response's wait for its request's outputs (`OMNI_REQUEST_TIMEOUT_S`)."""
         self.id = new_id("sess")
         outs = served.outputs
         self.instructions = ""
@@ -256,7 +275,7 @@ class Session:
         response = Response(
             self.gateway, self.served, self.emit, prompt,
             {k: v for k, v in params.items() if v is not None}, modalities, heard,
-            self.speech_end, Playback(), self._response_done,
+            self.speech_end, Playback(), self._response_done, self.timeout_s,
         )  # fmt: skip
         self.speech_end = None
         self.active = response

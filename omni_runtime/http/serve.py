@@ -100,7 +100,14 @@ def _run_serve(
                     pipeline.name, pipeline.mode, namespace, how,
                 )  # fmt: skip
             pipelines = [pipeline for _path, pipeline, _ns in served]
-            gateway = Gateway(pipelines, settings, RedisClients.from_settings(settings), serve)
+            gateway = Gateway(
+                pipelines,
+                settings,
+                RedisClients.connect(
+                    settings.redis_url, settings.redis_cluster, settings.namespace
+                ),
+                serve,
+            )
             return asyncio.run(_serve(create_app(gateway), serve, groups, settings.drain_s))
         finally:
             for group in groups:

@@ -31,7 +31,6 @@ from omni_runtime.observe.redis_stats import (
     stream_names,
 )
 from omni_runtime.observe.scaling import fill_stage_gauges, stage_load
-from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +126,16 @@ class StreamStatsPoller:
         role: str,
         interval_s: float = 5.0,
         streams: bool = True,
-        settings: Settings | None = None,
+        *,
+        default_concurrency: int,
+        target: int | None = None,
     ) -> None:
         self.client, self.names, self.metrics, self.role = client, names, metrics, role
         self.interval_s, self.streams = interval_s, streams
-        self.default_concurrency = Settings.model_fields["worker_max_concurrency"].default
-        self.target: int | None = None
-        if settings is not None:
-            self.default_concurrency = settings.worker_max_concurrency
-            self.target = settings.scale_target_per_replica
+        self.default_concurrency = default_concurrency
+        """A worker's slots when its heartbeat does not say (`OMNI_WORKER_MAX_CONCURRENCY`)."""
+        self.target = target
+        """`OMNI_SCALE_TARGET_PER_REPLICA`: the replicas wanted for the work waiting."""
         self._stages: set[int] = set()  # a stage whose last worker died still shows 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-stats", daemon=True)

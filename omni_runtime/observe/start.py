@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,24 @@ from omni_runtime.observe.on_demand import LazyRedisTracer, OnDemandTracer
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.probes import Probes
 from omni_runtime.observe.tracing import Closable, FanOutTracer, FileTracer, RedisTracer, Tracer
-from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ObserveSettings:
+    """What `Observability.start` reads of the settings, taken from `Settings` by the
+    process shell."""
+
+    names: keys.Names
+    metrics_port: int
+    trace_file: Path | None
+    trace: bool
+    trace_ttl_s: int
+    stats_interval_s: float
+    worker_max_concurrency: int
+    """A worker's slots when its heartbeat does not say (the stats poller's capacity)."""
+    scale_target_per_replica: int | None
 
 
 class Observability:
@@ -59,7 +75,7 @@ class Observability:
 
     def start(
         self,
-        settings: Settings,
+        settings: ObserveSettings,
         role: str,
         redis_client: Callable[[], Any] | None = None,
         *,
@@ -113,7 +129,8 @@ class Observability:
                     role,
                     interval_s,
                     poll_streams,
-                    settings,
+                    default_concurrency=settings.worker_max_concurrency,
+                    target=settings.scale_target_per_replica,
                 )
                 poller.start()
                 self._stops.append(poller.stop)

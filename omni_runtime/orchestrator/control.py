@@ -17,7 +17,6 @@ import logging
 from omni_runtime import keys
 from omni_runtime.orchestrator.backlog import read_backlog
 from omni_runtime.orchestrator.shared import Shared
-from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import REDIS_FAILURES
 from omni_runtime.redis_io.streams import GroupReader
 from omni_runtime.wire.messages import AbortMsg
@@ -46,7 +45,7 @@ class ControlGuard:
             max_bytes=s.max_message_bytes,
             dead_letters=s.names.dead_letters,
             metrics=shared.obs.metrics,
-            backoff=Backoff.from_settings(s, bounded=True),
+            backoff=s.retry.backoff(bounded=True),
             block_budget=self._block_ms,
         )
         self.backlog_done = False

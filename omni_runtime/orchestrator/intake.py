@@ -18,7 +18,6 @@ from pydantic import TypeAdapter, ValidationError
 from omni_runtime import keys
 from omni_runtime.core.types import ReqState
 from omni_runtime.errors import CodecError
-from omni_runtime.settings import Settings
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import ClientId, RequestId, clip_error
 from omni_runtime.wire.views import RequestView
@@ -32,12 +31,12 @@ INVALID_REQUEST: Final = "invalid request"
 """The `reason` labels of `omni_requests_refused_total` (few: never the error's text)."""
 
 
-def refusal(cmd: RequestView, settings: Settings) -> tuple[str, str] | None:
+def refusal(cmd: RequestView, max_deadline_s: float) -> tuple[str, str] | None:
     """(reason, error) for a valid request this deployment will not run, else None."""
-    if cmd.deadline_s is not None and cmd.deadline_s > settings.max_deadline_s:
+    if cmd.deadline_s is not None and cmd.deadline_s > max_deadline_s:
         error = (
             f"deadline_s={cmd.deadline_s:g} is longer than the longest allowed, "
-            f"{settings.max_deadline_s:g} s (OMNI_MAX_DEADLINE_S)"
+            f"{max_deadline_s:g} s (OMNI_MAX_DEADLINE_S)"
         )
         return DEADLINE_TOO_LONG, error
     return None

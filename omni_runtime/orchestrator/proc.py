@@ -30,16 +30,16 @@ from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import TransportError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator.build import build_orchestrator as build_orchestrator
 from omni_runtime.orchestrator.leases import LeaseLost, Leases
-from omni_runtime.orchestrator.shared import Shared
+from omni_runtime.orchestrator.shared import Shared, SlotSettings
 from omni_runtime.orchestrator.slot import SlotService
 from omni_runtime.orchestrator.stage_client import RedisStageClient
 from omni_runtime.orchestrator.watch import Watch, pause
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.conn import name_connections
 from omni_runtime.redis_io.liveness import StageWatch
@@ -77,25 +77,28 @@ class OrchestratorService:
         self.names = s.names
         self.obs = Observability(metrics)
         """Handed to every part that counts or stamps; started by `run`."""
+        self.observe = s.part(ObserveSettings)
         self.metrics = self.obs.metrics
-        self.clients = clients or RedisClients.from_settings(s)
+        self.clients = clients or RedisClients.connect(s.redis_url, s.redis_cluster, s.namespace)
         self.client = self.clients.aio()
         self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
         if self.leases.can_disconnect:  # a takeover closes them by name (CLIENT KILL)
             name_connections(self.client, self.leases.client_name)
+        retry = s.part(RetrySettings)
         self.writer = StreamWriter(
             self.client,
             s.stream_maxlen,
             obs=self.obs,
-            backoff=Backoff.from_settings(s, True),
+            backoff=retry.backoff(bounded=True),
             fence=self.leases,
             on_failed=self._writes_failed,
         )
         self.timer = RequestTimer(self.metrics)
         ttl_s = s.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
+        slot_settings = s.part(SlotSettings, retry=retry)
         self.shared = Shared(
             pipeline,
-            settings,
+            slot_settings,
             self.client,
             self.writer,
             self.leases,
@@ -155,7 +158,7 @@ class OrchestratorService:
         self.shared.stage_watch.restarted(asyncio.get_running_loop().time())
         probes = Probes(ready=self._not_ready)
         self.obs.start(
-            self.settings, "orchestrator", self.clients.sync, poll_streams=True, probes=probes
+            self.observe, "orchestrator", self.clients.sync, poll_streams=True, probes=probes
         )
         self.metrics.gauge_callback("omni_requests_running", self.timer.running_count)
         writer_task = asyncio.create_task(self.writer.run(), name="stream-writer")

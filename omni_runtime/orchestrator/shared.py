@@ -7,13 +7,33 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from omni_runtime import keys
 from omni_runtime.observe.start import Observability
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.liveness import StageWatch
 from omni_runtime.redis_io.writer import StreamWriter
-from omni_runtime.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSettings:
+    """What the slots, their control guards and the watch read of the settings: taken
+    from `Settings` by the process shell (`proc.py`), so that none reaches into it."""
+
+    names: keys.Names
+    read_count: int
+    block_ms: int
+    orchestrator_idle_block_ms: int
+    max_message_bytes: int
+    deadline_s: float
+    max_deadline_s: float
+    client_stream_ttl_s: int
+    durable_requests: bool
+    heartbeat_ttl_s: float
+    heartbeat_ttl_ms: int
+    retry: RetrySettings
 
 
 @dataclass
@@ -21,7 +41,7 @@ class Shared:
     """What every slot of one process shares: one client, one writer, one lease set."""
 
     pipeline: PipelineConfig
-    settings: Settings
+    settings: SlotSettings
     client: aioredis.Redis
     writer: StreamWriter
     leases: Leases

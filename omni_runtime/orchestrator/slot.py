@@ -37,7 +37,6 @@ from omni_runtime.orchestrator.outbox import ClientOutbox
 from omni_runtime.orchestrator.request_store import RequestStore, to_state
 from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.orchestrator.stage_client import RedisStageClient
-from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.client_deadlines import DEADLINE_EXCEEDED
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.joint_read import JointRead
@@ -58,7 +57,7 @@ class SlotService:
         self.home = home
         """The process's own slot reads new requests; a slot taken over only its backlog."""
         self.names = names = s.names
-        backoff = Backoff.from_settings(s, bounded=True)
+        backoff = s.retry.backoff(bounded=True)
         consumer = keys.orchestrator_consumer(slot)
         # Every stage's outputs in one read (a cluster: in several slots, each read alone).
         joint = None
@@ -314,7 +313,7 @@ class SlotService:
                 self._refuse(cmd, intake.DUPLICATE_ID, intake.duplicate(rid))
             self._ack(entry_id)
             return
-        refused = intake.refusal(cmd, shared.settings)
+        refused = intake.refusal(cmd, shared.settings.max_deadline_s)
         if refused is None and shared.stage_watch.down:
             error = no_live_worker(min(shared.stage_watch.down))
             refused = (error, error)

@@ -32,8 +32,7 @@ class Watch:
         self.shared = shared
         self.slots = slots
         self.names = shared.settings.names
-        ttl_s = shared.settings.heartbeat_ttl_s or float(keys.HEARTBEAT_TTL_S)
-        self._clients_absent = Absence(ttl_s)
+        self._clients_absent = Absence(shared.settings.heartbeat_ttl_s)
         self._epoch = StateEpoch(shared.client, self.names.epoch)
         self.replicas = Replicas(shared.client, self.names, shared.pipeline.last_stage + 1)
         self._beat = orchestrator_beat(shared.pipeline)

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 
 from redis.backoff import ExponentialBackoff
 
-from omni_runtime.settings import Settings
-
 
 @dataclass(slots=True)
 class Backoff:
@@ -26,12 +24,6 @@ class Backoff:
 
     def __post_init__(self) -> None:
         self._policy = ExponentialBackoff(cap=self.max_s, base=self.initial_s)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, bounded: bool = False) -> Backoff:
-        """The retry policy of one loop: bounded for writes, unbounded for reads."""
-        attempts = settings.retry_attempts if bounded else None
-        return cls(settings.retry_initial_s, settings.retry_max_s, attempts)
 
     def failed(self) -> float | None:
         """Count one failure; the delay before the next attempt, or None to give up."""
@@ -53,3 +45,18 @@ class Backoff:
         while (delay := fresh.failed()) is not None:
             total += delay
         return total
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    """The retry settings (`OMNI_RETRY_*`), taken by a process shell (`Settings.part`) and
+    handed to each part that retries; every loop draws its own `Backoff` from them."""
+
+    retry_initial_s: float
+    retry_max_s: float
+    retry_attempts: int
+
+    def backoff(self, bounded: bool = False) -> Backoff:
+        """The retry policy of one loop: bounded for writes, unbounded for reads."""
+        attempts = self.retry_attempts if bounded else None
+        return Backoff(self.retry_initial_s, self.retry_max_s, attempts)

@@ -10,7 +10,7 @@ and the few places that differ (transactions, one dedicated connection) ask
 `is_cluster`. A `redis+sentinel://` URL gets clients of the primary its sentinels name
 (`sentinel.py`): plain clients whose pool finds the primary again on every reconnect.
 
-At start-up `RedisClients.from_settings` also turns the three ways a deployment
+At start-up `RedisClients.connect` also turns the three ways a deployment
 can be unusable into one `FatalError` line each: Redis cannot be reached, the
 cluster does not serve every slot, the ACL user may not touch the namespace.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -33,13 +33,10 @@ from redis.exceptions import NoPermissionError, RedisClusterException, RedisErro
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from omni_runtime.errors import FatalError
+from omni_runtime.errors import NO_REDIS_URL, ConfigError, FatalError
 from omni_runtime.redis_io.conn import use_small_first, use_small_first_async
 from omni_runtime.redis_io.sentinel import async_primary, primary_address, sync_primary
 from omni_runtime.sentinel_url import is_sentinel_url, parse_sentinel_url
-
-if TYPE_CHECKING:
-    from omni_runtime.settings import Settings
 
 CLUSTER_SLOTS = 16384
 REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
@@ -237,13 +234,15 @@ class RedisClients:
         )
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> RedisClients:
-        """`from_url` for the configured URL and cluster mode, and the namespace's ACL check."""
-        url = settings.require_redis_url()
-        clients = cls.from_url(url, settings.redis_cluster)
+    def connect(cls, url: str | None, cluster: ClusterMode, namespace: str) -> RedisClients:
+        """`from_url` for the deployment's URL and cluster mode (`OMNI_REDIS_URL`,
+        `OMNI_REDIS_CLUSTER`), and the ACL check of its namespace (`OMNI_NAMESPACE`)."""
+        if url is None:
+            raise ConfigError(NO_REDIS_URL)
+        clients = cls.from_url(url, cluster)
         client = clients.sync()
         try:
-            check_namespace(client, settings.namespace, url)
+            check_namespace(client, namespace, url)
         finally:
             client.close()
         return clients

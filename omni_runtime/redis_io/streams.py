@@ -11,7 +11,7 @@ API (stable):
   `SyncGroupReader(...)`, the same over a `redis.Redis`, also takes `stop=` (a
   `threading.Event` that cuts a back-off wait short). `model`: a pydantic model class
   or a `TypeAdapter`; `dead_letters`: `Names.dead_letters`; `backoff`: the policy
-  (`Backoff.from_settings(settings, bounded=True)`): reads retry forever, writes `max_attempts` times.
+  (`RetrySettings.backoff(bounded=True)`): reads retry forever, writes `max_attempts` times.
   - `[await] read(count, block_ms) -> list[(entry_id: bytes, msg)]`: this consumer's
     own pending backlog from id 0 first (what a previous run read but never
     acknowledged), then new entries with `>`; after a failed read the backlog again

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 import redis
@@ -21,10 +22,9 @@ from redis.exceptions import RedisError
 from omni_runtime.errors import CodecError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.start import Observability
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
-from omni_runtime.settings import Settings
 from omni_runtime.watchdog import Progress, redis_retries_s
 from omni_runtime.wire.messages import AbortMsg
 from omni_runtime.wire.views import StageInputView
@@ -106,9 +106,19 @@ class Slots:
             return self._free
 
 
-def retries_s(settings: Settings) -> float:
+@dataclass(frozen=True, slots=True)
+class ReaderSettings:
+    """What a reading thread takes of the settings (`Settings.part`)."""
+
+    read_count: int
+    block_ms: int
+    max_message_bytes: int
+    retry: RetrySettings
+
+
+def retries_s(retry: RetrySettings) -> float:
     """The longest a bounded Redis retry keeps a reading thread from going around."""
-    return redis_retries_s(settings.retry_attempts, settings.retry_max_s)
+    return redis_retries_s(retry.retry_attempts, retry.retry_max_s)
 
 
 class _Loop:
@@ -160,13 +170,13 @@ class InputThread(_Loop):
         reader: SyncGroupReader[StageInputView],
         slots: Slots,
         deliver: Callable[[list[Input]], None],
-        settings: Settings,
+        settings: ReaderSettings,
         *,
         stage_id: int,
         obs: Observability,
         stop: threading.Event | None = None,
     ) -> None:
-        super().__init__("input-reader", stop, retries_s(settings))
+        super().__init__("input-reader", stop, retries_s(settings.retry))
         self.reader = reader
         self.slots = slots
         self.deliver = deliver
@@ -214,17 +224,17 @@ class ControlThread(_Loop):
         client: redis.Redis,
         stream: str,
         deliver: Callable[[list[str]], None],
-        settings: Settings,
+        settings: ReaderSettings,
         metrics: Metrics,
     ) -> None:
-        super().__init__("control-reader", None, retries_s(settings))
+        super().__init__("control-reader", None, retries_s(settings.retry))
         self.client = client
         self.stream = stream
         self.deliver = deliver
         self.read_count = settings.read_count
         self.block_ms = max(settings.block_ms, IDLE_READ_BLOCK_MS)
         self.max_bytes = settings.max_message_bytes
-        self.backoff = Backoff.from_settings(settings)
+        self.backoff = settings.retry.backoff()
         self.metrics = metrics
         self._last_id = b"0-0"
 

@@ -16,9 +16,8 @@ from typing import Any
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.observe.timings import StageTimer
-from omni_runtime.settings import Settings
 from omni_runtime.stage_api import EngineStats
 from omni_runtime.worker.actions import Actions, Input
 
@@ -30,9 +29,12 @@ class WorkerObservation:
         stage_id: int,
         worker_id: str,
         in_stream: str,
+        settings: ObserveSettings,
         max_concurrency: int | None = None,
     ) -> None:
         self.obs = obs
+        self.settings = settings
+        """What `start` starts: the metrics endpoint, tracers and stats poller."""
         self.metrics = obs.metrics
         self.max_concurrency = max_concurrency
         self.stage_id = stage_id
@@ -53,13 +55,11 @@ class WorkerObservation:
 
             self.metrics.gauge_callback(f"omni_engine_{field}", read, stage=self.stage_id)
 
-    def start(
-        self, settings: Settings, redis_client: Callable[[], Any], probes: Probes | None = None
-    ) -> None:
+    def start(self, redis_client: Callable[[], Any], probes: Probes | None = None) -> None:
         """The metrics endpoint (with `probes`), tracers and stats poller `settings` ask for."""
         role = f"stage:{self.stage_id}:{self.worker_id}"
         labels = {"stage": str(self.stage_id)}
-        self.obs.start(settings, role, redis_client, const_labels=labels, probes=probes)
+        self.obs.start(self.settings, role, redis_client, const_labels=labels, probes=probes)
 
     def close(self) -> None:
         self.obs.close()

@@ -2,7 +2,7 @@
 
 Outputs and acknowledgements queue here and go out as one pipeline per round trip
 (whatever accumulated meanwhile). A failed write is retried with the bounded policy
-(`Backoff.from_settings(settings, bounded=True)`): only the commands Redis refused (an entry written
+(`RetrySettings.backoff(bounded=True)`): only the commands Redis refused (an entry written
 twice would reach the orchestrator twice); a refusal for memory is tried again after a
 short delay (`held_writes.PROBE_MAX_S` at most), within the same time in all. Once that
 gives up, or Redis refuses an entry for good, the outputs are reported through

@@ -20,9 +20,9 @@ from omni_runtime import keys
 from omni_runtime.chunks.adapter import ChunkAdapter
 from omni_runtime.chunks.redis import RedisConnector
 from omni_runtime.observe.probes import Probes
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.mode_check import check_worker_mode
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
@@ -37,10 +37,16 @@ from omni_runtime.worker.core import WorkerCore
 from omni_runtime.worker.engines import GeneratorEngine, engine_factory, load_engine
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.handback import hand_back
-from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
+from omni_runtime.worker.io_threads import (
+    ControlThread,
+    Handoff,
+    InputThread,
+    ReaderSettings,
+    Slots,
+)
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.takeover import Takeover, name_connections
+from omni_runtime.worker.takeover import Takeover, TakeoverSettings, name_connections
 from omni_runtime.worker.turn import LoopTurn
 
 log = logging.getLogger(__name__)
@@ -66,7 +72,7 @@ class StageWorker:
         self.stage = pipeline.stage(stage_id)
         self.stage_id = stage_id
         self.settings = settings
-        self.clients = clients or RedisClients.from_settings(s)
+        self.clients = clients or RedisClients.connect(s.redis_url, s.redis_cluster, s.namespace)
         self.names = s.names
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.streaming = pipeline.mode == "streaming"
@@ -77,8 +83,9 @@ class StageWorker:
         self.obs = Observability()
         """Handed to the parts that count or stamp; started by `run`."""
         self.metrics = self.obs.metrics
+        observe = s.part(ObserveSettings)
         self.observed = WorkerObservation(
-            self.obs, stage_id, self.worker_id, self.in_stream, s.worker_max_concurrency
+            self.obs, stage_id, self.worker_id, self.in_stream, observe, s.worker_max_concurrency
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -129,6 +136,8 @@ class StageWorker:
         )
         self._connector: RedisConnector | None = None
         self.adapter: ChunkAdapter | None = None  # streaming only: built (and started) in `run`
+        retry = s.part(RetrySettings)
+        reading = s.part(ReaderSettings, retry=retry)
         reader = functools.partial(
             SyncGroupReader[StageInputView],
             self._client,
@@ -139,19 +148,19 @@ class StageWorker:
             max_bytes=s.max_message_bytes,
             dead_letters=self.names.dead_letters,
             metrics=self.metrics,
-            backoff=Backoff.from_settings(s, bounded=True),
+            backoff=retry.backoff(bounded=True),
         )
         self._input = InputThread(
             reader(stop=self._input_stop),
             self._slots,
             self._inputs.put,
-            s,
+            reading,
             stage_id=stage_id,
             obs=self.obs,
             stop=self._input_stop,
         )
         self._control = ControlThread(
-            self._client, self.names.control, self._aborts.put, s, self.metrics
+            self._client, self.names.control, self._aborts.put, reading, self.metrics
         )
         ttl_s = s.heartbeat_ttl_ms / 1000
         self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
@@ -159,7 +168,7 @@ class StageWorker:
             self._client,
             reader(),
             self._take_over,
-            s,
+            s.part(TakeoverSettings, retry=retry),
             worker_id=self.worker_id,
             stage_id=stage_id,
             metrics=self.metrics,
@@ -169,7 +178,7 @@ class StageWorker:
             self.out_stream,
             self.in_stream,
             maxlen=s.stream_maxlen,
-            backoff=lambda: Backoff.from_settings(s, bounded=True),
+            backoff=functools.partial(retry.backoff, bounded=True),
             on_lost=lambda outs, reason: self._lost.put([(outs, reason)]),
             metrics=self.metrics,
             fence=self._guard.fence,
@@ -195,7 +204,7 @@ class StageWorker:
             self.adapter = ChunkAdapter(
                 self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
-        self.observed.start(s, self.clients.sync, Probes(ready=self._not_ready))
+        self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -24,10 +25,9 @@ from redis.typing import StreamIdT
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io import conn as rconn
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.streams import Entry, SyncDeadLetters, SyncGroupReader
-from omni_runtime.settings import Settings
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
@@ -46,6 +46,18 @@ def name_connections(client: redis.Redis, names: keys.Names, stage_id: int, work
         rconn.name_connections(client, names.worker_connection(stage_id, worker_id))
 
 
+@dataclass(frozen=True, slots=True)
+class TakeoverSettings:
+    """What the heartbeat and its takeovers take of the settings (`Settings.part`)."""
+
+    names: keys.Names
+    heartbeat_interval_s: float
+    heartbeat_ttl_ms: int
+    """A consumer is dead once its heartbeat key expired: its entries idle this long."""
+    max_deliveries: int
+    retry: RetrySettings
+
+
 class Takeover:
     """Callable after each heartbeat: claims the pending inputs of dead replicas."""
 
@@ -54,7 +66,7 @@ class Takeover:
         client: redis.Redis,
         reader: SyncGroupReader[StageInputView],
         deliver: Callable[[list[Input]], None],
-        settings: Settings,
+        settings: TakeoverSettings,
         *,
         worker_id: str,
         stage_id: int,
@@ -76,7 +88,7 @@ class Takeover:
             client,
             self.names.dead_letters,
             metrics=metrics,
-            backoff=Backoff.from_settings(settings, bounded=True),
+            backoff=settings.retry.backoff(bounded=True),
         )
 
     def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:
@@ -90,7 +102,7 @@ class Takeover:
             status,
             self,
             guard.after_beat,
-            retries_s(self.settings),
+            retries_s(self.settings.retry),
         )
 
     def __call__(self) -> None:

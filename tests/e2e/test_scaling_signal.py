@@ -134,7 +134,11 @@ def test_backlog_stays_true_when_maxlen_trims_unread_entries(redis_url: str) -> 
     r.set(names.stage_heartbeat(0, "w"), '{"max_concurrency": 4}', ex=30)
 
     metrics = Metrics()
-    StreamStatsPoller(r, names, metrics, "orchestrator", settings=settings).poll_once()
+    StreamStatsPoller(
+        r, names, metrics, "orchestrator",
+        default_concurrency=settings.worker_max_concurrency,
+        target=settings.scale_target_per_replica,
+    ).poll_once()  # fmt: skip
     gauges = metrics.gauges()
     lag = r.xinfo_groups(stream)[0]["lag"]
     assert lag is None or lag > 2, lag  # what the stream scaler reads: not the truth

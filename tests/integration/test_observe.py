@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.on_demand import FINISHED
 from omni_runtime.observe.prometheus import start_metrics_server
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.observe.tracing import FanOutTracer, read_redis_trace
 from omni_runtime.settings import Settings
 from tests.waiting import wait_until
@@ -37,7 +37,9 @@ def test_settings_fields_come_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_everything_off_by_default() -> None:
-    obs = Observability().start(Settings(redis_url="redis://unused"), "orchestrator")
+    obs = Observability().start(
+        Settings(redis_url="redis://unused").part(ObserveSettings), "orchestrator"
+    )
     assert obs.tracer is None
     obs.close()
 
@@ -48,7 +50,7 @@ def test_tracing_stats_and_metrics_when_asked(tmp_path: Path) -> None:
     metrics = Metrics()
     metrics.observe("omni_e2e_request_latency_seconds", 0.5)
     obs = Observability(metrics).start(
-        settings,
+        settings.part(ObserveSettings),
         "orchestrator",
         lambda: fakeredis.FakeRedis(server=server),
         poll_streams=True,
@@ -87,7 +89,10 @@ def test_the_router_stamps_a_request_traced_on_demand_from_its_read_to_its_end()
     server = fakeredis.FakeServer()
     settings = Settings(redis_url="redis://unused")
     obs = Observability().start(
-        settings, "orchestrator", lambda: fakeredis.FakeRedis(server=server), serve=False
+        settings.part(ObserveSettings),
+        "orchestrator",
+        lambda: fakeredis.FakeRedis(server=server),
+        serve=False,
     )
     reader = fakeredis.FakeRedis(server=server)
     try:
@@ -112,7 +117,7 @@ def test_a_process_wide_tracer_is_not_switched_for_a_request_traced_on_demand(
 ) -> None:
     settings = Settings(redis_url="redis://unused", trace_file=tmp_path / "t.log")
     obs = Observability().start(
-        settings, "orchestrator", lambda: fakeredis.FakeRedis(), serve=False
+        settings.part(ObserveSettings), "orchestrator", lambda: fakeredis.FakeRedis(), serve=False
     )
     try:
         base = obs.tracer

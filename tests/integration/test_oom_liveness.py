@@ -20,9 +20,8 @@ from omni_runtime.errors import OOM_MESSAGE
 from omni_runtime.keys import Names
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.orchestrator.leases import Leases
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.entries import parse_entries
-from omni_runtime.settings import Settings
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import StageOutputMsg
 from omni_runtime.worker.actions import Outgoing
@@ -93,13 +92,13 @@ def published(client: redis.Redis) -> list[list[tuple[str, int]]]:
 
 
 def output_thread(client: redis.Redis, lost: list[Any], attempts: int) -> OutputThread:
-    settings = Settings(retry_initial_s=0.01, retry_max_s=0.05, retry_attempts=attempts)
+    retry = RetrySettings(0.01, 0.05, attempts)
     thread = OutputThread(
         client,
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: Backoff.from_settings(settings, bounded=True),
+        backoff=lambda: retry.backoff(bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -243,8 +244,7 @@ async def test_an_idle_slot_reads_long_one_in_flight_short_neither_past_the_fenc
     served.client_of["r1"] = "c1"
     assert budgets() == [20] * 4
     served.client_of.clear()
-    long_idle = settings.model_copy(update={"orchestrator_idle_block_ms": 4_000})
-    service.shared.settings = long_idle
-    fence_ms = long_idle.orchestrator_lease_ttl_s * 0.75 * 1000
+    service.shared.settings = replace(service.shared.settings, orchestrator_idle_block_ms=4_000)
+    fence_ms = settings.orchestrator_lease_ttl_s * 0.75 * 1000
     assert all(3000 < ms <= fence_ms for ms in budgets())
     await service.client.aclose()

@@ -134,7 +134,7 @@ def test_poller_fills_stream_gauges_and_publishes_stats(client: redis.Redis) -> 
     _deployment(client)
     metrics = Metrics()
     metrics.observe("omni_e2e_request_latency_seconds", 0.2)
-    StreamStatsPoller(client, N, metrics, "orchestrator").poll_once()
+    StreamStatsPoller(client, N, metrics, "orchestrator", default_concurrency=256).poll_once()
     assert metrics.gauge("omni_stream_length", stream=N.requests) == 5
     pending = metrics.gauge("omni_stream_pending_entries", stream=N.stage_in(0), group="workers")
     assert pending == 2

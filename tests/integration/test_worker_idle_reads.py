@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import fakeredis
 import pytest
@@ -13,6 +14,7 @@ import redis
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.start import Observability
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.entries import entry_fields
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
@@ -21,7 +23,13 @@ from omni_runtime.settings import Settings
 from omni_runtime.wire.messages import AbortMsg, StageInputMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
-from omni_runtime.worker.io_threads import ControlThread, Handoff, InputThread, Slots
+from omni_runtime.worker.io_threads import (
+    ControlThread,
+    Handoff,
+    InputThread,
+    ReaderSettings,
+    Slots,
+)
 from omni_runtime.worker.unblock import IDLE_BLOCK_MS, OwnConnection
 from tests.waiting import wait_until
 
@@ -45,9 +53,18 @@ def input_thread(client: redis.Redis, stream: str) -> tuple[InputThread, Handoff
     )  # fmt: skip
     got: Handoff[Input] = Handoff(threading.Event().set)
     thread = InputThread(
-        reader, Slots(4), got.put, SETTINGS, stage_id=0, obs=Observability(), stop=stop
-    )
+        reader, Slots(4), got.put,
+        SETTINGS.part(ReaderSettings, retry=SETTINGS.part(RetrySettings)),
+        stage_id=0, obs=Observability(), stop=stop,
+    )  # fmt: skip
     return thread, got
+
+
+def control_thread(
+    client: redis.Redis, stream: str, deliver: Callable[[list[str]], None]
+) -> ControlThread:
+    reading = SETTINGS.part(ReaderSettings, retry=SETTINGS.part(RetrySettings))
+    return ControlThread(client, stream, deliver, reading, Metrics())
 
 
 def test_an_idle_input_read_blocks_long_delivers_at_once_and_a_stop_ends_it(
@@ -83,7 +100,7 @@ def test_an_idle_input_read_blocks_long_delivers_at_once_and_a_stop_ends_it(
 def test_a_stop_that_missed_the_read_is_ended_by_join(redis_url: str) -> None:
     client = sync_client(redis_url)
     stream = f"idle-{uuid.uuid4().hex[:8]}:ctl"
-    thread = ControlThread(client, stream, lambda _a: None, SETTINGS, Metrics())
+    thread = control_thread(client, stream, lambda _a: None)
     thread.start()
     wait_until(lambda: blocked(client, thread.own))
     thread._stop.set()  # as if the unblock had gone out just before the read began
@@ -98,7 +115,7 @@ def test_an_abort_reaches_a_control_thread_blocked_long(redis_url: str) -> None:
     client = sync_client(redis_url)
     stream = f"idle-{uuid.uuid4().hex[:8]}:ctl"
     aborts: list[str] = []
-    thread = ControlThread(client, stream, aborts.extend, SETTINGS, Metrics())
+    thread = control_thread(client, stream, aborts.extend)
     thread.start()
     try:
         assert thread.own is not None and thread.own.block_ms(250) == IDLE_BLOCK_MS

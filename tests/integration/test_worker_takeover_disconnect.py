@@ -9,13 +9,14 @@ import redis
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import StageInputMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
-from omni_runtime.worker.takeover import Takeover, name_connections
+from omni_runtime.worker.takeover import Takeover, TakeoverSettings, name_connections
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,8 +43,9 @@ def test_a_takeover_closes_the_dead_replicas_connections_first(redis_url: str) -
         max_bytes=1 << 20, dead_letters=names.dead_letters,
     )  # fmt: skip
     takeover = Takeover(
-        live, reader, delivered.extend, settings, worker_id="live-1", stage_id=1, metrics=Metrics()
-    )
+        live, reader, delivered.extend, settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
+        worker_id="live-1", stage_id=1, metrics=Metrics(),
+    )  # fmt: skip
     takeover.min_idle_ms = 0  # claimable at once ("stalled-1" has no heartbeat)
     takeover()
     assert [i.msg.request_id for i in delivered] == ["r1"]

@@ -12,8 +12,9 @@ import pytest
 
 from omni_runtime.errors import StartupTimeoutError
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.observe.start import Observability
+from omni_runtime.observe.start import Observability, ObserveSettings
 from omni_runtime.pipeline import StageConfig
+from omni_runtime.settings import Settings
 from omni_runtime.stage_api import (
     ChunkStream,
     EngineDead,
@@ -337,7 +338,9 @@ def test_engine_dead_is_an_omni_error() -> None:
 
 def test_engine_stats_show_in_the_heartbeat_and_the_gauges() -> None:
     metrics = Metrics()
-    observed = WorkerObservation(Observability(metrics), 3, "w1", "ns:stage:3:in")
+    observed = WorkerObservation(
+        Observability(metrics), 3, "w1", "ns:stage:3:in", Settings().part(ObserveSettings)
+    )
     assert "engine" not in observed.status(0)  # a function stage counts nothing of its own
     stats = [EngineStats(running=2, waiting=1, capacity=4)]
     observed.watch_engine(lambda: stats[0])

@@ -303,3 +303,44 @@ def test_settings_come_from_the_shell_not_the_environment() -> None:
             if builds and name not in BUILDS_SETTINGS:
                 found.append(f"{name} builds Settings")
     assert not found, found
+
+
+TAKES_SETTINGS = {
+    "omni_runtime.cli": "the entry point: builds `Settings` from flags, file and environment",
+    "omni_runtime.cli.commands": "the entry point's commands: each hands `Settings` to a shell",
+    "omni_runtime.local.launcher": "hands every setting to the processes it starts",
+    "omni_runtime.orchestrator.proc": "the orchestrator's process shell",
+    "omni_runtime.worker.proc": "a stage worker's process shell",
+    "omni_runtime.client.client": "the client's shell (`OmniClient`), in its own process or another",
+    "omni_runtime.client.loadgen": "`omni-runtime bench`: an entry point running an `OmniClient`",
+    "omni_runtime.http.serve": "the front door's process shell",
+    "omni_runtime.http.gateway": "the front door's shell: a client per pipeline, in its namespace",
+    "omni_runtime.ops.status": "`omni-runtime status`: an operator command, a shell of its own",
+    "omni_runtime.ops.dead_letters": "`omni-runtime dead-letters`: an operator command",
+    "omni_runtime.ops.trace_view": "`omni-runtime trace`: an operator command",
+}
+"""Modules that import `Settings`, and why: the entry points and the process shells. Every
+part below a shell is handed what it needs through its constructor (loose values, or its
+own frozen dataclass that the shell takes with `Settings.part`)."""
+
+
+def test_only_the_shells_take_the_whole_settings() -> None:
+    """A constructor says what its part depends on: no part reaches into `Settings`."""
+    takers = {name for name, imports in GRAPH.items() if "omni_runtime.settings" in imports}
+    assert not takers - TAKES_SETTINGS.keys(), (
+        f"parts importing Settings: {takers - TAKES_SETTINGS.keys()}"
+    )
+    assert not TAKES_SETTINGS.keys() - takers, (
+        f"listed, no longer import it: {TAKES_SETTINGS.keys() - takers}"
+    )
+
+
+def test_the_settings_check_sees_deferred_and_type_checking_imports(tmp_path: Path) -> None:
+    (tmp_path / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from omni_runtime.settings import Settings\n"
+    )
+    (tmp_path / "deferred.py").write_text("def f():\n    from omni_runtime import settings\n")
+    for name in ("typed", "deferred"):
+        found = imports_of(f"omni_runtime.{name}", tmp_path / f"{name}.py")
+        assert found == {"omni_runtime.settings"}, name

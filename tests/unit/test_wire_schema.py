@@ -161,7 +161,7 @@ def test_nothing_accepted_in_a_request_can_raise_later(doc: dict[str, Any], now:
         return
     cmd = got[0]
     for limits in (Settings(), Settings(deadline_s=60, max_deadline_s=messages.MAX_DEADLINE_S)):
-        refused = intake.refusal(cmd, limits)
+        refused = intake.refusal(cmd, limits.max_deadline_s)
         deadline_at = now + (cmd.deadline_s or limits.deadline_s)
         assert 0 < expiry_ms(deadline_at) <= INT64_MAX
         if refused is not None:

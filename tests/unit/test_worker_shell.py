@@ -11,7 +11,7 @@ import redis
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
@@ -21,7 +21,7 @@ from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input, Outgoing
 from omni_runtime.worker.io_threads import Slots
 from omni_runtime.worker.output import OutputThread
-from omni_runtime.worker.takeover import Takeover
+from omni_runtime.worker.takeover import Takeover, TakeoverSettings
 from tests.unit.test_worker_core import make, published
 from tests.waiting import wait_until
 
@@ -85,13 +85,12 @@ Lost = list[tuple[list[Outgoing], str]]
 
 
 def output_thread(client: FlakyRedis, lost: Lost, attempts: int) -> OutputThread:
-    settings = Settings(retry_initial_s=0.001, retry_max_s=0.002, retry_attempts=attempts)
     thread = OutputThread(
         cast("redis.Redis", client),
         "out",
         "in",
         maxlen=100,
-        backoff=lambda: Backoff.from_settings(settings, bounded=True),
+        backoff=lambda: RetrySettings(0.001, 0.002, attempts).backoff(bounded=True),
         on_lost=lambda outs, reason: lost.append((outs, reason)),
         metrics=Metrics(),
     )
@@ -178,8 +177,9 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
         metrics=metrics,
     )
     takeover = Takeover(
-        client, reader, delivered.extend, settings, worker_id="me", stage_id=1, metrics=metrics
-    )
+        client, reader, delivered.extend, settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
+        worker_id="me", stage_id=1, metrics=metrics,
+    )  # fmt: skip
     takeover.min_idle_ms = 0  # claimable at once
     takeover()  # "ghost" has no heartbeat
     assert [(i.msg.request_id, i.refused is not None) for i in delivered] == [
