@@ -23,13 +23,13 @@ from omni_runtime.errors import CodecError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import RetrySettings
+from omni_runtime.redis_io.interrupt import OwnConnection
 from omni_runtime.redis_io.refusals import is_oom
 from omni_runtime.redis_io.streams import Entry, SyncGroupReader, parse_entry, stream_reply
 from omni_runtime.watchdog import Progress, redis_retries_s
 from omni_runtime.wire.messages import AbortMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
-from omni_runtime.worker.unblock import OwnConnection
 
 log = logging.getLogger(__name__)
 

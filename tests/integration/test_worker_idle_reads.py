@@ -17,6 +17,7 @@ from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import RetrySettings
 from omni_runtime.redis_io.clients import sync_client
 from omni_runtime.redis_io.entries import entry_fields
+from omni_runtime.redis_io.interrupt import IDLE_BLOCK_MS, OwnConnection
 from omni_runtime.redis_io.streams import SyncGroupReader, ensure_group_sync
 from omni_runtime.redis_io.write_ops import xadd_fields
 from omni_runtime.settings import Settings
@@ -30,7 +31,6 @@ from omni_runtime.worker.io_threads import (
     ReaderSettings,
     Slots,
 )
-from omni_runtime.worker.unblock import IDLE_BLOCK_MS, OwnConnection
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
