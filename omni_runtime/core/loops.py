@@ -180,13 +180,15 @@ class OrchestratorLoops:
             kind, request_id, payload = await self._req_q.get()
             self._answered.clear()
             live = request_id in self.request_states
-            needs_final = not live if kind == "add" else live
-            if kind == "add":
-                prompt, params = payload
-                handle = functools.partial(self._handle_add, request_id, prompt, params)
-            else:
-                handle = functools.partial(self._handle_abort, request_id, payload)
-            await self._contained(f"handling its {kind}", request_id, needs_final, handle)
+            try:
+                if kind == "add":
+                    prompt, params = payload
+                    await self._handle_add(request_id, prompt, params)
+                else:
+                    await self._handle_abort(request_id, payload)
+            except Exception as e:  # as `_contained`, inline: this runs once per request
+                needs_final = not live if kind == "add" else live
+                await self._contain(f"handling its {kind}", request_id, needs_final, e)
             if kind == "add" and self._req_q.empty():
                 self._step_done()
 
@@ -233,12 +235,10 @@ class OrchestratorLoops:
             stage_id, out = await self._ready_q.get()
             self._answered.clear()
             live = out.request_id in self.request_states
-            await self._contained(
-                f"routing a stage {stage_id} output",
-                out.request_id,
-                live,
-                functools.partial(self._handle_output, stage_id, out),
-            )
+            try:
+                await self._handle_output(stage_id, out)
+            except Exception as e:  # as `_contained`, inline: this runs once per output
+                await self._contain(f"routing a stage {stage_id} output", out.request_id, live, e)
             managed = self._managed[stage_id]
             if managed is not None:  # a durable stage acknowledges only what was handled
                 managed.output_handled(out)
@@ -264,22 +264,26 @@ class OrchestratorLoops:
         needs_final: bool,
         handle: Callable[[], Awaitable[None]],
     ) -> None:
-        """Handle one request: whatever that raises ends this request alone, with one error
-        final (unless it has had one: `needs_final` False, or one went out during this
-        step), and the loop goes on. Logged with the request id, counted. Ending it may
-        fail too: that is logged and counted in turn (`needs_final` False: no third try)."""
+        """Handle one request: whatever that raises ends this request alone (`_contain`)."""
         try:
             await handle()
         except Exception as e:  # a request's handling runs stage code, `forward_fn` and the
             # shell's hooks, which may raise anything: it fails that request alone
-            self._count_contained(what)
-            log.error(
-                "request failed while %s: %r", what, e, exc_info=e, extra={"request_id": request_id}
-            )
-            if needs_final and request_id not in self._answered:
-                error = f"internal error: {type(e).__name__}: {e}"
-                end = functools.partial(self._end_with_error, request_id, error)
-                await self._contained("ending a failed request", request_id, False, end)
+            await self._contain(what, request_id, needs_final, e)
+
+    async def _contain(self, what: str, request_id: str, needs_final: bool, e: Exception) -> None:
+        """One request's handling raised: it ends with one error final (unless it has had
+        one: `needs_final` False, or one went out during this step), and the loop goes on.
+        Logged with the request id, counted. Ending it may fail too: that is logged and
+        counted in turn (`needs_final` False: no third try)."""
+        self._count_contained(what)
+        log.error(
+            "request failed while %s: %r", what, e, exc_info=e, extra={"request_id": request_id}
+        )
+        if needs_final and request_id not in self._answered:
+            error = f"internal error: {type(e).__name__}: {e}"
+            end = functools.partial(self._end_with_error, request_id, error)
+            await self._contained("ending a failed request", request_id, False, end)
 
     # --- hooks -----------------------------------------------------------------
 

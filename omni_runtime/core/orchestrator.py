@@ -141,16 +141,13 @@ class Orchestrator(OrchestratorLoops):
         """Submit; a failing stage ends this request alone with one error output."""
         state = self.request_states.get(request_id)
         params = state.params if state is not None else None
-        submitted = await foreign.acall(self.stages[stage_id].submit, request_id, data, params)
-        if isinstance(submitted, Raised):  # the stage's code: that request alone fails
-            log.warning(
-                "stage %d submit failed: %r",
-                stage_id,
-                submitted.error,
-                extra={"request_id": request_id},
-            )
+        try:
+            await self.stages[stage_id].submit(request_id, data, params)
+        except Exception as e:  # the stage's code (as `foreign.acall`, inline: once per
+            # submit): that request alone fails
+            log.warning("stage %d submit failed: %r", stage_id, e, extra={"request_id": request_id})
             if request_id in self.request_states:
-                error = f"stage {stage_id} submit failed: {submitted.describe()}"
+                error = f"stage {stage_id} submit failed: {Raised(e).describe()}"
                 await self._fail(request_id, stage_id, error)
 
     async def _fail(self, request_id: str, stage_id: int, error: str) -> None:
