@@ -141,13 +141,8 @@ def decode(
         raise CodecError(f"message of {size} bytes exceeds the limit of {max_bytes} bytes")
     try:
         obj = _DECODER.decode(data)
-    except CodecError:
-        raise
-    except RecursionError as e:
-        raise CodecError(_too_deep(MAX_DEPTH)) from e
-    except (msgspec.DecodeError, TypeError) as e:  # malformed msgpack (ValidationError is a
-        # DecodeError; an array's header too), or no bytes at all; the ext hook's CodecError
-        raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+    except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
+        raise _decode_failed(e, MAX_DEPTH) from e  # CodecError passes as it is
     check_depth(obj)
     return obj
 
@@ -164,13 +159,8 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
     `max_depth`: what is left of `MAX_DEPTH` where the data sits in its message."""
     try:
         obj = _CHECKER.decode(raw)
-    except CodecError:
-        raise
-    except RecursionError as e:
-        raise CodecError(_too_deep(max_depth)) from e
-    except (msgspec.DecodeError, TypeError) as e:  # malformed msgpack (ValidationError is a
-        # DecodeError; an array's header too), or no bytes at all; the ext hook's CodecError
-        raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e
+    except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
+        raise _decode_failed(e, max_depth) from e  # CodecError passes as it is
     if not within(obj, max_depth):
         raise CodecError(_too_deep(max_depth))
 
@@ -211,6 +201,14 @@ def within(obj: Any, depth: int) -> bool:
     if _NESTING.isdisjoint(map(type, items)):
         return True
     return all(within(x, depth - 1) for x in items if type(x) in _NESTING)
+
+
+def _decode_failed(e: Exception, max_depth: int) -> CodecError:
+    """A decode's failure as the caller sees it: too deep, or malformed msgpack (msgspec's
+    ValidationError is a DecodeError; an array's header too), or no bytes at all."""
+    if isinstance(e, RecursionError):
+        return CodecError(_too_deep(max_depth))
+    return CodecError(f"malformed message: {type(e).__name__}: {e}")
 
 
 def _too_deep(depth: int) -> str:
