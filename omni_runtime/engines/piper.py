@@ -211,20 +211,32 @@ def vocoder(
     max_chunk_ms: int = DEFAULT_MAX_CHUNK_MS,
     normalize: bool = True,
     num_threads: int = 1,
+    noise_scale: float | None = None,
+    noise_w_scale: float | None = None,
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
     """The talker's chunks → PCM chunks (float32, mono; `normalize`: each clause's peak at 1,
-    as piper does per sentence). `speed` scales the voice's phoneme lengths by 1/speed."""
+    as piper does per sentence). `speed` scales the voice's phoneme lengths by 1/speed.
+    `noise_scale`/`noise_w_scale`: piper's sampling noise (None: the voice's own); both 0
+    gives the same audio for the same text every time."""
     from piper.config import SynthesisConfig
 
     if max_chunk_ms < 10 or not 0 <= num_threads <= 64:
         raise ConfigError("piper vocoder: max_chunk_ms must be at least 10, num_threads 0-64")
+    for name, noise in (("noise_scale", noise_scale), ("noise_w_scale", noise_w_scale)):
+        if noise is not None and not 0.0 <= noise <= 2.0:  # NaN fails this too
+            raise ConfigError(f"piper vocoder: {name} must be 0-2, got {noise!r}")
     voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
     piper_voice, spk, chosen_speed = chosen_voice(
         params, {**voice_options, "speed": speed}, True, num_threads
     )
     config = piper_voice.config
-    synthesis = SynthesisConfig(speaker_id=spk, length_scale=config.length_scale / chosen_speed)
+    synthesis = SynthesisConfig(
+        speaker_id=spk,
+        length_scale=config.length_scale / chosen_speed,
+        noise_scale=noise_scale,
+        noise_w_scale=noise_w_scale,
+    )
     piece_len = max(1, config.sample_rate * max_chunk_ms // 1000)
     ended = False
     for chunk, is_last in with_last(_chunks(data)):

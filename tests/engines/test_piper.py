@@ -77,6 +77,18 @@ def test_speed_shortens_the_speech() -> None:
     assert 0.4 < fast / normal < 0.75 and 1.6 < slow / normal < 2.5  # VITS: not exactly 1/2
 
 
+def test_without_sampling_noise_the_same_text_gives_the_same_audio() -> None:
+    chunks = talk("Remember the word banana.")
+    quiet = {"noise_scale": 0.0, "noise_w_scale": 0.0}
+    first, again = (audio(unwrap(piper.vocoder(chunks, **quiet))) for _ in range(2))
+    assert np.array_equal(first, again)
+    noisy = [audio(unwrap(piper.vocoder(chunks))) for _ in range(2)]  # the voice's own noise
+    assert not np.array_equal(noisy[0], noisy[1])
+    for bad in (-0.1, 2.5, float("nan")):
+        with pytest.raises(ConfigError, match="noise_scale must be 0-2"):
+            unwrap(piper.vocoder(chunks, noise_scale=bad))
+
+
 def test_a_request_can_name_the_voice_and_an_unknown_one_fails() -> None:
     model = str(piper.bundled_voice())
     for params in ({"voice": "joe"}, {"voice": "en_US-joe-medium"}, {"voice": "alloy"}):

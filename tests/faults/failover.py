@@ -37,12 +37,15 @@ saw its state gone, the client saw a gap in its sequence numbers, or nobody had 
 deadline passed. Never a success with a piece missing."""
 
 
-def check_failover(report: FaultReport, failover_s: float) -> None:
-    """Print the scenario's row, then hold it to the promises above."""
+def check_failover(report: FaultReport, failover_s: float, logs: dict[str, str]) -> None:
+    """Print the scenario's row, then hold it to the promises above (a failure shows each
+    process's last log lines with it)."""
     print(
         "\n" + header() + "\n" + report.line() + f"  failover_s={failover_s:.2f} "
         f"resumed_s={report.resumed_s} errors={report.errors}"
     )
+    for name, tail in logs.items():  # shown with a failure (pytest keeps what passes quiet)
+        print(f"--- {name} ---\n{tail}")
     assert (report.wrong, report.lost) == (0, 0), report
     assert report.ok + report.failed == report.requests, report
     assert set(report.errors) <= LOSS_ERRORS, report.error_texts
@@ -73,4 +76,5 @@ async def fail_over_under_load(
         report = await run_load(
             d, scenario, prompts, seed_final_2, CONCURRENCY, N // 4, kill_primary, timeout_s=30
         )
-    check_failover(report, failover_s[0])
+        logs = {name: d.group.tail(name, 40) for name, _proc, _f in d.group.procs}
+    check_failover(report, failover_s[0], logs)
