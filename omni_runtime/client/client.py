@@ -85,6 +85,7 @@ class OmniClient:
         self.client_id = client_id or uuid.uuid4().hex
         self.out_stream = self.names.client_out(self.client_id)
         self._reader: asyncio.Task[None] | None = None
+        self._reader_failed: str | None = None  # why the output reader died (a bug)
         self._closing = False
         self.obs = Observability(metrics)
         """Its counters and tracers (started on entry); `metrics` may be shared with
@@ -132,6 +133,7 @@ class OmniClient:
         self._dead = DeadLetters(self.redis, self.names.dead_letters, metrics=self.metrics)
         await self._beat()
         self._reader = asyncio.create_task(self._read_outputs(), name="client-reader")
+        self._reader.add_done_callback(self._reader_ended)
         ending = self._deadlines.run(self._deadline_passed)
         self._deadline_task = asyncio.create_task(ending, name="client-deadlines")
         return self
@@ -151,7 +153,7 @@ class OmniClient:
         with the rest: neither is waited for then, and the aborts it queues are dropped
         (counted): the orchestrator ends those requests once this client's heartbeat lapses."""
         for request_id in list(self.inbox.requests):  # nobody will read them: free the pipeline
-            self._writer.xadd(self.names.requests, entry_fields(AbortMsg(request_id=request_id)))
+            self._abort_upstream(request_id, "aborted")
         if self._reader is not None:
             self._closing = True
             await asyncio.wait({self._reader}, timeout=self.settings.block_ms / 1000 + 5)
@@ -174,9 +176,8 @@ class OmniClient:
         timeout_s = timeout_s or self.settings.startup_timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        missing: list[str] = []
         while True:
-            missing = []
+            missing: list[str] = []
             if not await self.redis.exists(self.names.orchestrator_heartbeat()):
                 missing.append("orchestrator")
             for sid in stage_ids:
@@ -205,6 +206,8 @@ class OmniClient:
         Raises `RedisOutOfMemoryError` at once while Redis refuses writes for memory (the
         request was not submitted), `TransportError` if it could not be sent otherwise."""
         started = asyncio.get_running_loop().time()  # the request's deadline counts from here
+        if self._reader_failed is not None:
+            raise TransportError(f"this client can read no answer: {self._reader_failed}")
         request_id = request_id or uuid.uuid4().hex
         obs = self.obs
         if (tracer := obs.tracer or (obs.on_demand if trace else None)) is not None:
@@ -278,9 +281,7 @@ class OmniClient:
                 self.metrics.observe("omni_audio_gap_seconds", playback.worst_gap_s)
             self.inbox.close(request_id, asyncio.get_running_loop().time())
             if not finished:  # abandoned (break, timeout, cancel): stop the work it causes
-                self._writer.xadd(
-                    self.names.requests, entry_fields(AbortMsg(request_id=request_id))
-                )
+                self._abort_upstream(request_id, "aborted")
 
     async def generate(self, prompt: Any, **kwargs: Any) -> AsyncIterator[OrchOutput]:
         """`submit` then `stream`."""
@@ -309,11 +310,8 @@ class OmniClient:
             raise seen
         if await self._epoch.lost_given(seen):
             self.redis_condition.restarted_at = now
-            log.error(
-                "Redis restarted empty: %d requests in flight wait for their orchestrator's "
-                "word or their deadline",
-                len(self.inbox.requests),
-            )
+            waiting = len(self.inbox.requests)
+            log.error("Redis restarted empty: %d requests wait for answers or deadlines", waiting)
             self._last_id = b"0-0"
 
     async def _read_outputs(self) -> None:
@@ -330,8 +328,7 @@ class OmniClient:
                 batch = await self._reads.xread(streams, s.read_count, s.block_ms)
                 backoff.succeeded()
                 self.redis_condition.reachable()
-            except REDIS_FAILURES as e:  # retried: a reader that died would leave every request
-                # to its deadline
+            except REDIS_FAILURES as e:  # retried (a bug ends it: `_reader_ended`)
                 if isinstance(e, RedisConnectionError | RedisTimeoutError):
                     self.redis_condition.unreachable(e, loop.time())
                 delay_s = backoff.failed() or 0.0
@@ -348,6 +345,16 @@ class OmniClient:
             if ids:  # read once: keep the stream short (with the next writes, not waited on)
                 self._writer.queue(XDel(self.out_stream, ids))
                 await asyncio.sleep(0)  # the consumers have what came before the next read
+
+    def _reader_ended(self, task: asyncio.Task[None]) -> None:
+        """The reader retries Redis's failures; if a bug ends it, the requests in flight end
+        now and `submit` refuses, rather than wait out their deadlines unread."""
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        why = self._reader_failed = f"its output reader failed: {error!r}"
+        log.error("client %s: %s", self.client_id, why, exc_info=error)
+        for request_id in self.inbox.end_all(why, asyncio.get_running_loop().time()):
+            self._abort_upstream(request_id, why)
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:

@@ -154,6 +154,10 @@ class Inbox:
         self._remember(rid, now, error)
         return error
 
+    def end_all(self, error: str, now: float) -> list[str]:
+        """End every waiting request with `error`; the ids of those it ended."""
+        return [rid for rid in list(self.requests) if self.end(rid, 0, error, now) is not None]
+
     def _late_success(self, rid: str, ended_with: str) -> None:
         """A success final for a request already ended with an error: the user was told it
         failed. Only a gap (`outputs lost`) may rightly come before one; counted by the

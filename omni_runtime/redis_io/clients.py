@@ -17,7 +17,8 @@ cluster does not serve every slot, the ACL user may not touch the namespace.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -196,11 +197,54 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
     return redis.Redis.from_pool(pool)
 
 
+@contextlib.contextmanager
+def _closed_under_the_command() -> Iterator[None]:
+    """redis-py's asyncio cluster client closes every connection it has (`aclose`) when a
+    command meets CLUSTERDOWN or an uncovered slot, midway through other tasks' commands;
+    one whose connection was closed under it fails with AttributeError (its writer or
+    reader is gone). That is a lost connection: raise it as one, so that every loop that
+    rides out Redis's failures rides this out too, instead of dying in a failover."""
+    try:
+        yield
+    except AttributeError as e:
+        if "'NoneType' object has no attribute" not in str(e):
+            raise
+        raise RedisConnectionError(f"connection closed under the command ({e})") from e
+
+
+class _ClusterPipeline(aiocluster.ClusterPipeline):
+    async def execute(
+        self, raise_on_error: bool = True, allow_redirections: bool = True
+    ) -> list[Any]:
+        with _closed_under_the_command():
+            return await super().execute(raise_on_error, allow_redirections)
+
+
+_new_pipeline: Callable[..., aiocluster.ClusterPipeline] = _ClusterPipeline
+"""(redis-py's typing calls ClusterPipeline abstract; it is built just as redis-py does.)"""
+
+
+class _Cluster(aiocluster.RedisCluster):
+    """redis-py's asyncio cluster client whose failures are RedisErrors, even in a failover
+    (`_closed_under_the_command`)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        with _closed_under_the_command():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(
+        self, transaction: Any | None = None, shard_hint: Any | None = None
+    ) -> aiocluster.ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _new_pipeline(self, transaction)
+
+
 def async_client(url: str, *, cluster: bool = False) -> aioredis.Redis:
     """An asyncio client for `url` (a cluster one with `cluster`; it connects lazily), its
     commands packed as `sync_client`'s are."""
     if cluster:
-        return cast(aioredis.Redis, aiocluster.RedisCluster.from_url(url))
+        return cast(aioredis.Redis, _Cluster.from_url(url))
     client = async_primary(url) if is_sentinel_url(url) else aioredis.Redis.from_url(url)
     use_small_first_async(client.connection_pool)
     return client

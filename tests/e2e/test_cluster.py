@@ -213,3 +213,27 @@ async def test_a_lapsed_lease_is_kept_on_a_cluster(redis_cluster_url: str) -> No
         assert await client.get(names.orchestrator_lease(slot)) == leases.token.encode()
     finally:
         await client.aclose()
+
+
+async def test_connections_closed_under_commands_fail_them_as_connection_errors(
+    redis_cluster_url: str,
+) -> None:
+    """redis-py closes every connection of its asyncio cluster client on CLUSTERDOWN, under
+    other tasks' commands (here `aclose` does it); those must fail as ConnectionErrors,
+    which the runtime's loops retry, never as the AttributeError redis-py raises."""
+    client = async_client(redis_cluster_url, cluster=True)
+    kinds: dict[type, int] = {}
+    try:
+        await client.initialize()
+        for _round in range(20):
+            reads = [client.xread({f"k{i}": "0-0"}, block=100) for i in range(30)]
+            tasks = [asyncio.ensure_future(read) for read in reads]
+            await asyncio.sleep(0)  # each is midway, connecting or sending
+            await client.aclose()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                kind = type(result) if isinstance(result, BaseException) else list
+                kinds[kind] = kinds.get(kind, 0) + 1
+    finally:
+        await client.aclose()
+    assert set(kinds) <= {list, redis.ConnectionError}, kinds
+    assert kinds.get(redis.ConnectionError, 0) > 0, kinds  # the race was run

@@ -79,8 +79,9 @@ def test_speed_shortens_the_speech() -> None:
 
 def test_without_sampling_noise_the_same_text_gives_the_same_audio() -> None:
     chunks = talk("Remember the word banana.")
-    quiet = {"noise_scale": 0.0, "noise_w_scale": 0.0}
-    first, again = (audio(unwrap(piper.vocoder(chunks, **quiet))) for _ in range(2))
+    first, again = (
+        audio(unwrap(piper.vocoder(chunks, noise_scale=0.0, noise_w_scale=0.0))) for _ in range(2)
+    )
     assert np.array_equal(first, again)
     noisy = [audio(unwrap(piper.vocoder(chunks))) for _ in range(2)]  # the voice's own noise
     assert not np.array_equal(noisy[0], noisy[1])

@@ -15,7 +15,7 @@ import redis
 
 from omni_runtime.client.client import OmniClient
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError
+from omni_runtime.errors import OOM_MESSAGE, RedisOutOfMemoryError, TransportError
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.redis_io.streams import entry_fields
 from omni_runtime.redis_io.write_ops import xadd_fields
@@ -153,3 +153,20 @@ async def test_the_deadline_task_wakes_for_an_earlier_deadline() -> None:
         rid = await client.submit("quick", deadline_s=0.2)
         outs, took = await asyncio.wait_for(ended(client, rid), 10)
     assert outs[-1].error is not None and took < 2
+
+
+async def test_a_reader_that_dies_of_a_bug_ends_every_request_at_once() -> None:
+    """Not a Redis failure (those are retried) but a bug, here one of redis-py's: the
+    requests in flight end with it at once, not at their deadline, and `submit` refuses."""
+    async with OmniClient(settings(deadline_s=30.0), fake_clients()) as client:
+        rid = await client.submit("a b")
+
+        async def broken(*_args: Any) -> Any:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+        client._reads.xread = broken  # type: ignore[method-assign,assignment]
+        outs, took = await ended(client, rid)
+        assert [o.finished for o in outs] == [True] and took < 10.0
+        assert "output reader failed: AttributeError" in (outs[0].error or "")
+        with pytest.raises(TransportError, match="can read no answer"):
+            await client.submit("c d")
