@@ -35,7 +35,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from omni_runtime.errors import NO_REDIS_URL, ConfigError, FatalError
-from omni_runtime.redis_io.conn import use_small_first, use_small_first_async
+from omni_runtime.redis_io.conn import (
+    StreamRoutedCluster,
+    read_stream,
+    use_small_first,
+    use_small_first_async,
+)
 from omni_runtime.redis_io.sentinel import async_primary, primary_address, sync_primary
 from omni_runtime.sentinel_url import is_sentinel_url, parse_sentinel_url
 
@@ -185,7 +190,7 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
     """
     if cluster:
         try:
-            return cast(redis.Redis, redis.cluster.RedisCluster.from_url(url, **redis_kwargs))
+            return cast(redis.Redis, _SyncCluster.from_url(url, **redis_kwargs))
         except RedisClusterException as e:  # not a RedisError: say it as one line too
             raise FatalError(f"Redis Cluster at {redacted(url)}: {e}") from e
     if is_sentinel_url(url):
@@ -195,6 +200,17 @@ def sync_client(url: str, *, cluster: bool = False, **redis_kwargs: Any) -> redi
     pool = redis.ConnectionPool.from_url(url, **redis_kwargs)
     use_small_first(pool)
     return redis.Redis.from_pool(pool)
+
+
+class _SyncCluster(redis.cluster.RedisCluster):
+    """redis-py's cluster client, whose stream reads find their node without asking one
+    (`conn.read_stream`)."""
+
+    def determine_slot(self, *args: Any) -> int | None:
+        stream = read_stream(args)
+        base: Any = super()  # (redis-py's sync cluster client is untyped)
+        slot = base.keyslot(stream) if stream is not None else base.determine_slot(*args)
+        return cast(int | None, slot)
 
 
 @contextlib.contextmanager
@@ -224,9 +240,9 @@ _new_pipeline: Callable[..., aiocluster.ClusterPipeline] = _ClusterPipeline
 """(redis-py's typing calls ClusterPipeline abstract; it is built just as redis-py does.)"""
 
 
-class _Cluster(aiocluster.RedisCluster):
+class _Cluster(StreamRoutedCluster):
     """redis-py's asyncio cluster client whose failures are RedisErrors, even in a failover
-    (`_closed_under_the_command`)."""
+    (`_closed_under_the_command`), and whose stream reads find their node without asking."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         with _closed_under_the_command():

@@ -5,7 +5,8 @@ batches, a chunk's put, a receiver's blocking wake-up read, the stream writer's 
 the held stream reads): redis-py's command path costs more than those round trips
 (`docs/performance.md`). That means calling what redis-py does not promise to keep
 (`pack_commands`, `send_packed_command`, `read_response`, `can_read`, a connection's
-socket, its pool's `get_connection` and `connection_kwargs`): only this module does,
+socket, its pool's `get_connection` and `connection_kwargs`, the asyncio cluster
+client's `_determine_slot`): only this module does,
 `tests/unit/test_redis_conn.py` fails if any of it changes shape, and `pyproject.toml`
 bounds redis-py to the releases CI runs.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 import redis.asyncio.connection
 import redis.asyncio.sentinel as aiosentinel
 import redis.connection
@@ -349,3 +351,30 @@ class AsyncFollowingConnection(aiosentinel.SentinelManagedConnection):
 
 class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.connection.SSLConnection):
     pass
+
+
+# --- Redis Cluster: stream reads routed without asking a node --------------------------
+
+
+def read_stream(args: tuple[Any, ...]) -> Any | None:
+    """The first stream of an XREAD / XREADGROUP command (all of one read share a slot).
+
+    redis-py finds the keys of those commands (they move) with COMMAND GETKEYS, two round
+    trips to a node before each read on a cluster; the stream after STREAMS is the key."""
+    name = args[0].upper() if args and isinstance(args[0], str | bytes) else None
+    if name not in ("XREAD", "XREADGROUP", b"XREAD", b"XREADGROUP"):
+        return None
+    for i, arg in enumerate(args[:-1]):
+        if isinstance(arg, str | bytes) and arg.upper() in ("STREAMS", b"STREAMS"):
+            return args[i + 1]
+    return None
+
+
+class StreamRoutedCluster(aiocluster.RedisCluster):
+    """redis-py's asyncio cluster client, its stream reads' slot found by `read_stream`."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        stream = read_stream((command, *args))
+        if stream is None:
+            return await super()._determine_slot(command, *args)
+        return self.keyslot(stream)

@@ -225,10 +225,11 @@ async def test_connections_closed_under_commands_fail_them_as_connection_errors(
     kinds: dict[type, int] = {}
     try:
         await client.initialize()
-        for _round in range(20):
+        for round_ in range(40):
             reads = [client.xread({f"k{i}": "0-0"}, block=100) for i in range(30)]
             tasks = [asyncio.ensure_future(read) for read in reads]
-            await asyncio.sleep(0)  # each is midway, connecting or sending
+            for _ in range(round_ % 8):  # each is midway, connecting or sending or reading
+                await asyncio.sleep(0)
             await client.aclose()
             for result in await asyncio.gather(*tasks, return_exceptions=True):
                 kind = type(result) if isinstance(result, BaseException) else list
@@ -237,3 +238,38 @@ async def test_connections_closed_under_commands_fail_them_as_connection_errors(
         await client.aclose()
     assert set(kinds) <= {list, redis.ConnectionError}, kinds
     assert kinds.get(redis.ConnectionError, 0) > 0, kinds  # the race was run
+
+
+def command_getkeys_calls(cluster_url: str) -> int:
+    client = redis.cluster.RedisCluster.from_url(cluster_url)
+    try:
+        stats = [client.get_redis_connection(n).info("commandstats") for n in client.get_nodes()]
+    finally:
+        client.close()
+    return sum(s.get("cmdstat_command|getkeys", {}).get("calls", 0) for s in stats)
+
+
+async def test_stream_reads_on_a_cluster_go_straight_to_their_node(redis_cluster_url: str) -> None:
+    """redis-py asks a node for an XREAD's keys (COMMAND GETKEYS, twice) before each read:
+    the runtime's cluster clients route reads by their stream's slot instead."""
+    stream = f"s{uuid.uuid4().hex}"
+    aio, sync = (
+        async_client(redis_cluster_url, cluster=True),
+        sync_client(redis_cluster_url, cluster=True),
+    )
+    try:
+        entry = await aio.xadd(stream, {"a": "1"})
+        await aio.xgroup_create(stream, "g", id="0")
+        before = command_getkeys_calls(redis_cluster_url)
+        for _ in range(10):
+            assert await aio.xread({stream: "0-0"}, count=1) == [
+                [stream.encode(), [(entry, {b"a": b"1"})]]
+            ]
+            assert sync.xread({stream: "0-0"}, count=1) == [
+                [stream.encode(), [(entry, {b"a": b"1"})]]
+            ]
+        assert await aio.xreadgroup("g", "c", {stream: ">"}, count=1) != []
+        assert command_getkeys_calls(redis_cluster_url) == before
+    finally:
+        await aio.aclose()
+        sync.close()

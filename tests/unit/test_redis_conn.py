@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 import redis.asyncio.connection as aioconnection
 from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError
@@ -150,7 +151,14 @@ def test_the_attributes_conn_uses_are_still_there() -> None:
     assert isinstance(async_pool.connection_kwargs, dict)
 
 
+def test_the_cluster_slot_finder_conn_overrides_keeps_its_shape() -> None:
+    """`StreamRoutedCluster` overrides it: a stream read's slot without COMMAND GETKEYS."""
+    assert _parameters(aiocluster.RedisCluster, "_determine_slot") == ["self", "command", "args"]
+    assert inspect.iscoroutinefunction(aiocluster.RedisCluster._determine_slot)
+
+
 PRIVATE = {
+    "_determine_slot",
     "connect_check_health",
     "pack_commands",
     "pack_command",
