@@ -364,8 +364,9 @@ def read_stream(args: tuple[Any, ...]) -> Any | None:
     name = args[0].upper() if args and isinstance(args[0], str | bytes) else None
     if name not in ("XREAD", "XREADGROUP", b"XREAD", b"XREADGROUP"):
         return None
-    for i, arg in enumerate(args[:-1]):
-        if isinstance(arg, str | bytes) and arg.upper() in ("STREAMS", b"STREAMS"):
+    first = 4 if name in ("XREADGROUP", b"XREADGROUP") else 1  # past GROUP group consumer
+    for i in range(first, len(args) - 1):
+        if isinstance(args[i], str | bytes) and args[i].upper() in ("STREAMS", b"STREAMS"):
             return args[i + 1]
     return None
 

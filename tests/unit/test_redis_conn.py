@@ -20,7 +20,13 @@ from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError
 
 from omni_runtime.redis_io.clients import async_client
-from omni_runtime.redis_io.conn import SMALL_ARG_BYTES, SmallFirstPacker, one_timeout, pack_small
+from omni_runtime.redis_io.conn import (
+    SMALL_ARG_BYTES,
+    SmallFirstPacker,
+    one_timeout,
+    pack_small,
+    read_stream,
+)
 
 ENCODE = redis.ConnectionPool().get_encoder().encode
 
@@ -201,3 +207,22 @@ def test_only_conn_touches_redis_py_below_its_command_api() -> None:
             ):
                 users.add(str(path.relative_to(package)))
     assert users == {"redis_io/conn.py"}
+
+
+@pytest.mark.parametrize(
+    ("args", "stream"),
+    [
+        (("XREAD", "COUNT", 1, "BLOCK", 5, "STREAMS", "a", "b", "0", "0"), "a"),
+        ((b"xread", b"streams", b"k", b"0"), b"k"),
+        (("XREADGROUP", "GROUP", "streams", "STREAMS", "NOACK", "STREAMS", "k", ">"), "k"),
+        (("XREADGROUP", "GROUP", "g", "c", "COUNT", 10, "STREAMS", "k", "0"), "k"),
+        (("GET", "k"), None),
+        (("XREAD", "COUNT", 1), None),
+        ((), None),
+    ],
+)
+def test_a_stream_reads_slot_comes_from_its_first_stream(
+    args: tuple[Any, ...], stream: Any
+) -> None:
+    """A group or consumer named STREAMS is not the keyword (`read_stream`)."""
+    assert read_stream(args) == stream
