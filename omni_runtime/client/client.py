@@ -52,7 +52,6 @@ from omni_runtime.redis_io.entries import parse_entries
 from omni_runtime.redis_io.liveness import StateEpoch, stage_has_live_replica
 from omni_runtime.redis_io.raw_reads import AsyncHeldReads
 from omni_runtime.redis_io.streams import DeadLetters, entry_fields
-from omni_runtime.redis_io.write_ops import XDel
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.settings import Settings
 from omni_runtime.wire import codec, views
@@ -319,13 +318,15 @@ class OmniClient:
         s, backoff = self.settings, self.retry.backoff()
         beat_at = 0.0
         loop = asyncio.get_running_loop()
+        read: list[bytes] = []  # read once, so deleted (with the next read, in its send)
         while not self._closing:
             try:
                 if loop.time() >= beat_at:
                     beat_at = loop.time() + self.settings.heartbeat_interval_s
                     await self._beat()
                 streams = {self.out_stream: self._last_id}
-                batch = await self._reads.xread(streams, s.read_count, s.block_ms)
+                batch = await self._reads.xread(streams, s.read_count, s.block_ms, read)
+                read = []
                 backoff.succeeded()
                 self.redis_condition.reachable()
             except REDIS_FAILURES as e:  # retried (a bug ends it: `_reader_ended`)
@@ -342,8 +343,8 @@ class OmniClient:
                     self._last_id = entry_id
                     ids.append(entry_id)
                     await self._deliver(entry_id, fields)
-            if ids:  # read once: keep the stream short (with the next writes, not waited on)
-                self._writer.queue(XDel(self.out_stream, ids))
+            if ids:
+                read = ids
                 await asyncio.sleep(0)  # the consumers have what came before the next read
 
     def _reader_ended(self, task: asyncio.Task[None]) -> None:

@@ -294,6 +294,13 @@ async def send_one_async(conn: AsyncConnection, *args: Any, check_health: bool =
     await conn.send_packed_command(conn.pack_command(*args), check_health)
 
 
+async def send_async(
+    conn: AsyncConnection, commands: Sequence[Command], check_health: bool = True
+) -> None:
+    """Several commands in one write; their replies are read in order after it."""
+    await conn.send_packed_command(conn.pack_commands(commands), check_health)
+
+
 async def reply_async(conn: AsyncConnection) -> Any:
     return await conn.read_response()
 

@@ -10,7 +10,7 @@ no other thread uses: a single-connection client (a worker's input thread), or o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -66,25 +66,47 @@ class AsyncHeldReads:
         self._conn: Any = None
 
     async def xread(
-        self, streams: Mapping[str, bytes], count: int, block_ms: int
+        self,
+        streams: Mapping[str, bytes],
+        count: int,
+        block_ms: int,
+        delete: Sequence[bytes] = (),
     ) -> list[tuple[bytes, list[Entry]]]:
-        """XREAD COUNT BLOCK STREAMS …; through redis-py on a cluster (it routes by key)."""
+        """XREAD COUNT BLOCK STREAMS …, after XDEL of `delete` from the first stream (what
+        the last read returned) in the same send; through redis-py on a cluster (it routes
+        by key: both in one pipeline, to the stream's node)."""
+        stream = next(iter(streams))
         if is_cluster(self.client):
-            reply = await self.client.xread(dict(streams), count=count, block=block_ms)  # type: ignore[arg-type]
+            async with self.client.pipeline(transaction=False) as pipe:
+                if delete:
+                    pipe.xdel(stream, *delete)
+                pipe.xread(dict(streams), count=count, block=block_ms)  # type: ignore[arg-type]
+                *_deleted, reply = await pipe.execute()
             return stream_reply(reply)
-        return await self.read(("XREAD", "COUNT", count, "BLOCK", block_ms), streams)
+        gone = [("XDEL", stream, *delete)] if delete else []
+        return await self.read(("XREAD", "COUNT", count, "BLOCK", block_ms), streams, gone)
 
     async def read(
-        self, args: tuple[Any, ...], streams: Mapping[Any, Any]
+        self,
+        args: tuple[Any, ...],
+        streams: Mapping[Any, Any],
+        before: Sequence[rconn.Command] = (),
     ) -> list[tuple[bytes, list[Entry]]]:
-        """`args` (XREAD or XREADGROUP, up to BLOCK), then STREAMS `streams`' names and ids.
+        """`args` (XREAD or XREADGROUP, up to BLOCK), then STREAMS `streams`' names and ids;
+        `before`: commands sent in the same write, ahead of the read (e.g. deleting what
+        the last read returned: one send, not two), their replies read and dropped.
         Raises RedisError; a failed read drops the connection (a reply half read must not
         be read as the next one), and the next read connects anew."""
         if self._conn is None:
             self._conn = await rconn.take_async(self.client.connection_pool)
         conn = self._conn
         async with rconn.in_step_async(conn):
-            names = (*streams, *streams.values())
-            await rconn.send_one_async(conn, *args, "STREAMS", *names, check_health=False)
+            read = (*args, "STREAMS", *streams, *streams.values())
+            if before:
+                await rconn.send_async(conn, [*before, read], check_health=False)
+                for _ in before:
+                    await rconn.reply_async(conn)  # an error reply raises: the read is unread
+            else:
+                await rconn.send_one_async(conn, *read, check_health=False)
             reply = await rconn.reply_async(conn)
         return stream_entries(reply)
