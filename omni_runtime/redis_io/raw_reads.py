@@ -76,12 +76,14 @@ class AsyncHeldReads:
         the last read returned) in the same send; through redis-py on a cluster (it routes
         by key: both in one pipeline, to the stream's node)."""
         stream = next(iter(streams))
+        ids: dict[Any, Any] = dict(streams)  # (redis-py's typing wants its own key types)
+        if is_cluster(self.client) and not delete:
+            return stream_reply(await self.client.xread(ids, count=count, block=block_ms))
         if is_cluster(self.client):
             async with self.client.pipeline(transaction=False) as pipe:
-                if delete:
-                    pipe.xdel(stream, *delete)
-                pipe.xread(dict(streams), count=count, block=block_ms)  # type: ignore[arg-type]
-                *_deleted, reply = await pipe.execute()
+                pipe.xdel(stream, *delete)
+                pipe.xread(ids, count=count, block=block_ms)
+                _deleted, reply = await pipe.execute()
             return stream_reply(reply)
         gone = [("XDEL", stream, *delete)] if delete else []
         return await self.read(("XREAD", "COUNT", count, "BLOCK", block_ms), streams, gone)
