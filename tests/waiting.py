@@ -7,18 +7,27 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(cond: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    """Poll `cond` (threads do the work) until it holds; fail at the deadline."""
+def wait_until(
+    cond: Callable[[], bool], deadline_s: float = 10.0, explain: Callable[[], str] | None = None
+) -> None:
+    """Poll `cond` (threads do the work) until it holds; fail at the deadline, saying what
+    `explain` says of the state it stopped in."""
     end = time.monotonic() + deadline_s
     while not cond():
-        assert time.monotonic() < end, "condition not met before the deadline"
+        if time.monotonic() >= end:
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"condition not met before the deadline{detail}")
         time.sleep(0.001)
 
 
-async def wait_for(cond: Callable[[], bool], deadline_s: float = 10.0) -> None:
+async def wait_for(
+    cond: Callable[[], bool], deadline_s: float = 10.0, explain: Callable[[], str] | None = None
+) -> None:
     """`wait_until` for the event loop: other tasks run between the checks."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     while not cond():
-        assert loop.time() < end, "condition not met before the deadline"
+        if loop.time() >= end:
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"condition not met before the deadline{detail}")
         await asyncio.sleep(0.001)

@@ -7,6 +7,8 @@ import json
 import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -26,6 +28,14 @@ LONG_TEXT = " ".join(f"word{i}" for i in range(600))
 user speaks, even on a busy machine."""
 
 
+@dataclass(frozen=True)
+class StageCounts:
+    aborted: int
+    ended: int
+    """Completed, failed or aborted."""
+    in_flight: int
+
+
 class Deployment:
     def __init__(self, redis_url: str, namespace: str, serve: ServeProcess) -> None:
         self.redis_url, self.namespace, self.serve = redis_url, namespace, serve
@@ -33,22 +43,46 @@ class Deployment:
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.serve.url}/v1", api_key=KEY, max_retries=0)
 
-    def stage_aborts(self) -> dict[int, tuple[int, int]]:
-        """Each stage's workers' (aborted, in flight), as their heartbeats say (`status`)."""
+    def worker_status(self) -> list[dict[str, Any]]:
+        """Every live worker's heartbeat (`status`'s source)."""
         r = redis.Redis.from_url(self.redis_url)
-        out: dict[int, tuple[int, int]] = {}
         try:
             now_s, _ = server_now(r)
-            for p in read_heartbeats(r, keys.Names(self.namespace), now_s):
-                beat = r.get(p.key) if p.kind == "worker" and p.stage is not None else None
-                if beat is None or p.stage is None:
-                    continue
-                doc = json.loads(beat)
-                aborted, running = out.get(p.stage, (0, 0))
-                out[p.stage] = (aborted + doc["aborted"], running + doc["in_flight"])
+            beats = [r.get(p.key) for p in read_heartbeats(r, keys.Names(self.namespace), now_s)
+                     if p.kind == "worker" and p.stage is not None]  # fmt: skip
         finally:
             r.close()
+        return [json.loads(beat) for beat in beats if beat is not None]
+
+    def stage_counts(self) -> dict[int, StageCounts]:
+        """Each stage's workers' counts, summed, as their heartbeats say."""
+        out: dict[int, StageCounts] = {}
+        for doc in self.worker_status():
+            ended = doc["completed"] + doc["failed"] + doc["aborted"]
+            seen = out.get(doc["stage_id"], StageCounts(0, 0, 0))
+            out[doc["stage_id"]] = StageCounts(
+                seen.aborted + doc["aborted"], seen.ended + ended, seen.in_flight + doc["in_flight"]
+            )
         return out
+
+    def dropped_since(self, before: dict[int, StageCounts], stages: int = 3) -> bool:
+        """A request begun after `before` ended at every stage and none runs anything: the
+        first stage aborted it, and each later one aborted it or ended it on its upstream's
+        cancelled last chunk (a final with data None, which may reach it before its own
+        abort does)."""
+        now, none = self.stage_counts(), StageCounts(0, 0, 0)
+        if any(now.get(s, none).in_flight for s in range(stages)):
+            return False
+        first_aborted = now.get(0, none).aborted > before.get(0, none).aborted
+        return first_aborted and all(
+            now.get(s, none).ended > before.get(s, none).ended for s in range(1, stages)
+        )
+
+    def explain_stages(self) -> str:
+        """What each worker has done, for a failed wait's message."""
+        counts = ("in_flight", "completed", "failed", "aborted")
+        return "; ".join(f"stage {d['stage_id']}: " + ", ".join(f"{c} {d[c]}" for c in counts)
+                         for d in sorted(self.worker_status(), key=lambda d: d["stage_id"]))  # fmt: skip
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.serve.url}/metrics", timeout=10).text

@@ -93,7 +93,7 @@ async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Depl
         await conn.conversation.item.create(item={
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
         })  # fmt: skip
-        before = demo.stage_aborts()
+        before = demo.stage_counts()
         await conn.response.create()
         heard = Heard()
         while "response.output_audio.delta" not in heard.kinds:
@@ -106,11 +106,8 @@ async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Depl
         assert "input_audio_buffer.speech_started" in heard.kinds
         assert len(heard.audio) < expected_audio_s(LONG_TEXT) * 24_000  # not all of it played
 
-        def dropped() -> bool:
-            now = demo.stage_aborts()
-            return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in (0, 1, 2))
-
-        wait_until(dropped, 10)  # every stage was running it, every stage aborted it
+        # every stage was running it, and every stage dropped it
+        wait_until(lambda: demo.dropped_since(before), 10, demo.explain_stages)
         print(f"dropped by every stage within {time.monotonic() - spoke_at:.3f} s of the speech")
         # the next turn starts at once and completes
         await conn.conversation.item.create(item={

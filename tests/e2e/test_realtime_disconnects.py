@@ -31,18 +31,14 @@ async def test_a_disconnect_aborts_the_response_at_every_stage(demo: Deployment)
     await conn.conversation.item.create(item={
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
     })  # fmt: skip
-    before = demo.stage_aborts()
+    before = demo.stage_counts()
     await conn.response.create()
     heard = Heard()
     while "response.output_audio.delta" not in heard.kinds:
         take(heard, await asyncio.wait_for(conn.recv(), 10))
     await conn.close()
 
-    def dropped() -> bool:
-        now = demo.stage_aborts()
-        return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in (0, 1, 2))
-
-    wait_until(dropped, 20)
+    wait_until(lambda: demo.dropped_since(before), 20, demo.explain_stages)
     assert demo.metric("omni_realtime_responses_cancelled_total") == cancelled + 1
     assert demo.metric("omni_realtime_sessions_open") == 0
 
@@ -62,7 +58,7 @@ def test_a_reset_connection_ends_the_session_and_its_request(demo: Deployment, w
     """The client vanishes with a TCP reset, no closing handshake: the session ends and
     its request is aborted at every stage, at once, whatever the session was doing."""
     cancelled = demo.metric("omni_realtime_responses_cancelled_total")
-    before = demo.stage_aborts()
+    before = demo.stage_counts()
     client = RawClient(demo.serve.port, KEY, rcvbuf=4096 if when == "not_reading" else None)
     assert client.recv()["type"] == "session.created"
     if when != "idle":
@@ -82,17 +78,14 @@ def test_a_reset_connection_ends_the_session_and_its_request(demo: Deployment, w
     wait_until(lambda: demo.metric("omni_realtime_sessions_open") == 0, 5)
     ended_s = time.monotonic() - reset_at
     if when != "idle":
-        stages = (0, 1, 2)
 
         def dropped() -> bool:
-            now = demo.stage_aborts()
             if when == "opening":  # it may have been aborted before a stage took it
-                return all(now.get(s, (0, 0))[1] == 0 for s in stages)
-            return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in stages)
+                return not any(counts.in_flight for counts in demo.stage_counts().values())
+            return demo.dropped_since(before)
 
-        # Workers report aborts in their heartbeats, once a second; on a loaded machine the
-        # module's shared deployment may still be ending an earlier test's request.
-        wait_until(dropped, 15)
+        # the module's shared deployment may still be ending an earlier test's request
+        wait_until(dropped, 15, demo.explain_stages)
         assert demo.metric("omni_realtime_responses_cancelled_total") == cancelled + 1
     print(f"{when}: session ended {ended_s:.3f} s after the reset,"
           f" every stage clear {time.monotonic() - reset_at:.3f} s after")  # fmt: skip
@@ -106,7 +99,7 @@ async def test_a_close_from_a_client_that_stopped_reading_ends_the_session_at_on
     aborts the request as soon as the close frame arrives (the client's own close waits
     for the server's reply behind the audio it did not read, up to its close timeout)."""
     cancelled = demo.metric("omni_realtime_responses_cancelled_total")
-    before = demo.stage_aborts()
+    before = demo.stage_counts()
     conn = await demo.client().realtime.connect(model="omni").enter()
     await conn.conversation.item.create(item={
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
@@ -122,11 +115,7 @@ async def test_a_close_from_a_client_that_stopped_reading_ends_the_session_at_on
     await wait_for(lambda: demo.metric("omni_realtime_sessions_open") == 0, 5)
     ended_s = time.monotonic() - closed_at
 
-    def dropped() -> bool:
-        now = demo.stage_aborts()
-        return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in (0, 1, 2))
-
-    await wait_for(dropped, 5)
+    await wait_for(lambda: demo.dropped_since(before), 5, demo.explain_stages)
     dropped_s = time.monotonic() - closed_at
     assert demo.metric("omni_realtime_responses_cancelled_total") == cancelled + 1
     await closing
@@ -149,7 +138,7 @@ def test_a_client_that_takes_nothing_ends_its_session_and_its_request(
     """Frozen, or gone without a reset: its socket takes no event for
     OMNI_REALTIME_SEND_TIMEOUT_S, well before the outbox's 8 MiB would fill, and the
     request it started is aborted at every stage rather than run for nobody."""
-    before = impatient.stage_aborts()
+    before = impatient.stage_counts()
     client = RawClient(impatient.serve.port, KEY, rcvbuf=4096)
     try:
         assert client.recv()["type"] == "session.created"
@@ -167,13 +156,8 @@ def test_a_client_that_takes_nothing_ends_its_session_and_its_request(
         wait_until(lambda: impatient.metric("omni_realtime_sessions_open") == 0, 20)
         ended_s = time.monotonic() - started
 
-        def dropped() -> bool:
-            now = impatient.stage_aborts()
-            return all(now[s][0] > before.get(s, (0, 0))[0] and now[s][1] == 0 for s in (0, 1, 2))
-
-        # Workers report aborts in their heartbeats, once a second; on a loaded machine the
-        # module's shared deployment may still be ending an earlier test's request.
-        wait_until(dropped, 15)
+        # the module's shared deployment may still be ending an earlier test's request
+        wait_until(lambda: impatient.dropped_since(before), 15, impatient.explain_stages)
     finally:
         client.close()
     print(f"session ended {ended_s:.3f} s after the client's last event")
