@@ -95,6 +95,8 @@ class Response:
     run: Run | None = None
     task: asyncio.Task[None] | None = None
     pieces: int = 0
+    later_spoke: bool = False
+    """A stage after the speech-to-text one has output (its transcript is due once heard)."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
@@ -173,6 +175,8 @@ class Response:
                         continue
                     if out.stage_id == stt and self.heard is not None:
                         self.heard.text += str(out.data)
+                        if self.later_spoke:
+                            self._heard_done()
                     elif out.stage_id == outs.text_stage:
                         self._heard_done()
                         self._text(str(out.data))
@@ -184,16 +188,20 @@ class Response:
             return str(e)
         except AudioFormatError as e:
             return f"stage {outs.audio_stage}: {e}"
-        self._heard_done()
+        self._heard_done(ended=True)
         if audio:
             self._audio(resample.flush())
         return None
 
-    def _heard_done(self) -> None:
-        """The speech-to-text stage has spoken (its next stage's output came): say so once."""
-        heard, self.heard = self.heard, None
-        if heard is None or self.status is not None:
+    def _heard_done(self, ended: bool = False) -> None:
+        """The speech-to-text stage has spoken: a later stage's output came and it has heard
+        something, or the response ends. Said once. Stages' outputs are routed apart, so a
+        later stage's may come first: an empty transcript then waits for the words."""
+        self.later_spoke = True
+        heard = self.heard
+        if heard is None or self.status is not None or not (ended or heard.text.strip()):
             return
+        self.heard = None
         heard.audio, heard.text = None, heard.text.strip()
         self.emit(event("conversation.item.input_audio_transcription.completed",
                         item_id=heard.id, content_index=0, transcript=heard.text,
@@ -229,6 +237,7 @@ class Response:
         """End it now (`cancelled`) and abort its request at every stage."""
         if self.status is not None:
             return
+        self._heard_done(ended=True)  # what was heard so far: the user's line
         self._finish("cancelled", reason=reason)
         if self.run is not None:
             self.run.close()

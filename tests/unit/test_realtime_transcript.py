@@ -1,0 +1,116 @@
+"""The user's transcript on `/v1/realtime` (`realtime_response`): the orchestrator routes each
+stage's outputs apart, so a later stage's output may reach the front door before the
+speech-to-text stage's words it answers. The transcript waits for those words, once,
+instead of being said empty; a response cancelled first says what was heard so far.
+
+The outputs are given in that order by a stand-in for the client's stream: with real
+processes the order is a race (seen in a CI run, not reproducible on demand)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+from omni_runtime.core.types import OrchOutput
+from omni_runtime.http.realtime_response import Item, Response, Status
+
+TRANSCRIBED = "conversation.item.input_audio_transcription.completed"
+
+
+class Stream:
+    """The request's outputs, each handed over when the test releases it."""
+
+    def __init__(self, outputs: list[OrchOutput]) -> None:
+        self.outputs = outputs
+        self.released = asyncio.Semaphore(0)
+
+    async def stream(self, _rid: str, _timeout_s: float) -> AsyncIterator[OrchOutput]:
+        for out in self.outputs:
+            await self.released.acquire()
+            yield out
+
+
+def response(stream: Stream, emitted: list[dict[str, Any]]) -> tuple[Response, Any]:
+    served: Any = SimpleNamespace(
+        outputs=SimpleNamespace(
+            input="audio", text_stage=1, audio_stage=None, sample_rate=24_000, text_separator=" "
+        ),
+        pipeline=SimpleNamespace(final_stage_ids=[0, 1]),
+    )
+    gateway: Any = SimpleNamespace(timer=SimpleNamespace(output=lambda *_a: None))
+    done: list[Status] = []
+    r = Response(
+        gateway=gateway,
+        served=served,
+        emit=emitted.append,
+        prompt={"messages": []},
+        params={},
+        modalities=["text"],
+        heard=Item("item_you", "user", kind="audio"),
+        speech_end=None,
+        playback=cast(Any, None),
+        on_done=lambda _r, status: done.append(status),
+        timeout_s=10,
+    )
+    run = SimpleNamespace(client=stream, request_id="r", ended=False)
+    return r, run
+
+
+def transcripts(emitted: list[dict[str, Any]]) -> list[str]:
+    return [e["transcript"] for e in emitted if e["type"] == TRANSCRIBED]
+
+
+async def release_until(stream: Stream, cond: Any) -> None:
+    for _ in range(len(stream.outputs)):
+        if cond():
+            return
+        stream.released.release()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+async def test_the_answer_first_then_the_words_the_transcript_waits_for_them() -> None:
+    stream = Stream([
+        OrchOutput("r", 1, "You", False),  # the answer's first piece, routed first
+        OrchOutput("r", 0, "what is the weather", False),
+        OrchOutput("r", 1, "said", False),
+        OrchOutput("r", 1, "it", True),
+    ])  # fmt: skip
+    emitted: list[dict[str, Any]] = []
+    r, run = response(stream, emitted)
+    task = asyncio.create_task(r._stream(run))
+    await release_until(stream, lambda: False)
+    assert await asyncio.wait_for(task, 5) is None
+    assert transcripts(emitted) == ["what is the weather"]
+    assert r.heard is None  # said once
+
+
+async def test_the_words_first_are_said_as_the_answer_starts() -> None:
+    stream = Stream([OrchOutput("r", 0, "hello there", False), OrchOutput("r", 1, "hi", True)])
+    emitted: list[dict[str, Any]] = []
+    r, run = response(stream, emitted)
+    task = asyncio.create_task(r._stream(run))
+    await release_until(stream, lambda: any(e["type"] == TRANSCRIBED for e in emitted))
+    kinds = [e["type"] for e in emitted]
+    assert kinds[-2:] == [TRANSCRIBED, "response.output_text.delta"]
+    stream.released.release()
+    await asyncio.wait_for(task, 5)
+    assert transcripts(emitted) == ["hello there"]
+
+
+async def test_a_response_cancelled_before_the_words_says_what_was_heard() -> None:
+    stream = Stream([OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "late", False)])
+    emitted: list[dict[str, Any]] = []
+    r, run = response(stream, emitted)
+    task = asyncio.create_task(r._stream(run))
+    await release_until(
+        stream, lambda: any(e["type"] == "response.output_text.delta" for e in emitted)
+    )
+    assert transcripts(emitted) == []  # nothing heard yet: not said empty
+    r.cancel("turn_detected")
+    assert transcripts(emitted) == [""]  # the user's line, as far as it was heard
+    assert emitted[-1]["type"] == "response.done"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
