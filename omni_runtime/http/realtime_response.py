@@ -237,7 +237,7 @@ class Response:
         """End it now (`cancelled`) and abort its request at every stage."""
         if self.status is not None:
             return
-        self._heard_done(ended=True)  # what was heard so far: the user's line
+        self._heard_done()  # the words heard so far, if any, are the user's line
         self._finish("cancelled", reason=reason)
         if self.run is not None:
             self.run.close()

@@ -1,7 +1,7 @@
 """The user's transcript on `/v1/realtime` (`realtime_response`): the orchestrator routes each
 stage's outputs apart, so a later stage's output may reach the front door before the
 speech-to-text stage's words it answers. The transcript waits for those words, once,
-instead of being said empty; a response cancelled first says what was heard so far.
+instead of being said empty; a response cancelled says the words heard, if any.
 
 The outputs are given in that order by a stand-in for the client's stream: with real
 processes the order is a race (seen in a CI run, not reproducible on demand)."""
@@ -100,17 +100,35 @@ async def test_the_words_first_are_said_as_the_answer_starts() -> None:
     assert transcripts(emitted) == ["hello there"]
 
 
-async def test_a_response_cancelled_before_the_words_says_what_was_heard() -> None:
+async def test_a_response_cancelled_after_the_words_says_them() -> None:
+    stream = Stream([OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "hello", False)])
+    emitted: list[dict[str, Any]] = []
+    r, run = response(stream, emitted)
+    task = asyncio.create_task(r._stream(run))
+    await release_until(stream, lambda: any(e["type"] == TRANSCRIBED for e in emitted))
+    assert transcripts(emitted) == ["hello"]
+    r.cancel("turn_detected")
+    assert transcripts(emitted) == ["hello"]  # once
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_response_cancelled_before_any_words_leaves_the_turn_to_be_heard_again() -> None:
+    """Nothing heard: no empty transcript, and the turn's audio stays, so that a next
+    `response.create` hears it (as `_prompt` requires)."""
     stream = Stream([OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "late", False)])
     emitted: list[dict[str, Any]] = []
     r, run = response(stream, emitted)
+    assert r.heard is not None
+    r.heard.audio = b"\0\0"
+    heard = r.heard
     task = asyncio.create_task(r._stream(run))
     await release_until(
         stream, lambda: any(e["type"] == "response.output_text.delta" for e in emitted)
     )
-    assert transcripts(emitted) == []  # nothing heard yet: not said empty
     r.cancel("turn_detected")
-    assert transcripts(emitted) == [""]  # the user's line, as far as it was heard
+    assert transcripts(emitted) == []
+    assert heard.audio == b"\0\0"
     assert emitted[-1]["type"] == "response.done"
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
