@@ -58,6 +58,17 @@ def response(stream: Stream, emitted: list[dict[str, Any]]) -> tuple[Response, A
     return r, run
 
 
+def streaming(
+    outputs: list[OrchOutput],
+) -> tuple[Stream, list[dict[str, Any]], Response, asyncio.Task[str | None]]:
+    """A response of a spoken turn (its audio kept) whose outputs come as released."""
+    stream, emitted = Stream(outputs), list[dict[str, Any]]()
+    r, run = response(stream, emitted)
+    assert r.heard is not None
+    r.heard.audio = b"\0\0"
+    return stream, emitted, r, asyncio.create_task(r._stream(run))
+
+
 def transcripts(emitted: list[dict[str, Any]]) -> list[str]:
     return [e["transcript"] for e in emitted if e["type"] == TRANSCRIBED]
 
@@ -72,15 +83,12 @@ async def release_until(stream: Stream, cond: Any) -> None:
 
 
 async def test_the_answer_first_then_the_words_the_transcript_waits_for_them() -> None:
-    stream = Stream([
+    stream, emitted, r, task = streaming([
         OrchOutput("r", 1, "You", False),  # the answer's first piece, routed first
         OrchOutput("r", 0, "what is the weather", False),
         OrchOutput("r", 1, "said", False),
         OrchOutput("r", 1, "it", True),
     ])  # fmt: skip
-    emitted: list[dict[str, Any]] = []
-    r, run = response(stream, emitted)
-    task = asyncio.create_task(r._stream(run))
     await release_until(stream, lambda: False)
     assert await asyncio.wait_for(task, 5) is None
     assert transcripts(emitted) == ["what is the weather"]
@@ -88,10 +96,9 @@ async def test_the_answer_first_then_the_words_the_transcript_waits_for_them() -
 
 
 async def test_the_words_first_are_said_as_the_answer_starts() -> None:
-    stream = Stream([OrchOutput("r", 0, "hello there", False), OrchOutput("r", 1, "hi", True)])
-    emitted: list[dict[str, Any]] = []
-    r, run = response(stream, emitted)
-    task = asyncio.create_task(r._stream(run))
+    stream, emitted, _r, task = streaming(
+        [OrchOutput("r", 0, "hello there", False), OrchOutput("r", 1, "hi", True)]
+    )
     await release_until(stream, lambda: any(e["type"] == TRANSCRIBED for e in emitted))
     kinds = [e["type"] for e in emitted]
     assert kinds[-2:] == [TRANSCRIBED, "response.output_text.delta"]
@@ -101,10 +108,9 @@ async def test_the_words_first_are_said_as_the_answer_starts() -> None:
 
 
 async def test_a_response_cancelled_after_the_words_says_them() -> None:
-    stream = Stream([OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "hello", False)])
-    emitted: list[dict[str, Any]] = []
-    r, run = response(stream, emitted)
-    task = asyncio.create_task(r._stream(run))
+    stream, emitted, r, task = streaming(
+        [OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "hello", False)]
+    )
     await release_until(stream, lambda: any(e["type"] == TRANSCRIBED for e in emitted))
     assert transcripts(emitted) == ["hello"]
     r.cancel("turn_detected")
@@ -116,13 +122,11 @@ async def test_a_response_cancelled_after_the_words_says_them() -> None:
 async def test_a_response_cancelled_before_any_words_leaves_the_turn_to_be_heard_again() -> None:
     """Nothing heard: no empty transcript, and the turn's audio stays, so that a next
     `response.create` hears it (as `_prompt` requires)."""
-    stream = Stream([OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "late", False)])
-    emitted: list[dict[str, Any]] = []
-    r, run = response(stream, emitted)
-    assert r.heard is not None
-    r.heard.audio = b"\0\0"
+    stream, emitted, r, task = streaming(
+        [OrchOutput("r", 1, "You", False), OrchOutput("r", 0, "late", False)]
+    )
     heard = r.heard
-    task = asyncio.create_task(r._stream(run))
+    assert heard is not None
     await release_until(
         stream, lambda: any(e["type"] == "response.output_text.delta" for e in emitted)
     )
