@@ -18,6 +18,7 @@ cluster does not serve every slot, the ACL user may not touch the namespace.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -67,7 +68,14 @@ def redacted(url: str) -> str:
 
 def is_cluster(client: object) -> bool:
     """Whether `client` is one of redis-py's cluster clients (sync or asyncio)."""
-    return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
+    return _cluster_class(type(client))
+
+
+@functools.cache
+def _cluster_class(kind: type) -> bool:
+    """By class, once: redis-py's clients are protocol classes, whose `isinstance` runs
+    Python code every time, and some paths ask once per read."""
+    return issubclass(kind, redis.cluster.RedisCluster | aiocluster.RedisCluster)
 
 
 def cluster_info(client: redis.Redis) -> dict[str, str]:

@@ -17,10 +17,9 @@ packer for MiB-size values, which audio and tensor chunks are. So a command whos
 str/bytes/int/float goes to hiredis, anything else (big, memoryview, a type redis-py
 refuses with its own error) to redis-py's packer, unchanged.
 
-Replies: redis-py's asyncio connection reads every reply under its own `socket_timeout`
-timer, set and cancelled per command of a pipeline (a share of an orchestrator's CPU:
-docs/performance.md).
-Inside `one_timeout`, a pipeline's replies share that one deadline instead.
+Timers: redis-py's asyncio connection sends under a `wait_for` task, and reads each reply
+under a timer of its own (a share of an orchestrator's CPU: docs/performance.md). Here a
+send waits only when buffered, and inside `one_timeout` replies share one deadline.
 """
 
 from __future__ import annotations
@@ -123,6 +122,23 @@ class SmallFirstAsync:
             disconnect_on_error=disconnect_on_error,
             push_request=push_request,
         )
+
+    async def send_packed_command(
+        self, command: bytes | str | Sequence[bytes], check_health: bool = True
+    ) -> None:
+        """redis-py's send without its `wait_for` task (one per send: a share of an
+        orchestrator's and a client's CPU, docs/performance.md) when the socket takes the
+        write whole; only a buffered write waits, through redis-py's drain and timeout."""
+        conn: Any = self
+        redis_py: Any = super()  # the connection class this is mixed into
+        if conn._writer is None or (check_health and conn.health_check_interval):
+            await redis_py.send_packed_command(command, check_health)
+            return
+        if isinstance(command, str):
+            command = command.encode()
+        conn._writer.writelines([command] if isinstance(command, bytes) else command)
+        if conn._writer.transport.get_write_buffer_size():
+            await redis_py.send_packed_command([], False)
 
     def pack_command(self, *args: Any) -> list[bytes]:
         packed = pack_small(args)
@@ -288,10 +304,6 @@ def write_now(conn: AsyncConnection, commands: Sequence[Command]) -> None:
 async def drain(conn: AsyncConnection) -> None:
     if conn._writer is not None:
         await conn._writer.drain()
-
-
-async def send_one_async(conn: AsyncConnection, *args: Any, check_health: bool = True) -> None:
-    await conn.send_packed_command(conn.pack_command(*args), check_health)
 
 
 async def send_async(

@@ -104,11 +104,8 @@ class AsyncHeldReads:
         conn = self._conn
         async with rconn.in_step_async(conn):
             read = (*args, "STREAMS", *streams, *streams.values())
-            if before:
-                await rconn.send_async(conn, [*before, read], check_health=False)
-                for _ in before:
-                    await rconn.reply_async(conn)  # an error reply raises: the read is unread
-            else:
-                await rconn.send_one_async(conn, *read, check_health=False)
+            await rconn.send_async(conn, [*before, read], check_health=False)
+            for _ in before:
+                await rconn.reply_async(conn)  # an error reply raises: the read is unread
             reply = await rconn.reply_async(conn)
         return stream_entries(reply)

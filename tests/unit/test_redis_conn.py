@@ -22,10 +22,12 @@ from redis.exceptions import DataError
 from omni_runtime.redis_io.clients import async_client
 from omni_runtime.redis_io.conn import (
     SMALL_ARG_BYTES,
+    SmallFirstAsync,
     SmallFirstPacker,
     one_timeout,
     pack_small,
     read_stream,
+    small_first_async,
 )
 
 ENCODE = redis.ConnectionPool().get_encoder().encode
@@ -97,6 +99,42 @@ async def test_replies_inside_one_timeout_are_the_same(redis_url: str) -> None:
         await client.aclose()
 
 
+async def test_a_send_the_socket_cannot_take_whole_times_out_as_redis_pys_would() -> None:
+    """Only a buffered write waits (`SmallFirstAsync.send_packed_command`): a server that
+    reads nothing still ends the send in redis-py's write timeout, and the connection is
+    dropped, as redis-py's own send does."""
+    deaf = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never reads
+    try:  # no CLIENT SETINFO, no HELLO: their replies would never come
+        conn = small_first_async(aioconnection.Connection)(
+            port=deaf.getsockname()[1], socket_timeout=0.3, driver_info=None, protocol=2
+        )
+        await conn.connect()
+        big = b"x" * (64 << 20)  # more than any socket buffer takes
+        t0 = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError, match="writing"):
+            await conn.send_packed_command(conn.pack_command("SET", "k", big))
+        assert time.monotonic() - t0 < 3.0
+        assert conn._writer is None
+        await conn.disconnect()
+    finally:
+        deaf.close()
+
+
+async def test_a_send_the_socket_takes_whole_is_answered(redis_url: str) -> None:
+    client = async_client(redis_url)
+    try:
+        conn = await client.connection_pool.get_connection()
+        assert isinstance(conn, SmallFirstAsync)  # the path under test
+        await conn.send_packed_command(
+            conn.pack_commands([("SET", "whole", "v"), ("GET", "whole")])
+        )
+        assert [await conn.read_response(), await conn.read_response()] == [b"OK", b"v"]
+        await client.connection_pool.release(conn)
+        assert await client.delete("whole") == 1
+    finally:
+        await client.aclose()
+
+
 # --- the part of redis-py below its command API that `redis_io/conn.py` uses ----------
 # redis-py does not promise to keep these; `pyproject.toml` bounds it to the releases CI
 # runs, and these fail the day one changes shape (then `conn.py` is the one module to fix).
@@ -148,6 +186,7 @@ def test_the_attributes_conn_uses_are_still_there() -> None:
     assert "read_response" in dir(sync_conn) and "disconnect" in dir(sync_conn)
     async_conn = aioconnection.Connection()
     assert async_conn._writer is None  # the stream `write_now` writes to
+    assert async_conn.health_check_interval == 0  # a send checking health: redis-py's path
     pool = redis.ConnectionPool()
     assert isinstance(pool.connection_kwargs, dict)  # `command_packer`, `client_name`
     assert callable(pool.get_connection) and callable(pool.release) and callable(pool.get_encoder)
