@@ -18,7 +18,6 @@ cluster does not serve every slot, the ACL user may not touch the namespace.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -67,15 +66,18 @@ def redacted(url: str) -> str:
 
 
 def is_cluster(client: object) -> bool:
-    """Whether `client` is one of redis-py's cluster clients (sync or asyncio)."""
-    return _cluster_class(type(client))
-
-
-@functools.cache
-def _cluster_class(kind: type) -> bool:
-    """By class, once: redis-py's clients are protocol classes, whose `isinstance` runs
+    """Whether `client` is one of redis-py's cluster clients (sync or asyncio). Decided
+    once per class: redis-py's clients are protocol classes, whose `isinstance` runs
     Python code every time, and some paths ask once per read."""
-    return issubclass(kind, redis.cluster.RedisCluster | aiocluster.RedisCluster)
+    kind = type(client)
+    known = _CLUSTER_CLASSES.get(kind)
+    if known is None:
+        known = _CLUSTER_CLASSES[kind] = issubclass(kind, _CLUSTER_BASES)
+    return known
+
+
+_CLUSTER_BASES = (redis.cluster.RedisCluster, aiocluster.RedisCluster)
+_CLUSTER_CLASSES: dict[type, bool] = {}
 
 
 def cluster_info(client: redis.Redis) -> dict[str, str]:
