@@ -8,17 +8,23 @@ from that version (the load client too, as it is one of the runtime's processes)
 process: on-CPU ns of all its threads (`/proc/<pid>/task/*/schedstat`) over the cell,
 per request. This VM's speed drifts between runs, so the same-round ratio this / other
 is given for each process and the total, as well as each one's share of the total.
+
+`--side-by-side` runs both versions' cells at once instead, each on a redis-server of its
+own (swapped each round): the drift then falls on both alike, and the same-round ratios
+of unchanged processes stay within a few per cent (one after the other: 0.6-1.1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +65,33 @@ async def cell(url: str, mode: str, conc: int, n: int) -> dict[str, float]:
     return per
 
 
-def run_version(root: Path, url: str, args: argparse.Namespace) -> dict[str, float]:
+def start_version(root: Path, url: str, args: argparse.Namespace) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, str(HERE), "--cell", url, args.mode, str(args.conc), str(args.n)]
-    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def cell_result(proc: subprocess.Popen[str]) -> dict[str, float]:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"a cell failed (exit {proc.returncode})")
+    per = dict(json.loads(out.strip().splitlines()[-1]))
+    per["total"] = sum(per.values())
+    return per
+
+
+def rounds(
+    versions: dict[str, Path], urls: list[str], args: argparse.Namespace
+) -> Iterator[dict[str, dict[str, float]]]:
+    """Each round's CPU per request of each version: one after the other on `urls[0]`
+    (the order flipped each round), or at once, each on a server of its own."""
+    for r in range(args.rounds):
+        order = list(versions) if r % 2 == 0 else list(versions)[::-1]
+        if args.side_by_side:
+            procs = {v: start_version(versions[v], urls[i], args) for i, v in enumerate(order)}
+            yield {v: cell_result(proc) for v, proc in procs.items()}
+        else:
+            yield {v: cell_result(start_version(versions[v], urls[0], args)) for v in order}
 
 
 def main() -> None:
@@ -78,16 +106,18 @@ def main() -> None:
     p.add_argument("--conc", type=int, default=1)
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--redis-url")
+    p.add_argument("--side-by-side", action="store_true", help="both versions at once")
     args = p.parse_args()
     from benchmarks.harness.redis import redis_for_run
 
     versions = {"this": HERE.parents[2], "other": Path(args.other).resolve()}
     got: dict[str, list[dict[str, float]]] = {v: [] for v in versions}
-    with redis_for_run(args.redis_url) as url:
-        for r in range(args.rounds):
-            for v in list(versions) if r % 2 == 0 else list(versions)[::-1]:
-                per = run_version(versions[v], url, args)
-                per["total"] = sum(per.values())
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(redis_for_run(args.redis_url))]
+        if args.side_by_side:
+            urls.append(stack.enter_context(redis_for_run(None)))
+        for r, pers in enumerate(rounds(versions, urls, args)):
+            for v, per in pers.items():
                 got[v].append(per)
                 print(f"round {r} {v:<5} " + ", ".join(f"{k} {x:.1f}" for k, x in per.items()))
     print(f"\n{args.mode} c={args.conc} n={args.n}: CPU ms per request, median over rounds "

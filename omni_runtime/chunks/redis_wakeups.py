@@ -229,20 +229,23 @@ class NotifyWaiter:
                 self._pair = socket.socketpair()
                 for end in self._pair:
                     end.setblocking(False)
-            sock = self._socket
-            if sock is not None and not self._kicked.is_set() and not rconn.readable(conn):
-                select.select([sock, self._pair[0]], [], [], timeout_s)
-            while self._skip and rconn.readable(conn):  # the UNLINK's reply comes first
+            sock, kicks = self._socket, self._pair[0]
+            readable, kick_byte = rconn.readable(conn), False
+            if not readable and sock is not None and not self._kicked.is_set():
+                ready = select.select([sock, kicks], [], [], timeout_s)[0]
+                readable, kick_byte = sock in ready, kicks in ready
+            while self._skip and readable:  # the UNLINK's reply comes first
                 rconn.reply(conn)
                 self._skip -= 1
-            if self._skip or not rconn.readable(conn):
-                return [], self._drain(), sent
+                readable = rconn.readable(conn)
+            if self._skip or not readable:
+                return [], self._drain(kick_byte), sent
             popped, rest = rconn.reply(conn), rconn.reply(conn)
             self._in_flight = False
         except redis.RedisError:
             self._drop()
             raise
-        return [*([popped[1]] if popped else []), *(rest or [])], self._drain(), sent
+        return [*([popped[1]] if popped else []), *(rest or [])], self._drain(kick_byte), sent
 
     def close(self) -> None:
         self._drop()
@@ -273,10 +276,13 @@ class NotifyWaiter:
         popped = replies[1 if unlink else 0] if timeout_s > 0 else None  # after UNLINK's count
         return [*([popped[1]] if popped else []), *(replies[-1] or [])]
 
-    def _drain(self) -> bool:
+    def _drain(self, kick_byte: bool = True) -> bool:
+        """Whether a kick came; its byte is read only when one may be there (`kick` sets
+        the flag before it writes: a byte the flag did not announce makes `select` report
+        the pair, and is read then), which saves a wake-up a syscall."""
         kicked = self._kicked.is_set()
         self._kicked.clear()
-        if self._pair is not None:
+        if self._pair is not None and (kicked or kick_byte):
             with contextlib.suppress(OSError):
                 kicked |= bool(self._pair[0].recv(4096))
         return kicked

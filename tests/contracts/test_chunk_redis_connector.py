@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -282,6 +283,31 @@ def test_a_chunk_that_came_with_its_wakeup_costs_the_receiver_no_read(redis_url:
         sender.close()
         receiver.close()
         admin.close()
+
+
+def test_a_wake_ends_a_blocked_wait_and_leaves_the_next_one_blocking(redis_url: str) -> None:
+    """`wake` from another thread ends a long wait for puts at once; a wake's byte read or
+    not by the wait it ended (a wake racing a wait's end leaves one unannounced) never
+    makes a later wait return early."""
+    receiver = RedisConnector.from_url(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    out: list[dict[str, int]] = []
+    try:
+        receiver.wait_for_puts(0.01)  # the blocking read is in flight from here on
+        waiting = threading.Thread(target=lambda: out.append(receiver.wait_for_puts(60)))
+        waiting.start()
+        receiver.wake()
+        waiting.join(10)
+        assert not waiting.is_alive() and out == [{}]
+        pair = receiver._waiter._pair
+        assert pair is not None
+        pair[1].send(b"\0")  # the byte of a wake whose flag a wait's end already took
+        for _ in range(2):  # the byte: a spurious wake at most, then read and gone
+            receiver.wait_for_puts(0.2)
+        t0 = time.monotonic()
+        assert receiver.wait_for_puts(0.3) == {}
+        assert time.monotonic() - t0 >= 0.25  # it waited: nothing left to wake it
+    finally:
+        receiver.close()
 
 
 def test_a_put_after_the_server_dropped_the_held_connection_goes_through_at_once(
