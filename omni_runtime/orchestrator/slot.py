@@ -73,7 +73,8 @@ class SlotService:
                 block_ms=s.block_ms,
                 max_message_bytes=s.max_message_bytes,
                 streaming=p.mode == "streaming" and sid > 0,
-                relay=p.mode == "streaming",  # nothing forwarded: data kept as read
+                # data kept as read where nothing forwards it: streaming, or the last stage
+                relay=p.mode == "streaming" or sid == p.last_stage,
                 obs=shared.obs,
                 backoff=backoff,
                 slot=slot,

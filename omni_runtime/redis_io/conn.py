@@ -1,21 +1,17 @@
 """The one Redis connection layer: every use of redis-py below its command API is here.
 
-The runtime packs some round trips by hand on connections it holds (a worker's output
-batches, a chunk's put, a receiver's blocking wake-up read, the stream writer's batches,
-the held stream reads): redis-py's command path costs more than those round trips
-(`docs/performance.md`). That means calling what redis-py does not promise to keep
-(`pack_commands`, `send_packed_command`, `read_response`, `can_read`, a connection's
-socket, its pool's `get_connection` and `connection_kwargs`, the asyncio cluster
-client's `_determine_slot`): only this module does,
-`tests/unit/test_redis_conn.py` fails if any of it changes shape, and `pyproject.toml`
-bounds redis-py to the releases CI runs.
+The runtime packs some round trips by hand on connections it holds (outputs, chunks,
+wake-up reads, the stream writer's batches, held stream reads): redis-py's command path
+costs more than those round trips (`docs/performance.md`). That calls what redis-py does
+not promise to keep (`pack_commands`, `send_packed_command`, `read_response`, `can_read`,
+sockets and writers, pool internals, the cluster client's `_determine_slot`): only this
+module does, `tests/unit/test_redis_conn.py` fails if any of it changes shape, and
+`pyproject.toml` bounds redis-py to the releases CI runs.
 
 Packing: per command, hiredis's `pack_command` is several times faster than redis-py's
-Python packer (docs/performance.md), and a chunk or an output costs a stage several
-commands. But hiredis copies every argument into a fresh buffer, slower than the Python
-packer for MiB-size values, which audio and tensor chunks are. So a command whose arguments are all small
-str/bytes/int/float goes to hiredis, anything else (big, memoryview, a type redis-py
-refuses with its own error) to redis-py's packer, unchanged.
+Python packer (docs/performance.md), but copies every argument, slower for the MiB-size
+values of audio and tensor chunks. So a command of small str/bytes/int/float goes to
+hiredis, anything else (big, memoryview, a type redis-py refuses) to redis-py's packer.
 
 Timers: redis-py's asyncio connection sends under a `wait_for` task, and reads each reply
 under a timer of its own (a share of an orchestrator's CPU: docs/performance.md). Here a
@@ -136,7 +132,7 @@ class SmallFirstAsync:
             return
         if isinstance(command, str):
             command = command.encode()
-        conn._writer.writelines([command] if isinstance(command, bytes) else command)
+        write_chunks(conn._writer, [command] if isinstance(command, bytes) else command)
         if conn._writer.transport.get_write_buffer_size():
             await redis_py.send_packed_command([], False)
 
@@ -220,10 +216,6 @@ def send(conn: AbstractConnection, commands: Sequence[Command], check_health: bo
     conn.send_packed_command(conn.pack_commands(commands), check_health=check_health)
 
 
-def send_one(conn: AbstractConnection, *args: Any, check_health: bool = True) -> None:
-    conn.send_packed_command(conn.pack_command(*args), check_health=check_health)
-
-
 def reply(conn: AbstractConnection) -> Any:
     """The next reply, raw (RESP as parsed: no reply callback); an error reply raises."""
     return conn.read_response()
@@ -274,8 +266,7 @@ def round_trip(conn: AbstractConnection, commands: Sequence[Command]) -> list[An
 
 
 def drop(conn: AbstractConnection) -> None:
-    """Disconnect: replies left unread must never be read as another command's."""
-    conn.disconnect()
+    conn.disconnect()  # replies left unread must never be read as another command's
 
 
 def on_connect(conn: AbstractConnection, callback: Callable[[AbstractConnection], None]) -> None:
@@ -293,12 +284,27 @@ async def take_async(pool: aioredis.ConnectionPool) -> AsyncConnection:
 
 def write_now(conn: AsyncConnection, commands: Sequence[Command]) -> None:
     """Write `commands` to `conn` (connected) now, without waiting: the socket takes them
-    at once, or the transport buffers them (`drain`). redis-py's own send is a coroutine
-    only for its drain and timer; the write is not."""
-    writer = conn._writer
-    if writer is None:
+    at once, or the transport buffers them (`drain`)."""
+    if conn._writer is None:
         raise redis.exceptions.ConnectionError("not connected")
-    writer.writelines(conn.pack_commands(commands))
+    write_chunks(conn._writer, conn.pack_commands(commands))
+
+
+BIG_CHUNK_BYTES = 64 * 1024
+
+
+def write_chunks(writer: asyncio.StreamWriter, chunks: Sequence[bytes | memoryview]) -> None:
+    """`writelines` without copying a big value (the Python packer's own buffer) into one
+    joined buffer first, as Python 3.11's does: small chunks joined, big ones as they are."""
+    start = 0
+    for i, chunk in enumerate(chunks):
+        if len(chunk) >= BIG_CHUNK_BYTES:
+            if i > start:
+                writer.writelines(chunks[start:i])
+            writer.writelines((chunk,))  # one bytes: joined as is, no copy
+            start = i + 1
+    if start < len(chunks):
+        writer.writelines(chunks[start:])
 
 
 async def drain(conn: AsyncConnection) -> None:
@@ -317,10 +323,6 @@ async def reply_async(conn: AsyncConnection) -> Any:
     return await conn.read_response()
 
 
-async def drop_async(conn: AsyncConnection) -> None:
-    await conn.disconnect()
-
-
 @contextlib.asynccontextmanager
 async def in_step_async(conn: AsyncConnection) -> AsyncIterator[None]:
     """`in_step` for an asyncio connection: a round trip stopped midway disconnects it."""
@@ -335,11 +337,9 @@ async def in_step_async(conn: AsyncConnection) -> AsyncIterator[None]:
 
 # --- Sentinel: a connection that follows the primary ----------------------------------
 
-# redis-py's Sentinel connection finds the primary in `connect()`, but a command sent on a
-# disconnected connection reconnects through `connect_check_health()`, to the address it
-# had: a connection held outside the pool (the hand-packed commands' ones) would knock on
-# the dead primary's door for ever. These ask the sentinels on that path too (a reconnect
-# through `connect()` asks twice: one round trip to a sentinel, once per reconnect).
+# redis-py's Sentinel connection finds the primary in `connect()`, but one reconnecting
+# through `connect_check_health()` (a held connection's next command) goes to the address
+# it had, the dead primary's, for ever. These ask the sentinels on that path too.
 
 
 class FollowingConnection(redis.sentinel.SentinelManagedConnection):

@@ -158,5 +158,5 @@ class OwnConnection:
 
     def _connected(self, conn: AbstractConnection) -> None:
         """On every (re)connection: learn the connection's id, which changes with it."""
-        rconn.send_one(conn, "CLIENT", "ID")
+        rconn.send(conn, [("CLIENT", "ID")])
         self._id = int(rconn.reply(conn))

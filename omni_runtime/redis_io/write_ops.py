@@ -245,7 +245,9 @@ def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
 
 
 def _packed(group: list[XAdd], max_bytes: int) -> list[list[XAdd]]:
-    """Consecutive adds as few batches as fit in `max_bytes` each (`codec.pack_batches`)."""
+    """Consecutive adds as few batches as fit in `max_bytes` (at most
+    `codec.BATCH_MAX_BYTES`) each."""
+    max_bytes = min(max_bytes, codec.BATCH_MAX_BYTES)
     out: list[list[XAdd]] = []
     parts: list[XAdd] = []
     size = 0

@@ -228,6 +228,11 @@ def is_array(raw: Any) -> bool:
 
 BATCH_HEADER_BYTES: Final = 5
 """The most a batch adds to its messages' bytes (a msgpack array header)."""
+BATCH_MAX_BYTES: Final = 256 * 1024
+"""The largest batch the writers make of messages bound for one stream. Batching saves an
+XADD and its Python per message, but a batch is a copy of its messages made at once, in
+the writer's loop, and read back in one go: unbounded, a burst of answers' audio made
+one entry of megabytes (docs/performance.md)."""
 
 
 def encode_batch(encoded: Sequence[bytes]) -> bytes:
@@ -240,24 +245,7 @@ def encode_batch(encoded: Sequence[bytes]) -> bytes:
         header = b"\xdc" + n.to_bytes(2, "big")
     else:
         header = b"\xdd" + n.to_bytes(4, "big")
-    return header + b"".join(encoded)
-
-
-def pack_batches(encoded: Sequence[bytes], max_bytes: int) -> list[bytes]:
-    """Consecutive encoded messages as few payloads as fit in `max_bytes` each, in order:
-    a batch (`encode_batch`) of several, or a lone message as it is."""
-    out: list[bytes] = []
-    group: list[bytes] = []
-    size = 0
-    for one in encoded:
-        if group and size + len(one) > max_bytes - BATCH_HEADER_BYTES:
-            out.append(group[0] if len(group) == 1 else encode_batch(group))
-            group, size = [], 0
-        group.append(one)
-        size += len(one)
-    if group:
-        out.append(group[0] if len(group) == 1 else encode_batch(group))
-    return out
+    return b"".join((header, *encoded))  # one copy of the messages, not two
 
 
 def encode_model(model: BaseModel) -> bytes:

@@ -89,7 +89,9 @@ class Entry:
 
 
 def pack_entries(stream: str, outputs: list[Outgoing], max_bytes: int) -> list[Entry]:
-    """Consecutive outputs as few entries as fit in `max_bytes` each (`codec.pack_batches`)."""
+    """Consecutive outputs as few entries as fit in `max_bytes` (at most
+    `codec.BATCH_MAX_BYTES`) each."""
+    max_bytes = min(max_bytes, codec.BATCH_MAX_BYTES)
     out: list[Entry] = []
     group: list[Outgoing] = []
     size = 0

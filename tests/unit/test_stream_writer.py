@@ -30,6 +30,8 @@ from omni_runtime.redis_io.write_ops import (
 )
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire import codec
+from omni_runtime.worker.actions import Outgoing
+from omni_runtime.worker.output_batch import pack_entries
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -188,6 +190,21 @@ def test_mergeable_adds_share_an_entry_per_stream_in_order_up_to_the_byte_limit(
     sizes = [len(parse_entries(_fields(a), dict, limit)) for a in small]
     assert sizes == [2, 2, 1]
     assert all(len(a.fields[keys.PAYLOAD_FIELD]) <= limit for a in small)
+
+
+def test_a_burst_of_big_outputs_is_batched_in_bounded_entries_by_both_writers() -> None:
+    """However high the message limit, a batch is at most `codec.BATCH_MAX_BYTES`: a
+    burst of answers' audio is many entries of that size, not one of megabytes."""
+    payload = codec.encode({"type": "orch_output", "pad": b"\0" * 7_500})
+    n = 10 * codec.BATCH_MAX_BYTES // len(payload)
+    adds = merged([XAdd("c", {keys.PAYLOAD_FIELD: payload}, 10, merge_up_to=64 << 20)] * n)
+    entries = pack_entries(
+        "s", [Outgoing("r", 0, payload, ends=False, is_error=False)] * n, 64 << 20
+    )
+    for got in ([a.fields[keys.PAYLOAD_FIELD] for a in adds], [e.payload for e in entries]):
+        assert 10 <= len(got) <= 11
+        assert all(len(p) <= codec.BATCH_MAX_BYTES for p in got)
+        assert sum(len(parse_entries({b"m": p}, dict, 1 << 20)) for p in got) == n
 
 
 def test_a_batch_of_messages_is_refused_where_one_message_is_expected() -> None:
