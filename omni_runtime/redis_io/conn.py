@@ -132,7 +132,7 @@ class SmallFirstAsync:
             return
         if isinstance(command, str):
             command = command.encode()
-        write_chunks(conn._writer, [command] if isinstance(command, bytes) else command)
+        write_chunks(conn._writer, [command] if isinstance(command, bytes) else list(command))
         if conn._writer.transport.get_write_buffer_size():
             await redis_py.send_packed_command([], False)
 

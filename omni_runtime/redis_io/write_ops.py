@@ -237,27 +237,12 @@ def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
             continue
         group = mergeable[item]
         first = group[0]
-        for parts in _packed(group, first.merge_up_to):
+        for parts in codec.batches(group, _payload_bytes, first.merge_up_to):
             payloads = [add.fields[PAYLOAD] for add in parts]
             payload = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
             out.append((replace(first, fields={PAYLOAD: payload}, merge_up_to=0), parts))
     return out
 
 
-def _packed(group: list[XAdd], max_bytes: int) -> list[list[XAdd]]:
-    """Consecutive adds as few batches as fit in `max_bytes` (at most
-    `codec.BATCH_MAX_BYTES`) each."""
-    max_bytes = min(max_bytes, codec.BATCH_MAX_BYTES)
-    out: list[list[XAdd]] = []
-    parts: list[XAdd] = []
-    size = 0
-    for add in group:
-        one = len(add.fields[PAYLOAD])
-        if parts and size + one > max_bytes - codec.BATCH_HEADER_BYTES:
-            out.append(parts)
-            parts, size = [], 0
-        parts.append(add)
-        size += one
-    if parts:
-        out.append(parts)
-    return out
+def _payload_bytes(add: XAdd) -> int:
+    return len(add.fields[PAYLOAD])

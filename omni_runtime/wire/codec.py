@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import msgpack
@@ -66,6 +66,7 @@ the root is free). Part of the wire format, like the message schemas: not a sett
 
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 def warm_up() -> None:
@@ -246,6 +247,25 @@ def encode_batch(encoded: Sequence[bytes]) -> bytes:
     else:
         header = b"\xdd" + n.to_bytes(4, "big")
     return b"".join((header, *encoded))  # one copy of the messages, not two
+
+
+def batches(items: Sequence[T], size: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+    """Consecutive `items` as few batches as fit in `max_bytes` (at most `BATCH_MAX_BYTES`)
+    each, a batch's header counted; an item too big for any batch is one alone."""
+    max_bytes = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
+    out: list[list[T]] = []
+    group: list[T] = []
+    total = 0
+    for item in items:
+        one = size(item)
+        if group and total + one > max_bytes:
+            out.append(group)
+            group, total = [], 0
+        group.append(item)
+        total += one
+    if group:
+        out.append(group)
+    return out
 
 
 def encode_model(model: BaseModel) -> bytes:

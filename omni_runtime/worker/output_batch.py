@@ -89,21 +89,12 @@ class Entry:
 
 
 def pack_entries(stream: str, outputs: list[Outgoing], max_bytes: int) -> list[Entry]:
-    """Consecutive outputs as few entries as fit in `max_bytes` (at most
-    `codec.BATCH_MAX_BYTES`) each."""
-    max_bytes = min(max_bytes, codec.BATCH_MAX_BYTES)
-    out: list[Entry] = []
-    group: list[Outgoing] = []
-    size = 0
-    for o in outputs:
-        if group and size + len(o.payload) > max_bytes - codec.BATCH_HEADER_BYTES:
-            out.append(_entry(stream, group))
-            group, size = [], 0
-        group.append(o)
-        size += len(o.payload)
-    if group:
-        out.append(_entry(stream, group))
-    return out
+    """Consecutive outputs as few entries as fit in `max_bytes` each (`codec.batches`)."""
+    return [_entry(stream, group) for group in codec.batches(outputs, _payload_bytes, max_bytes)]
+
+
+def _payload_bytes(output: Outgoing) -> int:
+    return len(output.payload)
 
 
 def _entry(stream: str, group: list[Outgoing]) -> Entry:
