@@ -1,6 +1,7 @@
 """The omni-runtime cells of `benchmarks.peers`, for two versions of the runtime side by side.
 
-`python -m benchmarks.peers.omni_ab OTHER_CHECKOUT [--rounds 4] [--conc 1,32] [--n 16,96]`
+`python -m benchmarks.peers.omni_ab OTHER_CHECKOUT [--rounds 4] [--conc 1,32] [--n 16,96]
+[--metrics]`
 deploys both modes of `workers/omni.yaml` from this checkout and from OTHER_CHECKOUT
 (a source tree, e.g. `git archive main | tar -x -C /tmp/omni-main`), all four up at once
 on one private redis-server, and runs each cell (mode x concurrency, `load.closed_loop`,
@@ -8,6 +9,8 @@ the peers benchmark's load) for both versions back to back, the order flipped ea
 so a load that comes and goes falls on both alike. Prints per cell and version the median
 over the rounds of the p50 TTFT, TTFA, E2E and thinker step period (ms), and the median
 and range of the same-round ratio this / other for each. The client is this process.
+`--metrics`: every process serves `/metrics`, as a production deployment does (metrics cost
+the loops work per output that the default run leaves out).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from omni_runtime.pipeline import load_pipeline
 
 MODES = ("sequential", "streaming")
 FIGURES = ("ttft", "ttfa", "e2e", STEP)
+METRICS_PORT = 19500
 
 
 async def cell(d: Deployment, conc: int, n: int) -> Samples:
@@ -39,9 +43,11 @@ async def main_async(args: argparse.Namespace, url: str) -> None:
     here = Path(__file__).resolve().parents[2]
     versions = {"this": here, "other": Path(args.other).resolve()}
     deps: dict[tuple[str, str], Deployment] = {}
-    for v, root in versions.items():
-        for m in MODES:
-            d = Deployment(url, OMNI, f"ab-{v}-{m[:3]}", mode=m)
+    for i, (v, root) in enumerate(versions.items()):
+        for j, m in enumerate(MODES):
+            port = METRICS_PORT + 10 * (2 * i + j)  # stage k's worker serves on port + 1 + k
+            env = {"OMNI_METRICS_PORT": str(port)} if args.metrics else None
+            d = Deployment(url, OMNI, f"ab-{v}-{m[:3]}", mode=m, extra_env=env)
             d.env["PYTHONPATH"] = str(root)  # (the group shares this dict)
             deps[v, m] = d.start()
     try:
@@ -90,6 +96,7 @@ def main() -> None:
     p.add_argument("--conc", default="1,32")
     p.add_argument("--n", default="16,96")
     p.add_argument("--redis-url")
+    p.add_argument("--metrics", action="store_true", help="every process serves /metrics")
     args = p.parse_args()
     with redis_for_run(args.redis_url) as url:
         asyncio.run(main_async(args, url))
