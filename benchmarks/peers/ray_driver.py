@@ -35,7 +35,7 @@ def main() -> int:
         import ray
         from ray import serve
 
-        from benchmarks.peers.ray_serve import MODES, app
+        from benchmarks.peers.ray_serve import MODES, app, streamed
     except ImportError as e:
         say({"error": str(e)})
         return 1
@@ -51,7 +51,7 @@ def main() -> int:
 
         def source(mode: str) -> Any:
             async def stream(prompt: str) -> AsyncIterator[tuple[int, Any]]:
-                async for batch in handles[mode].stream.remote(prompt):
+                async for batch in streamed(handles[mode].stream.remote(prompt)):
                     for stage, data in batch:  # the items ready at once, in one message
                         yield stage, data
 

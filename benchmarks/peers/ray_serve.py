@@ -36,11 +36,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 try:
     from ray import serve
-    from ray.serve.handle import DeploymentHandle
+    from ray.serve import Deployment
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as e:  # pragma: no cover - the extra is optional
     raise ImportError(
         "the Ray Serve peer needs Ray: pip install -e '.[peers]' (or pip install 'ray[serve]')"
@@ -54,9 +55,19 @@ from workers.omni import Code2Wav, Talker, Thinker
 OMNI = ROOT / "workers" / "omni.yaml"
 MAX_ONGOING = 100_000
 """Per replica: Serve's default (5) would cap the load; the engines batch whatever comes."""
-REPLICA = {"num_replicas": 1, "max_ongoing_requests": MAX_ONGOING,
+REPLICA: dict[str, Any] = {"num_replicas": 1, "max_ongoing_requests": MAX_ONGOING,
            "ray_actor_options": {"num_cpus": 0}}  # fmt: skip
 """One replica each; num_cpus=0 so eight replicas and the controller fit on two cores."""
+
+
+def streamed(response: Any) -> DeploymentResponseGenerator[Any]:
+    """A call on a `stream=True` handle: Ray's hints give either kind of response."""
+    return cast(DeploymentResponseGenerator[Any], response)
+
+
+def deployment(cls: type) -> Deployment:
+    """A class `serve.deployment` decorated: mypy keeps a decorated class's own type."""
+    return cast(Deployment, cls)
 
 
 def stage_options() -> dict[str, dict[str, Any]]:
@@ -216,14 +227,14 @@ class Code2WavDeployment:
 
 @serve.deployment(**REPLICA)
 class SequentialIngress:
-    def __init__(self, thinker: DeploymentHandle, talker: DeploymentHandle,
-                 code2wav: DeploymentHandle) -> None:  # fmt: skip
+    def __init__(self, thinker: DeploymentHandle[Any], talker: DeploymentHandle[Any],
+                 code2wav: DeploymentHandle[Any]) -> None:  # fmt: skip
         self.thinker = thinker.options(stream=True)
         self.talker, self.code2wav = talker, code2wav
 
     async def stream(self, prompt: str) -> AsyncIterator[Batch]:
         tokens = []
-        async for batch in self.thinker.stream.remote(prompt):
+        async for batch in streamed(self.thinker.stream.remote(prompt)):
             tokens += [t for _stage, t in batch]
             yield batch
         codes = self.talker.speak.remote(tokens)  # passed on by reference, not awaited here
@@ -232,8 +243,8 @@ class SequentialIngress:
 
 @serve.deployment(**REPLICA)
 class PerChunkIngress:
-    def __init__(self, thinker: DeploymentHandle, talker: DeploymentHandle,
-                 code2wav: DeploymentHandle) -> None:  # fmt: skip
+    def __init__(self, thinker: DeploymentHandle[Any], talker: DeploymentHandle[Any],
+                 code2wav: DeploymentHandle[Any]) -> None:  # fmt: skip
         self.thinker = thinker.options(stream=True)
         self.talker, self.code2wav = talker, code2wav
 
@@ -243,7 +254,7 @@ class PerChunkIngress:
 
         async def text() -> None:
             try:
-                async for batch in self.thinker.stream.remote(prompt):
+                async for batch in streamed(self.thinker.stream.remote(prompt)):
                     out.put_nowait(batch)
                     for _stage, token in batch:
                         pending.put_nowait(
@@ -264,12 +275,12 @@ class PerChunkIngress:
 class TalkerRelay:
     """The talker streaming each request's tokens through as its upstream's stream brings them."""
 
-    def __init__(self, upstream: DeploymentHandle) -> None:
+    def __init__(self, upstream: DeploymentHandle[Any]) -> None:
         self.upstream = upstream.options(stream=True)
         self.host = EngineHost(Talker(**stage_options()["talker"]))
 
     async def stream(self, prompt: str) -> AsyncIterator[Batch]:
-        async for batch in self.host.relay(self.upstream.stream.remote(prompt), 0, 1):
+        async for batch in self.host.relay(streamed(self.upstream.stream.remote(prompt)), 0, 1):
             yield batch
 
 
@@ -277,12 +288,12 @@ class TalkerRelay:
 class Code2WavRelay:
     """Code2wav streaming each request's codes through, and the text on: the ingress."""
 
-    def __init__(self, upstream: DeploymentHandle) -> None:
+    def __init__(self, upstream: DeploymentHandle[Any]) -> None:
         self.upstream = upstream.options(stream=True)
         self.host = EngineHost(Code2Wav(**stage_options()["code2wav"]))
 
     async def stream(self, prompt: str) -> AsyncIterator[Batch]:
-        async for batch in self.host.relay(self.upstream.stream.remote(prompt), 1, 2):
+        async for batch in self.host.relay(streamed(self.upstream.stream.remote(prompt)), 1, 2):
             yield batch
 
 
@@ -292,8 +303,8 @@ MODES = ("sequential", "streaming", "per-chunk")
 def app(mode: str) -> Any:
     """The application of one mode, with its own three stage deployments."""
     if mode == "streaming":
-        thinker = ThinkerDeployment.options(name=f"{mode}-thinker").bind()
-        return Code2WavRelay.bind(TalkerRelay.bind(thinker))
-    ingress = {"sequential": SequentialIngress, "per-chunk": PerChunkIngress}[mode]
-    stages = (ThinkerDeployment, TalkerDeployment, Code2WavDeployment)
+        thinker = deployment(ThinkerDeployment).options(name=f"{mode}-thinker").bind()
+        return deployment(Code2WavRelay).bind(deployment(TalkerRelay).bind(thinker))
+    ingress = deployment({"sequential": SequentialIngress, "per-chunk": PerChunkIngress}[mode])
+    stages = [deployment(d) for d in (ThinkerDeployment, TalkerDeployment, Code2WavDeployment)]
     return ingress.bind(*(d.options(name=f"{mode}-{d.name}").bind() for d in stages))
