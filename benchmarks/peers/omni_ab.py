@@ -43,9 +43,9 @@ async def main_async(args: argparse.Namespace, url: str) -> None:
     here = Path(__file__).resolve().parents[2]
     versions = {"this": here, "other": Path(args.other).resolve()}
     deps: dict[tuple[str, str], Deployment] = {}
-    for i, (v, root) in enumerate(versions.items()):
-        for j, m in enumerate(MODES):
-            port = METRICS_PORT + 10 * (2 * i + j)  # stage k's worker serves on port + 1 + k
+    for v, root in versions.items():
+        for m in MODES:
+            port = METRICS_PORT + 10 * len(deps)  # stage k's worker serves on port + 1 + k
             env = {"OMNI_METRICS_PORT": str(port)} if args.metrics else None
             d = Deployment(url, OMNI, f"ab-{v}-{m[:3]}", mode=m, extra_env=env)
             d.env["PYTHONPATH"] = str(root)  # (the group shares this dict)
