@@ -74,15 +74,18 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     log_settings(settings)
     service = OrchestratorService(_pipeline(args), settings)
 
-    async def main() -> None:
+    async def main() -> NoReturn:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         await service.run(stop)
+        # Left from inside the loop: closing it would put the default actions back, and a
+        # stop signal then (`run` sends its children two as it stops them) killed a process
+        # that had stopped cleanly, or printed a KeyboardInterrupt's traceback.
+        exit_now(0)
 
     asyncio.run(main())
-    exit_now(0)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 FRESH_FRACTION = 0.75
 """Share of the TTL after a round's start during which the leases count as held."""
 MAX_SLOTS = keys.MAX_SLOTS
+RELEASE_ATTEMPTS = 3
 
 
 class LeaseLost(FatalError):
@@ -246,22 +247,30 @@ class Leases:
     async def release(self, slot: int) -> None:
         """Give a slot up (compare and delete), with a notice on the released stream in the
         same transaction: a live process that follows it (`follow_releases`) takes the slot
-        over at once, not at its next lease round."""
+        over at once, not at its next lease round.
+
+        A change of the key between WATCH and EXEC is looked at again: this process's own
+        renewal round, in flight on another connection, extends it too, and a release lost
+        to that left the slot to lapse a whole TTL later."""
         self.held.discard(slot)
         self.generation.pop(slot, None)
         key = self.names.orchestrator_lease(slot)
         released = self.names.orchestrator_released
-        async with self.client.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(key)
-                if self._mine(await pipe.get(key)):
+        for _attempt in range(RELEASE_ATTEMPTS):
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    if not self._mine(await pipe.get(key)):
+                        return  # it changed hands meanwhile: not ours to delete
                     pipe.multi()
                     pipe.delete(key)
                     pipe.xadd(released, {"slot": slot}, maxlen=keys.RELEASED_MAXLEN)
                     pipe.expire(released, keys.RELEASED_TTL_S)
                     await pipe.execute()
-            except WatchError:
-                pass  # it changed hands meanwhile: not ours to delete
+                    return
+                except WatchError:
+                    continue
+        log.warning("giving orchestrator slot %d back kept racing: it lapses on its own", slot)
 
     async def follow_releases(self, notice: Callable[[], None], block_ms: int) -> None:
         """Call `notice` whenever some process gives a slot up; runs until cancelled. One

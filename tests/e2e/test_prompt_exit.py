@@ -166,3 +166,26 @@ async def test_a_request_whose_read_was_cut_short_is_served_after_a_restart(
     by_stage = {k: [o.data for o in outputs if o.stage_id == k] for k in (0, 2)}
     assert by_stage == {0: ["one", "two"], 2: ["wav:ONE", "wav:TWO"]}, outputs
     assert sync.xpending(names.requests, keys.ORCHESTRATOR_GROUP)["pending"] == 0
+
+
+SIGNAL_EVERY_S = 0.001
+
+
+def test_stop_signals_that_come_while_an_orchestrator_leaves_do_not_kill_it(
+    processes: Processes, redis_url: str
+) -> None:
+    """`run` and `serve` send a stopping child SIGTERM and SIGINT on top of the terminal's
+    SIGINT: however late they come, the orchestrator still leaves as it stopped, cleanly
+    (killed by one, or a KeyboardInterrupt's traceback, once counted as a crash)."""
+    client = redis.Redis.from_url(redis_url)
+    proc = processes.start("orchestrator")
+    wait_key(client, processes.settings.names.orchestrator_heartbeat())
+    proc.send_signal(signal.SIGINT)
+    sent = 1
+    end = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < end:
+        proc.send_signal(signal.SIGTERM if sent % 2 else signal.SIGINT)
+        sent += 1
+        time.sleep(SIGNAL_EVERY_S)  # the fault's pace: a flood would only starve its loop
+    assert proc.poll() == 0, f"exit {proc.returncode} after {sent} signals\n{processes.logs()}"
+    assert "Traceback" not in processes.logs()

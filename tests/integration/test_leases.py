@@ -71,6 +71,38 @@ async def test_a_slot_served_by_another_and_given_back_is_not_taken_back(
     assert await redis.get(NAMES.orchestrator_lease(0)) is None
 
 
+async def test_a_release_racing_its_own_renewal_still_gives_the_slot_back(
+    redis: fakeredis.FakeAsyncRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's renewal round extends the lease between the release's WATCH and EXEC
+    (two connections of one process): the release looks again, and the slot is free now,
+    not a TTL later."""
+    a = Leases(redis, NAMES, TTL_S)
+    await a.take(0)
+    lease = NAMES.orchestrator_lease(0)
+    renewals: list[bool] = []
+    pipeline = redis.pipeline
+
+    def renewed_meanwhile(transaction: bool = True) -> object:
+        pipe = pipeline(transaction=transaction)
+        get = pipe.get
+
+        async def get_then_renew(key: str) -> object:
+            value = await get(key)
+            if not renewals:  # the first look only: the renewal round lands after it
+                renewals.append(await redis.pexpire(lease, int(TTL_S * 1000)))
+            return value
+
+        monkeypatch.setattr(pipe, "get", get_then_renew)
+        return pipe
+
+    monkeypatch.setattr(redis, "pipeline", renewed_meanwhile)
+    await a.release(0)
+    assert renewals == [True]
+    assert not await redis.exists(lease)
+    assert await redis.xlen(NAMES.orchestrator_released) == 1  # the notice went out once
+
+
 async def test_a_lapsed_lease_nobody_took_is_kept(redis: fakeredis.FakeAsyncRedis) -> None:
     a = Leases(redis, NAMES, TTL_S)
     await a.take(0)
