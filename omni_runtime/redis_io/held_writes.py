@@ -10,8 +10,10 @@ short, growing delay (at most `PROBE_MAX_S`), by one of them alone, a probe. Onc
 write that needs memory goes through, the rest follow at once.
 
 Nothing is reordered. A later entry of the same request on the same stream (a client's
-next output, say) is held behind the one refused; a state (a field of a hash) written
-later supersedes the held one, which is never written over it. A write held longer
+next output, say) is held behind the one refused, and of a request's held entries on one
+stream only the oldest is tried at a time (in one round trip, a smaller one after it
+could pass it); a state (a field of a hash) written later supersedes the held one, which
+is never written over it. A write held longer
 than the writer's whole retry budget is given up, with the request's other held writes.
 """
 
@@ -21,7 +23,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from omni_runtime.redis_io.backoff import Backoff
-from omni_runtime.redis_io.write_ops import PAYLOAD, ExpireAt, HashDrop, HashPut, Op, XAdd, owners
+from omni_runtime.redis_io.write_ops import (
+    PAYLOAD,
+    ExpireAt,
+    HashDrop,
+    HashPut,
+    Op,
+    XAdd,
+    owners,
+    payload_bytes,
+)
 from omni_runtime.wire import codec
 
 PROBE_MAX_S = 0.25
@@ -81,7 +92,11 @@ class HeldWrites:
         if now >= self._due_at:
             self._ops = self._per_request(self._ops)
             n = 1 if self._probe else len(self._ops)
-            out, self._ops = self._ops[:n], self._ops[n:]
+            due, self._ops = self._ops[:n], self._ops[n:]
+            waiting: list[Op] = []
+            for op in due:
+                (waiting if self._behind_taken(op, out) else out).append(op)
+            self._ops[:0] = waiting
             self._due_at = now + PROBE_MAX_S  # until the replies say otherwise
         for op in ops:
             if self._behind(op, out):
@@ -95,6 +110,17 @@ class HeldWrites:
         ops, self._ops = self._ops, []
         self._since.clear()
         return ops
+
+    @staticmethod
+    def _behind_taken(op: Op, taken: list[Op]) -> bool:
+        """A held entry of a request whose older entry on the stream is being tried."""
+        return (
+            isinstance(op, XAdd)
+            and op.owner is not None
+            and any(
+                isinstance(t, XAdd) and t.stream == op.stream and t.owner == op.owner for t in taken
+            )
+        )
 
     def _behind(self, op: Op, taken: list[Op]) -> bool:
         """Whether `op` must follow a held op (or one `taken` to retry, in the same batch
@@ -119,10 +145,11 @@ class HeldWrites:
         return False
 
     def _per_request(self, ops: list[Op]) -> list[Op]:
-        """Held entries that would share one (a client's outputs of many requests) as one
-        entry per request instead: Redis short of memory refuses a command bigger than
-        the room it has left (its own bytes count), so smaller ones get through first.
-        A request's outputs stay in one entry, in order (two could pass each other)."""
+        """Held entries that would share one (a client's outputs of many requests) as
+        entries of one request each instead: Redis short of memory refuses a command
+        bigger than the room it has left (its own bytes count), so smaller ones get through
+        first. A request's outputs held through a long refusal fill as many entries as the
+        stream's bound (`merge_up_to`) needs, in order (`take` tries one at a time)."""
         groups: dict[tuple[str, str | None], list[XAdd]] = {}
         out: list[Op | tuple[str, str | None]] = []
         for op in ops:
@@ -141,15 +168,16 @@ class HeldWrites:
             if not isinstance(item, tuple):
                 result.append(item)
                 continue
-            parts = groups[item]
-            payloads = [p.fields[PAYLOAD] for p in parts]
-            one = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
-            joined = replace(parts[0], fields={PAYLOAD: one}, merge_up_to=0)
-            since = [self._since[id(p)] for p in parts if id(p) in self._since]
-            if since:
-                self._since[id(joined)] = min(since)
-            self.forget(parts)
-            result.append(joined)
+            group = groups[item]
+            for parts in codec.batches(group, payload_bytes, group[0].merge_up_to):
+                payloads = [p.fields[PAYLOAD] for p in parts]
+                one = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
+                joined = replace(parts[0], fields={PAYLOAD: one}, merge_up_to=0)
+                since = [self._since[id(p)] for p in parts if id(p) in self._since]
+                if since:
+                    self._since[id(joined)] = min(since)
+                self.forget(parts)
+                result.append(joined)
         return result
 
     def _expired(self, now: float) -> list[Op]:

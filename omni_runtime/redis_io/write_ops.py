@@ -237,12 +237,13 @@ def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
             continue
         group = mergeable[item]
         first = group[0]
-        for parts in codec.batches(group, _payload_bytes, first.merge_up_to):
+        for parts in codec.batches(group, payload_bytes, first.merge_up_to):
             payloads = [add.fields[PAYLOAD] for add in parts]
             payload = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
             out.append((replace(first, fields={PAYLOAD: payload}, merge_up_to=0), parts))
     return out
 
 
-def _payload_bytes(add: XAdd) -> int:
+def payload_bytes(add: XAdd) -> int:
+    """What an entry's payload weighs against its stream's merge bound."""
     return len(add.fields[PAYLOAD])

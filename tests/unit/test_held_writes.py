@@ -124,7 +124,9 @@ def test_later_writes_of_a_request_wait_behind_its_held_one_others_go() -> None:
     held.hold([a0], now=0.0)
     assert held.take([a1, b0], now=0.0) == [b0]
     held.room(now=0.0)
-    assert held.take([], now=0.0) == [a0, a1]
+    assert held.take([], now=0.0) == [a0]  # one at a time: a1 cannot pass it in the trip
+    held.room(now=0.0)
+    assert held.take([], now=0.0) == [a1] and len(held) == 0
 
 
 def test_held_client_outputs_go_again_as_one_entry_per_request() -> None:
@@ -143,6 +145,29 @@ def test_held_client_outputs_go_again_as_one_entry_per_request() -> None:
     assert isinstance(first, XAdd)
     batch = codec.decode(first.fields[keys.PAYLOAD_FIELD])
     assert [m["seq"] for m in batch] == [0, 1]
+
+
+def test_a_requests_outputs_held_through_a_long_refusal_stay_within_an_entrys_bound() -> None:
+    """However many outputs were held, no entry outgrows what the client reads (its
+    `max_message_bytes`); the entries go one at a time, in order."""
+    held = HeldWrites(0.01, max_hold_s=30)
+    bound = 200
+    ops = [add("client", "a", seq, bound) for seq in range(12)]
+    size = len(ops[0].fields[keys.PAYLOAD_FIELD])
+    held.hold(list(ops), now=0.0)
+    seqs: list[int] = []
+    entries = 0
+    while len(held):
+        held.room(now=0.0)
+        (entry,) = held.take([], now=0.0)
+        assert isinstance(entry, XAdd) and entry.merge_up_to == 0
+        payload = entry.fields[keys.PAYLOAD_FIELD]
+        assert len(payload) <= bound
+        batch = codec.decode(payload)
+        seqs.extend(m["seq"] for m in (batch if isinstance(batch, list) else [batch]))
+        entries += 1
+    assert seqs == list(range(12))
+    assert entries == -(-12 * size // (bound - 3)) > 1  # as full as the bound allows
 
 
 def test_a_newer_state_supersedes_the_held_one_and_an_end_frees_it_at_once() -> None:
