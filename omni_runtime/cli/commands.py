@@ -33,6 +33,9 @@ from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
+CLIENT_CLOSE_S = 1.0
+"""How long a stopped `run` gives its client to end its request (one round trip, idle)."""
+
 
 def settings_of(args: argparse.Namespace) -> Settings:
     source: CliSettingsSource[Settings] = args.settings_source
@@ -155,7 +158,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     stage_ids = list(range(pipeline.last_stage + 1))
     settings = settings_of(args)  # `--trace`: this request is traced in every process
     params = parse_params(args.param)
-    asyncio.run(_submit_and_print(settings, prompt, printer, stage_ids, settings.trace, params))
+    submitted = _submit_and_print(settings, prompt, printer, stage_ids, settings.trace, params)
+    asyncio.run(_watch(None, submitted))
     write_wav(printer, args.wav, _wav_rate(pipeline))
     return 1 if printer.failed else 0
 
@@ -236,15 +240,25 @@ def _run(args: argparse.Namespace, children: Children) -> int:
 
 
 async def _watch(group: Any, work: Any) -> None:
-    """Run `work`, failing fast if one of the processes dies meanwhile."""
+    """Run `work`, failing fast if one of the processes dies meanwhile (`group`, where this
+    process started them). Stopped (Ctrl-C),
+    `work` is cancelled first and waited for a moment, while its client's writer still
+    runs: the client ends its request as on any abandon, instead of dropping the abort
+    (asyncio.run cancels every task at once)."""
     task = asyncio.ensure_future(work)
-    while not task.done():
-        try:
-            group.check_alive()
-        except OmniError:
-            await cancel_and_wait([task])
-            raise
-        await asyncio.wait({task}, timeout=0.2)
+    try:
+        while not task.done():
+            try:
+                if group is not None:
+                    group.check_alive()
+            except OmniError:
+                await cancel_and_wait([task])
+                raise
+            await asyncio.wait({task}, timeout=0.2)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task}, timeout=CLIENT_CLOSE_S)
+        raise
     task.result()
 
 

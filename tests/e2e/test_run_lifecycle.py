@@ -124,6 +124,7 @@ def test_ctrl_c_stops_run_and_everything_it_started_at_once() -> None:
     assert "Traceback" not in stderr
     assert "did not stop in time" not in stderr
     assert "logs kept" not in stderr  # an interrupted run did not fail
+    assert "unsent" not in stderr  # its client ended the request: its abort was not dropped
     left = [f"{pid} {name}" for pid, name in started.items() if running(pid)]
     assert left == [], left
 
