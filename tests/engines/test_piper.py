@@ -25,7 +25,8 @@ def test_the_talker_sends_each_clause_as_soon_as_it_is_complete() -> None:
     stream = ChunkStream()
     stream.extend(token_deltas("Good morning to you all. It"), closed=False)
     chunks = piper.talker(stream)
-    assert next(chunks)["text"] == "Good morning to you all."  # the input is still open
+    assert next(chunks)["text"] == "Good morning"  # a short first piece (first_clause_chars)
+    assert next(chunks)["text"] == "to you all."  # the input is still open
     stream.extend([" rains", ".", None], closed=True)
     assert [c.data["text"] for c in chunks if isinstance(c, Final)] == ["It rains."]
 
@@ -33,8 +34,9 @@ def test_the_talker_sends_each_clause_as_soon_as_it_is_complete() -> None:
 def test_the_talker_gives_the_voices_phoneme_ids_for_each_clause() -> None:
     chunks = talk([*token_deltas(SENTENCES), None])
     assert [c["text"] for c in chunks] == [
-        "The quick brown fox",  # the first piece short (first_clause_chars), then clauses
-        "jumps over the lazy dog.",
+        "The quick",  # the first piece short (first_clause_chars), each next one at most
+        "brown fox jumps over the",  # twice as long, then clauses
+        "lazy dog.",
         "Please call me back when you get home tonight.",
         "I would like a cup of coffee and a piece of cake,",
         "please.",
