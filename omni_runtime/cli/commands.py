@@ -34,7 +34,7 @@ from omni_runtime.settings import Settings
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSE_S = 1.0
-"""How long a stopped `run` gives its client to end its request (one round trip, idle)."""
+"""How long a stopped `run` or `submit` gives its client to end its request."""
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -241,10 +241,9 @@ def _run(args: argparse.Namespace, children: Children) -> int:
 
 async def _watch(group: Any, work: Any) -> None:
     """Run `work`, failing fast if one of the processes dies meanwhile (`group`, where this
-    process started them). Stopped (Ctrl-C),
-    `work` is cancelled first and waited for a moment, while its client's writer still
-    runs: the client ends its request as on any abandon, instead of dropping the abort
-    (asyncio.run cancels every task at once)."""
+    process started them). Stopped (Ctrl-C), `work` is cancelled first and waited for a
+    moment, while its client's writer still runs: the client ends its request as on any
+    abandon, instead of dropping the abort (asyncio.run cancels every task at once)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():

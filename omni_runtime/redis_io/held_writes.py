@@ -13,8 +13,8 @@ Nothing is reordered. A later entry of the same request on the same stream (a cl
 next output, say) is held behind the one refused, and of a request's held entries on one
 stream only the oldest is tried at a time (in one round trip, a smaller one after it
 could pass it); a state (a field of a hash) written later supersedes the held one, which
-is never written over it. A write held longer
-than the writer's whole retry budget is given up, with the request's other held writes.
+is never written over it. A write held longer than the writer's whole retry budget is
+given up, with the request's other held writes.
 """
 
 from __future__ import annotations
