@@ -114,22 +114,13 @@ class HeldWrites:
     @staticmethod
     def _behind_taken(op: Op, taken: list[Op]) -> bool:
         """A held entry of a request whose older entry on the stream is being tried."""
-        return (
-            isinstance(op, XAdd)
-            and op.owner is not None
-            and any(
-                isinstance(t, XAdd) and t.stream == op.stream and t.owner == op.owner for t in taken
-            )
-        )
+        return isinstance(op, XAdd) and op.owner is not None and _in_line(op, taken)
 
     def _behind(self, op: Op, taken: list[Op]) -> bool:
         """Whether `op` must follow a held op (or one `taken` to retry, in the same batch
         where it might pass the refused one); a newer state instead supersedes the held."""
         if isinstance(op, XAdd):
-            return any(
-                isinstance(h, XAdd) and h.stream == op.stream and h.owner == op.owner
-                for h in (*self._ops, *taken)
-            )
+            return _in_line(op, [*self._ops, *taken])
         if isinstance(op, HashPut | HashDrop):
             for h in self._ops:  # a newer state of a field: the held one is obsolete
                 if isinstance(h, HashPut) and h.key == op.key:
@@ -192,3 +183,8 @@ class HeldWrites:
         self._ops = [op for op in self._ops if id(op) not in gone]
         self.forget(out)
         return out
+
+
+def _in_line(add: XAdd, ops: Sequence[Op]) -> bool:
+    """Whether an entry of the same request on the same stream is among `ops`."""
+    return any(isinstance(h, XAdd) and h.stream == add.stream and h.owner == add.owner for h in ops)
