@@ -237,7 +237,7 @@ def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
             continue
         group = mergeable[item]
         first = group[0]
-        for parts in codec.batches(group, payload_bytes, first.merge_up_to):
+        for parts in codec.batches(group, payload_bytes, first.merge_up_to, _owner):
             payloads = [add.fields[PAYLOAD] for add in parts]
             payload = payloads[0] if len(parts) == 1 else codec.encode_batch(payloads)
             out.append((replace(first, fields={PAYLOAD: payload}, merge_up_to=0), parts))
@@ -247,3 +247,43 @@ def merged_groups(adds: list[XAdd]) -> list[tuple[XAdd, list[XAdd]]]:
 def payload_bytes(add: XAdd) -> int:
     """What an entry's payload weighs against its stream's merge bound."""
     return len(add.fields[PAYLOAD])
+
+
+def _owner(add: XAdd) -> str | None:
+    return add.owner
+
+
+def first_wave(ops: list[Op]) -> tuple[list[Op], list[Op]]:
+    """(what one round trip carries, what waits for the next): at most one entry of a
+    request on a stream per round trip.
+
+    Redis short of memory refuses a command bigger than the room it has left (its own
+    bytes count) and runs a smaller one after it in the same pipeline: a request's two
+    entries on one stream could be written out of order, which its reader takes for a
+    gap (a client) or a repeat (an orchestrator). So a request's entries past its first
+    on a stream wait for the next round trip, and every op that is not an entry waits
+    with them (an acknowledgement or a state never goes ahead of the entries it follows).
+    Rare: a request's outputs past a batch's bound in one round trip (`codec.batches`
+    keeps the rest of a request's outputs in one entry), or two entries of one request
+    on a stream that takes no batches."""
+    firsts: set[tuple[str, str]] = set()
+    mergeable: dict[tuple[str, str], list[XAdd]] = {}
+    later: set[int] = set()
+    for op in ops:
+        if type(op) is not XAdd or op.owner is None:
+            continue
+        key = (op.stream, op.owner)
+        if op.merge_up_to:
+            mergeable.setdefault(key, []).append(op)
+        elif key in firsts:
+            later.add(id(op))
+        else:
+            firsts.add(key)
+    for group in mergeable.values():
+        if len(group) > 1:
+            for part in codec.batches(group, payload_bytes, group[0].merge_up_to)[1:]:
+                later.update(map(id, part))
+    if not later:
+        return ops, []
+    now: list[Op] = [op for op in ops if type(op) is XAdd and id(op) not in later]
+    return now, [op for op in ops if type(op) is not XAdd or id(op) in later]

@@ -1,21 +1,21 @@
 """The batching writer of the control plane: every XADD / XACK / EXPIRE of an asyncio process.
 
-Whatever accumulated while the previous round trip was in flight goes out as one pipeline:
-one round trip per message would cap a process at a few thousand messages per second on
-loopback. With nothing in flight, a caller whose step queued writes may send the batch at
-once (`send_now`); the writer task then only reads its replies. The operations, and
-how a batch becomes one pipeline: `write_ops`.
+Whatever accumulated while the previous round trip was in flight goes out as one pipeline
+(one round trip per message would cap a process at a few thousand messages per second on
+loopback), but never two entries of one request on one stream (`write_ops.first_wave`).
+With nothing in flight, a caller whose step queued writes may send the batch at once
+(`send_now`); the writer task then only reads its replies.
 
 Redis answers each command on its own, and runs the rest of a pipeline around one it
 refuses, so only the writes whose command failed are written again (an XADD sent twice
 would be two entries): refused for now, at once, within the bounded `Backoff`; for
 memory (`maxmemory` with `noeviction`), held and written again later, in order, while
 the batches after them (acknowledgements and deletions, which free memory) go on
-(`held_writes`); for good (an expiry out of range), never. A round trip that
-fails whole (a dropped connection, a timeout) is written again whole: which of its
-commands ran is unknown, and a consumer drops a repeated entry by its `seq`. What is
-given up is counted, reported (`written()` → False) and, for writes that belong to a
-request, told to `on_failed`, so that request ends with an error instead of waiting.
+(`held_writes`); for good (an expiry out of range), never. A round trip that fails
+whole (a dropped connection, a timeout) is written again whole: which of its commands
+ran is unknown, and a consumer drops a repeated entry by its `seq`. What is given up is
+counted, reported (`written()` → False) and, for writes that belong to a request, told
+to `on_failed`, so that request ends with an error instead of waiting.
 
 An orchestrator adds two things: `sources` give, as a batch is taken, the durable
 request states changed since the last one (written after the entries they follow and
@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from omni_runtime.errors import RedisOutOfMemoryError, TransportError
 from omni_runtime.observe.start import Observability
+from omni_runtime.redis_io import write_ops
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import REDIS_FAILURES, is_cluster
 from omni_runtime.redis_io.conn import one_timeout, take_async
@@ -53,8 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_ATTEMPTS = 20
 """Writes always give up at last: a scheduler must never retry forever."""
 WRITE_TIMEOUT_S = 5.0
-"""All replies of one batch's pipeline within this (redis-py's default read timeout, once
-per pipeline instead of per reply); past it the batch counts as a failed attempt."""
+"""A batch's replies all within this (redis-py's read timeout, per pipeline): else it failed."""
 
 
 @dataclass
@@ -66,13 +66,11 @@ class _Batch:
     traced: list[tuple[str, int]]
     pipe: AsyncPackedPipe | None = None
     """Set once sent ahead by `send_now` (its replies still to read)."""
-    carried: list[list[Op]] | None = None
-    """Per command sent ahead, the ops it carries."""
+    carried: list[list[Op]] | None = None  # per command sent ahead, the ops it carries
 
 
 FailedHook = Callable[[list[str], TransportError], None]
-"""Told the requests whose writes were given up, and why (`RedisOutOfMemoryError`, or a
-`TransportError` naming what Redis said)."""
+"""Told the requests whose writes were given up, and why (what Redis said, or out of memory)."""
 
 
 class StreamWriter:
@@ -255,14 +253,16 @@ class StreamWriter:
         self._pending.set()
 
     def _take(self) -> _Batch:
+        """The next round trip's ops; those for the one after (`first_wave`) wait in front."""
         ops, self._ops = self._ops, []
         for src in self.sources:
             ops.extend(src())
-        ops = self._held.take(ops, asyncio.get_running_loop().time())
-        done, self._done = self._done, []
+        ops, later = write_ops.first_wave(self._held.take(ops, asyncio.get_running_loop().time()))
+        self._ops[:0] = later
+        done, self._done = ([], self._done) if later else (self._done, [])
         traced, self._traced = self._traced, []
-        self._in_flight = _Batch(ops, done, traced)
-        return self._in_flight
+        self._in_flight = batch = _Batch(ops, done, traced)
+        return batch
 
     async def _take_and_write(self) -> bool:
         refused = self.fence is not None and not await self.fence.hold()

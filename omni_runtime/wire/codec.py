@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, TypeVar
 
 import msgpack
@@ -249,9 +249,24 @@ def encode_batch(encoded: Sequence[bytes]) -> bytes:
     return b"".join((header, *encoded))  # one copy of the messages, not two
 
 
-def batches(items: Sequence[T], size: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+def batches(
+    items: Sequence[T],
+    size: Callable[[T], int],
+    max_bytes: int,
+    unit: Callable[[T], Hashable] | None = None,
+) -> list[list[T]]:
     """Consecutive `items` as few batches as fit in `max_bytes` (at most `BATCH_MAX_BYTES`)
-    each, a batch's header counted; an item too big for any batch is one alone."""
+    each, a batch's header counted; an item too big for any batch is one alone.
+
+    With `unit` (a request's id), the items of one unit are gathered, in order, where its
+    first one was, and a unit goes whole into one batch when it fits in one: a request's
+    messages then never straddle two entries, which Redis short of memory could write
+    out of order (`write_ops.first_wave`). A unit too big for one batch fills several."""
+    if unit is not None:
+        units: dict[Hashable, list[T]] = {}
+        for item in items:
+            units.setdefault(unit(item), []).append(item)
+        return _unit_batches(list(units.values()), size, max_bytes)
     max_bytes = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
     out: list[list[T]] = []
     group: list[T] = []
@@ -263,6 +278,29 @@ def batches(items: Sequence[T], size: Callable[[T], int], max_bytes: int) -> lis
             group, total = [], 0
         group.append(item)
         total += one
+    if group:
+        out.append(group)
+    return out
+
+
+def _unit_batches(units: list[list[T]], size: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+    limit = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
+    out: list[list[T]] = []
+    group: list[T] = []
+    total = 0
+    for items in units:
+        weight = sum(size(item) for item in items)
+        if weight > limit:  # alone, in as many batches as it needs
+            if group:
+                out.append(group)
+                group, total = [], 0
+            out.extend(batches(items, size, max_bytes))
+            continue
+        if group and total + weight > limit:
+            out.append(group)
+            group, total = [], 0
+        group.extend(items)
+        total += weight
     if group:
         out.append(group)
     return out

@@ -218,13 +218,14 @@ class OutputThread:
         """A batch the loop took: read its replies, or write it (again) if they failed."""
         if batch.sent and self._held is not None:
             try:
-                if self._settle(batch, self._held.replies(batch.sent)) is None:
+                settled = self._settle(batch, self._held.replies(batch.sent)) is None
+                if settled and not batch.next_wave():
                     return
             except RedisError as e:
                 self.metrics.inc("omni_retries_total", stream=self.out_stream)
                 log.warning("outputs sent from the loop got no reply, writing again: %r", e)
         if not self._fence_open():  # deposed while they were out: never written late
-            self.metrics.inc("omni_fenced_outputs_total", len(batch.outputs))
+            self.metrics.inc("omni_fenced_outputs_total", len(batch.unwritten))
             return
         self._write(batch)
 
@@ -274,6 +275,8 @@ class OutputThread:
             except RedisError as e:  # the round trip failed whole: all of it again
                 error = e
             if error is None:
+                if batch.next_wave():
+                    continue
                 return
             if isinstance(error, ResponseError) and refusal(error) is Refusal.OUT_OF_MEMORY:
                 self.metrics.inc("omni_redis_oom_refusals_total", source="worker")
@@ -284,7 +287,7 @@ class OutputThread:
             if delay is None or (
                 self._stop and policy.failures + probe.failures >= STOPPING_ATTEMPTS
             ):
-                self._give_up(batch.outputs, policy.failures + probe.failures, error)
+                self._give_up(batch.unwritten, policy.failures + probe.failures, error)
                 return
             self.metrics.inc("omni_retries_total", stream=self.out_stream)
             log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, error)

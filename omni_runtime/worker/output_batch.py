@@ -89,12 +89,31 @@ class Entry:
 
 
 def pack_entries(stream: str, outputs: list[Outgoing], max_bytes: int) -> list[Entry]:
-    """Consecutive outputs as few entries as fit in `max_bytes` each (`codec.batches`)."""
-    return [_entry(stream, group) for group in codec.batches(outputs, _payload_bytes, max_bytes)]
+    """Outputs as few entries as fit in `max_bytes` each, a request's in one where they
+    fit (`codec.batches`)."""
+    groups = codec.batches(outputs, _payload_bytes, max_bytes, _request_of)
+    return [_entry(stream, group) for group in groups]
+
+
+def first_wave(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """(this round trip's entries, the rest): a request's entries past its first on a
+    stream wait for the next round trip, as in `write_ops.first_wave` (why)."""
+    firsts: set[tuple[str, str]] = set()
+    now: list[Entry] = []
+    later: list[Entry] = []
+    for e in entries:
+        carried = {(e.stream, o.request_id) for o in e.outputs}
+        (later if carried & firsts else now).append(e)
+        firsts |= carried
+    return now, later
 
 
 def _payload_bytes(output: Outgoing) -> int:
     return len(output.payload)
+
+
+def _request_of(output: Outgoing) -> str:
+    return output.request_id
 
 
 def _entry(stream: str, group: list[Outgoing]) -> Entry:
@@ -116,6 +135,9 @@ class OutputBatch:
     commands: list[Command] = field(default_factory=list)
     acked: bool = False
     """The XACK and XDEL went through: a retry sends only the refused entries."""
+    later: list[Entry] = field(default_factory=list)
+    """Entries for the round trips after this one (`first_wave`); the XACK and XDEL go
+    with the last."""
 
     @classmethod
     def routed(
@@ -131,7 +153,24 @@ class OutputBatch:
             for entry in pack_entries(stream, outs, max_bytes)
         ]
         ack_ids = [o.ack for o in outputs if o.ack is not None] + acks
+        now, later = first_wave(entries)
+        if later:
+            return cls([o for e in now for o in e.outputs], now, ack_ids, later=later)
         return cls(outputs, entries, ack_ids)
+
+    @property
+    def unwritten(self) -> list[Outgoing]:
+        """The outputs of this round trip and of those after it."""
+        return [*self.outputs, *(o for e in self.later for o in e.outputs)]
+
+    def next_wave(self) -> bool:
+        """This round trip's entries are written: on to the next one's, if any is left."""
+        if not self.later:
+            return False
+        self.entries, self.later = first_wave(self.later)
+        self.outputs = [o for e in self.entries for o in e.outputs]
+        self.commands = []
+        return True
 
     @property
     def payload_bytes(self) -> int:
@@ -144,7 +183,7 @@ class OutputBatch:
                 ("XADD", e.stream, "MAXLEN", "~", maxlen, "*", keys.PAYLOAD_FIELD, e.payload)
                 for e in self.entries
             ]
-            if self.ack_ids and not self.acked:
+            if self.ack_ids and not (self.acked or self.later):
                 self.commands.append(("XACK", in_stream, keys.WORKERS_GROUP, *self.ack_ids))
                 self.commands.append(("XDEL", in_stream, *self.ack_ids))
         return self.commands
@@ -157,7 +196,10 @@ class OutputBatch:
             n = len(self.entries)
             added = zip(self.entries, replies[:n], strict=True)
             self.entries = [e for e, r in added if isinstance(r, ResponseError)]
-            self.acked = self.acked or not any(isinstance(r, ResponseError) for r in replies[n:])
+            if len(replies) > n:  # the XACK and XDEL were sent
+                self.acked = self.acked or not any(
+                    isinstance(r, ResponseError) for r in replies[n:]
+                )
             self.outputs = [o for e in self.entries for o in e.outputs]
             self.commands = []
         return errors
@@ -181,7 +223,7 @@ class OutputBatch:
         for e in self.entries:
             fields = xadd_fields({keys.PAYLOAD_FIELD: e.payload})
             pipe.xadd(e.stream, fields, maxlen=maxlen, approximate=True)
-        if self.ack_ids and not self.acked:
+        if self.ack_ids and not (self.acked or self.later):
             pipe.xack(in_stream, keys.WORKERS_GROUP, *self.ack_ids)
             pipe.xdel(in_stream, *self.ack_ids)
 

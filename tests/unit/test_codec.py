@@ -20,9 +20,11 @@ from pydantic import BaseModel, ConfigDict
 
 from omni_runtime.errors import CodecError
 from omni_runtime.wire.codec import (
+    BATCH_HEADER_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_DEPTH,
     NDARRAY_EXT_CODE,
+    batches,
     check,
     decode,
     decode_model,
@@ -451,3 +453,17 @@ def test_check_bounds_relayed_data_by_what_is_left_of_the_depth() -> None:
     check(raw, max_depth=10)
     with pytest.raises(CodecError, match="nested deeper than 9"):
         check(raw, max_depth=9)
+
+
+def test_batches_keep_each_units_items_whole_and_in_order() -> None:
+    """A unit (a request) goes whole into one batch where it fits, gathered where its
+    first item was; one too big for any batch fills several of its own."""
+    items = [("a", 4), ("b", 4), ("a", 4), ("c", 30), ("b", 4), ("c", 30)]
+    size = lambda item: item[1]  # noqa: E731
+    limit = 20 + BATCH_HEADER_BYTES
+    assert batches(items, size, limit) == [items[:3], items[3:4], items[4:5], items[5:]]
+    assert batches(items, size, limit, unit=lambda item: item[0]) == [
+        [("a", 4), ("a", 4), ("b", 4), ("b", 4)],
+        [("c", 30)],
+        [("c", 30)],
+    ]

@@ -27,6 +27,7 @@ from omni_runtime.redis_io.write_ops import (
     XAck,
     XAdd,
     fill_pipeline,
+    first_wave,
 )
 from omni_runtime.wire import codec
 
@@ -116,6 +117,35 @@ def test_a_refused_write_is_tried_again_alone_then_the_rest_once_one_passes() ->
     assert held.take([], now=later) == [first]
     held.room(now=later)  # it went through: the rest at once
     assert held.take([], now=later) == [second] and len(held) == 0
+
+
+def test_a_requests_outputs_share_one_entry_and_never_straddle_two() -> None:
+    """Greedy batching in arrival order would cut a's outputs across two entries, which
+    Redis short of memory could write out of order; a request's outputs go whole."""
+    size = len(add("client", "a", 0, 1).fields[keys.PAYLOAD_FIELD])
+    bound = 3 * size + 8
+    order = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    a0, b0, a1, b1 = (add("client", rid, seq, bound) for rid, seq in order)
+    pipe = Recording()
+    carried = fill_pipeline(pipe, [a0, b0, a1, b1])
+    assert carried == [[a0, a1], [b0, b1]]
+
+
+def test_a_requests_second_entry_on_a_stream_waits_for_the_next_round_trip() -> None:
+    """Its outputs past an entry's bound, or two entries where none merge: the rest, and
+    every op that is not an entry (never ahead of what it follows), go in the next trip."""
+    size = len(add("client", "a", 0, 1).fields[keys.PAYLOAD_FIELD])
+    bound = 2 * size + 8
+    a = [add("client", "a", seq, bound) for seq in range(3)]
+    b0, ack = add("client", "b", 0, bound), XAck("stage-out", "g", b"1-0")
+    in0, in1 = add("stage-in", "a", 0), add("stage-in", "a", 1)
+    batch: list[Op] = [a[0], b0, a[1], ack, a[2], in0, in1]
+    now, later = first_wave(batch)
+    assert now == [a[0], b0, a[1], in0]
+    assert later == [ack, a[2], in1]
+    assert first_wave(later[1:]) == (later[1:], [])
+    ops: list[Op] = [a[0], b0, ack]
+    assert first_wave(ops)[0] is ops  # the usual batch: as it is
 
 
 def test_later_writes_of_a_request_wait_behind_its_held_one_others_go() -> None:

@@ -71,10 +71,10 @@ async def test_outbox_numbers_each_requests_outputs_from_0() -> None:
         for _i, f in es
         for msg in parse_entries(f, OrchOutputMsg, 1 << 20)
     ]
-    assert [(m.request_id, m.seq, m.finished) for m in msgs] == [
+    assert [(m.request_id, m.seq, m.finished) for m in msgs] == [  # a request's together
         ("a", 0, False),
-        ("b", 0, False),
         ("a", 1, True),
+        ("b", 0, False),
         ("b", 1, True),
         ("z", 0, True),
     ]
