@@ -41,7 +41,7 @@ import soxr
 from benchmarks.harness import scenario
 from benchmarks.harness.procs import Deployment, watched
 from benchmarks.harness.report import ROOT, Row, ratio
-from benchmarks.harness.serve import Serve
+from benchmarks.harness.serve import ServeProcess, for_deployment
 from benchmarks.harness.stats import percentile
 from omni_runtime.client.playback import AUDIBLE_GAP_S, Playback
 
@@ -125,7 +125,7 @@ class Stages:
         raise TimeoutError(f"a stage still had the request after {deadline_s:g} s: {self.now()}")
 
 
-def client(serve: Serve) -> openai.AsyncOpenAI:
+def client(serve: ServeProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key=KEY, max_retries=0)
 
 
@@ -149,7 +149,7 @@ class BargeIn:
         return max(self.done_ms, self.dropped_ms)
 
 
-async def barge_in(serve: Serve, stages: Stages, chunks: list[str]) -> BargeIn:
+async def barge_in(serve: ServeProcess, stages: Stages, chunks: list[str]) -> BargeIn:
     async with client(serve).realtime.connect(model="omni") as conn:
         vad: Any = {"type": "server_vad", "create_response": False}
         await conn.session.update(session={
@@ -212,7 +212,9 @@ class Sessions:
         return sum(h.worst_gap_s <= AUDIBLE_GAP_S for h in self.heard) / max(1, self.turns)
 
 
-async def one_session(serve: Serve, k: int, turns: int, out: Sessions, rng: random.Random) -> None:
+async def one_session(
+    serve: ServeProcess, k: int, turns: int, out: Sessions, rng: random.Random
+) -> None:
     try:
         async with client(serve).realtime.connect(model="omni") as conn:
             await conn.session.update(session={
@@ -250,7 +252,7 @@ async def one_session(serve: Serve, k: int, turns: int, out: Sessions, rng: rand
         out.errors.append(f"session {k}: {type(e).__name__}: {e}")
 
 
-async def sessions_at_once(serve: Serve, n: int, turns: int) -> Sessions:
+async def sessions_at_once(serve: ServeProcess, n: int, turns: int) -> Sessions:
     out = Sessions(n)
     rng = random.Random(n)
     await asyncio.gather(*(one_session(serve, k, turns, out, rng) for k in range(n)))
@@ -261,7 +263,7 @@ async def measure(ctx: scenario.Context, sizes: Sizes) -> tuple[list[BargeIn], S
     chunks = speech_chunks()
     d = Deployment(ctx.redis_url, OMNI, "realtime", mode="streaming",
                    extra_env={"OMNI_HEARTBEAT_INTERVAL_S": str(BEAT_S)})  # fmt: skip
-    serve = Serve(d, OMNI, ctx.log_dir, {"OMNI_API_KEYS": KEY})
+    serve = for_deployment(d, OMNI, ctx.log_dir, {"OMNI_API_KEYS": KEY})
     try:
         d.start()
         await d.wait_ready()

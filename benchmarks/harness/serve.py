@@ -1,59 +1,84 @@
-"""`omni-runtime serve` as a process in front of a benchmark's `Deployment`.
+"""`omni-runtime serve` as a process on a free loopback port, for the benchmarks and the
+end-to-end tests: the HTTP and WebSocket front door exactly as users run it.
 
-`python -m omni_runtime.http.serve --pipeline P --mode M --redis-url URL --namespace NS`
-on a free loopback port: the HTTP and WebSocket front door exactly as users run it.
+`ServeProcess(log, *args)` runs `python -m omni_runtime.cli serve ARGS --port P` (the
+whole pipeline, or with `--redis-url` the front door of one that runs already) with no
+`OMNI_*` setting but those it is given; `for_deployment` is the front door of a
+benchmark's `Deployment`.
+Ready once `/ready` answers 200; stopped with SIGTERM (it stops what it started).
 """
 
 from __future__ import annotations
 
-import socket
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import TracebackType
 
 import httpx
 
 from benchmarks.harness.procs import Deployment
 from benchmarks.harness.report import ROOT
+from omni_runtime.local.launcher import free_port
 
-READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+READY_DEADLINE_S = 90.0
+POLL_S = 0.1
+STOP_TIMEOUT_S = 30.0
 
 
-class Serve:
+class ServeProcess:
     def __init__(
-        self, d: Deployment, pipeline: Path, log_dir: Path, env: dict[str, str] | None = None
+        self,
+        log_path: Path,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        base_env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"serve-{d.namespace}.log"
         self.args = [
-            sys.executable, "-m", "omni_runtime.http.serve", "--pipeline", str(pipeline),
-            "--mode", d.mode, "--redis-url", d.redis_url, "--namespace", d.namespace,
-            "--port", str(self.port),
-        ]  # fmt: skip
-        self.env = {k: v for k, v in d.env.items() if not k.startswith("OMNI_")} | (env or {})
-        self.proc: subprocess.Popen[bytes] | None = None
+            sys.executable,
+            "-m",
+            "omni_runtime.cli",
+            "serve",
+            *args,
+            "--port",
+            str(self.port),
+        ]
+        base = os.environ if base_env is None else base_env
+        self.env = {k: v for k, v in base.items() if not k.startswith("OMNI_")} | dict(env or {})
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> Serve:
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self._proc is not None, "not started"
+        return self._proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> ServeProcess:
+        """Start it and wait until it is ready; if it exits or is not ready in time, it is
+        stopped and the error carries the end of its log."""
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        self._proc = subprocess.Popen(
             self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with code {self.proc.returncode}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"serve not ready in {READY_TIMEOUT_S:g} s\n{self.tail()}")
-            time.sleep(0.1)
+        deadline = time.monotonic() + READY_DEADLINE_S
+        try:
+            while not self._ready():
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"serve not ready in {READY_DEADLINE_S:g} s\n{self.log()}")
+                time.sleep(POLL_S)  # the next look at /ready
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _ready(self) -> bool:
@@ -62,28 +87,45 @@ class Serve:
         except httpx.HTTPError:
             return False
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
     def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"serve exited with code {self.proc.returncode}\n{self.tail()}")
+        if self._proc is not None and self._proc.poll() is not None:
+            raise RuntimeError(f"serve exited with code {self._proc.returncode}\n{self.log()}")
 
-    def tail(self, lines: int = 20) -> str:
+    def log(self) -> str:
+        """The end of what it printed."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(f"    {s}" for s in text.splitlines()[-lines:])
+        return text[-4000:]
 
     def stop(self) -> None:
-        if self.proc is None:
+        """SIGTERM, then SIGKILL past `STOP_TIMEOUT_S`; again, a no-op."""
+        proc = self._proc
+        if proc is None or self._log.closed:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         self._log.close()
-        self.proc = None
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def for_deployment(
+    d: Deployment, pipeline: Path, log_dir: Path, env: Mapping[str, str] | None = None
+) -> ServeProcess:
+    """The front door of `d`'s pipeline, on its Redis and namespace."""
+    args = ["--pipeline", str(pipeline), "--mode", d.mode, "--redis-url", d.redis_url,
+            "--namespace", d.namespace]  # fmt: skip
+    return ServeProcess(log_dir / f"serve-{d.namespace}.log", *args, env=env, base_env=d.env)
