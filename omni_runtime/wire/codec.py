@@ -261,45 +261,34 @@ def batches(
     With `unit` (a request's id), the items of one unit are gathered, in order, where its
     first one was, and a unit goes whole into one batch when it fits in one: a request's
     messages then never straddle two entries, which Redis short of memory could write
-    out of order (`write_ops.first_wave`). A unit too big for one batch fills several."""
-    if unit is not None:
-        units: dict[Hashable, list[T]] = {}
-        for item in items:
-            units.setdefault(unit(item), []).append(item)
-        return _unit_batches(list(units.values()), size, max_bytes)
-    max_bytes = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
-    out: list[list[T]] = []
-    group: list[T] = []
-    total = 0
-    for item in items:
-        one = size(item)
-        if group and total + one > max_bytes:
-            out.append(group)
-            group, total = [], 0
-        group.append(item)
-        total += one
-    if group:
-        out.append(group)
-    return out
-
-
-def _unit_batches(units: list[list[T]], size: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+    out of order (`write_ops.first_wave`). A unit too big for one batch is cut where it
+    must, as items are."""
     limit = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
+    if unit is None:
+        return _packed([[item] for item in items], size, limit)
+    units: dict[Hashable, list[T]] = {}
+    for item in items:
+        units.setdefault(unit(item), []).append(item)
+    pieces: list[list[T]] = []
+    for group in units.values():
+        if sum(map(size, group)) > limit:
+            pieces.extend([item] for item in group)
+        else:
+            pieces.append(group)
+    return _packed(pieces, size, limit)
+
+
+def _packed(pieces: list[list[T]], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """The pieces, each whole and in order, greedily into batches of at most `limit`."""
     out: list[list[T]] = []
     group: list[T] = []
     total = 0
-    for items in units:
-        weight = sum(size(item) for item in items)
-        if weight > limit:  # alone, in as many batches as it needs
-            if group:
-                out.append(group)
-                group, total = [], 0
-            out.extend(batches(items, size, max_bytes))
-            continue
+    for piece in pieces:
+        weight = sum(map(size, piece))
         if group and total + weight > limit:
             out.append(group)
             group, total = [], 0
-        group.extend(items)
+        group.extend(piece)
         total += weight
     if group:
         out.append(group)
