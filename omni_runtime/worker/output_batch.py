@@ -4,7 +4,8 @@
 that owns it (`StageInputMsg.owner`, recorded as its input is handed to the core); owners
 of ended requests are kept a while, so an error output published after a request's final
 still finds its way. An `OutputBatch` is one round trip's outputs, routed once, packed as
-few entries per stream as fit (`pack_entries`), and the inputs they let go.
+few entries per stream as fit (`pack_entries`), and the inputs they let go; a request's
+entries past its first on a stream go in the round trips after (`first_wave`).
 `HeldConnection` is the output thread's own connection, on which the worker's loop may
 send a batch itself.
 
