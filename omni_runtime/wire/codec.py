@@ -265,26 +265,27 @@ def batches(
     must, as items are."""
     limit = min(max_bytes, BATCH_MAX_BYTES) - BATCH_HEADER_BYTES
     if unit is None:
-        return _packed([[item] for item in items], size, limit)
+        return _packed([([item], size(item)) for item in items], limit)
     units: dict[Hashable, list[T]] = {}
     for item in items:
         units.setdefault(unit(item), []).append(item)
-    pieces: list[list[T]] = []
+    pieces: list[tuple[list[T], int]] = []
     for group in units.values():
-        if sum(map(size, group)) > limit:
-            pieces.extend([item] for item in group)
+        sizes = [size(item) for item in group]
+        if sum(sizes) > limit:
+            pieces.extend(([item], one) for item, one in zip(group, sizes, strict=True))
         else:
-            pieces.append(group)
-    return _packed(pieces, size, limit)
+            pieces.append((group, sum(sizes)))
+    return _packed(pieces, limit)
 
 
-def _packed(pieces: list[list[T]], size: Callable[[T], int], limit: int) -> list[list[T]]:
-    """The pieces, each whole and in order, greedily into batches of at most `limit`."""
+def _packed(pieces: list[tuple[list[T], int]], limit: int) -> list[list[T]]:
+    """The pieces (items, their weight), each whole and in order, greedily into batches of
+    at most `limit`."""
     out: list[list[T]] = []
     group: list[T] = []
     total = 0
-    for piece in pieces:
-        weight = sum(map(size, piece))
+    for piece, weight in pieces:
         if group and total + weight > limit:
             out.append(group)
             group, total = [], 0
