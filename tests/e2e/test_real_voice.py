@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from omni_runtime.engines.pocketsphinx import transcribe
 from omni_runtime.engines.wer import word_errors, words
@@ -22,9 +24,10 @@ QUESTIONS = [
     "Why is the sky blue?", "What do bees make?", "Describe the ocean.",
     "How do birds fly?", "What is a rainbow?", "Why do leaves fall?",
 ]  # fmt: skip
-"""Six answers, ~230 words: piper's synthesis is random, and over three answers (~90
-words) the pooled word error rate of the same answers ranged 0.24-0.37 from run to run."""
-TEXT_LINE = re.compile(r"^\[\s*[\d.]+ ms\] stage 0: '(.*)'(  \(finished\))?$")
+"""Six seeded answers, ~230 words: a short answer alone is a noisy measure."""
+TEXT_LINE = re.compile(r"^\[\s*[\d.]+ ms\] stage 0: (['\"].*['\"])(  \(finished\))?$")
+"""A thinker's piece as `run` prints it: its Python repr, in double quotes when the piece
+holds an apostrophe ("'s", "'re"), so it is read back with `ast.literal_eval`."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,29 +42,47 @@ def needs_engines() -> None:
             unavailable(f"{package} is not installed", f"the {package} package")
 
 
-def run_voice(prompt: str, wav: Path, redis_url: str, mode: str, seed: int) -> str:
+@pytest.fixture
+def voice_pipeline(tmp_path: Path) -> Path:
+    """The README's voice pipeline without piper's sampling noise. With it, the pooled word
+    error rate of the same six answers moved 0.27-0.33 from run to run, close to the 0.35
+    bound; without it, the same text is the same audio, and so the same rate every run."""
+    spec = yaml.safe_load((ROOT / VOICE).read_text())
+    (vocoder,) = (stage for stage in spec["stages"] if stage["name"] == "vocoder")
+    vocoder.setdefault("options", {}).update(noise_scale=0.0, noise_w_scale=0.0)
+    path = tmp_path / "voice.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def run_voice(prompt: str, wav: Path, redis_url: str, mode: str, seed: int, pipeline: Path) -> str:
     """`omni-runtime run` on the voice pipeline; the thinker's text as it printed it. The
     seed makes the answer, and so the measured word error rate, the same on every run."""
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_runtime.cli", "run", "--pipeline", VOICE,
+        [sys.executable, "-m", "omni_runtime.cli", "run", "--pipeline", str(pipeline),
          "--redis-url", redis_url, "--mode", mode, "--wav", str(wav), "--param", f"seed={seed}",
          prompt],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, describe(proc)
-    pieces = [m.group(1) for line in proc.stdout.splitlines() if (m := TEXT_LINE.match(line))]
-    text = "".join(p.encode().decode("unicode_escape", "ignore") for p in pieces)
+    lines = [line for line in proc.stdout.splitlines() if "] stage 0: " in line]
+    unread = [line for line in lines if not TEXT_LINE.match(line)]
+    assert not unread, f"pieces the test cannot read: {unread}"
+    pieces = [m.group(1) for line in lines if (m := TEXT_LINE.match(line))]
+    text = "".join(ast.literal_eval(p) for p in pieces)
     assert text.strip(), describe(proc)
     return text
 
 
 @pytest.mark.parametrize("mode", ["sequential", "streaming"])
-def test_the_wav_speaks_the_llms_own_answer(redis_url: str, tmp_path: Path, mode: str) -> None:
+def test_the_wav_speaks_the_llms_own_answer(
+    redis_url: str, tmp_path: Path, mode: str, voice_pipeline: Path
+) -> None:
     """Word error rate over the six answers (a short answer alone is a noisy measure)."""
     answers, errors, said_words, pairs = {}, 0, 0, []
     for i, prompt in enumerate(QUESTIONS):
         wav = tmp_path / f"answer{i}.wav"
-        answers[prompt] = run_voice(prompt, wav, redis_url, mode, seed=i)
+        answers[prompt] = run_voice(prompt, wav, redis_url, mode, i, voice_pipeline)
         heard = transcribe(wav.read_bytes())
         errors += word_errors(words(answers[prompt]), words(heard))
         said_words += len(words(answers[prompt]))
