@@ -7,7 +7,9 @@ on PATH.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,12 +21,32 @@ from typing import IO
 from omni_runtime.errors import FatalError, StartupTimeoutError
 from omni_runtime.local.parent_death import exit_with_parent
 
+LOWEST_PORT = 10_000
+
 
 def free_port() -> int:
     """A loopback TCP port free right now (another process may still take it: callers retry)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free right now, below the ephemeral
+    range: a port the kernel hands out itself may be taken by any process's next outgoing
+    connection before it is bound (another listener may still take it: callers retry)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32_768  # Linux's default start; elsewhere, as good a bound
+    for _attempt in range(100):
+        base = random.randrange(LOWEST_PORT, max(LOWEST_PORT + 1, ephemeral - count))
+        with contextlib.ExitStack() as bound:
+            try:
+                for port in range(base, base + count):
+                    bound.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise FatalError(f"no {count} consecutive free loopback ports in {LOWEST_PORT}-{ephemeral}")
 
 
 def ping(url: str, timeout_s: float = 0.5) -> bool:

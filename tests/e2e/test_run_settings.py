@@ -10,12 +10,9 @@ stamps in the private Redis from the orchestrator and a worker of every stage.""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import random
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +23,8 @@ import redis
 import yaml
 
 from omni_runtime.keys import Names
+from omni_runtime.local.redis_server import free_port, free_ports
 from omni_runtime.observe.tracing import read_redis_trace
-from tests.e2e.serving import free_port
 from tests.e2e.test_cli import OMNI, cli, cli_env, describe
 from tests.e2e.test_lifecycle_signals import launched, serve_ready
 from tests.e2e.test_run_lifecycle import START_DEADLINE_S
@@ -40,22 +37,6 @@ PROCESSES = ["orchestrator", "stage0-thinker-0", "stage1-talker-0", "stage2-code
 """What `run` starts for workers/omni.yaml, in order: process i serves metrics on base + i."""
 SETTINGS_LINE = re.compile(r" settings: (\{.*\})$", re.MULTILINE)
 PROMPT = "hi there how are you today"
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive loopback ports free now, below the ephemeral range
-    (where a free port found there may be taken by any outgoing connection meanwhile)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _attempt in range(100):
-        base = random.randrange(10_000, low - count)
-        with contextlib.ExitStack() as bound:
-            try:
-                for port in range(base, base + count):
-                    bound.enter_context(socket.create_server(("127.0.0.1", port)))
-            except OSError:
-                continue
-        return base
-    raise AssertionError(f"no {count} consecutive free ports")
 
 
 def settings_logged(log: str) -> dict[str, Any]:

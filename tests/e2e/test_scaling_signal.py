@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime import keys
 from omni_runtime.client.client import OmniClient
+from omni_runtime.local.redis_server import free_ports
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.settings import Settings
@@ -30,24 +30,6 @@ pytestmark = [pytest.mark.timeout(180)]
 BURST = 1000
 TARGET = 100
 """OMNI_SCALE_TARGET_PER_REPLICA: the hint is ceil((backlog + in flight) / 100)."""
-
-
-def free_ports(count: int) -> int:
-    """A first port with `count` free ones from it (each process of a group takes the next)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
 
 
 def stage_gauges(port: int, stage: int) -> dict[str, float]:

@@ -1,11 +1,14 @@
-"""What a command-line process imports at start, and how it waits for its children and Redis.
+"""What a command-line process imports at start, how it waits for its children and Redis,
+and the loopback ports it picks.
 
 Import checks run in a fresh interpreter (the test process has imported everything).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,7 @@ from omni_runtime.cli.commands import settings_of
 from omni_runtime.cli.startup import document_fields
 from omni_runtime.local.forked import ForkedProcess
 from omni_runtime.local.launcher import redis_server_binary
-from omni_runtime.local.redis_server import RedisServer, ping
+from omni_runtime.local.redis_server import RedisServer, free_ports, ping
 from omni_runtime.settings import Settings
 from tests.services import unavailable
 
@@ -129,3 +132,15 @@ def test_a_parser_built_once_parses_each_command_line_and_environment_afresh(
     assert settings_of(first).deadline_s == 7.0  # a flag wins over the environment
     assert settings_of(second).deadline_s == 9.0  # the environment of now, not of the build
     assert settings_of(second).namespace == "elsewhere"
+
+
+def test_free_ports_are_consecutive_bindable_and_below_the_ephemeral_range() -> None:
+    """An ephemeral port may go to any process's next outgoing connection before it is bound
+    (a worker once could not serve its metrics on one)."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        base = free_ports(4)
+        assert base >= 10_000 and base + 4 <= ephemeral
+        with contextlib.ExitStack() as bound:
+            for port in range(base, base + 4):
+                bound.enter_context(socket.create_server(("127.0.0.1", port)))
