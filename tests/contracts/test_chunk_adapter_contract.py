@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -206,6 +207,22 @@ def test_src_stage_id_reads_the_senders_keys(world: World) -> None:
     rcv.load_async("r")
     snd.save_async("r", "a", True)
     assert drain(rcv, "r", 1) == [{"data": "a", "finished": True}]
+
+
+def test_on_ready_wakes_a_scheduler_that_then_finds_every_chunk(world: World) -> None:
+    """A scheduler sleeps until `on_ready` (a worker's does): each wake finds what it was
+    woken for, and no chunk is left unannounced, the last one included."""
+    woken = threading.Semaphore(0)
+    snd = world.adapter(0)[0]
+    rcv = world.adapter(1, on_ready=woken.release)[0]
+    rcv.load_async("r")
+    got: list[Chunk] = []
+    for i in range(5):
+        snd.save_async("r", i, is_final=i == 4)
+        while len(got) <= i:  # only ever after a wake: a chunk with none would hang here
+            assert woken.acquire(timeout=10), f"no wake-up for chunk {i} (got {got})"
+            got += rcv.poll_ready().get("r", [])
+    assert [c["data"] for c in got] == [0, 1, 2, 3, 4]
 
 
 def test_finished_chunk_unregisters_the_request(world: World) -> None:
