@@ -69,8 +69,6 @@ class ChunkReceiver:
         self._cv = threading.Condition()
         self._book = RecvBook(READ_AHEAD, parks=transport.signals_puts)
         self._last_sweep = time.monotonic()
-        self._ready_owed = False
-        """Chunks were committed since the scheduler was last woken (RECV thread only)."""
         self._sweeps: list[tuple[float, str, int]] = []
         """(due, request, first unread id): unread chunks of discarded requests to delete."""
         self.thread = threading.Thread(
@@ -123,12 +121,10 @@ class ChunkReceiver:
         idle_before = True
         while not self._stop.is_set():
             wait_s = self._idle_wait_s()
-            self._signal_ready()  # every step below may block
             if wait_s is None:  # nothing registered, nothing to sweep: puts cannot matter
                 if not idle_before:
                     idle_before = True
                     self._step(functools.partial(self._wait, FLUSH_WAIT_S), backoff)
-                    self._signal_ready()
                 with self._cv:
                     if self._idle_wait_s() is None and not self._stop.is_set():
                         self._cv.wait(IDLE_SLEEP_S)
@@ -138,7 +134,6 @@ class ChunkReceiver:
                 self._step(functools.partial(self._wait, wait_s), backoff)
             else:
                 self._step(self._round, backoff)
-        self._signal_ready()
 
     def _idle_wait_s(self) -> float | None:
         """0: work to do now; else how long to wait for puts; None: nothing registered."""
@@ -246,17 +241,9 @@ class ChunkReceiver:
             if not self.transport.signals_puts:
                 self.transport.wait_for_puts(NO_PROGRESS_SLEEP_S)
             return
+        if self.on_ready is not None:  # first: the scheduler's wake overlaps the counting
+            self.on_ready()
         self.metrics.inc("omni_chunks_received_total", done.received, stage=self.stage_id)
-        self._ready_owed = True
-
-    def _signal_ready(self) -> None:
-        """Wake the scheduler just before this thread next blocks, not as soon as the chunks
-        are committed: a woken thread that finds this one still running waits for the
-        interpreter lock and is woken a second time when it is let go."""
-        if self._ready_owed:
-            self._ready_owed = False
-            if self.on_ready is not None:
-                self.on_ready()
 
     def _sweep(self, request_id: str, first: int) -> None:
         """Delete a discarded request's unread chunks, page by page while pages are full."""
