@@ -22,6 +22,7 @@ from omni_runtime.errors import FatalError, StartupTimeoutError
 from omni_runtime.local.parent_death import exit_with_parent
 
 LOWEST_PORT = 10_000
+"""Ports below are left to the well-known and registered services."""
 
 
 def free_port() -> int:
