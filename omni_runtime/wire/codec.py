@@ -272,10 +272,11 @@ def batches(
     pieces: list[tuple[list[T], int]] = []
     for group in units.values():
         sizes = [size(item) for item in group]
-        if sum(sizes) > limit:
+        weight = sum(sizes)
+        if weight > limit:
             pieces.extend(([item], one) for item, one in zip(group, sizes, strict=True))
         else:
-            pieces.append((group, sum(sizes)))
+            pieces.append((group, weight))
     return _packed(pieces, limit)
 
 
