@@ -5,9 +5,14 @@ synthesised speech is intelligible (TTS → 16 kHz → recognise → word error 
 
 Input: WAV bytes (PCM, any rate, mono or averaged channels), or `{"pcm": array or
 bytes, "sample_rate": N}` (a float array in [-1, 1], an int16 array, or int16
-little-endian bytes), or a list (or streamed `ChunkStream`) of those, decoded piece by
-piece as they arrive. Audio is resampled to the model's 16 kHz (soxr).
+little-endian bytes), or a list (or streamed `ChunkStream`) of those. Audio is
+resampled to the model's 16 kHz (soxr).
 Output: the recognised text, one string.
+
+Audio is decoded in segments of at most `SEGMENT_SECONDS`, each cut at a pause and
+normalised by its own cepstral mean (batch CMN), as soon as it has arrived: the same
+audio is heard the same way whatever a pooled decoder heard before, and a running mean
+carried from request to request (pocketsphinx's live CMN) would not allow that.
 
 A decoder takes ~0.5 s to load and ~90 MB of memory, and serves one request at a
 time; each process keeps the ones it made, at most `max_decoders` (4) per model, and
@@ -37,10 +42,13 @@ MIN_RATE = 4_000
 MAX_RATE = 384_000
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_MAX_DECODERS = 4
-FEED_BYTES = MODEL_RATE * 2 // 10
-"""Audio handed to the decoder per call (0.1 s of 16-bit PCM): pocketsphinx holds the
-GIL through a call, so one call on a long recording would stop the worker's other
-threads (its heartbeat among them) for as long as the decoding takes."""
+SEGMENT_SECONDS = 8.0
+"""The most audio decoded in one call. A call holds the GIL while it decodes, so its
+length is bounded well inside a heartbeat's TTL (docs/engines.md); shorter segments
+lose more words at their edges."""
+PAUSE_SEARCH_SECONDS = 3.0
+"""A segment ends at the quietest 100 ms of its last this many seconds."""
+SEGMENT_BYTES = int(SEGMENT_SECONDS * MODEL_RATE) * 2
 Floats = npt.NDArray[np.float32]
 ModelKey = tuple[str | None, str | None, str | None]
 
@@ -178,21 +186,50 @@ def transcribe(
     signature; no request parameter changes recognition."""
     if not 1 <= max_decoders <= 64 or not max_seconds > 0:
         raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
-    pieces: Iterable[Any]
-    pieces = data if isinstance(data, ChunkStream | list | tuple) else [data]
     limit = int(max_seconds * MODEL_RATE) * 2
-    used = 0
+    pieces = data if isinstance(data, ChunkStream | list | tuple) else [data]
+    said: list[str] = []
     with _decoder((hmm, lm, dictionary), max_decoders) as decoder:
-        decoder.start_utt()
-        try:
-            for piece in pieces:
-                pcm = to_model_pcm(piece)
-                used += len(pcm)
-                if used > limit:
-                    raise ValueError(f"audio longer than max_seconds={max_seconds:g}")
-                for at in range(0, len(pcm), FEED_BYTES):
-                    decoder.process_raw(pcm[at : at + FEED_BYTES], False, False)
-        finally:
-            decoder.end_utt()
-        hyp = decoder.hyp()
+        pending = bytearray()
+        for pcm in _model_pcm(pieces, limit, max_seconds):
+            pending += pcm
+            while len(pending) > SEGMENT_BYTES:
+                cut = segment_end(pending)
+                said.append(_decode(decoder, bytes(pending[:cut])))
+                del pending[:cut]
+        if pending or not said:
+            said.append(_decode(decoder, bytes(pending)))
+    return " ".join(text for text in said if text)
+
+
+def segment_end(pcm: bytearray) -> int:
+    """Where to end a segment: the middle of the quietest 100 ms in the last
+    PAUSE_SEARCH_SECONDS before SEGMENT_SECONDS, in bytes."""
+    frame = MODEL_RATE // 100  # 10 ms
+    first = int((SEGMENT_SECONDS - PAUSE_SEARCH_SECONDS) * MODEL_RATE)
+    window = np.frombuffer(pcm, "<i2", count=int(SEGMENT_SECONDS * MODEL_RATE))[first:]
+    frames = window[: window.size // frame * frame].astype(np.float32).reshape(-1, frame)
+    energy = np.convolve((frames**2).mean(axis=1), np.ones(10), "valid")
+    return 2 * (first + (int(np.argmin(energy)) + 5) * frame)
+
+
+def _decode(decoder: Any, pcm: bytes) -> str:
+    """One segment, normalised by its own cepstral mean (`full_utt`)."""
+    decoder.start_utt()
+    try:
+        decoder.process_raw(pcm, False, True)
+    finally:
+        decoder.end_utt()
+    hyp = decoder.hyp()
     return str(hyp.hypstr) if hyp is not None else ""
+
+
+def _model_pcm(pieces: Iterable[Any], limit: int, max_seconds: float) -> Iterator[bytes]:
+    """Each piece as the model reads it, refusing audio past `limit` bytes of it."""
+    used = 0
+    for piece in pieces:
+        pcm = to_model_pcm(piece)
+        used += len(pcm)
+        if used > limit:
+            raise ValueError(f"audio longer than max_seconds={max_seconds:g}")
+        yield pcm

@@ -12,7 +12,14 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from omni_runtime.engines.pocketsphinx import read_wav, resample, transcribe
+from omni_runtime.engines.pocketsphinx import (
+    PAUSE_SEARCH_SECONDS,
+    SEGMENT_SECONDS,
+    read_wav,
+    resample,
+    segment_end,
+    transcribe,
+)
 from omni_runtime.engines.wer import wer
 from omni_runtime.stage_api import ChunkStream
 from omni_runtime.wav import write_wav
@@ -84,6 +91,49 @@ def test_requests_at_once_share_at_most_max_decoders(speech: Floats) -> None:
     assert wer(SENTENCES, whole) <= MAX_WER and wer(SENTENCES, again) <= MAX_WER
     assert len(first.split()) < len(whole.split())
     assert pocketsphinx._decoders[(None, None, dictionary)].made == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_what_a_decoder_heard_before_does_not_change_what_it_hears_next(
+    speech: Floats, streamed: bool
+) -> None:
+    """One decoder serves every request: quiet speech is heard alike before and after it
+    has heard loud speech (a running cepstral mean kept across requests would not)."""
+    from pocketsphinx import get_model_path
+
+    lm = get_model_path("en-us/en-us.lm.bin")  # named: a model key (and a decoder) of its own
+
+    def hear(pcm: Floats) -> str:
+        if not streamed:
+            return transcribe({"pcm": pcm, "sample_rate": RATE}, lm=lm, max_decoders=1)
+        stream = ChunkStream()
+        stream.extend([{"pcm": pcm[i : i + RATE // 2], "sample_rate": RATE}
+                       for i in range(0, pcm.size, RATE // 2)], closed=True)  # fmt: skip
+        return transcribe(stream, lm=lm, max_decoders=1)
+
+    quiet = speech * np.float32(0.03)
+    first = hear(quiet)
+    for _ in range(3):
+        hear(speech)
+    assert hear(quiet) == first
+
+
+def test_long_audio_is_heard_in_segments_cut_at_pauses(speech: Floats) -> None:
+    twice = np.concatenate([speech, speech])  # past SEGMENT_SECONDS, in one piece
+    assert twice.size / RATE > 2 * SEGMENT_SECONDS
+    heard = transcribe({"pcm": twice, "sample_rate": RATE})
+    assert wer(f"{SENTENCES} {SENTENCES}", heard) <= MAX_WER, heard
+
+
+def test_a_segment_ends_in_the_quietest_stretch_of_its_last_seconds() -> None:
+    rng = np.random.default_rng(0)
+    loud = rng.integers(-8000, 8000, int(2 * SEGMENT_SECONDS * 16_000)).astype("<i2")
+    gap_at = int((SEGMENT_SECONDS - 1.5) * 16_000)
+    loud[gap_at : gap_at + 3_200] //= 100  # a 200 ms pause
+    early = int((SEGMENT_SECONDS - PAUSE_SEARCH_SECONDS - 1) * 16_000)
+    loud[early : early + 3_200] = 0  # quieter, but before the stretch searched
+    cut = segment_end(bytearray(loud.tobytes())) // 2
+    assert gap_at <= cut <= gap_at + 3_200
 
 
 def test_a_quiet_room_says_nothing(needs_pocketsphinx: None) -> None:
