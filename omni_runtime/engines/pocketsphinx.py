@@ -10,9 +10,10 @@ resampled to the model's 16 kHz (soxr).
 Output: the recognised text, one string.
 
 Audio is decoded in segments of at most `SEGMENT_SECONDS`, each cut at a pause and
-normalised by its own cepstral mean (batch CMN), as soon as it has arrived: the same
-audio is heard the same way whatever a pooled decoder heard before, and a running mean
-carried from request to request (pocketsphinx's live CMN) would not allow that.
+decoded whole as soon as it has arrived (its cepstral mean taken from itself), after
+the decoder's feature extraction is reset: the same audio is heard the same way
+whatever a pooled decoder heard before. Fed piece by piece, pocketsphinx normalises by
+a running mean it carries from one utterance to the next.
 
 A decoder takes ~0.5 s to load and ~90 MB of memory, and serves one request at a
 time; each process keeps the ones it made, at most `max_decoders` (4) per model, and
@@ -214,7 +215,9 @@ def segment_end(pcm: bytearray) -> int:
 
 
 def _decode(decoder: Any, pcm: bytes) -> str:
-    """One segment, normalised by its own cepstral mean (`full_utt`)."""
+    """One segment, decoded whole, as a fresh decoder would (`reinit_feat` drops what the
+    feature extraction kept from earlier utterances)."""
+    decoder.reinit_feat()
     decoder.start_utt()
     try:
         decoder.process_raw(pcm, False, True)
