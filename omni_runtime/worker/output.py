@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import redis
@@ -47,6 +48,8 @@ from omni_runtime.worker.output_batch import (
 log = logging.getLogger(__name__)
 
 FENCE_POLL_S = 0.2
+CHECKS_KEPT = 64
+"""Ownership checks remembered for batches in hand (one per stall: far more than enough)."""
 STOPPING_ATTEMPTS = 3
 """At shutdown a write is tried at most this often: a dead Redis must not hold the exit."""
 
@@ -86,6 +89,10 @@ class OutputThread:
         self._stop = False
         self._lost: set[str] = set()
         """Requests whose outputs were lost; only their error output goes out now."""
+        self._checks: deque[tuple[Ownership, set[str]]] = deque(maxlen=CHECKS_KEPT)
+        self._check_count = 0
+        """Ownership checks applied (`forget`): a batch taken before one is narrowed to
+        what is still this replica's before it is written (again)."""
         self._held = HeldConnection.for_client(client)
         self._handed: OutputBatch | None = None
         """A batch the loop took (and sent, if `sent`); the thread finishes it first."""
@@ -111,10 +118,11 @@ class OutputThread:
                 taken, self._outputs = self._outputs, []
                 taken_acks, self._acks = self._acks, []
                 self._writing = True
+                checked = self._check_count
             else:
                 self._cv.notify_all()
         if ahead:
-            self._send_ahead(taken, taken_acks)
+            self._send_ahead(taken, taken_acks, checked)
         elif outputs:
             # Hand the interpreter lock to the woken writer now: left to the switch
             # interval (5 ms), a busy scheduler would hold every output back that long.
@@ -130,13 +138,13 @@ class OutputThread:
             and (self.fence is None or self.fence.fresh())
         )
 
-    def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes]) -> None:
+    def _send_ahead(self, outputs: list[Outgoing], acks: list[bytes], checked: int) -> None:
         """On the loop: route and send the batch; the thread reads the replies (or, if it
         was too big or the send failed, writes it). Whatever happens, the turn is handed
         back: a batch left with the loop would hold every later output."""
         batch: OutputBatch | None = None
         try:
-            batch = self._batch(outputs, acks)
+            batch = self._batch(outputs, acks, checked)
             held = self._held
             if held is not None and batch.payload_bytes <= LOOP_SEND_MAX_BYTES:
                 commands = batch.pack(self.in_stream, self.maxlen)
@@ -163,6 +171,8 @@ class OutputThread:
         requests the scheduler gave up, and those that ended here but whose queued final
         would acknowledge an entry no longer ours."""
         with self._cv:
+            self._checks.append((ownership, request_ids))
+            self._check_count += 1
             claimed = request_ids | {
                 o.request_id for o in self._outputs if o.ack is not None and ownership.lost(o.ack)
             }
@@ -170,6 +180,27 @@ class OutputThread:
             self.metrics.inc("omni_fenced_outputs_total", len(self._outputs) - len(kept))
             self.metrics.inc("omni_deposed_requests_total", len(claimed - request_ids))
             self._outputs = kept
+            self._acks = [a for a in self._acks if not ownership.lost(a)]
+
+    def _drop_claimed(self, batch: OutputBatch) -> None:
+        """Narrow a batch in hand to what is still this replica's after the ownership checks
+        applied since it was taken: a stall between its fence check and its write (the
+        write then failed on a connection the claimant closed) must not publish it late."""
+        with self._cv:
+            new = min(self._check_count - batch.checked, len(self._checks))
+            checks = list(self._checks)[len(self._checks) - new :] if new > 0 else []
+            batch.checked = self._check_count
+        if not checks:
+            return
+        given_up = set().union(*(ids for _own, ids in checks))
+
+        def lost(entry_id: bytes) -> bool:
+            return any(own.lost(entry_id) for own, _ids in checks)
+
+        claimed = given_up | {o.request_id for o in batch.unwritten if o.ack and lost(o.ack)}
+        dropped = batch.drop(claimed, lost)
+        self.metrics.inc("omni_fenced_outputs_total", len(dropped))
+        self.metrics.inc("omni_deposed_requests_total", len(claimed - given_up))
 
     def request_stop(self) -> None:
         """Write what is queued, then exit."""
@@ -208,8 +239,9 @@ class OutputThread:
                 outputs, self._outputs = self._outputs, []
                 acks, self._acks = self._acks, []
                 self._writing = True
+                checked = self._check_count
             try:
-                self._write(self._batch(outputs, acks))
+                self._write(self._batch(outputs, acks, checked))
             finally:
                 with self._cv:
                     self._writing = False
@@ -242,11 +274,13 @@ class OutputThread:
                 return False
         return True
 
-    def _batch(self, outputs: list[Outgoing], acks: list[bytes]) -> OutputBatch:
+    def _batch(self, outputs: list[Outgoing], acks: list[bytes], checked: int) -> OutputBatch:
         """Routed and packed, without the lost requests' outputs (but their acks)."""
         if self._lost:
             outputs, acks = self._skip_lost(outputs, acks)
-        return OutputBatch.routed(outputs, acks, self.routes, self.max_batch_bytes)
+        batch = OutputBatch.routed(outputs, acks, self.routes, self.max_batch_bytes)
+        batch.checked = checked
+        return batch
 
     def _skip_lost(
         self, outputs: list[Outgoing], acks: list[bytes]
@@ -269,6 +303,9 @@ class OutputThread:
         probe = Backoff(policy.initial_s, PROBE_MAX_S)
         give_up_at = time.monotonic() + policy.budget_s()
         while True:
+            self._drop_claimed(batch)
+            if not batch.left:
+                return
             error: RedisError | None
             try:
                 error = self._settle(batch, self._round_trip(batch))
@@ -292,6 +329,9 @@ class OutputThread:
             self.metrics.inc("omni_retries_total", stream=self.out_stream)
             log.warning("publishing outputs failed, retrying in %.2fs: %r", delay, error)
             time.sleep(delay)
+            if not self._fence_open():  # a stall may have come between: held like any write
+                self.metrics.inc("omni_fenced_outputs_total", len(batch.unwritten))
+                return
 
     def _round_trip(self, batch: OutputBatch) -> list[object]:
         """Every command's reply, an error reply as its `ResponseError`."""

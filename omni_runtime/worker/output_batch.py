@@ -139,6 +139,9 @@ class OutputBatch:
     later: list[Entry] = field(default_factory=list)
     """Entries for the round trips after this one (`first_wave`); the XACK and XDEL go
     with the last."""
+    checked: int = 0
+    """The ownership checks applied when its outputs were taken (`OutputThread.forget`):
+    one applied since means part of it may be another replica's now."""
 
     @classmethod
     def routed(
@@ -172,6 +175,37 @@ class OutputBatch:
         self.outputs = [o for e in self.entries for o in e.outputs]
         self.commands = []
         return True
+
+    def drop(self, claimed: set[str], lost_ack: Callable[[bytes], bool]) -> list[Outgoing]:
+        """Leave out the outputs of `claimed` requests and the acknowledgements of inputs
+        no longer this replica's (`lost_ack`); what was left out."""
+        acks = [a for a in self.ack_ids if not lost_ack(a)]
+        if len(acks) == len(self.ack_ids) and all(
+            o.request_id not in claimed for o in self.unwritten
+        ):
+            return []
+        dropped: list[Outgoing] = []
+
+        def kept(entries: list[Entry]) -> list[Entry]:
+            out = []
+            for e in entries:
+                mine = [o for o in e.outputs if o.request_id not in claimed]
+                dropped.extend(o for o in e.outputs if o.request_id in claimed)
+                if mine:
+                    out.append(e if len(mine) == len(e.outputs) else _entry(e.stream, mine))
+            return out
+
+        self.entries, self.later, self.ack_ids, self.commands = (
+            kept(self.entries), kept(self.later), acks, [])  # fmt: skip
+        if not self.entries and self.later:
+            self.entries, self.later = first_wave(self.later)
+        self.outputs = [o for e in self.entries for o in e.outputs]
+        return dropped
+
+    @property
+    def left(self) -> bool:
+        """Anything still to write: an entry, or acknowledgements not yet through."""
+        return bool(self.entries or self.later or (self.ack_ids and not self.acked))
 
     @property
     def payload_bytes(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis
 
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
@@ -22,6 +23,7 @@ from omni_runtime.worker.actions import Input, Outgoing, Ownership
 from omni_runtime.worker.fence import StallFence, StallGuard, read_ownership
 from omni_runtime.worker.output import OutputThread
 from tests.unit.test_worker_core import make
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,7 +82,8 @@ def _final(rid: str, entry: bytes) -> Outgoing:
     return Outgoing(rid, 0, codec.encode_model(msg), True, False, entry)
 
 
-def test_a_stalled_replica_publishes_nothing_for_an_input_another_replica_claimed() -> None:
+def _read_by_a() -> tuple[fakeredis.FakeRedis, bytes, bytes]:
+    """Two inputs, `mine` and `taken`, both read by replica A."""
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     client.xgroup_create(IN, keys.WORKERS_GROUP, id="0", mkstream=True)
     mine, taken = (
@@ -88,6 +91,41 @@ def test_a_stalled_replica_publishes_nothing_for_an_input_another_replica_claime
         for msg in (StageInputMsg(request_id=r, data=r) for r in ("mine", "taken"))
     )
     client.xreadgroup(keys.WORKERS_GROUP, "A", {IN: ">"}, count=2)
+    return client, mine, taken
+
+
+def _output_thread(client: fakeredis.FakeRedis, guard: StallGuard) -> tuple[OutputThread, Metrics]:
+    metrics = Metrics()
+    out = OutputThread(
+        client,
+        OUT,
+        IN,
+        maxlen=1000,
+        backoff=lambda: Backoff(0.01, 0.01, 5),
+        on_lost=lambda *_: None,
+        metrics=metrics,
+        fence=guard.fence,
+    )
+    return out, metrics
+
+
+def test_a_bare_acknowledgement_of_an_input_claimed_meanwhile_is_not_sent() -> None:
+    client, mine, taken = _read_by_a()
+    client.xclaim(IN, keys.WORKERS_GROUP, "B", min_idle_time=0, message_ids=[taken])
+    guard = StallGuard(client, IN, "A", ttl_s=5.0, wake=threading.Event())
+    out, _metrics = _output_thread(client, guard)
+    guard.after_beat(time.monotonic() + 10.0)
+    out.publish([_final("mine", mine)], [taken])  # `taken` ended here with no output
+    out.start()
+    assert guard.apply(lambda ownership: [], out.forget)
+    out.request_stop()
+    out.join(5)
+    pending: Any = client.xpending(IN, keys.WORKERS_GROUP)
+    assert client.xlen(OUT) == 1 and pending["pending"] == 1  # B's: still pending
+
+
+def test_a_stalled_replica_publishes_nothing_for_an_input_another_replica_claimed() -> None:
+    client, mine, taken = _read_by_a()
     client.xclaim(IN, keys.WORKERS_GROUP, "B", min_idle_time=0, message_ids=[taken])
     own = read_ownership(client, IN, "A")
     assert (own.mine, own.others) == (frozenset({mine}), frozenset({taken}))
@@ -115,5 +153,43 @@ def test_a_stalled_replica_publishes_nothing_for_an_input_another_replica_claime
     published = [codec.decode(fields[keys.PAYLOAD_FIELD.encode()]) for _, fields in entries]
     assert [m["request_id"] for m in published] == ["mine"]
     assert metrics.value("omni_fenced_outputs_total") == 1
+    pending: Any = client.xpending(IN, keys.WORKERS_GROUP)
+    assert pending["pending"] == 1  # B's claimed entry: A did not acknowledge it
+
+
+def test_a_write_that_failed_across_a_stall_leaves_out_what_was_claimed_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch passed its fence, then the replica stalled: another replica claimed one of
+    its inputs and closed its connections, so the write failed. Written again once the
+    ownership check is through, it holds only what is still this replica's."""
+    client, mine, taken = _read_by_a()
+    guard = StallGuard(client, IN, "A", ttl_s=5.0, wake=threading.Event())
+    out, metrics = _output_thread(client, guard)
+    written = out._round_trip
+    stalled = threading.Event()
+
+    def across_a_stall(batch: Any) -> list[object]:
+        if stalled.is_set():
+            return written(batch)
+        client.xclaim(IN, keys.WORKERS_GROUP, "B", min_idle_time=0, message_ids=[taken])
+        guard.after_beat(time.monotonic() + 10.0)  # the first beat after it: ownership read
+        stalled.set()
+        raise redis.ConnectionError("closed by the replica that claimed the input")
+
+    monkeypatch.setattr(out, "_round_trip", across_a_stall)
+    out.publish([_final("mine", mine), _final("taken", taken)], [])
+    out.start()
+    assert stalled.wait(5)
+    assert not guard.fence.wait_writable(0.2) and client.xlen(OUT) == 0  # held meanwhile
+    assert guard.apply(lambda ownership: [], out.forget)
+    wait_until(lambda: client.xlen(OUT) > 0, deadline_s=5)
+    out.request_stop()
+    out.join(5)
+    entries: Any = client.xrange(OUT)
+    published = [codec.decode(fields[keys.PAYLOAD_FIELD.encode()]) for _, fields in entries]
+    assert [m["request_id"] for m in published] == ["mine"]
+    assert metrics.value("omni_fenced_outputs_total") == 1
+    assert metrics.value("omni_deposed_requests_total") == 1
     pending: Any = client.xpending(IN, keys.WORKERS_GROUP)
     assert pending["pending"] == 1  # B's claimed entry: A did not acknowledge it
