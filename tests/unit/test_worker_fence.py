@@ -130,18 +130,8 @@ def test_a_stalled_replica_publishes_nothing_for_an_input_another_replica_claime
     own = read_ownership(client, IN, "A")
     assert (own.mine, own.others) == (frozenset({mine}), frozenset({taken}))
 
-    metrics = Metrics()
     guard = StallGuard(client, IN, "A", ttl_s=5.0, wake=threading.Event())
-    out = OutputThread(
-        client,
-        OUT,
-        IN,
-        maxlen=1000,
-        backoff=lambda: Backoff(0.01, 0.01, 1),
-        on_lost=lambda *_: None,
-        metrics=metrics,
-        fence=guard.fence,
-    )
+    out, metrics = _output_thread(client, guard)
     guard.after_beat(time.monotonic() + 10.0)  # A's first beat after a stall: ownership read
     out.publish([_final("mine", mine), _final("taken", taken)], [])
     out.start()
