@@ -105,7 +105,7 @@ def redis_cluster_server_url() -> Iterator[str]:
 @pytest.fixture
 def redis_cluster_url(redis_cluster_server_url: str) -> str:
     """The real Redis Cluster, every primary empty at the start of the test."""
-    client = redis.cluster.RedisCluster.from_url(redis_cluster_server_url)
+    client = sync_client(redis_cluster_server_url, cluster=True)
     try:
         client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
     finally:

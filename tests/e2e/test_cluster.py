@@ -8,7 +8,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
 
 def node_urls(cluster_url: str) -> list[str]:
-    client = redis.cluster.RedisCluster.from_url(cluster_url)
+    client: Any = sync_client(cluster_url, cluster=True)  # a RedisCluster
     try:
         return sorted(f"redis://{n.host}:{n.port}/0" for n in client.get_primaries())
     finally:
@@ -241,7 +241,7 @@ async def test_connections_closed_under_commands_fail_them_as_connection_errors(
 
 
 def command_getkeys_calls(cluster_url: str) -> int:
-    client = redis.cluster.RedisCluster.from_url(cluster_url)
+    client: Any = sync_client(cluster_url, cluster=True)  # a RedisCluster
     try:
         stats = [client.get_redis_connection(n).info("commandstats") for n in client.get_nodes()]
     finally:
