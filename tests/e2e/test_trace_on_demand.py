@@ -77,6 +77,7 @@ def deployment(redis_server_url: str) -> Iterator[Deployment]:
         yield d
     finally:
         group.stop()
+        d.redis.close()
 
 
 async def _two_requests(d: Deployment) -> tuple[str, str]:
