@@ -186,6 +186,8 @@ class OutputThread:
         """Narrow a batch in hand to what is still this replica's after the ownership checks
         applied since it was taken: a stall between its fence check and its write (the
         write then failed on a connection the claimant closed) must not publish it late."""
+        if batch.checked == self._check_count:  # the usual case, read without the lock: a
+            return  # check applied meanwhile is seen by the next write (it waits at the fence)
         with self._cv:
             new = min(self._check_count - batch.checked, len(self._checks))
             checks = list(self._checks)[len(self._checks) - new :] if new > 0 else []
