@@ -90,8 +90,13 @@ def replay(
             f"dead letter {dead_id}: its payload was cut at {RAW_CUT_BYTES} bytes; --force to replay anyway"
         )
     # One transaction on a single Redis; on a cluster the two streams have slots of their
-    # own, so the entry is re-queued first and its dead letter deleted after.
-    with client.pipeline(transaction=not is_cluster(client)) as pipe:
+    # own, so the entry is re-queued first and its dead letter deleted once that is in (one
+    # cluster pipeline writes its nodes in no order).
+    if is_cluster(client):
+        new_id = client.xadd(stream, {keys.PAYLOAD_FIELD: raw}, maxlen=maxlen, approximate=True)
+        client.xdel(names.dead_letters, dead_id)
+        return _s(new_id)
+    with client.pipeline(transaction=True) as pipe:
         pipe.xadd(stream, {keys.PAYLOAD_FIELD: raw}, maxlen=maxlen, approximate=True)
         pipe.xdel(names.dead_letters, dead_id)
         new_id, _ = pipe.execute()

@@ -1,7 +1,8 @@
 """The one dead-letter path, and the bounded retries every control-plane write shares.
 
 A malformed entry is moved to the dead-letter stream and acknowledged in one
-pipeline, so it is never lost and never read again; the sync flavour serves worker
+pipeline (two round trips on a cluster, the copy first), so it is never lost and never
+read again; the sync flavour serves worker
 threads, the async one the event loop. Import from `streams`.
 """
 
@@ -21,6 +22,7 @@ from redis.exceptions import RedisError
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import Backoff
+from omni_runtime.redis_io.clients import is_cluster
 from omni_runtime.redis_io.entries import dead_letter_fields
 
 BadEntry = tuple[bytes, Mapping[bytes, bytes] | None, str]
@@ -74,22 +76,20 @@ class Retrying:
                 await asyncio.sleep(delay)
 
 
-def _fill_dead_letter(
-    pipe: Any,
-    dead: str,
-    stream: str,
-    group: str | None,
-    entry_id: bytes,
-    error: str,
-    fields: Mapping[bytes, bytes] | None,
-) -> None:
-    """Copy to the dead stream, acknowledge (`group` None: a plain XREAD reader) and delete
-    the original: nobody can use it, and it must not hold memory until MAXLEN trims it."""
-    fields_out = cast("dict[Any, Any]", dead_letter_fields(stream, entry_id, error, fields))
-    pipe.xadd(dead, fields_out, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
+def _queue_copies(pipe: Any, dead: str, stream: str, bad: Sequence[BadEntry]) -> None:
+    for entry_id, fields, error in bad:
+        fields_out = cast("dict[Any, Any]", dead_letter_fields(stream, entry_id, error, fields))
+        pipe.xadd(dead, fields_out, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
+
+
+def _queue_removals(pipe: Any, stream: str, group: str | None, bad: Sequence[BadEntry]) -> None:
+    """Acknowledge (`group` None: a plain XREAD reader) and delete the originals: nobody
+    can use them, and they must not hold memory until MAXLEN trims them. On a cluster,
+    in a round trip after the copies' (a cluster pipeline writes its nodes in no order)."""
+    ids = [entry_id for entry_id, _fields, _error in bad]
     if group is not None:
-        pipe.xack(stream, group, entry_id)
-    pipe.xdel(stream, entry_id)
+        pipe.xack(stream, group, *ids)
+    pipe.xdel(stream, *ids)
 
 
 class SyncDeadLetters(Retrying):
@@ -124,8 +124,11 @@ class SyncDeadLetters(Retrying):
 
         def op() -> None:
             pipe = self.client.pipeline(transaction=False)
-            for entry_id, fields, error in bad:
-                _fill_dead_letter(pipe, self.dead_stream, stream, group, entry_id, error, fields)
+            _queue_copies(pipe, self.dead_stream, stream, bad)
+            if is_cluster(self.client):
+                pipe.execute()
+                pipe = self.client.pipeline(transaction=False)
+            _queue_removals(pipe, stream, group, bad)
             pipe.execute()
 
         ok = self.retry_sync(op, "dead-lettering", stream)
@@ -166,12 +169,13 @@ class DeadLetters(Retrying):
             log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
 
         async def op() -> None:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for entry_id, fields, error in bad:
-                    _fill_dead_letter(
-                        pipe, self.dead_stream, stream, group, entry_id, error, fields
-                    )
+            pipe = self.client.pipeline(transaction=False)
+            _queue_copies(pipe, self.dead_stream, stream, bad)
+            if is_cluster(self.client):
                 await pipe.execute()
+                pipe = self.client.pipeline(transaction=False)
+            _queue_removals(pipe, stream, group, bad)
+            await pipe.execute()
 
         ok = await self.retry(op, "dead-lettering", stream)
         if ok:

@@ -172,6 +172,21 @@ def fill_pipeline(pipe: Any, ops: list[Op]) -> list[list[Op]]:
     return carried
 
 
+def phases(ops: list[Op]) -> list[list[Op]]:
+    """`ops` in the groups `fill_pipeline` orders, each depending on the one before: the
+    entries; the request states that record them; the acknowledgements, deletions and
+    expiries that follow both. One pipeline keeps that order on a single Redis. A
+    cluster's sends each node its commands at once, in no order across nodes: a state
+    could land before the entry it records, and a process killed between two nodes'
+    writes loses that entry (a request's final) for good. There each group is a round
+    trip of its own, sent once the one before was answered (`writer`)."""
+    states = HashPut | HashDrop | ExpireAt
+    adds: list[Op] = [op for op in ops if isinstance(op, XAdd)]
+    hashes: list[Op] = [op for op in ops if isinstance(op, states)]
+    rest: list[Op] = [op for op in ops if not isinstance(op, XAdd | states)]
+    return [group for group in (adds, hashes, rest) if group]
+
+
 def _add(into: dict[Any, tuple[list[bytes], list[Op]]], key: Any, ids: list[bytes], op: Op) -> None:
     got = into.setdefault(key, ([], []))
     got[0].extend(ids)

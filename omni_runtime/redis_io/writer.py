@@ -354,13 +354,17 @@ class StreamWriter:
         return not (replies.out_of_memory or replies.failed)
 
     async def _execute(self, ops: list[Op]) -> tuple[list[Any], list[list[Op]]]:
-        """One round trip: packed by hand on the held connection of a single server;
-        redis-py's pipeline on a cluster (it routes). Each command's reply or error, and
-        the ops it carried."""
-        if self._cluster:
-            async with self.client.pipeline(transaction=False) as pipe:
-                carried = fill_pipeline(pipe, ops)
-                return await pipe.execute(raise_on_error=False), carried
+        """One round trip packed by hand on the held connection of a single server; on a
+        cluster, redis-py's pipelines (they route), one per group of `phases`. Each
+        command's reply or error, and the ops it carried."""
+        if self._cluster:  # each group once Redis answered the one before (`phases`)
+            replies: list[Any] = []
+            carried: list[list[Op]] = []
+            for phase in write_ops.phases(ops):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    carried += fill_pipeline(pipe, phase)
+                    replies += await pipe.execute(raise_on_error=False)
+            return replies, carried
         if self._conn is None:  # held for good: the pool still closes it with the client
             self._conn = await take_async(self.client.connection_pool)
         packed = AsyncPackedPipe(self.client)

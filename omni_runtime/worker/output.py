@@ -341,9 +341,16 @@ class OutputThread:
             commands = batch.pack(self.in_stream, self.maxlen)
             self._held.send(commands)
             return self._held.replies(len(commands))
+        # A cluster pipeline writes its nodes in no order: the acknowledgements go once the
+        # entries are in, or a process killed between two nodes' writes loses outputs.
+        replies: list[object] = []
         with self.client.pipeline(transaction=False) as pipe:
-            batch.on_pipeline(pipe, self.in_stream, self.maxlen)
-            return list(pipe.execute(raise_on_error=False))
+            if batch.queue_entries(pipe, self.maxlen):
+                replies += pipe.execute(raise_on_error=False)
+        with self.client.pipeline(transaction=False) as pipe:
+            if batch.queue_acks(pipe, self.in_stream):
+                replies += pipe.execute(raise_on_error=False)
+        return replies
 
     def _settle(self, batch: OutputBatch, replies: list[object]) -> ResponseError | None:
         """Narrow the batch to what Redis refused; the refusal to retry it for, or None.

@@ -224,8 +224,8 @@ class OutputBatch:
         return self.commands
 
     def narrow(self, replies: list[Any]) -> list[ResponseError]:
-        """Keep only what Redis refused (replies in `pack` order, or `on_pipeline`'s): the
-        errors, none if all of it went through."""
+        """Keep only what Redis refused (replies in `pack` order, which `queue_entries`
+        then `queue_acks` keep): the errors, none if all of it went through."""
         errors = [r for r in replies if isinstance(r, ResponseError)]
         if errors:
             n = len(self.entries)
@@ -253,14 +253,21 @@ class OutputBatch:
         if len(split) != len(self.entries):
             self.entries, self.commands = split, []
 
-    def on_pipeline(self, pipe: Any, in_stream: str, maxlen: int) -> None:
-        """The same round trip through redis-py (a cluster routes each command by key)."""
+    def queue_entries(self, pipe: Any, maxlen: int) -> bool:
+        """The entries of `pack` on a redis-py pipeline (a cluster routes each command by
+        key); whether there were any."""
         for e in self.entries:
             fields = xadd_fields({keys.PAYLOAD_FIELD: e.payload})
             pipe.xadd(e.stream, fields, maxlen=maxlen, approximate=True)
-        if self.ack_ids and not (self.acked or self.later):
-            pipe.xack(in_stream, keys.WORKERS_GROUP, *self.ack_ids)
-            pipe.xdel(in_stream, *self.ack_ids)
+        return bool(self.entries)
+
+    def queue_acks(self, pipe: Any, in_stream: str) -> bool:
+        """The acknowledgement and deletion of `pack`, if due; whether they were."""
+        if not self.ack_ids or self.acked or self.later:
+            return False
+        pipe.xack(in_stream, keys.WORKERS_GROUP, *self.ack_ids)
+        pipe.xdel(in_stream, *self.ack_ids)
+        return True
 
 
 class HeldConnection:
