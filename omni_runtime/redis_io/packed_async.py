@@ -9,7 +9,7 @@ plain function, and `replies` reads them later. Every reply is read, error repli
 included (Redis ran the commands around a refused one): the caller gets each command's
 result or error (`raise_on_error=False`), or the first error. A call that fails otherwise
 drops its connection (a half-read reply must not be read again) and raises. Cluster
-clients keep redis-py's pipeline (it routes).
+clients keep redis-py's pipelines (they route), one per group of `write_ops.phases`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from omni_runtime.redis_io import conn as rconn
+from omni_runtime.redis_io.write_ops import Op, fill_pipeline, phases
 
 
 class AsyncPackedPipe:
@@ -115,3 +116,16 @@ class AsyncPackedPipe:
                 if isinstance(reply, ResponseError):
                     raise reply
         return out
+
+
+async def cluster_round_trips(client: Any, ops: list[Op]) -> tuple[list[Any], list[list[Op]]]:
+    """A writer batch on a cluster: one redis-py pipeline per group of `write_ops.phases`,
+    each sent once Redis answered the one before. Each command's reply or error, and the
+    ops it carried."""
+    replies: list[Any] = []
+    carried: list[list[Op]] = []
+    for phase in phases(ops):
+        async with client.pipeline(transaction=False) as pipe:
+            carried += fill_pipeline(pipe, phase)
+            replies += await pipe.execute(raise_on_error=False)
+    return replies, carried

@@ -42,7 +42,7 @@ from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.clients import REDIS_FAILURES, is_cluster
 from omni_runtime.redis_io.conn import one_timeout, take_async
 from omni_runtime.redis_io.held_writes import HeldWrites
-from omni_runtime.redis_io.packed_async import AsyncPackedPipe
+from omni_runtime.redis_io.packed_async import AsyncPackedPipe, cluster_round_trips
 from omni_runtime.redis_io.refusals import MemorySeen, Replies, sort_replies
 from omni_runtime.redis_io.write_ops import Expire, Op, XAck, XAdd, XDel, fill_pipeline, owners
 
@@ -354,17 +354,10 @@ class StreamWriter:
         return not (replies.out_of_memory or replies.failed)
 
     async def _execute(self, ops: list[Op]) -> tuple[list[Any], list[list[Op]]]:
-        """One round trip packed by hand on the held connection of a single server; on a
-        cluster, redis-py's pipelines (they route), one per group of `phases`. Each
-        command's reply or error, and the ops it carried."""
-        if self._cluster:  # each group once Redis answered the one before (`phases`)
-            replies: list[Any] = []
-            carried: list[list[Op]] = []
-            for phase in write_ops.phases(ops):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    carried += fill_pipeline(pipe, phase)
-                    replies += await pipe.execute(raise_on_error=False)
-            return replies, carried
+        """One round trip packed by hand on the held connection of a single server (on a
+        cluster, `cluster_round_trips`). Each command's reply or error, and its ops."""
+        if self._cluster:
+            return await cluster_round_trips(self.client, ops)
         if self._conn is None:  # held for good: the pool still closes it with the client
             self._conn = await take_async(self.client.connection_pool)
         packed = AsyncPackedPipe(self.client)
