@@ -1,9 +1,9 @@
 """The one dead-letter path, and the bounded retries every control-plane write shares.
 
 A malformed entry is moved to the dead-letter stream and acknowledged in one
-pipeline (two round trips on a cluster, the copy first), so it is never lost and never
-read again; the sync flavour serves worker
-threads, the async one the event loop. Import from `streams`.
+pipeline (two round trips on a cluster, the copy first), so it is never lost and
+never read again; the sync flavour serves worker threads, the async one the event
+loop. Import from `streams`.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ def phases(ops: list[Op]) -> list[list[Op]]:
     cluster's sends each node its commands at once, in no order across nodes: a state
     could land before the entry it records, and a process killed between two nodes'
     writes loses that entry (a request's final) for good. There each group is a round
-    trip of its own, sent once the one before was answered (`writer`)."""
+    trip of its own, sent once the one before was answered (`packed_async`)."""
     states = HashPut | HashDrop | ExpireAt
     adds: list[Op] = [op for op in ops if isinstance(op, XAdd)]
     hashes: list[Op] = [op for op in ops if isinstance(op, states)]
