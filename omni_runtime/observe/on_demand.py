@@ -35,7 +35,8 @@ class LazyRedisTracer:
         self, event: str, request_id: str, stage_id: int | None = None, t_ns: int | None = None
     ) -> None:
         if self.tracer is None:
-            self.tracer = RedisTracer(self.redis_client(), self.names, self.ttl_s).start()
+            client = self.redis_client()
+            self.tracer = RedisTracer(client, self.names, self.ttl_s, close_client=True).start()
         self.tracer.stamp(event, request_id, stage_id, t_ns)
 
     def close(self) -> None:

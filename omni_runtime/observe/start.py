@@ -122,8 +122,10 @@ class Observability:
                 self._router = OnDemandTracer(on_demand, self._untrace, self.traced)
             if serve and redis_client is not None:
                 interval_s = poll_interval_s or settings.stats_interval_s
+                client = redis_client()
+                self._stops.append(client.close)  # after the poller's stop: reversed order
                 poller = StreamStatsPoller(
-                    redis_client(),
+                    client,
                     settings.names,
                     self.metrics,
                     role,
@@ -185,7 +187,7 @@ def tracer_for(
     if trace_file is not None:
         tracers.append(FileTracer(trace_file))
     if trace and redis_client is not None and names is not None:
-        tracers.append(RedisTracer(redis_client(), names, ttl_s).start())
+        tracers.append(RedisTracer(redis_client(), names, ttl_s, close_client=True).start())
     if trace and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
             from omni_runtime.observe.otel import otel_tracer_from_env

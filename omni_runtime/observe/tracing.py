@@ -136,8 +136,12 @@ class RedisTracer:
         max_queue: int = 100_000,
         batch: int = 2000,
         flush_interval_s: float = 0.05,
+        *,
+        close_client: bool = False,
     ) -> None:
         self.client, self.names, self.ttl_s = client, names, ttl_s
+        self.close_client = close_client
+        """`close` closes `client` too: one the tracer was given for its own."""
         self.batch, self.flush_interval_s = batch, flush_interval_s
         self.dropped = 0
         self._queue: deque[Stamp] = deque()
@@ -175,6 +179,8 @@ class RedisTracer:
         self._wake.set()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
+        if self.close_client and not self._thread.is_alive():  # never under a write
+            self.client.close()
 
     def _run(self) -> None:
         while True:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.observe.metrics import Metrics
@@ -126,3 +127,36 @@ def test_a_process_wide_tracer_is_not_switched_for_a_request_traced_on_demand(
         assert obs.tracer is base
     finally:
         obs.close()
+
+
+def test_the_clients_made_for_its_threads_are_closed_with_it(redis_url: str) -> None:
+    """The stats poller, the process-wide tracer and the one started on demand each get a
+    client of their own from the factory: `close` closes it, rather than leaving its
+    socket open until the garbage collector finds it."""
+    admin = redis.Redis.from_url(redis_url)
+    name = "obs-own-client"
+
+    def made() -> redis.Redis:
+        return redis.Redis.from_url(redis_url, client_name=name)
+
+    def connected() -> int:
+        return sum(1 for c in admin.client_list() if c.get("name") == name)
+
+    wide = Settings(redis_url=redis_url, trace=True).part(ObserveSettings)
+    quiet = Settings(redis_url=redis_url).part(ObserveSettings)
+    try:
+        polled = Observability().start(wide, "orchestrator", made, poll_interval_s=0.05)
+        on_demand = Observability().start(quiet, "orchestrator", made, serve=False)
+        try:
+            assert polled.tracer is not None
+            polled.tracer.stamp("request_read", "r1")
+            on_demand.begin_trace("r2")
+            assert on_demand.tracer is not None
+            on_demand.tracer.stamp("request_read", "r2")
+            wait_until(lambda: connected() == 3, explain=lambda: f"{connected()} connected")
+        finally:
+            polled.close()
+            on_demand.close()
+        wait_until(lambda: connected() == 0, explain=lambda: f"{connected()} left open")
+    finally:
+        admin.close()
