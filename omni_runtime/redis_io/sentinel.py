@@ -49,28 +49,39 @@ def _kwargs(target: SentinelTarget, redis_kwargs: dict[str, Any], aio: bool) -> 
     return kwargs
 
 
+# redis-py's `discover_master` moves the sentinel that answered to the front of the
+# manager's list by index, after awaiting its answer. Two lookups at once (every task or
+# thread whose connection reconnects during a failover) can then write one client into
+# two places and drop another from the list, and `Sentinel.close` closes only what the
+# list holds. So each primary's client keeps the sentinel clients it was made with.
+
+
 class SentinelRedis(redis.Redis):
     """A primary's client that also closes the sentinel clients it was made with."""
 
-    sentinel_manager: redis.sentinel.Sentinel | None = None
+    sentinel_clients: tuple[redis.Redis, ...] = ()
 
     def close(self) -> None:
-        super().close()
-        if self.sentinel_manager is not None:
-            self.sentinel_manager.close()
-            self.sentinel_manager = None
+        try:
+            super().close()
+        finally:
+            clients, self.sentinel_clients = self.sentinel_clients, ()
+            for sentinel in clients:
+                sentinel.close()
 
 
 class AsyncSentinelRedis(aioredis.Redis):
     """`SentinelRedis` for asyncio."""
 
-    sentinel_manager: aiosentinel.Sentinel | None = None
+    sentinel_clients: tuple[aioredis.Redis, ...] = ()
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        await super().aclose(close_connection_pool)
-        if self.sentinel_manager is not None:
-            manager, self.sentinel_manager = self.sentinel_manager, None
-            await manager.aclose()
+        try:
+            await super().aclose(close_connection_pool)
+        finally:
+            clients, self.sentinel_clients = self.sentinel_clients, ()
+            for sentinel in clients:
+                await sentinel.aclose()
 
 
 def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
@@ -80,7 +91,7 @@ def sync_primary(url: str, **redis_kwargs: Any) -> redis.Redis:
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
     manager = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
     client: SentinelRedis = manager.master_for(target.service, redis_class=SentinelRedis)
-    client.sentinel_manager = manager
+    client.sentinel_clients = tuple(manager.sentinels)
     return client
 
 
@@ -91,7 +102,7 @@ def async_primary(url: str, **redis_kwargs: Any) -> aioredis.Redis:
     sentinel_kwargs = {**_socket_options(kwargs), **target.sentinel_kwargs}
     manager = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
     client: AsyncSentinelRedis = manager.master_for(target.service, redis_class=AsyncSentinelRedis)
-    client.sentinel_manager = manager
+    client.sentinel_clients = tuple(manager.sentinels)
     return client
 
 

@@ -24,6 +24,7 @@ from omni_runtime.errors import OmniError
 from omni_runtime.local.redis_sentinel import SERVICE, RedisSentinelSet
 from omni_runtime.local.redis_server import redis_server_binary
 from omni_runtime.redis_io.clients import async_client, sync_client
+from omni_runtime.redis_io.sentinel import AsyncSentinelRedis, SentinelRedis
 from tests.services import unavailable
 from tests.waiting import wait_until
 
@@ -132,6 +133,39 @@ async def test_a_held_asyncio_connection_follows_a_sigkill(
     finally:
         await client.connection_pool.release(held)
         await client.aclose()
+
+
+async def test_every_sentinel_client_is_closed_after_concurrent_lookups_reorder_them(
+    redis_sentinel_url: str,
+) -> None:
+    """redis-py's `discover_master` swaps the sentinel that answered to the front of the
+    manager's list by index, after awaiting it. With the first sentinel failing and two
+    lookups at once (every connection reconnecting in a failover): the first to hear the
+    second sentinel swaps them; the other then writes that sentinel into both places, and
+    the one it displaced is no longer in the list that `Sentinel.close` closes. The
+    primary's client closes every sentinel client it was made with regardless."""
+    aio, sync = async_client(redis_sentinel_url), sync_client(redis_sentinel_url)
+    assert isinstance(aio, AsyncSentinelRedis) and isinstance(sync, SentinelRedis)
+    made_aio, made_sync = aio.sentinel_clients, sync.sentinel_clients
+    try:
+        assert len(made_aio) == len(made_sync) == 3
+        for sentinel in made_aio:
+            assert await sentinel.ping()
+        for sync_sentinel in made_sync:
+            assert sync_sentinel.ping()
+        pools: list[Any] = [aio.connection_pool, sync.connection_pool]
+        for made, pool in zip((made_aio, made_sync), pools, strict=True):
+            pool.sentinel_manager.sentinels[:] = [made[1], made[1], made[2]]  # the race's end
+    finally:
+        await aio.aclose()
+        sync.close()
+    still_open = [
+        conn
+        for sentinel in (*made_aio, *made_sync)
+        for conn in sentinel.connection_pool._available_connections
+        if conn.is_connected
+    ]
+    assert still_open == []
 
 
 def test_status_reads_through_the_sentinels(redis_sentinel_url: str) -> None:
