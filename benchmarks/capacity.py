@@ -1,6 +1,6 @@
 """Capacity that grows with processes: throughput with each process capped by a cgroup.
 
-On a small machine the machine is the limit, not the process (issue 9: two
+On a small machine the machine is the limit, not the process (two
 orchestrators measured 0.85-1.05x of one on 2 cores). Here each process of the
 part under test gets a CFS quota of `Sizes.cap` of a core (`benchmarks.harness.cgroups`:
 cgroup v1's `cpu.cfs_quota_us` or v2's `cpu.max`), so it is the limit, as on a

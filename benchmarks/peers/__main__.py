@@ -13,7 +13,7 @@ TTFA and E2E p50 (p99), requests/s, continuity (share of requests with no audio 
 omni-runtime's orchestrator, workers, client and redis-server; Ray's driver and every
 process under it (GCS, raylet, agents, Serve controller, the mode's replicas; not the
 idle replicas of its other applications), from `/proc`. Rows: omni-runtime / Ray, same
-mode, with the targets of issue 30 (`report.py`).
+mode, with their targets (`report.py`).
 
 `--profile` then samples both systems' Python processes with py-spy over a few more
 cells (`profiles.py`: streaming at c = 1 and 32, sequential at 32). `--per-chunk` adds

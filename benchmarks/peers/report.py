@@ -1,6 +1,6 @@
 """The peers comparison's cells, table and rows: omni-runtime / Ray Serve, same mode, same run.
 
-Targets (issue 30), omni-runtime streaming against Ray Serve's streaming composition at
+Targets, omni-runtime streaming against Ray Serve's streaming composition at
 c = 1, 8 and 32: TTFA <= 0.5x, E2E <= 0.8x, CPU per request <= 0.5x; at c = 32
 throughput >= 2x and continuity at least Ray's and >= 99 %. Sequential against
 sequential: E2E <= 0.8x at c = 1 and 32. Lower is better for every ratio but
