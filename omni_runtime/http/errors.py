@@ -94,6 +94,14 @@ def field_path(loc: Sequence[int | str]) -> list[str]:
     ]
 
 
+def unparsable(error: dict[str, Any]) -> str:
+    """The message for a body that is not JSON: the parser's reason and where it stopped."""
+    loc = error.get("loc", ())
+    at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+    reason = (error.get("ctx") or {}).get("error") or error.get("msg") or "unparsable"
+    return f"the request body is not valid JSON: {reason}{at}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -103,14 +111,17 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         first: dict[str, Any] = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is a character position, no field
+            return error_response(ApiError(400, unparsable(first), code="invalid_json"))
         loc = field_path(first.get("loc", ()))
         message = "; ".join(
             f"{'.'.join(field_path(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
             for e in errors[:5]
         )
-        code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_value"
         return error_response(
-            ApiError(400, message or "invalid request", param=".".join(loc) or None, code=code)
+            ApiError(
+                400, message or "invalid request", param=".".join(loc) or None, code="invalid_value"
+            )
         )
 
     async def on_http(_request: Request, exc: Exception) -> JSONResponse:

@@ -91,7 +91,11 @@ async def test_bad_chat_bodies_are_400(
 
 async def test_other_client_errors(api: httpx.AsyncClient) -> None:
     bad_json = await api.post(CHAT, content=b"{nope", headers={"content-type": "application/json"})
-    assert assert_error(bad_json, 400)["code"] == "invalid_json"
+    error = assert_error(bad_json, 400)
+    assert error["code"] == "invalid_json"
+    assert error["param"] is None  # where the parser stopped is no field of the request
+    assert error["message"].startswith("the request body is not valid JSON: ")
+    assert error["message"].endswith(" at character 1"), error
     speech = {"model": "omni", "input": "hi", "response_format": "mp3"}
     assert_error(await api.post("/v1/audio/speech", json=speech), 400, "response_format")
     assert_error(await api.post(CHAT, json={**chat_body(), "model": "gpt-4o"}), 404, "model")
