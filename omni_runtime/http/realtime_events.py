@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from omni_runtime.http.errors import field_path
+
 MAX_TEXT_CHARS = 32_768
 MAX_PARTS = 16
 MAX_ID_CHARS = 128
@@ -186,7 +188,7 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
         return _CLIENT.validate_python(doc)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"][1:])
+        where = ".".join(field_path(first["loc"][1:]))  # no union members' tags
         raise EventError(f"{kind}: {where}: {first['msg']}", param=where or None) from None
 
 
