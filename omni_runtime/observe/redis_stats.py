@@ -145,6 +145,31 @@ def read_heartbeats(client: redis.Redis, names: keys.Names, now_s: float) -> lis
 
 
 @dataclass
+class SlotLease:
+    slot: int
+    holder: str
+    """The token of the orchestrator process holding the slot's lease."""
+    ttl_s: float | None
+
+
+def read_slot_leases(client: redis.Redis, names: keys.Names) -> list[SlotLease]:
+    """The orchestrator slots whose lease is held now: every orchestrator process holds
+    its own slot's (the one heartbeat key they share cannot count them)."""
+    slots = sorted(int(s) for s in map(_s, client.hkeys(names.orchestrator_slots)) if s.isdigit())
+    with client.pipeline(transaction=False) as pipe:
+        for slot in slots:
+            pipe.get(names.orchestrator_lease(slot))
+            pipe.pttl(names.orchestrator_lease(slot))
+        replies = pipe.execute()
+    held = []
+    for i, slot in enumerate(slots):
+        token, ttl_ms = replies[2 * i], replies[2 * i + 1]
+        if token is not None:
+            held.append(SlotLease(slot, _s(token), int(ttl_ms) / 1000 if ttl_ms >= 0 else None))
+    return held
+
+
+@dataclass
 class GroupInfo:
     name: str
     consumers: int

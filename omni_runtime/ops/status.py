@@ -52,10 +52,16 @@ def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
         sid: sum(1 for p in procs if p.kind == "worker" and p.stage == sid) for sid in stages
     }
     dead = next((s.length for s in found if s.name == names.dead_letters), 0)
+    try:
+        leases: list[redis_stats.SlotLease] | None = redis_stats.read_slot_leases(client, names)
+    except RedisError:  # an ACL without these keys: the shared heartbeat alone
+        leases = None
+    beating = sum(1 for p in procs if p.kind == "orchestrator")
     return {
         "namespace": names.namespace,
         "time": now_s,
-        "orchestrators": sum(1 for p in procs if p.kind == "orchestrator"),
+        "orchestrators": beating if not leases else len({lease.holder for lease in leases}),
+        "orchestrator_slots": None if leases is None else redis_stats.as_jsonable(leases),
         "workers_per_stage": {str(k): v for k, v in workers.items()},
         "processes": redis_stats.as_jsonable(procs),
         "streams": redis_stats.as_jsonable(found),
@@ -138,6 +144,17 @@ def _processes_table(snap: dict[str, Any]) -> Table:
             _opt(p["completed"]),
             _engine(p.get("engine")),
         )
+    return t
+
+
+def _slots_table(leases: list[dict[str, Any]]) -> Table:
+    """One row per slot held: which orchestrator process (its token) and how long its
+    lease has left; a slot taken over shows its new holder."""
+    t = Table(title="orchestrator slots", title_justify="left")
+    for col in ("slot", "orchestrator", "lease left"):
+        t.add_column(col, justify="right" if col == "slot" else "left")
+    for lease in leases:
+        t.add_row(str(lease["slot"]), lease["holder"][:12], _age(lease["ttl_s"]))
     return t
 
 
@@ -229,7 +246,10 @@ def render(snap: dict[str, Any]) -> Group:
         parts.append(Text("no orchestrator heartbeat", style="bold red"))
     if missing:
         parts.append(Text(f"no live worker for stage {', '.join(missing)}", style="bold red"))
-    parts += [_processes_table(snap), _streams_table(snap)]
+    parts += [_processes_table(snap)]
+    if snap.get("orchestrator_slots"):
+        parts.append(_slots_table(snap["orchestrator_slots"]))
+    parts.append(_streams_table(snap))
     latency = _latency_table(snap)
     if latency is not None:
         parts.append(latency)

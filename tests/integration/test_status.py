@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import time
@@ -13,6 +14,7 @@ import fakeredis
 import msgpack
 import pytest
 import redis
+import redis.asyncio as aioredis
 from rich.console import Console
 
 from omni_runtime import keys
@@ -27,6 +29,7 @@ from omni_runtime.ops.dead_letters import (
     run_dead_letters,
 )
 from omni_runtime.ops.status import add_status_arguments, run_status
+from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.settings import Settings
 from tests.redis_full import FullableRedis
 
@@ -120,6 +123,41 @@ def test_empty_namespace_is_unhealthy_not_an_error(client: redis.Redis) -> None:
     console, buf = _console()
     assert run_status(_args("--json"), SETTINGS, client=client, console=console) == 1
     assert json.loads(buf.getvalue())["orchestrators"] == 0
+
+
+def test_each_orchestrator_is_counted_by_the_slot_leases_it_holds(redis_url: str) -> None:
+    """Orchestrators share one heartbeat key; each holds its own slot's lease (and any it
+    took over): status counts and lists them by those."""
+    settings = Settings(redis_url=redis_url, namespace="status-slots")
+    names = settings.names
+
+    async def two_orchestrators() -> tuple[str, str]:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            first, second = Leases(client, names, 30.0), Leases(client, names, 30.0)
+            assert await first.take_lowest_free() == 0
+            assert await second.take_lowest_free() == 1
+            assert await first.take(2)  # a slot taken over
+            return first.token, second.token
+        finally:
+            await client.aclose()
+
+    first, second = asyncio.run(two_orchestrators())
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(names.orchestrator_heartbeat(), "omni", ex=keys.HEARTBEAT_TTL_S)
+        console, buf = _console()
+        run_status(_args("--json"), settings, client=client, console=console)
+        snap = json.loads(buf.getvalue())
+        assert snap["orchestrators"] == 2
+        held = [(s["slot"], s["holder"]) for s in snap["orchestrator_slots"]]
+        assert held == [(0, first), (1, second), (2, first)]
+        assert all(0 < s["ttl_s"] <= 30 for s in snap["orchestrator_slots"])
+        console, buf = _console()
+        run_status(_args("--once"), settings, client=client, console=console)
+        assert "orchestrators 2" in buf.getvalue() and second[:12] in buf.getvalue()
+    finally:
+        client.close()
 
 
 def test_heartbeat_values_of_every_shape() -> None:
