@@ -1,4 +1,5 @@
-"""Write audio outputs to a WAV file a player can open (stdlib `wave`, 16-bit PCM mono)."""
+"""WAV files (stdlib `wave`): audio outputs written as one a player can open (16-bit PCM
+mono), and why an uploaded one could not be read."""
 
 from __future__ import annotations
 
@@ -21,3 +22,12 @@ def write_wav(path: str | Path, chunks: Sequence[npt.ArrayLike], sample_rate: in
         w.setframerate(sample_rate)
         w.writeframes(pcm.tobytes())
     return int(pcm.size)
+
+
+def wav_error(data: bytes, e: Exception) -> str:
+    """Why `wave` could not read `data`, in words: its EOFError says nothing."""
+    if not data:
+        return "the file is empty"
+    if isinstance(e, EOFError):
+        return "the file ends within its header"
+    return str(e) or type(e).__name__

@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream
+from omni_runtime.wav import wav_error
 
 MODEL_RATE = 16_000
 MIN_RATE = 4_000
@@ -121,7 +122,7 @@ def read_wav(data: bytes) -> tuple[Floats, int]:
             width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
             raw = w.readframes(w.getnframes())
     except (wave.Error, EOFError) as e:
-        raise ValueError(f"not a PCM WAV file: {e}") from None
+        raise ValueError(f"not a PCM WAV file: {wav_error(data, e)}") from None
     if width == 1:
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:

@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
+from omni_runtime.wav import wav_error
+
 MAX_CHUNK_SAMPLES = 16 * 1024 * 1024
 """A single audio output larger than this (~17 min at 16 kHz) is refused, not buffered."""
 
@@ -112,7 +114,7 @@ def whole_wav(data: bytes) -> bytes:
             params = w.getparams()
             frames = w.readframes(w.getnframes())
     except (wave.Error, EOFError, struct.error) as e:
-        raise AudioFormatError(f"not a PCM WAV file ({e or type(e).__name__})") from None
+        raise AudioFormatError(f"not a PCM WAV file ({wav_error(data, e)})") from None
     frame_bytes = params.nchannels * params.sampwidth
     whole = len(frames) - len(frames) % frame_bytes
     if whole == 0:

@@ -145,6 +145,8 @@ def test_a_quiet_room_says_nothing(needs_pocketsphinx: None) -> None:
     ("data", "error", "match"),
     [
         (b"not a wav file", ValueError, "not a PCM WAV"),
+        (b"", ValueError, "not a PCM WAV file: the file is empty"),
+        (b"RIFF$\0\0\0WAVEfmt \x10\0\0\0\x01\0", ValueError, "the file ends within its header"),
         ("some text", TypeError, "expected WAV bytes"),
         ({"pcm": np.zeros(10, np.float32), "sample_rate": 100}, ValueError, "sample_rate"),
         ({"pcm": np.zeros(10, np.float32), "sample_rate": 16e3}, ValueError, "sample_rate"),

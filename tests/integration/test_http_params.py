@@ -157,6 +157,7 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
         ({"model": "transcribe"}, b"ID3 not a wav at all", 400, "file"),
         ({"model": "transcribe"}, wav_file(0), 400, "file"),
         ({"model": "transcribe"}, wav_file(1.0)[:30], 400, "file"),
+        ({"model": "transcribe"}, b"", 400, "file"),
         ({"model": "transcribe"}, wav_file(2.5), 413, None),
         ({"model": "transcribe"}, None, 400, "file"),
         ({}, wav_file(0.1), 400, "model"),
@@ -167,7 +168,7 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
         ({"model": "whisper-1"}, wav_file(0.1), 404, "model"),
     ],
     ids=[
-        "not-wav", "no-frames", "cut-header", "too-large", "no-file", "no-model", "srt",
+        "not-wav", "no-frames", "cut-header", "empty", "too-large", "no-file", "no-model", "srt",
         "stream", "chat-pipeline", "omni", "unknown-model",
     ],
 )  # fmt: skip
@@ -184,6 +185,7 @@ async def test_bad_transcriptions_are_openai_errors(
     assert gateway.inflight == 0
     if param == "file":
         assert error["code"] in {"invalid_audio", "invalid_value"}
+        assert not error["message"].endswith("()"), error  # a reason, in words
 
 
 async def test_models_lists_every_pipeline_and_requests_choose_theirs(
