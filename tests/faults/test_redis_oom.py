@@ -45,6 +45,8 @@ class OomLoad:
     refused_s: dict[str, float] = field(default_factory=dict)
     refusals: dict[str, str] = field(default_factory=dict)
     no_final: list[str] = field(default_factory=list)
+    submitted: list[str] = field(default_factory=list)
+    """Requests whose submission returned: written to Redis, in flight."""
 
     def finals(self) -> dict[str, str | None]:
         """request id → its final's error (None: a success)."""
@@ -52,9 +54,14 @@ class OomLoad:
 
 
 async def oom_load(
-    client: OmniClient, prompts: dict[str, str], concurrency: int, deadline_s: float
+    client: OmniClient,
+    prompts: dict[str, str],
+    concurrency: int,
+    deadline_s: float,
+    load: OomLoad | None = None,
 ) -> OomLoad:
-    load = OomLoad()
+    """`load`: filled as it goes, for a caller that waits on its progress."""
+    load = load if load is not None else OomLoad()
     queue = list(prompts.items())
 
     async def worker() -> None:
@@ -67,6 +74,7 @@ async def oom_load(
                 load.refused_s[rid] = time.monotonic() - t0
                 load.refusals[rid] = str(e)
                 continue
+            load.submitted.append(rid)
             outs: list[OrchOutput] = []
             try:
                 async for out in client.stream(rid, timeout_s=3 * deadline_s):
@@ -193,8 +201,10 @@ async def test_redis_refusing_every_write_ends_requests_in_flight_at_their_deadl
             last_out = d.settings.names.stage_out(d.pipeline.last_stage, 1)
             await wait_for(lambda: bool(d.redis.exists(last_out)), deadline_s=30)
             prompts = {f"f{i}": f"a{i} b{i}" for i in range(n)}
-            load = asyncio.create_task(oom_load(client, prompts, n, deadline_s))
-            await wait_for(lambda: len(client.inbox.requests) == n, deadline_s=30)
+            in_flight = OomLoad()
+            load = asyncio.create_task(oom_load(client, prompts, n, deadline_s, in_flight))
+            # Submitted, not only opened at the client: its XADD may still be on its way.
+            await wait_for(lambda: len(in_flight.submitted) == n, deadline_s=30)
             d.redis.config_set("maxmemory-policy", "noeviction")
             d.redis.config_set("maxmemory", 1)  # every write refused from now on
             full_at = time.monotonic()
@@ -204,7 +214,7 @@ async def test_redis_refusing_every_write_ends_requests_in_flight_at_their_deadl
                 with pytest.raises(RedisOutOfMemoryError, match=f"^{OOM_MESSAGE}"):
                     await client.submit("x y", request_id=f"shed{i}")
                 refused_s.append(time.monotonic() - t0)
-            in_flight = await load
+            await load
             full_for_s = time.monotonic() - full_at
             d.redis.config_set("maxmemory", 0)
             after = {f"a{i}": f"a{i} b{i}" for i in range(200)}
