@@ -10,6 +10,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+MIN_RATE = 4_000
+MAX_RATE = 384_000
+"""The sample rates an uploaded recording may have: narrowband telephony to studio audio."""
+
 
 def write_wav(path: str | Path, chunks: Sequence[npt.ArrayLike], sample_rate: int) -> int:
     """Write the chunks as one 16-bit PCM mono WAV; returns the number of frames written."""

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_runtime.engines.context_fit import MAX_FITS, ContextExceeded, fit
 from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
@@ -77,6 +78,9 @@ class SamplingParams(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)
     ] = Field(default_factory=list)
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    """`auto`: a conversation longer than the context loses its oldest turns (a Realtime
+    session's default) instead of failing, as it does otherwise (chat completions)."""
 
 
 def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -94,6 +98,15 @@ def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
     return out
+
+
+def refusal(error: Any) -> Exception:
+    """The exception for an error llama.cpp answered with instead of a completion."""
+    if isinstance(error, dict) and error.get("type") == "exceed_context_size_error":
+        prompt, context = error.get("n_prompt_tokens"), error.get("n_ctx")
+        if isinstance(prompt, int) and isinstance(context, int):
+            return ContextExceeded(prompt, context)
+    return RuntimeError(f"llama.cpp: {error}")
 
 
 class LlamaCppEngine:
@@ -167,13 +180,31 @@ class LlamaCppEngine:
     async def generate(
         self, request_id: str, data: Any, params: dict[str, Any] | None
     ) -> AsyncIterator[Any]:
-        if self._server is None or self._pool is None or self._slots is None:
-            raise EngineDead("llama.cpp engine not started (or closed)")
         if isinstance(data, ChunkStream):  # after a speech-to-text stage, streaming mode
             data = heard_turn(data.prompt, await asyncio.to_thread(upstream_text, data))
         elif isinstance(data, list):  # the same, sequential mode: its chunks
             data = upstream_text(data)
-        body = self._request_body(request_id, data, params)
+        body, truncate = self._request_body(request_id, data, params)
+        for fits in range(MAX_FITS + 1):
+            try:
+                async for piece in self._answer(request_id, body):
+                    yield piece
+                return
+            except ContextExceeded as refused:  # comes before any piece: nothing was sent
+                if not truncate or fits == MAX_FITS:
+                    raise
+                before = len(body["messages"])
+                body["messages"] = fit(body["messages"], refused, body["max_tokens"])
+                log.info(
+                    "%d of %d messages dropped: the conversation was %d tokens, the context %d",
+                    before - len(body["messages"]), before, refused.prompt_tokens,
+                    refused.context_tokens, extra={"request_id": request_id},
+                )  # fmt: skip
+
+    async def _answer(self, request_id: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """One run of `body` on a free slot: its pieces, then `Final`."""
+        if self._server is None or self._pool is None or self._slots is None:
+            raise EngineDead("llama.cpp engine not started (or closed)")
         stop = self._stops[request_id] = threading.Event()
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
@@ -197,7 +228,7 @@ class LlamaCppEngine:
                 if isinstance(chunk, BaseException):
                     raise chunk
                 if "error" in chunk:
-                    raise RuntimeError(f"llama.cpp: {chunk['error']}")
+                    raise refusal(chunk["error"])
                 choice = (chunk.get("choices") or [{}])[0]
                 text = (choice.get("delta") or {}).get("content")
                 if choice.get("finish_reason") is not None:
@@ -211,13 +242,14 @@ class LlamaCppEngine:
 
     def _request_body(
         self, request_id: str, data: Any, params: dict[str, Any] | None
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], bool]:
+        """llama.cpp's request, and whether a conversation too long for it is cut to fit."""
         try:
             given = SamplingParams.model_validate(params or {})
         except ValidationError as e:
             raise ValueError(f"bad request parameters: {e}") from None
         d = self.defaults
-        return {
+        body = {
             "messages": chat_messages(data, self.system_prompt),
             "stream": True,
             "max_tokens": given.max_tokens or d.max_tokens,
@@ -226,6 +258,7 @@ class LlamaCppEngine:
             "stop": given.stop,
             "seed": zlib.crc32(request_id.encode()) if given.seed is None else given.seed,
         }
+        return body, given.truncation == "auto"
 
     def _request_ended(
         self,

@@ -37,11 +37,9 @@ import numpy.typing as npt
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream
-from omni_runtime.wav import wav_error
+from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
 
 MODEL_RATE = 16_000
-MIN_RATE = 4_000
-MAX_RATE = 384_000
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_MAX_DECODERS = 4
 SEGMENT_SECONDS = 8.0

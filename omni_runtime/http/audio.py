@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
-from omni_runtime.wav import wav_error
+from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
 
 MAX_CHUNK_SAMPLES = 16 * 1024 * 1024
 """A single audio output larger than this (~17 min at 16 kHz) is refused, not buffered."""
@@ -115,6 +115,10 @@ def whole_wav(data: bytes) -> bytes:
             frames = w.readframes(w.getnframes())
     except (wave.Error, EOFError, struct.error) as e:
         raise AudioFormatError(f"not a PCM WAV file ({wav_error(data, e)})") from None
+    if not MIN_RATE <= params.framerate <= MAX_RATE:
+        raise AudioFormatError(
+            f"the WAV file's sample rate is {params.framerate} Hz, outside {MIN_RATE}..{MAX_RATE}"
+        )
     frame_bytes = params.nchannels * params.sampwidth
     whole = len(frames) - len(frames) % frame_bytes
     if whole == 0:

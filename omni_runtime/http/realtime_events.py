@@ -84,6 +84,7 @@ class SessionFields(_Body):
     output_modalities: Modalities | None = None
     audio: AudioConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 class ContentPart(_Body):

@@ -77,6 +77,8 @@ class Session:
         self.voice: str | None = None
         self.speed: float | None = None
         self.max_tokens: int | None = None
+        self.truncation: Literal["auto", "disabled"] = "auto"
+        """`auto`: a thinker whose context the conversation outgrows drops its oldest turns."""
         self.vad_config: ServerVad | None = ServerVad(type="server_vad")
         self.vad = self._new_vad()
         self.items: list[Item] = []
@@ -97,7 +99,7 @@ class Session:
             "type": "realtime", "object": "realtime.session", "id": self.id,
             "model": self.served.name, "output_modalities": self.modalities,
             "instructions": self.instructions, "tools": [], "tool_choice": "auto",
-            "max_output_tokens": self.max_tokens or "inf",
+            "max_output_tokens": self.max_tokens or "inf", "truncation": self.truncation,
             "audio": {"input": {"format": pcm, "turn_detection": vad, "transcription": None},
                       "output": {"format": pcm, "voice": self.voice, "speed": self.speed}},
         }  # fmt: skip
@@ -157,6 +159,8 @@ class Session:
             self.instructions = s.instructions
         if s.max_output_tokens is not None:
             self.max_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
+        if s.truncation is not None:
+            self.truncation = s.truncation
         self.emit(event("session.updated", session=self.describe()))
 
     def _apply_audio(self, audio: AudioConfig | None) -> None:
@@ -266,7 +270,8 @@ class Session:
         instructions = fields.instructions if fields and fields.instructions else None
         prompt, heard = self._prompt(instructions or self.instructions)
         params: dict[str, Any] = {"voice": self.voice, "speed": self.speed,
-                                  "max_tokens": self.max_tokens}  # fmt: skip
+                                  "max_tokens": self.max_tokens,
+                                  "truncation": self.truncation}  # fmt: skip
         if fields is not None and fields.max_output_tokens not in (None, "inf"):
             params["max_tokens"] = fields.max_output_tokens
         if fields is not None and fields.audio is not None and fields.audio.output is not None:

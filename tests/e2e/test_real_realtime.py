@@ -103,3 +103,39 @@ async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProces
     assert "banana" not in second.input_transcript.lower(), turns
     assert "banana" in second.transcript.lower(), turns  # it saw the first turn
     assert "banana" not in alone.transcript.lower(), turns  # nothing else made it say it
+
+
+async def long_history(conn: Any, exchanges: int) -> None:
+    """`exchanges` text turns before the spoken one: far more than SmolLM2's context holds."""
+    for i in range(exchanges):
+        for role, kind, text in (
+            ("user", "input_text", f"Tell me fact number {i} about the ocean, in detail."),
+            ("assistant", "output_text", "The ocean covers most of the Earth and holds most "
+                                         "of its water, in five great basins."),
+        ):  # fmt: skip
+            await conn.conversation.item.create(
+                item={"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+            )
+            while (await conn.recv()).type != "conversation.item.done":
+                pass
+
+
+async def test_a_conversation_longer_than_the_context_loses_its_oldest_turns(
+    server: ServeProcess,
+) -> None:
+    """The session's `truncation` is `auto` unless set: the thinker drops the oldest turns to
+    fit its context, and the spoken turn is answered; `disabled` fails it, saying why."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        await long_history(conn, 40)
+        cut = await spoken_turn(conn, speech(SENTENCE))
+        await conn.session.update(session={"type": "realtime", "truncation": "disabled"})
+        while (await conn.recv()).type != "session.updated":
+            pass
+        whole = await spoken_turn(conn, speech(SENTENCE))
+    print(f"cut: answered {cut.transcript!r}; whole: {whole.done.response.status_details}")
+    assert cut.errors == [] and cut.status == "completed", cut.kinds
+    assert len(cut.transcript.split()) >= 3, cut.transcript
+    assert whole.status == "failed", whole.kinds
+    error = whole.done.response.status_details.error
+    assert "more than the model's context of 1024 tokens" in error.message, error

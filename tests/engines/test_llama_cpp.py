@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from omni_runtime.engines.context_fit import ContextExceeded
 from omni_runtime.engines.llama_cpp import LlamaCppEngine, chat_messages
 from omni_runtime.stage_api import Final
 from tests.services import unavailable
@@ -88,6 +89,27 @@ async def test_bad_input_fails_only_that_request(engine: LlamaCppEngine) -> None
     with pytest.raises(ValueError, match="bad request parameters"):
         await answer(engine, "bad2", "hi", temperature=float("inf"))
     assert text(await answer(engine, "good", "Say hi."))
+
+
+async def test_a_conversation_over_the_context_fails_unless_it_may_be_cut(
+    engine: LlamaCppEngine,
+) -> None:
+    """1,024 tokens a slot: 60 exchanges are far more. Cut (`truncation: auto`, a Realtime
+    session's default), the oldest go and the question is answered from what is left."""
+    messages = []
+    for i in range(60):
+        messages += [
+            {"role": "user", "content": f"Tell me fact number {i} about the ocean."},
+            {"role": "assistant", "content": "The ocean covers most of the Earth's surface."},
+        ]
+    messages.append({"role": "user", "content": "What is the capital of France?"})
+    with pytest.raises(ContextExceeded, match="more than the model's context of 1024 tokens"):
+        await answer(engine, "whole", {"messages": messages})
+    cut = text(await answer(engine, "cut", {"messages": messages}, truncation="auto"))
+    assert "Paris" in cut, cut
+    alone = [{"role": "user", "content": "word " * 2000}]  # nothing to drop: it stands
+    with pytest.raises(ContextExceeded):
+        await answer(engine, "alone", {"messages": alone}, truncation="auto")
 
 
 def test_a_chat_prompt_gets_the_system_prompt_first() -> None:

@@ -158,6 +158,8 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
         ({"model": "transcribe"}, wav_file(0), 400, "file"),
         ({"model": "transcribe"}, wav_file(1.0)[:30], 400, "file"),
         ({"model": "transcribe"}, b"", 400, "file"),
+        ({"model": "transcribe"}, wav_file(0.1, rate=1), 400, "file"),
+        ({"model": "transcribe"}, wav_file(0.001, rate=400_000), 400, "file"),
         ({"model": "transcribe"}, wav_file(2.5), 413, None),
         ({"model": "transcribe"}, None, 400, "file"),
         ({}, wav_file(0.1), 400, "model"),
@@ -168,7 +170,7 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
         ({"model": "whisper-1"}, wav_file(0.1), 404, "model"),
     ],
     ids=[
-        "not-wav", "no-frames", "cut-header", "empty", "too-large", "no-file", "no-model", "srt",
+        "not-wav", "no-frames", "cut-header", "empty", "rate-1-hz", "rate-400-khz", "too-large", "no-file", "no-model", "srt",
         "stream", "chat-pipeline", "omni", "unknown-model",
     ],
 )  # fmt: skip
