@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -13,7 +15,16 @@ from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omni_runtime.http.audio import PCM16_RATE, Resampler, b64, pcm16, resampled, wav_bytes
+from omni_runtime.http.audio import (
+    PCM16_RATE,
+    AudioFormatError,
+    Resampler,
+    b64,
+    pcm16,
+    resampled,
+    wav_bytes,
+    whole_wav,
+)
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import (
     AudioEvent,
@@ -109,9 +120,12 @@ def count_tokens(prompt: Any) -> int:
 
 
 def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
-    """The conversation for a pipeline taking chat messages, else the last user message."""
+    """The conversation for a pipeline taking chat messages, the last user message for one
+    taking text; for one that hears, what `heard_prompt` makes."""
     if served.outputs.input == "audio":
-        raise unsupported(served, "takes audio: use /v1/audio/transcriptions")
+        return heard_prompt(gateway, served, req)
+    if any(m.audio() for m in req.messages):
+        raise unsupported(served, "takes text, not audio (a model whose pipeline hears does)")
     check_prompt(gateway, req.prompt, "messages")
     if served.outputs.input == "text":
         return req.prompt
@@ -121,6 +135,38 @@ def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) ->
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
     check_prompt(gateway, "".join(m["content"] for m in conversation["messages"]), "messages")
     return conversation
+
+
+def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
+    """The last user message's speech (one `input_audio` WAV) as a spoken turn, with the
+    messages before it (and its own text, as a user message before the speech): what
+    `/v1/realtime` sends such a pipeline. Earlier turns are text: none is heard again."""
+    last = max(i for i, m in enumerate(req.messages) if m.role == "user")
+    param = f"messages.{last}.content"
+    spoken = [i for i, m in enumerate(req.messages) if m.audio()]
+    if last not in spoken:
+        raise ApiError(400, f"the model {served.name!r} takes speech: send it in the last user "
+                       "message as an input_audio part (a WAV file), or to "
+                       "/v1/audio/transcriptions", param=param)  # fmt: skip
+    if spoken != [last]:
+        raise ApiError(400, "only the last user message may carry audio: send earlier turns "
+                       "as text", param=f"messages.{spoken[0]}.content")  # fmt: skip
+    parts = req.messages[last].audio()
+    if len(parts) > 1:
+        raise ApiError(400, "a message carries one input_audio part", param=param)
+    try:
+        wav = whole_wav(base64.b64decode(parts[0].data, validate=True))
+    except (binascii.Error, ValueError) as e:  # AudioFormatError is a ValueError
+        why = e if isinstance(e, AudioFormatError) else "not base64"
+        raise ApiError(400, f"input_audio: {why}", param=param, code="invalid_audio") from None
+    try:
+        before = req.conversation(before=last + 1)["messages"]
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+    history = [m for m in before if m["content"].strip()]
+    if history:
+        check_prompt(gateway, "".join(m["content"] for m in history), "messages")
+    return {"wav": wav, "messages": history} if history else {"wav": wav}
 
 
 def media_router(gateway: Gateway) -> APIRouter:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000
+MAX_PARTS = 64
 MAX_TOKENS = 1 << 20
 """A bound on `max_tokens` for the front door; each thinker enforces its own, lower one."""
 Modality = Literal["text", "audio"]
@@ -36,14 +37,56 @@ class TextPart(_Request):
     text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
+class InputAudio(_Request):
+    data: Annotated[str, Field(min_length=1)]
+    """Base64 of a WAV file (the body's size bounds it: `OMNI_MAX_BODY_BYTES`)."""
+    format: Literal["wav"]
+
+
+class AudioPart(_Request):
+    """Speech in a user message, for a pipeline that hears (`outputs.input: audio`)."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+def _part_class(part: Any) -> str | None:
+    """A content part's model, by its `type`: named so in errors' paths, which drop it."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return (
+        {"text": "TextPart", "input_audio": "AudioPart"}.get(kind)
+        if isinstance(kind, str)
+        else None
+    )
+
+
+Part = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[AudioPart, Tag("AudioPart")],
+    Discriminator(
+        _part_class,
+        custom_error_type="invalid_part",
+        custom_error_message="a content part's type must be 'text' or 'input_audio'",
+    ),
+]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[TextPart] | None = None
+    content: (
+        Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+        | Annotated[list[Part], Field(max_length=MAX_PARTS)]
+        | None
+    ) = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def audio(self) -> list[InputAudio]:
+        if isinstance(self.content, list):
+            return [part.input_audio for part in self.content if isinstance(part, AudioPart)]
+        return []
 
 
 class VoiceId(_Request):
@@ -130,11 +173,12 @@ class ChatCompletionRequest(_Request):
         }
         return {k: v for k, v in given.items() if v is not None}
 
-    def conversation(self) -> dict[str, Any]:
-        """The messages as a chat pipeline's stage 0 takes them: roles `system`, `user`,
-        `assistant` (a `developer` message is a system one), content as plain text."""
+    def conversation(self, before: int | None = None) -> dict[str, Any]:
+        """The messages (those `before` an index, if given) as a chat pipeline's stage 0
+        takes them: roles `system`, `user`, `assistant` (a `developer` message is a system
+        one), content as plain text."""
         messages = []
-        for m in self.messages:
+        for m in self.messages[:before]:
             if m.role == "tool":
                 raise ValueError("tool messages are not supported")
             role = "system" if m.role == "developer" else m.role

@@ -1,6 +1,7 @@
 """The official `openai` client against `omni-runtime serve` on the real models: a chat
-answer streamed as text and speech, speech in a chosen voice, and that speech transcribed
-back to its words (serve fronting workers/voice.yaml, speak.yaml and transcribe.yaml)."""
+answer streamed as text and speech, speech in a chosen voice, that speech transcribed
+back to its words, and a spoken question answered aloud (serve fronting
+workers/voice.yaml, speak.yaml, transcribe.yaml and listen.yaml)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionContentPartInputAudioParam
 
 from omni_runtime.engines.wer import wer
+from omni_runtime.http.audio import wav_bytes
 from omni_runtime.local.launcher import redis_server_binary
+from tests.e2e.realtime_client import RATE, speech
 from tests.e2e.serving import ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable
@@ -29,7 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     if redis_server_binary() is None:
         unavailable("no redis-server on PATH", "a redis-server")
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    pipelines = "workers/voice.yaml,workers/speak.yaml,workers/transcribe.yaml"
+    pipelines = "workers/voice.yaml,workers/speak.yaml,workers/transcribe.yaml,workers/listen.yaml"
     with ServeProcess(log, "--pipeline", pipelines, "--mode", "streaming") as serve:
         yield serve
 
@@ -37,6 +41,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 @pytest.fixture
 def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def wav_frames(data: bytes) -> tuple[int, int]:
@@ -132,3 +140,33 @@ def test_speech_refuses_a_pipeline_that_would_answer_instead_and_an_unknown_voic
     with pytest.raises(openai.APIError) as unknown:
         client.audio.speech.create(model="speak", input="Hi", voice="nobody", response_format="wav")
     assert "nobody" in str(unknown.value)
+
+
+def test_a_spoken_question_in_a_chat_is_answered_aloud_knowing_the_turns_before(
+    client: openai.OpenAI,
+) -> None:
+    """As OpenAI's audio chat models take speech: an `input_audio` part. Speech without
+    piper's sampling noise, heard the same way each run, and greedy sampling: the answer
+    naming the word only the text turn said has one outcome."""
+    question = wav_bytes(speech("What word did I ask you to remember?"), RATE)
+    heard: ChatCompletionContentPartInputAudioParam = {
+        "type": "input_audio",
+        "input_audio": {"data": b64(question), "format": "wav"},
+    }
+    whole = client.chat.completions.create(
+        model="listen",
+        messages=[
+            {"role": "user", "content": "Remember the word banana."},
+            {"role": "assistant", "content": "I will remember the word banana."},
+            {"role": "user", "content": [heard]},
+        ],
+        modalities=["text", "audio"],
+        audio={"format": "wav", "voice": "joe"},
+        temperature=0,
+        max_tokens=48,
+    )
+    message = whole.choices[0].message
+    assert message.content and "banana" in message.content.lower(), message.content
+    assert message.audio is not None
+    rate, frames = wav_frames(base64.b64decode(message.audio.data))
+    assert frames / rate > 0.5, (rate, frames)

@@ -261,8 +261,8 @@ async def test_requests_a_pipeline_cannot_serve_are_400(
 ) -> None:
     client, _gateway = api
     chat = {"model": "transcribe", "messages": CONVERSATION}
-    error = assert_error(await client.post(CHAT, json=chat), 400, "model")
-    assert "/v1/audio/transcriptions" in error["message"]
+    error = assert_error(await client.post(CHAT, json=chat), 400, "messages.3.content")
+    assert "input_audio part" in error["message"] and "/v1/audio/transcriptions" in error["message"]
     speech = {"model": "transcribe", "input": "hi"}
     assert_error(await client.post(SPEECH, json=speech), 400, "model")
     tool = {"model": "echo", "messages": [*CONVERSATION, {"role": "tool", "content": "42"}]}
@@ -270,6 +270,43 @@ async def test_requests_a_pipeline_cannot_serve_are_400(
     for bad in ({"speed": 4.5}, {"speed": 0.2}, {"voice": ""}):
         body = {"model": "echo", "input": "hi", **bad}
         assert_error(await client.post(SPEECH, json=body), 400, next(iter(bad)))
+
+
+def spoken(wav: bytes | str, text: str | None = None) -> dict[str, Any]:
+    """A user message carrying speech, as OpenAI's audio chat models take it."""
+    data = wav if isinstance(wav, str) else base64.b64encode(wav).decode()
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    parts.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
+    return {"role": "user", "content": parts}
+
+
+async def test_a_chat_message_may_carry_speech_for_a_pipeline_that_hears(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, gateway = api
+    messages = [*CONVERSATION[:3], spoken(wav_file(1.25), text="Listen:")]
+    said = await client.post(CHAT, json={"model": "transcribe", "messages": messages})
+    assert said.status_code == 200, said.text
+    assert said.json()["choices"][0]["message"]["content"] == "1.2500 s, 16000 Hz, 1 ch, language -"
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    for messages, param, words in [
+        ([spoken(wav_file(0.1)), spoken(wav_file(0.1))], "messages.0.content", "only the last"),
+        ([{"role": "user", "content": [audio, audio]}], "messages.0.content", "one input_audio"),
+        ([spoken("not base64!")], "messages.0.content", "not base64"),
+        ([spoken(b"RIFF but no WAV")], "messages.0.content", "not a PCM WAV file"),
+        ([spoken(wav_file(0))], "messages.0.content", "holds no audio"),
+    ]:
+        body = {"model": "transcribe", "messages": messages}
+        error = assert_error(await client.post(CHAT, json=body), 400, param)
+        assert words in error["message"], error
+    mp3 = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}
+    body = {"model": "transcribe", "messages": [{"role": "user", "content": [mp3]}]}
+    error = assert_error(await client.post(CHAT, json=body), 400)
+    assert "messages.0.content.0.input_audio.format: Input should be 'wav'" in error["message"]
+    body = {"model": "echo", "messages": [spoken(wav_file(0.1))]}
+    error = assert_error(await client.post(CHAT, json=body), 400, "model")
+    assert "takes text, not audio" in error["message"]
+    assert gateway.inflight == 0
 
 
 def test_pipelines_served_together_need_names_that_fit_a_namespace() -> None:
