@@ -284,8 +284,8 @@ async def test_a_chat_message_may_carry_speech_for_a_pipeline_that_hears(
     api: tuple[httpx.AsyncClient, Gateway],
 ) -> None:
     client, gateway = api
-    messages = [*CONVERSATION[:3], spoken(wav_file(1.25), text="Listen:")]
-    said = await client.post(CHAT, json={"model": "transcribe", "messages": messages})
+    heard = [*CONVERSATION[:3], spoken(wav_file(1.25), text="Listen:")]
+    said = await client.post(CHAT, json={"model": "transcribe", "messages": heard})
     assert said.status_code == 200, said.text
     assert said.json()["choices"][0]["message"]["content"] == "1.2500 s, 16000 Hz, 1 ch, language -"
     audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
