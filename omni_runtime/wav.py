@@ -1,8 +1,11 @@
 """WAV files (stdlib `wave`): audio outputs written as one a player can open (16-bit PCM
-mono), and why an uploaded one could not be read."""
+mono), and a recording given as input (an upload, a chat's speech, a `--prompt-file`)
+checked and re-written whole, or refused with the reason in words."""
 
 from __future__ import annotations
 
+import io
+import struct
 import wave
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,3 +38,34 @@ def wav_error(data: bytes, e: Exception) -> str:
     if isinstance(e, EOFError):
         return "the file ends within its header"
     return str(e) or type(e).__name__
+
+
+class WavError(ValueError):
+    """Input audio that is no integer-PCM WAV file with audio in it."""
+
+
+def whole_wav(data: bytes) -> bytes:
+    """A WAV file as a speech-to-text stage reads it: integer PCM, a sample rate in
+    `MIN_RATE..MAX_RATE`, at least one frame, re-written with its true sizes (a streamed
+    WAV's header, as `/v1/audio/speech` sends it, says "until the end"); else `WavError`."""
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            params = w.getparams()
+            frames = w.readframes(w.getnframes())
+    except (wave.Error, EOFError, struct.error) as e:
+        raise WavError(f"not a PCM WAV file ({wav_error(data, e)})") from None
+    if not MIN_RATE <= params.framerate <= MAX_RATE:
+        raise WavError(
+            f"the WAV file's sample rate is {params.framerate} Hz, outside {MIN_RATE}..{MAX_RATE}"
+        )
+    frame_bytes = params.nchannels * params.sampwidth
+    whole = len(frames) - len(frames) % frame_bytes
+    if whole == 0:
+        raise WavError("the WAV file holds no audio")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(params.nchannels)
+        w.setsampwidth(params.sampwidth)
+        w.setframerate(params.framerate)
+        w.writeframes(frames[:whole])
+    return out.getvalue()

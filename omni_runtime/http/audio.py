@@ -1,20 +1,15 @@
 """Float32 PCM chunks → what HTTP clients play: 16-bit PCM at the rate its format promises,
-whole WAV files, base64; and uploaded WAV files checked and re-written whole for a
-speech-to-text pipeline."""
+whole WAV files, base64."""
 
 from __future__ import annotations
 
 import base64
-import io
 import struct
-import wave
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import soxr
-
-from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
 
 MAX_CHUNK_SAMPLES = 16 * 1024 * 1024
 """A single audio output larger than this (~17 min at 16 kHz) is refused, not buffered."""
@@ -27,7 +22,7 @@ theirs plays them at, whatever rate the pipeline makes."""
 
 
 class AudioFormatError(ValueError):
-    """An audio-stage output that is not mono float PCM, or an upload that is no PCM WAV."""
+    """An audio-stage output that is not mono float PCM."""
 
 
 def as_pcm(data: Any) -> npt.NDArray[np.float32]:
@@ -103,30 +98,3 @@ def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def whole_wav(data: bytes) -> bytes:
-    """An uploaded WAV file as a stage can read it: integer PCM with at least one frame,
-    re-written with its true sizes (a streamed WAV's header, as `/v1/audio/speech` sends
-    it, says "until the end"); AudioFormatError for anything else."""
-    try:
-        with wave.open(io.BytesIO(data)) as w:
-            params = w.getparams()
-            frames = w.readframes(w.getnframes())
-    except (wave.Error, EOFError, struct.error) as e:
-        raise AudioFormatError(f"not a PCM WAV file ({wav_error(data, e)})") from None
-    if not MIN_RATE <= params.framerate <= MAX_RATE:
-        raise AudioFormatError(
-            f"the WAV file's sample rate is {params.framerate} Hz, outside {MIN_RATE}..{MAX_RATE}"
-        )
-    frame_bytes = params.nchannels * params.sampwidth
-    whole = len(frames) - len(frames) % frame_bytes
-    if whole == 0:
-        raise AudioFormatError("the WAV file holds no audio")
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(params.nchannels)
-        w.setsampwidth(params.sampwidth)
-        w.setframerate(params.framerate)
-        w.writeframes(frames[:whole])
-    return out.getvalue()

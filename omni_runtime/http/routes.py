@@ -15,16 +15,7 @@ from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omni_runtime.http.audio import (
-    PCM16_RATE,
-    AudioFormatError,
-    Resampler,
-    b64,
-    pcm16,
-    resampled,
-    wav_bytes,
-    whole_wav,
-)
+from omni_runtime.http.audio import PCM16_RATE, Resampler, b64, pcm16, resampled, wav_bytes
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import (
     AudioEvent,
@@ -48,6 +39,7 @@ from omni_runtime.http.schemas import (
     SpeechRequest,
     Usage,
 )
+from omni_runtime.wav import WavError, whole_wav
 
 AUDIO_EXPIRY_S = 3600
 """`expires_at` is reported as OpenAI does; this server keeps no audio to refer back to."""
@@ -156,8 +148,8 @@ def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -
         raise ApiError(400, "a message carries one input_audio part", param=param)
     try:
         wav = whole_wav(base64.b64decode(parts[0].data, validate=True))
-    except (binascii.Error, ValueError) as e:  # AudioFormatError is a ValueError
-        why = e if isinstance(e, AudioFormatError) else "not base64"
+    except (binascii.Error, WavError) as e:
+        why = e if isinstance(e, WavError) else "not base64"
         raise ApiError(400, f"input_audio: {why}", param=param, code="invalid_audio") from None
     try:
         before = req.conversation(before=last + 1)["messages"]

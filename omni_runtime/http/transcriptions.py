@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Response, UploadFile
 from fastapi.responses import PlainTextResponse
 
-from omni_runtime.http.audio import AudioFormatError, whole_wav
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, TextEvent
 from omni_runtime.http.routes import REQUEST_ID_HEADER, TraceHeader, unsupported, wants
 from omni_runtime.http.schemas import Transcription
+from omni_runtime.wav import WavError, whole_wav
 
 PATH = "/v1/audio/transcriptions"
 """Its body limit is `max_upload_bytes` (`BodyLimit`'s per-path limit), not `max_body_bytes`."""
@@ -46,7 +46,7 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
             raise ApiError(400, "streamed transcriptions are not supported", param="stream")
         try:
             wav = whole_wav(await file.read())
-        except AudioFormatError as e:
+        except WavError as e:
             raise ApiError(400, f"file: {e}", param="file", code="invalid_audio") from None
         finally:
             await file.close()

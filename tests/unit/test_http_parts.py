@@ -18,12 +18,12 @@ from omni_runtime.http.audio import (
     pcm16,
     wav_bytes,
     wav_header,
-    whole_wav,
 )
 from omni_runtime.http.schemas import ChatCompletionRequest
 from omni_runtime.http.serve import pipeline_paths
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.wav import WavError, whole_wav
 
 
 def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,5 +146,7 @@ def test_an_upload_is_checked_and_rewritten_whole() -> None:
     assert whole_wav(streamed) == whole
     assert whole_wav(whole + b"\x01") == whole  # half a frame at the end is dropped
     for bad in (b"", b"RIFF", whole[:40], wav_bytes(b"", 8000), b"OggS" + whole[4:]):
-        with pytest.raises(AudioFormatError):
+        with pytest.raises(WavError):
             whole_wav(bad)
+    with pytest.raises(WavError, match=r"sample rate is 1 Hz, outside 4000\.\.384000"):
+        whole_wav(wav_bytes(pcm, 1))
