@@ -105,7 +105,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             )
         if prompt:
             p.add_argument("prompt", nargs="?", help="the request's prompt ('-': read stdin)")
-            p.add_argument("--prompt-file", help="read the prompt from this file ('-': stdin)")
+            p.add_argument(
+                "--prompt-file",
+                help="read the prompt from this file ('-': stdin); a WAV file for a pipeline "
+                "that takes speech",
+            )
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
             p.add_argument(
                 "--param", action="append", default=[], metavar="KEY=VALUE",

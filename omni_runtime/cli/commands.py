@@ -22,7 +22,7 @@ from omni_runtime.cli.console import (
     OutputPrinter,
     check_wav_path,
     parse_params,
-    read_prompt,
+    read_input,
     write_wav,
 )
 from omni_runtime.core.tasks import cancel_and_wait
@@ -152,7 +152,7 @@ async def _submit_and_print(
 
 def cmd_submit(args: argparse.Namespace) -> int:
     pipeline = _pipeline(args)
-    prompt = read_prompt(args.prompt, args.prompt_file)
+    prompt = read_input(pipeline, args.prompt, args.prompt_file)
     check_wav_path(args.wav)
     printer = OutputPrinter()
     stage_ids = list(range(pipeline.last_stage + 1))
@@ -201,7 +201,7 @@ def _run(args: argparse.Namespace, children: Children) -> int:
 
     pipeline = _pipeline(args)
     settings = settings_of(args)
-    prompt = read_prompt(args.prompt, args.prompt_file)
+    prompt = read_input(pipeline, args.prompt, args.prompt_file)
     params = parse_params(args.param)
     check_wav_path(args.wav)
     printer = OutputPrinter()

@@ -1,4 +1,5 @@
-"""What the command line prints while a request streams: outputs, a summary, the audio file."""
+"""What the command line sends and prints: the prompt (text, or a WAV file for a pipeline
+that hears), then the outputs as they stream, a summary, the audio file."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import ConfigError
+from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.wav import WavError, whole_wav
 
 
 def _is_audio(data: Any) -> bool:
@@ -124,6 +127,26 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if not text.strip():
         raise ConfigError("the prompt is empty: give the pipeline something to say")
     return text
+
+
+def read_input(pipeline: PipelineConfig, prompt: str | None, prompt_file: str | None) -> Any:
+    """What stage 0 is sent: the prompt's text (`read_prompt`), or for a pipeline that hears
+    (`outputs.input: audio`) the WAV file `--prompt-file` names, as `{"wav": bytes}` (what
+    `/v1/audio/transcriptions` sends it); a `ConfigError` before anything starts."""
+    if pipeline.outputs is None or pipeline.outputs.input != "audio":
+        return read_prompt(prompt, prompt_file)
+    if prompt_file is None:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r} takes speech: give a WAV file with --prompt-file "
+            "(--prompt-file - reads it from stdin)"
+        )
+    if prompt is not None:
+        raise ConfigError("give the prompt as an argument or with --prompt-file, not both")
+    where = "stdin" if prompt_file == "-" else f"--prompt-file {prompt_file}"
+    try:
+        return {"wav": whole_wav(_read_stdin() if prompt_file == "-" else _read_file(prompt_file))}
+    except WavError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _read_file(path: str) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import wave
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,28 @@ def test_a_big_prompt_comes_from_a_file_or_stdin(redis_url: str, tmp_path: Path)
     assert by_stdin.returncode == 0, describe(by_stdin)
     for proc in (by_file, by_stdin):
         assert [sid for sid, _data, _fin in outputs(proc.stdout)] == [0, 2]
+
+
+def test_a_pipeline_that_hears_is_sent_a_wav_file(redis_url: str, tmp_path: Path) -> None:
+    """`--prompt-file` (or stdin) names the recording; the stage gets it as an upload."""
+    wav = tmp_path / "question.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(bytes(2 * 12_000))
+    base = ("run", "--pipeline", str(ROOT / "tests" / "pipelines" / "transcribe.yaml"),
+            "--redis-url", redis_url)  # fmt: skip
+    by_file = cli(*base, "--prompt-file", str(wav))
+    by_stdin = subprocess.run(
+        [sys.executable, "-m", "omni_runtime.cli", *base, "--prompt-file", "-"],
+        cwd=ROOT, env=cli_env(), input=wav.read_bytes(), capture_output=True, timeout=90,
+        check=False,
+    )  # fmt: skip
+    assert by_stdin.returncode == 0, by_stdin.stderr
+    assert by_file.returncode == 0, describe(by_file)
+    for stdout in (by_file.stdout, by_stdin.stdout.decode()):
+        assert outputs(stdout) == [(0, "'1.5000 s, 8000 Hz, 1 ch, language -'", True)]
 
 
 def test_submit_and_bench_refuse_mode_the_deployment_owns_it() -> None:

@@ -1,6 +1,7 @@
 """What a new user gets wrong, each answered in one line with exit code 2 before anything
-starts, never a traceback: a prompt that is not UTF-8 or is empty, a settings file that is
-no YAML mapping, serve settings out of range; and a stop signal during start-up is obeyed."""
+starts, never a traceback: a prompt that is not UTF-8 or is empty, text for a pipeline that
+takes speech or a file that is no WAV, a settings file that is no YAML mapping, serve
+settings out of range; and a stop signal during start-up is obeyed."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def assert_one_line(proc: subprocess.CompletedProcess[str], *said: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("omni-runtime: error: "), describe(proc)
     for text in said:
         assert text in lines[0], describe(proc)
-    assert "pipeline 'seed'" not in proc.stdout  # refused before anything started
+    assert "pipeline '" not in proc.stdout  # refused before anything started
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
@@ -61,6 +62,17 @@ def test_an_empty_prompt_is_an_error() -> None:
         assert_one_line(cli("run", "--pipeline", SEED, prompt), "the prompt is empty")
     proc = cli_input("submit", "--pipeline", SEED, "-", stdin=b"")
     assert_one_line(proc, "the prompt is empty")
+
+
+def test_a_pipeline_that_hears_takes_a_wav_file_and_nothing_else(tmp_path: Path) -> None:
+    hears = str(ROOT / "tests" / "pipelines" / "transcribe.yaml")
+    assert_one_line(cli("run", "--pipeline", hears, "hello"), "takes speech", "--prompt-file")
+    text = tmp_path / "prompt.txt"
+    text.write_text("hello")
+    proc = cli("run", "--pipeline", hears, "--prompt-file", str(text))
+    assert_one_line(proc, f"--prompt-file {text}: not a PCM WAV file")
+    proc = cli_input("submit", "--pipeline", hears, "--prompt-file", "-", stdin=b"")
+    assert_one_line(proc, "stdin: not a PCM WAV file (the file is empty)")
 
 
 @pytest.mark.parametrize(
