@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class OmniError(Exception):
     """Base of every error the runtime raises on purpose."""
@@ -48,3 +53,12 @@ class StartupTimeoutError(FatalError, TimeoutError):
 
 class RequestTimeoutError(OmniError, TimeoutError):
     """No output of a request arrived within the request timeout (OMNI_REQUEST_TIMEOUT_S)."""
+
+
+def in_words(e: ValidationError) -> str:
+    """A validation error as one line, `field: reason; field: reason` (its `str` spans
+    lines, with links to pydantic's site, which an error final carries to the client)."""
+    return "; ".join(
+        f"{'.'.join(map(str, x['loc'])) or 'value'}: {x['msg']}"
+        for x in e.errors(include_url=False)
+    )

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_runtime.engines.context_fit import MAX_FITS, ContextExceeded, fit
 from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
-from omni_runtime.errors import ConfigError
+from omni_runtime.errors import ConfigError, in_words
 from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
         else:
             messages = ChatPrompt.model_validate(data).messages
     except ValidationError as e:
-        raise ValueError(f"not a prompt (a string, or {{'messages': [...]}}): {e}") from None
+        raise ValueError(
+            f"not a prompt (a string, or {{'messages': [...]}}): {in_words(e)}"
+        ) from None
     out = [m.model_dump() for m in messages]
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
@@ -247,7 +249,7 @@ class LlamaCppEngine:
         try:
             given = SamplingParams.model_validate(params or {})
         except ValidationError as e:
-            raise ValueError(f"bad request parameters: {e}") from None
+            raise ValueError(f"bad request parameters: {in_words(e)}") from None
         d = self.defaults
         body = {
             "messages": chat_messages(data, self.system_prompt),

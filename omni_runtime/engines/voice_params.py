@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_runtime.errors import in_words
+
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 OPENAI_VOICES = frozenset({
@@ -48,5 +50,4 @@ def voice_params(
     try:
         return VoiceParams.model_validate(merged)
     except ValidationError as e:
-        errors = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise ValueError(f"bad voice parameters: {errors}") from None
+        raise ValueError(f"bad voice parameters: {in_words(e)}") from None
