@@ -291,7 +291,8 @@ class Run:
                 timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
-                    yield FailureEvent(f"stage {out.stage_id}: {out.error}")
+                    named = out.error.startswith(f"stage {out.stage_id} ")  # "stage 1 failed: …"
+                    yield FailureEvent(out.error if named else f"stage {out.stage_id}: {out.error}")
                     return
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
                     text = out.data if isinstance(out.data, str) else str(out.data)

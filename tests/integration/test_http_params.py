@@ -133,6 +133,7 @@ async def test_speech_voice_and_speed_reach_the_audio_stage(
     assert slow.size == 3200 and np.allclose(slow, 0.25, atol=1e-4)
     unknown = assert_error(await client.post(SPEECH, json={**base, "voice": "nobody"}), 502)
     assert "unknown voice 'nobody'" in unknown["message"]
+    assert unknown["message"].startswith("stage 1 failed: "), unknown  # its stage named once
 
 
 async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Gateway]) -> None:
