@@ -56,6 +56,12 @@ class FailureEvent:
 Event = TextEvent | AudioEvent | FailureEvent
 
 
+def failure_message(stage_id: int, error: str) -> str:
+    """A failed request's error, its stage named once (a stage's own failure says
+    "stage 1 failed: …"; a deadline or an abort does not name one)."""
+    return error if error.startswith(f"stage {stage_id} ") else f"stage {stage_id}: {error}"
+
+
 def outputs_of(pipeline: PipelineConfig) -> OutputsConfig:
     if pipeline.outputs is None:
         raise ConfigError(
@@ -291,8 +297,7 @@ class Run:
                 timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
-                    named = out.error.startswith(f"stage {out.stage_id} ")  # "stage 1 failed: …"
-                    yield FailureEvent(out.error if named else f"stage {out.stage_id}: {out.error}")
+                    yield FailureEvent(failure_message(out.stage_id, out.error))
                     return
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
                     text = out.data if isinstance(out.data, str) else str(out.data)

@@ -25,7 +25,7 @@ from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import Gateway, Run, Served
+from omni_runtime.http.gateway import Gateway, Run, Served, failure_message
 from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class Response:
                     timer.output(run.request_id, out.data, out.finished, out.error)
                     if out.error is not None:
                         run.ended = True
-                        return f"stage {out.stage_id}: {out.error}"
+                        return failure_message(out.stage_id, out.error)
                     if out.data is None:
                         continue
                     if out.stage_id == stt and self.heard is not None:
