@@ -8,12 +8,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.errors import ConfigError
-from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.wav import WavError, whole_wav
+
+if TYPE_CHECKING:
+    from omni_runtime.pipeline import PipelineConfig
 
 
 def _is_audio(data: Any) -> bool:
@@ -142,6 +143,8 @@ def read_input(pipeline: PipelineConfig, prompt: str | None, prompt_file: str | 
         )
     if prompt is not None:
         raise ConfigError("give the prompt as an argument or with --prompt-file, not both")
+    from omni_runtime.wav import WavError, whole_wav  # numpy: not before a command needs it
+
     where = "stdin" if prompt_file == "-" else f"--prompt-file {prompt_file}"
     try:
         return {"wav": whole_wav(_read_stdin() if prompt_file == "-" else _read_file(prompt_file))}
