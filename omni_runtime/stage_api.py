@@ -52,6 +52,8 @@ class EngineOutput:
     data: Any
     finished: bool
     error: str | None = None
+    error_code: str | None = None
+    """`RequestRefused.code`, when the request was refused for what it asked."""
 
 
 @runtime_checkable
@@ -193,6 +195,22 @@ def preloads(loader: Callable[[dict[str, Any]], None]) -> Callable[[F], F]:
         return fn
 
     return mark
+
+
+class RequestRefused(OmniError, ValueError):
+    """Raised by stage code for a request it cannot serve as sent (a prompt longer than the
+    model's context, audio it cannot read, a parameter out of its range): the request
+    fails with the message and `code`, and an HTTP client gets a 400 (the client's fault,
+    not worth a retry) instead of a 502. Any other exception is the stage's fault."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def refusal_code(e: BaseException) -> str | None:
+    """`e.code` when `e` refused the request; None for any other failure."""
+    return e.code if isinstance(e, RequestRefused) else None
 
 
 class RequestAborted(OmniError):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from omni_runtime.stage_api import Final, marks_final
+from omni_runtime.stage_api import Final, RequestRefused, marks_final
 
 PARROT_SAYS = "I am a parrot: I say what I hear, word for word, and nothing else."
 """The parrot's answer after what it heard: ~4 s of speech, long enough to talk over."""
@@ -36,14 +36,17 @@ def tone(
     voices: dict[str, float] | None = None,
 ) -> npt.NDArray[np.float32]:
     """An audio stage: a constant level per voice (`voices`; 0.1 with none given), lasting
-    TONE_S / speed; an unknown voice fails the request, as a real voice stage would."""
+    TONE_S / speed. An unknown voice is refused, as a real voice stage refuses it (the
+    request's fault); the voice `crash` makes the stage itself fail (its own fault)."""
     for _chunk in data:  # the upstream's text (a list, or a ChunkStream when streaming)
         pass
     params = params or {}
     voice = params.get("voice")
     levels = voices or {}
+    if voice == "crash":
+        raise RuntimeError("the tone generator broke")
     if voice is not None and voice not in levels:
-        raise ValueError(f"unknown voice {voice!r}")
+        raise RequestRefused(f"unknown voice {voice!r}", "invalid_value")
     level = levels[voice] if voice is not None else 0.1
     samples = round(sample_rate * TONE_S / float(params.get("speed", 1.0)))
     return np.full(samples, level, np.float32)

@@ -135,7 +135,8 @@ class Inbox:
                 "(OMNI_CLIENT_BUFFER_OUTPUTS)"
             )
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
-        pending.queue.put_nowait(OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error))
+        out = OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code)
+        pending.queue.put_nowait(out)
         pending.ended = msg.finished
         pending.error = msg.error
         return None

@@ -108,7 +108,7 @@ class Orchestrator(OrchestratorLoops):
             self._drop(stage_id, out)
             return None
         if isinstance(out.data, StageFailure):
-            await self._fail(out.request_id, stage_id, out.data.error)
+            await self._fail(out.request_id, stage_id, out.data.error, out.data.code)
             return None
         state.stage_data.setdefault(stage_id, []).append(out.data)
         if out.finished:
@@ -150,14 +150,16 @@ class Orchestrator(OrchestratorLoops):
                 error = f"stage {stage_id} submit failed: {Raised(e).describe()}"
                 await self._fail(request_id, stage_id, error)
 
-    async def _fail(self, request_id: str, stage_id: int, error: str) -> None:
+    async def _fail(
+        self, request_id: str, stage_id: int, error: str, code: str | None = None
+    ) -> None:
         """End one request with exactly one error output; every other request goes on.
 
         Stages that still hold the request (streaming mode starts them all) are aborted.
         """
         state = self.request_states.get(request_id)
         self._cleanup(request_id)
-        self._emit(OrchOutput(request_id, stage_id, None, True, error=error))
+        self._emit(OrchOutput(request_id, stage_id, None, True, error=error, error_code=code))
         if state is not None:
             await self._abort_stages(request_id, state.submitted - {stage_id} - state.finished)
 

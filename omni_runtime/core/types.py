@@ -33,6 +33,8 @@ class OrchOutput:
     data: Any
     finished: bool
     error: str | None = None
+    error_code: str | None = None
+    """Set when a stage refused the request for what it asked (`stage_api.RequestRefused`)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class StageFailure:
     """The `data` of a StageOutput whose stage failed the request; ends it with an error."""
 
     error: str
+    code: str | None = None
+    """The stage refused the request for what it asked (`OrchOutput.error_code`)."""
 
 
 @runtime_checkable

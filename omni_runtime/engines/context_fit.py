@@ -14,20 +14,24 @@ prefix of this one in its cache, instead of reading the whole context again each
 
 from __future__ import annotations
 
+from omni_runtime.stage_api import RequestRefused
+
 MAX_FITS = 4
 """Cuts tried for one request before its last refusal is its error."""
 CUT_STEP = 16
 """Messages (8 exchanges) between the places a conversation may be cut at."""
 
 
-class ContextExceeded(ValueError):
-    """A prompt longer than the model's context: the request's own fault, failed at once."""
+class ContextExceeded(RequestRefused):
+    """A prompt longer than the model's context: the request's own fault, failed at once
+    with OpenAI's code for it."""
 
     def __init__(self, prompt_tokens: int, context_tokens: int) -> None:
         super().__init__(
             f"the conversation is {prompt_tokens} tokens, more than the model's context of "
             f"{context_tokens} tokens: send fewer or shorter turns (a Realtime session cuts "
-            'its oldest turns itself unless its `truncation` is "disabled")'
+            'its oldest turns itself unless its `truncation` is "disabled")',
+            code="context_length_exceeded",
         )
         self.prompt_tokens = prompt_tokens
         self.context_tokens = context_tokens

@@ -37,7 +37,7 @@ from omni_runtime.engines.text_chunks import (
 )
 from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import Final, marks_final
+from omni_runtime.stage_api import Final, RequestRefused, marks_final
 
 AUDIO_OUTPUT_SYNCHRONOUS = 2
 POS_CHARACTER = 1
@@ -109,8 +109,9 @@ class Espeak:
         if name != self._voice:
             if self._lib.espeak_SetVoiceByName(name.encode()) != 0:
                 self._voice = None
-                raise ValueError(
-                    f"espeak: unknown voice {name!r} (try en-us, en, en-gb-x-rp, de, fr)"
+                raise RequestRefused(
+                    f"espeak: unknown voice {name!r} (try en-us, en, en-gb-x-rp, de, fr)",
+                    "invalid_value",
                 )
             self._voice = name
 

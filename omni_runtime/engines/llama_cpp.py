@@ -29,7 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omni_runtime.engines.context_fit import MAX_FITS, ContextExceeded, fit
 from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
 from omni_runtime.errors import ConfigError, in_words
-from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineDead,
+    EngineStats,
+    Final,
+    RequestRefused,
+    marks_final,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +256,9 @@ class LlamaCppEngine:
         try:
             given = SamplingParams.model_validate(params or {})
         except ValidationError as e:
-            raise ValueError(f"bad request parameters: {in_words(e)}") from None
+            raise RequestRefused(
+                f"bad request parameters: {in_words(e)}", "invalid_value"
+            ) from None
         d = self.defaults
         body = {
             "messages": chat_messages(data, self.system_prompt),

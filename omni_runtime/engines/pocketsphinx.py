@@ -36,11 +36,13 @@ import numpy as np
 import numpy.typing as npt
 
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream
+from omni_runtime.stage_api import ChunkStream, RequestRefused
 from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
 
 MODEL_RATE = 16_000
 DEFAULT_MAX_SECONDS = 600.0
+AUDIO = "invalid_audio"
+"""The code audio this stage cannot hear is refused with (`RequestRefused`)."""
 DEFAULT_MAX_DECODERS = 4
 SEGMENT_SECONDS = 8.0
 """The most audio decoded in one call. A call holds the GIL while it decodes, so its
@@ -120,7 +122,7 @@ def read_wav(data: bytes) -> tuple[Floats, int]:
             width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
             raw = w.readframes(w.getnframes())
     except (wave.Error, EOFError) as e:
-        raise ValueError(f"not a PCM WAV file: {wav_error(data, e)}") from None
+        raise RequestRefused(f"not a PCM WAV file: {wav_error(data, e)}", AUDIO) from None
     if width == 1:
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
@@ -148,7 +150,9 @@ def to_model_pcm(item: Any) -> bytes:
             f"got {type(item).__name__}"
         )
     if not isinstance(rate, int) or isinstance(rate, bool) or not MIN_RATE <= rate <= MAX_RATE:
-        raise ValueError(f"sample_rate must be an int in {MIN_RATE}..{MAX_RATE}, got {rate!r}")
+        raise RequestRefused(
+            f"sample_rate must be an int in {MIN_RATE}..{MAX_RATE}, got {rate!r}", AUDIO
+        )
     pcm = resample(audio, rate, MODEL_RATE)
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
@@ -156,7 +160,7 @@ def to_model_pcm(item: Any) -> bytes:
 def _pcm_samples(pcm: Any) -> Floats:
     if isinstance(pcm, bytes | bytearray | memoryview):
         if len(pcm) % 2:
-            raise ValueError("PCM bytes must be int16 samples (an even number of bytes)")
+            raise RequestRefused("PCM bytes must be int16 samples (an even number of bytes)", AUDIO)
         return np.frombuffer(bytes(pcm), "<i2").astype(np.float32) / 32768.0
     if not isinstance(pcm, np.ndarray) or pcm.ndim not in (1, 2):
         raise TypeError("pcm must be int16 bytes or a 1-D (or samples x channels) numpy array")
@@ -165,7 +169,7 @@ def _pcm_samples(pcm: Any) -> Floats:
     elif np.issubdtype(pcm.dtype, np.floating):
         samples = pcm.astype(np.float32)
         if not np.all(np.isfinite(samples)):
-            raise ValueError("pcm has NaN or infinite samples")
+            raise RequestRefused("pcm has NaN or infinite samples", AUDIO)
     else:
         raise TypeError(f"pcm arrays must be float or int16, got {pcm.dtype}")
     return samples if samples.ndim == 1 else samples.mean(axis=1, dtype=np.float32)
@@ -233,5 +237,5 @@ def _model_pcm(pieces: Iterable[Any], limit: int, max_seconds: float) -> Iterato
         pcm = to_model_pcm(piece)
         used += len(pcm)
         if used > limit:
-            raise ValueError(f"audio longer than max_seconds={max_seconds:g}")
+            raise RequestRefused(f"audio longer than max_seconds={max_seconds:g}", AUDIO)
         yield pcm

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_runtime.errors import in_words
+from omni_runtime.stage_api import RequestRefused
 
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
@@ -50,4 +51,4 @@ def voice_params(
     try:
         return VoiceParams.model_validate(merged)
     except ValidationError as e:
-        raise ValueError(f"bad voice parameters: {in_words(e)}") from None
+        raise RequestRefused(f"bad voice parameters: {in_words(e)}", "invalid_value") from None

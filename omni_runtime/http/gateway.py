@@ -51,6 +51,17 @@ class AudioEvent:
 class FailureEvent:
     message: str
     status: int = 502
+    code: str = "pipeline_error"
+
+    @classmethod
+    def of(cls, stage_id: int, error: str, error_code: str | None) -> FailureEvent:
+        """A request's error final: a 400 with the stage's code when the stage refused the
+        request for what it asked (`stage_api.RequestRefused`), else a 502."""
+        message = failure_message(stage_id, error)
+        return cls(message, 400, error_code) if error_code else cls(message)
+
+    def api_error(self) -> ApiError:
+        return ApiError(self.status, self.message, code=self.code)
 
 
 Event = TextEvent | AudioEvent | FailureEvent
@@ -297,7 +308,7 @@ class Run:
                 timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
-                    yield FailureEvent(failure_message(out.stage_id, out.error))
+                    yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
                     text = out.data if isinstance(out.data, str) else str(out.data)

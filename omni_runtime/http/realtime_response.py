@@ -25,7 +25,7 @@ from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import Gateway, Run, Served, failure_message
+from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
 from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
 
 log = logging.getLogger(__name__)
@@ -141,20 +141,20 @@ class Response:
             opening.add_done_callback(_close_when_open)
             return
         except ApiError as e:
-            self._finish("failed", e.body.message, e.body.code or "unavailable")
+            self._finish("failed", e.body.message, e.body.code or "unavailable", kind=e.body.type)
             return
         try:
-            error = await self._stream(run)
+            failed = await self._stream(run)
         except asyncio.CancelledError:
             return  # `cancel` has finished the response
         finally:
             run.close()
-        if error is not None:
-            self._finish("failed", error, "pipeline_error")
+        if failed is not None:
+            self._finish("failed", failed.message, failed.code, kind=failed.api_error().body.type)
         else:
             self._finish("completed")
 
-    async def _stream(self, run: Run) -> str | None:
+    async def _stream(self, run: Run) -> FailureEvent | None:
         """Emit the request's outputs as they come; the failure, if one ends it."""
         outs, timer = self.served.outputs, self.gateway.timer
         stt, audio = transcript_stage(self.served), "audio" in self.modalities
@@ -170,7 +170,7 @@ class Response:
                     timer.output(run.request_id, out.data, out.finished, out.error)
                     if out.error is not None:
                         run.ended = True
-                        return failure_message(out.stage_id, out.error)
+                        return FailureEvent.of(out.stage_id, out.error, out.error_code)
                     if out.data is None:
                         continue
                     if out.stage_id == stt and self.heard is not None:
@@ -185,9 +185,9 @@ class Response:
                         pcm = as_pcm(out.data)
                         self._audio(resample(pcm))
         except RequestTimeoutError as e:
-            return str(e)
+            return FailureEvent(str(e), 504)
         except AudioFormatError as e:
-            return f"stage {outs.audio_stage}: {e}"
+            return FailureEvent(f"stage {outs.audio_stage}: {e}")
         self._heard_done(ended=True)
         if audio:
             self._audio(resample.flush())
@@ -245,7 +245,7 @@ class Response:
             self.task.cancel()
 
     def _finish(self, status: Status, error: str | None = None, code: str = "",
-                reason: str | None = None) -> None:  # fmt: skip
+                reason: str | None = None, kind: str = "server_error") -> None:  # fmt: skip
         if self.status is not None:
             return
         self.status = status
@@ -268,7 +268,7 @@ class Response:
         if reason is not None:
             details["reason"] = reason
         if error is not None:
-            details["error"] = {"type": "server_error", "code": code, "message": error}
+            details["error"] = {"type": kind, "code": code, "message": error}
             log.warning("realtime response %s failed: %s", self.id, error)
         self.emit(event("response.done", response=self._body(status, details)))
         self.on_done(self, status)

@@ -228,7 +228,7 @@ def media_router(gateway: Gateway) -> APIRouter:
                 run.close()
         if isinstance(first, FailureEvent):
             run.close()
-            raise ApiError(first.status, first.message, code="pipeline_error")
+            raise first.api_error()
         resample = Resampler(outputs.sample_rate)
 
         async def body() -> AsyncIterator[bytes]:
@@ -261,7 +261,7 @@ async def _whole_audio(run: Run) -> bytes:
             if isinstance(ev, AudioEvent):
                 chunks.append(pcm16(ev.pcm))
             elif isinstance(ev, FailureEvent):
-                raise ApiError(ev.status, ev.message, code="pipeline_error")
+                raise ev.api_error()
     return b"".join(chunks)
 
 
@@ -306,7 +306,7 @@ async def _chat_sse(
                 if pcm.size:
                     yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(pcm)))))
             else:
-                err = ApiError(ev.status, ev.message, code="pipeline_error")
+                err = ev.api_error()
                 yield _sse(error_json(err).decode())
                 return
     tail = resample.flush()
@@ -337,7 +337,7 @@ async def _chat_whole(
             elif isinstance(ev, AudioEvent):
                 audio.append(ev.pcm)
             else:
-                raise ApiError(ev.status, ev.message, code="pipeline_error")
+                raise ev.api_error()
     content = "".join(text)
     message = AssistantMessage(content=content)
     if run.audio:

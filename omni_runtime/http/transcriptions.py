@@ -59,7 +59,7 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
                     if isinstance(ev, TextEvent):
                         pieces.append(ev.text)
                     elif isinstance(ev, FailureEvent):
-                        raise ApiError(ev.status, ev.message, code="pipeline_error")
+                        raise ev.api_error()
         finally:
             run.close()
         text = "".join(pieces)

@@ -62,7 +62,9 @@ class ClientOutbox:
         if client_id is None:
             log.warning("output for %r has no client; dropped", rid, extra={"request_id": rid})
             return
-        self._write(client_id, rid, out.stage_id, out.data, out.finished, out.error, seq)
+        self._write(
+            client_id, rid, out.stage_id, out.data, out.finished, out.error, seq, out.error_code
+        )
 
     def refuse(self, request_id: str, client_id: str, error: str) -> None:
         """Answer a request that will not run with its one error final (seq 0)."""
@@ -77,6 +79,7 @@ class ClientOutbox:
         finished: bool,
         error: str | None,
         seq: int,
+        error_code: str | None = None,
     ) -> None:
         msg = OrchOutputOut(
             request_id=request_id,
@@ -85,6 +88,7 @@ class ClientOutbox:
             finished=finished,
             error=None if error is None else clip_error(error),
             seq=seq,
+            error_code=error_code,
         )
         stream = self.names.client_out(client_id)
         fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}

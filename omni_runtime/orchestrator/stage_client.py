@@ -233,7 +233,9 @@ class RedisStageClient:
                 continue
             taken[entry_id] += 1
             if msg.error:
-                data: Any = StageFailure(f"stage {self.stage_id} failed: {msg.error}")
+                data: Any = StageFailure(
+                    f"stage {self.stage_id} failed: {msg.error}", msg.error_code
+                )
             elif isinstance(msg.data, msgspec.Raw):  # its own bytes: held till the request
                 data = msg.data.copy()  # ends, it must not keep the whole read batch alive
             else:

@@ -67,6 +67,10 @@ WallClock = Annotated[float, Field(ge=0, le=MAX_WALL_CLOCK_S, allow_inf_nan=Fals
 Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
 Error = Annotated[str, Field(min_length=1, max_length=MAX_ERROR_CHARS)]
 """Non-empty: an empty error would read as no error."""
+ErrorCode = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$", strict=True)]
+"""Set beside `error` when the request itself was at fault (`stage_api.RequestRefused`):
+OpenAI's kind of code (`context_length_exceeded`), which the front door answers with a
+400 instead of a 502."""
 
 
 def _not_an_int(value: object) -> object:
@@ -153,6 +157,7 @@ class StageOutputMsg(_Wire):
     seq: Seq = 0
     """Index of this output within the request at this stage: a replica that re-runs a
     request taken over from a dead one repeats seqs the orchestrator already has."""
+    error_code: ErrorCode | None = None
 
 
 class OrchOutputMsg(_Wire):
@@ -167,6 +172,7 @@ class OrchOutputMsg(_Wire):
     seq: Seq
     """0, 1, 2, ... per request, assigned by the orchestrator as it emits: the client drops
     repeats and turns a gap into an error instead of a success that misses data."""
+    error_code: ErrorCode | None = None
 
 
 class DurableRequest(_Wire):

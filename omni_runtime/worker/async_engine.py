@@ -34,6 +34,7 @@ from omni_runtime.stage_api import (
     EngineOutput,
     EngineStats,
     RequestAborted,
+    refusal_code,
 )
 from omni_runtime.worker.last_chunk import LastChunkSink
 
@@ -257,15 +258,27 @@ class AsyncEngineDriver:
         if isinstance(e, EngineDead):
             self._died(f"generate({request_id!r}) raised EngineDead: {e}")
             return
-        log.error("engine %s failed request", self.name, exc_info=e, extra=_rid(request_id))
-        self._emit(request_id, None, True, f"{self.name} generate() raised {type(e).__name__}: {e}")
+        code = refusal_code(e)
+        if code is not None:  # the request's fault, not the engine's: no traceback
+            log.info("request refused (%s): %s", code, e, extra=_rid(request_id))
+        else:
+            log.error("engine %s failed request", self.name, exc_info=e, extra=_rid(request_id))
+        error = f"{self.name} generate() raised {type(e).__name__}: {e}"
+        self._emit(request_id, None, True, error, code)
 
-    def _emit(self, request_id: str, data: Any, finished: bool, error: str | None = None) -> bool:
+    def _emit(
+        self,
+        request_id: str,
+        data: Any,
+        finished: bool,
+        error: str | None = None,
+        error_code: str | None = None,
+    ) -> bool:
         """Queue one output; False once the request is not wanted (aborted, engine dead)."""
         with self._lock:
             if request_id not in self._live:
                 return False
-            self._outputs.append(EngineOutput(request_id, data, finished, error))
+            self._outputs.append(EngineOutput(request_id, data, finished, error, error_code))
             if finished:
                 self._live.discard(request_id)
         (self._ended if finished else self._wake)()

@@ -273,7 +273,9 @@ class WorkerCore:
         try:
             data = codec.encode_raw(out.data)
             if reported:
-                payload = _encode_output(rid, data, out.finished, out.error, req.seq)
+                payload = _encode_output(
+                    rid, data, out.finished, out.error, req.seq, out.error_code
+                )
             size = len(payload) if reported else len(data) + CHUNK_ENVELOPE_BYTES
             if size > self.max_message_bytes:  # the reader would refuse it
                 raise CodecError(f"{size} bytes > OMNI_MAX_MESSAGE_BYTES")
@@ -319,9 +321,13 @@ class WorkerCore:
             self.metrics.inc("omni_requests_failed_total", stage=self._stage)
 
 
-def _encode_output(rid: str, data: Any, finished: bool, error: str | None, seq: int) -> bytes:
+def _encode_output(
+    rid: str, data: Any, finished: bool, error: str | None, seq: int, error_code: str | None = None
+) -> bytes:
     """A `StageOutputMsg`'s wire bytes, built as its `StageOutputOut`: no model per output
     (the reader validates it)."""
     error = None if error is None else clip_error(error)
-    msg = StageOutputOut(request_id=rid, data=data, finished=finished, error=error, seq=seq)
+    msg = StageOutputOut(
+        request_id=rid, data=data, finished=finished, error=error, seq=seq, error_code=error_code
+    )
     return outgoing.encode(msg)

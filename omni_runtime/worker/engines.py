@@ -29,6 +29,7 @@ from omni_runtime.stage_api import (
     EngineOutput,
     RequestAborted,
     StageEngine,
+    refusal_code,
     takes_params,
 )
 from omni_runtime.worker.last_chunk import Emit, LastChunkSink
@@ -142,12 +143,19 @@ class GeneratorEngine:
 
     # --- on a pool thread ------------------------------------------------------
 
-    def _emit(self, request_id: str, data: Any, finished: bool, error: str | None = None) -> bool:
+    def _emit(
+        self,
+        request_id: str,
+        data: Any,
+        finished: bool,
+        error: str | None = None,
+        error_code: str | None = None,
+    ) -> bool:
         """Queue one output; False once the request was aborted (stop producing)."""
         with self._lock:
             if request_id in self._aborted:
                 return False
-            self._outputs.append(EngineOutput(request_id, data, finished, error))
+            self._outputs.append(EngineOutput(request_id, data, finished, error, error_code))
             if finished:
                 self._inputs.pop(request_id, None)
         (self._ended if finished else self._wake)()
@@ -177,10 +185,17 @@ class GeneratorEngine:
         """Run the stage code for one request; whatever it raises fails that request alone."""
         ran = foreign.call(self._run_stage, request_id, data)
         if isinstance(ran, Raised) and not isinstance(ran.error, RequestAborted):
-            log.error(
-                "stage code failed for %r", request_id, exc_info=ran.error, extra=_rid(request_id)
-            )
-            self._emit(request_id, None, True, error=ran.describe())
+            code = refusal_code(ran.error)
+            if code is not None:  # the request's fault, not the stage's: no traceback
+                log.info("request refused (%s): %s", code, ran.error, extra=_rid(request_id))
+            else:
+                log.error(
+                    "stage code failed for %r",
+                    request_id,
+                    exc_info=ran.error,
+                    extra=_rid(request_id),
+                )
+            self._emit(request_id, None, True, error=ran.describe(), error_code=code)
 
     def _run_stage(self, request_id: str, data: Any) -> None:
         """The stage function, its coroutine or its generator (sync or async) run out."""

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from openai.types.chat import ChatCompletionContentPartInputAudioParam
+from openai.types.chat import (
+    ChatCompletionContentPartInputAudioParam,
+    ChatCompletionMessageParam,
+)
 
 from omni_runtime.engines.wer import wer
 from omni_runtime.http.audio import wav_bytes
@@ -170,3 +173,18 @@ def test_a_spoken_question_in_a_chat_is_answered_aloud_knowing_the_turns_before(
     assert message.audio is not None
     rate, frames = wav_frames(base64.b64decode(message.audio.data))
     assert frames / rate > 0.5, (rate, frames)
+
+
+def test_a_conversation_longer_than_the_context_is_the_clients_error(client: openai.OpenAI) -> None:
+    """A 400 with OpenAI's code for it, which the client does not retry (a 502 it would)."""
+    turns: list[ChatCompletionMessageParam] = []
+    for i in range(60):
+        turns += [
+            {"role": "user", "content": f"Tell me fact number {i} about the ocean."},
+            {"role": "assistant", "content": "The ocean covers most of the Earth's surface."},
+        ]
+    turns.append({"role": "user", "content": "And one more?"})
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="voice", messages=turns, max_tokens=8)
+    assert refused.value.code == "context_length_exceeded", refused.value
+    assert "more than the model's context of 1024 tokens" in str(refused.value)

@@ -139,3 +139,4 @@ async def test_a_conversation_longer_than_the_context_loses_its_oldest_turns(
     assert whole.status == "failed", whole.kinds
     error = whole.done.response.status_details.error
     assert "more than the model's context of 1024 tokens" in error.message, error
+    assert (error.type, error.code) == ("invalid_request_error", "context_length_exceeded")

@@ -131,9 +131,15 @@ async def test_speech_voice_and_speed_reach_the_audio_stage(
     assert fast.size == 800 and np.allclose(fast, 0.5, atol=1e-4)
     slow = pcm_of(await client.post(SPEECH, json={**base, "voice": {"id": "low"}, "speed": 0.5}))
     assert slow.size == 3200 and np.allclose(slow, 0.25, atol=1e-4)
-    unknown = assert_error(await client.post(SPEECH, json={**base, "voice": "nobody"}), 502)
+    # refused for what it asked: the client's fault, a 400 in the stage's words and code
+    unknown = assert_error(await client.post(SPEECH, json={**base, "voice": "nobody"}), 400)
     assert "unknown voice 'nobody'" in unknown["message"]
     assert unknown["message"].startswith("stage 1 failed: "), unknown  # its stage named once
+    assert (unknown["type"], unknown["code"]) == ("invalid_request_error", "invalid_value")
+    # the stage's own failure: a 502, which a client may retry
+    broke = assert_error(await client.post(SPEECH, json={**base, "voice": "crash"}), 502)
+    assert "the tone generator broke" in broke["message"]
+    assert (broke["type"], broke["code"]) == ("server_error", "pipeline_error")
 
 
 async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Gateway]) -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from omni_runtime.core.types import OrchOutput
+from omni_runtime.http.gateway import FailureEvent
 from omni_runtime.http.realtime_response import Item, Response, Status
 
 TRANSCRIBED = "conversation.item.input_audio_transcription.completed"
@@ -60,7 +61,7 @@ def response(stream: Stream, emitted: list[dict[str, Any]]) -> tuple[Response, A
 
 def streaming(
     outputs: list[OrchOutput],
-) -> tuple[Stream, list[dict[str, Any]], Response, asyncio.Task[str | None]]:
+) -> tuple[Stream, list[dict[str, Any]], Response, asyncio.Task[FailureEvent | None]]:
     """A response of a spoken turn (its audio kept) whose outputs come as released."""
     stream, emitted = Stream(outputs), list[dict[str, Any]]()
     r, run = response(stream, emitted)
