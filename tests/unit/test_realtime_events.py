@@ -18,6 +18,7 @@ from omni_runtime.http.realtime_events import EventError, parse_client_event
         ({"audio": {"output": {"voice": {"id": 12}}}}, "session.audio.output.voice"),
         ({"max_output_tokens": -5}, "session.max_output_tokens"),
         ({"output_modalities": ["video"]}, "session.output_modalities.0"),
+        ({"truncation": "sometimes"}, "session.truncation"),
     ],
 )
 def test_a_bad_session_update_names_the_field(session: dict[str, Any], param: str) -> None:
