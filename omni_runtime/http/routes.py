@@ -182,8 +182,19 @@ def media_router(gateway: Gateway) -> APIRouter:
         run = await gateway.open(served, prompt, req.wants_audio, wants(x_omni_trace), req.params())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = run.events()
+            waited = False
+            try:  # the first event before the headers: a refusal can still be a proper 400
+                first = await anext(events, None)
+                waited = True
+            finally:
+                if not waited:  # a cancelled or failed wait closes the run
+                    run.close()
+            if isinstance(first, FailureEvent):
+                run.close()
+                raise first.api_error()
             return GuardedStream(
-                _chat_sse(run, req.model, include_usage, prompt_tokens),
+                _chat_sse(run, _after(first, events), req.model, include_usage, prompt_tokens),
                 run.close,
                 media_type="text/event-stream",
                 headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},
@@ -277,8 +288,24 @@ def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+async def _after(
+    first: Event | None, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[Event, None]:
+    """`first`, then the rest of `events` (closed when this is)."""
+    async with aclosing(events):
+        if first is None:
+            return
+        yield first
+        async for ev in events:
+            yield ev
+
+
 async def _chat_sse(
-    run: Run, model: str, include_usage: bool, prompt_tokens: int
+    run: Run,
+    events: AsyncGenerator[Event, None],
+    model: str,
+    include_usage: bool,
+    prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
     """chat.completion.chunk events as the pipeline produces them, then `[DONE]`."""
     cid, audio_id, created = (
@@ -295,7 +322,7 @@ async def _chat_sse(
     yield chunk(Delta(role="assistant", content=""))
     pieces = 0
     resample = Resampler(run.served.outputs.sample_rate)  # pcm16 is 24 kHz, as OpenAI's
-    async with aclosing(run.events()) as events:
+    async with aclosing(events):
         async for ev in events:
             if isinstance(ev, TextEvent):
                 pieces += 1

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import uuid
 import wave
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -60,8 +60,25 @@ def audio_data(audio: Any) -> str | None:
     return getattr(audio, "data", None)
 
 
-def test_openai_client_streams_text_and_audio_and_speech(server: ServeProcess) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+@pytest.fixture
+def connect(server: ServeProcess) -> Iterator[Callable[..., openai.OpenAI]]:
+    """`openai.OpenAI` clients of the server, closed after the test (their pooled
+    connections are not left to the collector, which warns in whichever test it runs)."""
+    made: list[openai.OpenAI] = []
+
+    def connect(api_key: str = KEY) -> openai.OpenAI:
+        made.append(openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0))
+        return made[-1]
+
+    yield connect
+    for client in made:
+        client.close()
+
+
+def test_openai_client_streams_text_and_audio_and_speech(
+    connect: Callable[..., openai.OpenAI],
+) -> None:
+    client = connect()
     assert [m.id for m in client.models.list()] == ["omni"]
 
     stream = client.chat.completions.create(
@@ -115,11 +132,10 @@ def assert_same_audio(pcm24k: bytes, pcm16k: bytes) -> None:
     assert np.abs(got - expected).max() <= 3
 
 
-def test_openai_client_errors(server: ServeProcess) -> None:
-    anonymous = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key-000", max_retries=0)
+def test_openai_client_errors(connect: Callable[..., openai.OpenAI]) -> None:
     with pytest.raises(openai.AuthenticationError):
-        anonymous.models.list()
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        connect("wrong-key-000").models.list()
+    client = connect()
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as info:
@@ -127,8 +143,10 @@ def test_openai_client_errors(server: ServeProcess) -> None:
     assert info.value.param == "messages"
 
 
-def test_serve_exports_its_metrics_without_a_key(server: ServeProcess) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+def test_serve_exports_its_metrics_without_a_key(
+    server: ServeProcess, connect: Callable[..., openai.OpenAI]
+) -> None:
+    client = connect()
     client.audio.speech.create(model="omni", input="Hi", voice="alloy", response_format="wav")
     resp = httpx.get(f"{server.url}/metrics", timeout=10)
     assert resp.status_code == 200, resp.text

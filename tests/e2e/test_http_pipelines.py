@@ -34,8 +34,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server: ServeProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def wav_params(data: bytes) -> tuple[int, int, int, int]:

@@ -42,8 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server: ServeProcess) -> Iterator[openai.OpenAI]:
+    """Closed after each test: its pooled connections are not left to the collector."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def b64(data: bytes) -> str:
@@ -176,7 +178,8 @@ def test_a_spoken_question_in_a_chat_is_answered_aloud_knowing_the_turns_before(
 
 
 def test_a_conversation_longer_than_the_context_is_the_clients_error(client: openai.OpenAI) -> None:
-    """A 400 with OpenAI's code for it, which the client does not retry (a 502 it would)."""
+    """A 400 with OpenAI's code for it, which the client does not retry (a 502 it would),
+    streamed or not."""
     turns: list[ChatCompletionMessageParam] = []
     for i in range(60):
         turns += [
@@ -184,7 +187,10 @@ def test_a_conversation_longer_than_the_context_is_the_clients_error(client: ope
             {"role": "assistant", "content": "The ocean covers most of the Earth's surface."},
         ]
     turns.append({"role": "user", "content": "And one more?"})
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="voice", messages=turns, max_tokens=8)
-    assert refused.value.code == "context_length_exceeded", refused.value
-    assert "more than the model's context of 1024 tokens" in str(refused.value)
+    for stream in (False, True):  # streamed too: the refusal comes before any output
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="voice", messages=turns, max_tokens=8, stream=stream
+            )
+        assert refused.value.code == "context_length_exceeded", refused.value
+        assert "more than the model's context of 1024 tokens" in str(refused.value)
