@@ -183,16 +183,7 @@ def media_router(gateway: Gateway) -> APIRouter:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = run.events()
-            waited = False
-            try:  # the first event before the headers: a refusal can still be a proper 400
-                first = await anext(events, None)
-                waited = True
-            finally:
-                if not waited:  # a cancelled or failed wait closes the run
-                    run.close()
-            if isinstance(first, FailureEvent):
-                run.close()
-                raise first.api_error()
+            first = await _first_event(run, events)
             return GuardedStream(
                 _chat_sse(run, _after(first, events), req.model, include_usage, prompt_tokens),
                 run.close,
@@ -230,21 +221,12 @@ def media_router(gateway: Gateway) -> APIRouter:
                 wav_bytes(pcm, outputs.sample_rate), media_type="audio/wav", headers=headers
             )
         events = run.events()
-        waited = False
-        try:  # wait for the first audio: a pipeline failure can still be a proper error
-            first = await _next_audio(events)
-            waited = True
-        finally:
-            if not waited:  # a cancelled or failed wait closes the run
-                run.close()
-        if isinstance(first, FailureEvent):
-            run.close()
-            raise first.api_error()
+        first = await _first_event(run, events, audio_only=True)
         resample = Resampler(outputs.sample_rate)
 
         async def body() -> AsyncIterator[bytes]:
             """Raw 16-bit PCM at 24 kHz, as produced: what OpenAI streams as `pcm`."""
-            if first is not None:
+            if isinstance(first, AudioEvent):
                 yield pcm16(resample(first.pcm))
             async with aclosing(events):
                 async for ev in events:
@@ -274,6 +256,26 @@ async def _whole_audio(run: Run) -> bytes:
             elif isinstance(ev, FailureEvent):
                 raise ev.api_error()
     return b"".join(chunks)
+
+
+async def _first_event(
+    run: Run, events: AsyncGenerator[Event, None], audio_only: bool = False
+) -> Event | None:
+    """The run's first event (its first audio, text skipped, if `audio_only`), awaited
+    before a streamed response's headers, so that a failure is still a proper error
+    response (raised as its `ApiError`). The run is closed if the wait fails, is cancelled,
+    or ends in a failure."""
+    waited = False
+    try:
+        first = await (_next_audio(events) if audio_only else anext(events, None))
+        waited = True
+    finally:
+        if not waited:
+            run.close()
+    if isinstance(first, FailureEvent):
+        run.close()
+        raise first.api_error()
+    return first
 
 
 async def _next_audio(events: AsyncGenerator[Event, None]) -> AudioEvent | FailureEvent | None:
