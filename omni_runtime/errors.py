@@ -8,6 +8,11 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 
+ERROR_CODE_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+"""A machine-readable error code, as OpenAI's (`context_length_exceeded`): what a stage's
+refusal of a request may carry on the wire (`stage_api.RequestRefused`)."""
+
+
 class OmniError(Exception):
     """Base of every error the runtime raises on purpose."""
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from omni_runtime.errors import OmniError
+from omni_runtime.errors import ERROR_CODE_PATTERN, OmniError
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,8 @@ class RequestRefused(OmniError, ValueError):
     not worth a retry) instead of a 502. Any other exception is the stage's fault."""
 
     def __init__(self, message: str, code: str = "invalid_request") -> None:
+        if not re.fullmatch(ERROR_CODE_PATTERN, code):  # the wire would refuse it
+            raise ValueError(f"RequestRefused code {code!r}: 1-64 of a-z, 0-9 and _")
         super().__init__(message)
         self.code = code
 

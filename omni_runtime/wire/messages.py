@@ -22,7 +22,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from omni_runtime.errors import CodecError
+from omni_runtime.errors import ERROR_CODE_PATTERN, CodecError
 from omni_runtime.keys import MAX_SLOTS as MAX_SLOTS
 
 WIRE_VERSION: Final = 1
@@ -67,7 +67,7 @@ WallClock = Annotated[float, Field(ge=0, le=MAX_WALL_CLOCK_S, allow_inf_nan=Fals
 Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
 Error = Annotated[str, Field(min_length=1, max_length=MAX_ERROR_CHARS)]
 """Non-empty: an empty error would read as no error."""
-ErrorCode = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$", strict=True)]
+ErrorCode = Annotated[str, Field(pattern=ERROR_CODE_PATTERN, strict=True)]
 """Set beside `error` when the request itself was at fault (`stage_api.RequestRefused`):
 OpenAI's kind of code (`context_length_exceeded`), which the front door answers with a
 400 instead of a 502."""

@@ -15,6 +15,7 @@ from omni_runtime.stage_api import (
     EngineOutput,
     Final,
     RequestAborted,
+    RequestRefused,
     marks_final,
     with_last,
 )
@@ -137,7 +138,24 @@ def test_an_exception_ends_only_its_request_with_an_error() -> None:
     engine.add_request("good", "ok")
     bad = drain(engine, "bad")
     assert bad[-1].finished and bad[-1].error == "ValueError: refusing bad"
+    assert bad[-1].error_code is None  # the stage's own failure
     engine.close()
+
+
+def test_a_refused_request_ends_with_the_refusals_code() -> None:
+    def gen(data: str) -> Iterator[Final]:
+        raise RequestRefused(f"cannot hear {data!r}", "invalid_audio")
+        yield Final(data)
+
+    engine = engine_for(gen)
+    engine.add_request("r", "noise")
+    out = drain(engine, "r")[-1]
+    assert (out.finished, out.error_code) == (True, "invalid_audio")
+    assert out.error == "RequestRefused: cannot hear 'noise'"
+    engine.close()
+    for bad in ("Invalid", "", "a-b", "x" * 65, "ok\n"):  # what the wire would refuse
+        with pytest.raises(ValueError, match="RequestRefused code"):
+            RequestRefused("no", bad)
 
 
 def test_abort_stops_a_request_waiting_for_input() -> None:
