@@ -27,7 +27,14 @@ from typing import Any
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, marks_final
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineDead,
+    EngineStats,
+    Final,
+    RequestRefused,
+    marks_final,
+)
 
 DEFAULT_CAPACITY = 256
 """Reported capacity when `engine_args` has no `max_num_seqs` (vLLM's own default varies)."""
@@ -197,12 +204,18 @@ not deep inside vLLM."""
 
 
 def _checked(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """`fields`, or `RequestRefused` naming the first bad one (a request's parameters: the
+    client's fault; the `sampling` option's: a `ConfigError` at start)."""
     for key, value in fields.items():
         valid = VALID.get(key)
         if valid is None:
-            raise ValueError(f"{where} {key!r} is not one of {', '.join(SAMPLING_KEYS)}")
+            raise RequestRefused(
+                f"{where} {key!r} is not one of {', '.join(SAMPLING_KEYS)}", "invalid_value"
+            )
         if not valid(value):
-            raise ValueError(f"{where} {key}={value!r} is not valid for vLLM sampling")
+            raise RequestRefused(
+                f"{where} {key}={value!r} is not valid for vLLM sampling", "invalid_value"
+            )
     return fields
 
 

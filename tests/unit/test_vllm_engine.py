@@ -13,7 +13,7 @@ import pytest
 from omni_runtime.engines.vllm import VllmEngine
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig
-from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final
+from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, RequestRefused
 from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.engines import load_engine
 from tests.engines.fake_vllm import FakeAsyncLLM, FakeVllm, RequestOutputKind
@@ -106,8 +106,9 @@ async def test_a_bad_parameter_fails_its_request_with_a_message_naming_it(
     params: dict[str, Any], message: str
 ) -> None:
     engine, fake = await started(FakeVllm())
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RequestRefused, match=message) as refused:  # the client's fault: a 400
         await run(engine, "bad", "x", params)
+    assert refused.value.code == "invalid_value"
     assert "bad" not in fake.seen, "nothing reached vLLM"
     assert await run(engine, "good", "x", {"max_tokens": 1}) == [Final(" x")]
     await engine.close()
