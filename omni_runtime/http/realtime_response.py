@@ -27,6 +27,7 @@ from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
 from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
+from omni_runtime.http.schemas import ErrorBody
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Response:
             opening.add_done_callback(_close_when_open)
             return
         except ApiError as e:
-            self._finish("failed", e.body.message, e.body.code or "unavailable", kind=e.body.type)
+            self._finish("failed", e.body.model_copy(update={"code": e.body.code or "unavailable"}))
             return
         try:
             failed = await self._stream(run)
@@ -150,7 +151,7 @@ class Response:
         finally:
             run.close()
         if failed is not None:
-            self._finish("failed", failed.message, failed.code, kind=failed.api_error().body.type)
+            self._finish("failed", failed.api_error().body)
         else:
             self._finish("completed")
 
@@ -244,8 +245,9 @@ class Response:
         if self.task is not None:
             self.task.cancel()
 
-    def _finish(self, status: Status, error: str | None = None, code: str = "",
-                reason: str | None = None, kind: str = "server_error") -> None:  # fmt: skip
+    def _finish(
+        self, status: Status, error: ErrorBody | None = None, reason: str | None = None
+    ) -> None:
         if self.status is not None:
             return
         self.status = status
@@ -268,8 +270,8 @@ class Response:
         if reason is not None:
             details["reason"] = reason
         if error is not None:
-            details["error"] = {"type": kind, "code": code, "message": error}
-            log.warning("realtime response %s failed: %s", self.id, error)
+            details["error"] = {"type": error.type, "code": error.code, "message": error.message}
+            log.warning("realtime response %s failed: %s", self.id, error.message)
         self.emit(event("response.done", response=self._body(status, details)))
         self.on_done(self, status)
 
