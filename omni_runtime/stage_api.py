@@ -37,14 +37,19 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import ERROR_CODE_PATTERN, OmniError
 
 
 @dataclass(frozen=True, slots=True)
 class Final:
-    """Yield `Final(x)` from a stage generator: x is the request's last chunk, sent at once."""
+    """Yield `Final(x)` from a stage generator: x is the request's last chunk, sent at once.
+
+    `finish_reason="length"` says the output stopped at a limit (`max_tokens`) rather than
+    where the model ended it: a client is told (OpenAI's `finish_reason: "length"`)."""
 
     data: Any
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +60,8 @@ class EngineOutput:
     error: str | None = None
     error_code: str | None = None
     """`RequestRefused.code`, when the request was refused for what it asked."""
+    finish_reason: FinishReason | None = None
+    """On a finished output: why it ended, as `Final.finish_reason`."""
 
 
 @runtime_checkable

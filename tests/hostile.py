@@ -100,6 +100,8 @@ deadlines = st.floats(min_value=1e-3, max_value=m.MAX_DEADLINE_S) | st.integers(
 seqs = st.integers(0, m.MAX_SEQ)
 stage_ids = st.integers(0, m.MAX_STAGES - 1)
 errors = st.text(min_size=1, max_size=60)
+error_codes = st.from_regex(r"\A[a-z][a-z0-9_]{0,63}\Z") | st.none()
+finish_reasons = st.sampled_from(["stop", "length", None])
 
 VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "request": {
@@ -125,6 +127,8 @@ VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "finished": st.booleans(),
         "error": errors | st.none(),
         "seq": seqs,
+        "error_code": error_codes,
+        "finish_reason": finish_reasons,
     },
     "orch_output": {
         "request_id": ids,
@@ -133,6 +137,8 @@ VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "finished": st.booleans(),
         "error": errors | st.none(),
         "seq": seqs,
+        "error_code": error_codes,
+        "finish_reason": finish_reasons,
     },
     "request_state": {
         "request_id": ids,
@@ -215,6 +221,8 @@ bad_params = st.one_of(
     st.just({1: "int key"}),
 )
 bad_errors = bad_text(1, m.MAX_ERROR_CHARS)
+bad_error_codes = st.sampled_from(["", "Bad Code", "9lives", "a-b", "x" * 65, 5, True, b"code"])
+bad_finish_reasons = st.sampled_from(["", "STOP", "eos", "length\n", 1, True, b"stop", ["stop"]])
 
 HOSTILE: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "request": {
@@ -241,6 +249,8 @@ HOSTILE: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "finished": bad_bools,
         "error": bad_errors,
         "seq": bad_int(0, m.MAX_SEQ),
+        "error_code": bad_error_codes,
+        "finish_reason": bad_finish_reasons,
     },
     "orch_output": {
         "request_id": bad_ids,
@@ -249,6 +259,8 @@ HOSTILE: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "finished": bad_bools,
         "error": bad_errors,
         "seq": bad_int(0, m.MAX_SEQ),
+        "error_code": bad_error_codes,
+        "finish_reason": bad_finish_reasons,
     },
     "request_state": {
         "request_id": bad_ids,

@@ -101,20 +101,24 @@ class Thinker:
         self._lock = threading.Lock()
         self._reqs: dict[str, list[str]] = {}
         """Each running request's tokens still to come, last first (popped from the end)."""
+        self._cut: set[str] = set()
+        """Requests whose prompt was longer than their `max_tokens`: they end at the limit."""
 
     def add_request(self, request_id: str, data: Any, params: dict[str, Any] | None = None) -> None:
         """`params["max_tokens"]`, as an LLM's: at most that many tokens (the request's
         other sampling parameters mean nothing to a stand-in that repeats its prompt)."""
         tokens = tokenize(str(data)) if data is not None else []
         limit = (params or {}).get("max_tokens")
-        if isinstance(limit, int) and limit > 0:
-            tokens = tokens[:limit]
+        cut = isinstance(limit, int) and 0 < limit < len(tokens)
         with self._lock:
-            self._reqs[request_id] = tokens[::-1]
+            self._reqs[request_id] = tokens[:limit][::-1] if cut else tokens[::-1]
+            if cut:
+                self._cut.add(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._reqs.pop(request_id, None)
+            self._cut.discard(request_id)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -126,9 +130,14 @@ class Thinker:
         with self._lock:
             for rid, left in list(self._reqs.items()):
                 tok = left.pop() if left else None
-                outputs.append(EngineOutput(rid, tok, not left))
-                if not left:
-                    del self._reqs[rid]
+                if left:
+                    outputs.append(EngineOutput(rid, tok, False))
+                    continue
+                del self._reqs[rid]
+                cut = rid in self._cut
+                self._cut.discard(rid)
+                end = EngineOutput(rid, tok, True, finish_reason="length" if cut else "stop")
+                outputs.append(end)
         return outputs
 
 

@@ -135,7 +135,9 @@ class Inbox:
                 "(OMNI_CLIENT_BUFFER_OUTPUTS)"
             )
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
-        out = OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code)
+        out = OrchOutput(
+            rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code, msg.finish_reason
+        )
         pending.queue.put_nowait(out)
         pending.ended = msg.finished
         pending.error = msg.error

@@ -134,7 +134,7 @@ class Orchestrator(OrchestratorLoops):
         done = self.final_stage_ids <= state.finished
         if done:
             self._cleanup(rid)
-        self._emit(OrchOutput(rid, stage_id, out.data, done))
+        self._emit(OrchOutput(rid, stage_id, out.data, done, finish_reason=out.finish_reason))
         return done
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:

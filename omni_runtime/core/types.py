@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+"""Why a stage's output ended, when its code says (`stage_api.Final`): "length" is a limit
+reached (`max_tokens`), which OpenAI's API reports as `finish_reason: "length"`."""
 
 ForwardFn = Callable[[int, Any, list[Any]], Any]
 """`forward_fn(next_stage_id, prompt, all data of the previous stage) -> next input`."""
@@ -22,6 +26,8 @@ class StageOutput:
     request_id: str
     data: Any
     finished: bool
+    finish_reason: FinishReason | None = None
+    """Set on a finished output whose stage said why it ended."""
 
 
 @dataclass(slots=True)
@@ -35,6 +41,8 @@ class OrchOutput:
     error: str | None = None
     error_code: str | None = None
     """Set when a stage refused the request for what it asked (`stage_api.RequestRefused`)."""
+    finish_reason: FinishReason | None = None
+    """The stage's `StageOutput.finish_reason`, on its finished output."""
 
 
 @dataclass(slots=True)

@@ -240,8 +240,8 @@ class LlamaCppEngine:
                     raise refusal(chunk["error"])
                 choice = (chunk.get("choices") or [{}])[0]
                 text = (choice.get("delta") or {}).get("content")
-                if choice.get("finish_reason") is not None:
-                    yield Final(text or "")
+                if (reason := choice.get("finish_reason")) is not None:
+                    yield Final(text or "", "length" if reason == "length" else "stop")
                     return
                 if text:
                     yield text

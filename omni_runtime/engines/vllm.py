@@ -128,7 +128,8 @@ class VllmEngine:
                     raise out.error
                 text = out.outputs[0].text if out.outputs else ""
                 if out.finished:
-                    yield Final(text)
+                    reason = out.outputs[0].finish_reason if out.outputs else None
+                    yield Final(text, "length" if reason == "length" else "stop")
                     return
                 if text:
                     yield text

@@ -31,7 +31,7 @@ from omni_runtime.http.schemas import ErrorBody
 
 log = logging.getLogger(__name__)
 
-Status = Literal["completed", "cancelled", "failed"]
+Status = Literal["completed", "incomplete", "cancelled", "failed"]
 
 
 @dataclass
@@ -98,6 +98,8 @@ class Response:
     pieces: int = 0
     later_spoke: bool = False
     """A stage after the speech-to-text one has output (its transcript is due once heard)."""
+    cut_short: bool = False
+    """The text stage stopped at its limit (`max_output_tokens`): the response is incomplete."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
@@ -152,6 +154,8 @@ class Response:
             run.close()
         if failed is not None:
             self._finish("failed", failed.api_error().body)
+        elif self.cut_short:
+            self._finish("incomplete", reason="max_output_tokens")
         else:
             self._finish("completed")
 
@@ -172,6 +176,8 @@ class Response:
                     if out.error is not None:
                         run.ended = True
                         return FailureEvent.of(out.stage_id, out.error, out.error_code)
+                    if out.stage_id == outs.text_stage and out.finish_reason == "length":
+                        self.cut_short = True
                     if out.data is None:
                         continue
                     if out.stage_id == stt and self.heard is not None:

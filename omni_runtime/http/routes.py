@@ -8,13 +8,14 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from omni_runtime.core.types import FinishReason
 from omni_runtime.http.audio import PCM16_RATE, Resampler, b64, pcm16, resampled, wav_bytes
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import (
@@ -316,7 +317,7 @@ async def _chat_sse(
         int(time.time()),
     )
 
-    def chunk(delta: Delta, finish: Literal["stop", "error"] | None = None) -> bytes:
+    def chunk(delta: Delta, finish: FinishReason | None = None) -> bytes:
         choice = ChunkChoice(delta=delta, finish_reason=finish)
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice])
         return _sse(body.model_dump_json(exclude_none=True))
@@ -342,7 +343,7 @@ async def _chat_sse(
     if run.audio and tail.size:
         yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(tail)))))
     expiry = AudioDelta(id=audio_id, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
-    yield chunk(Delta(audio=expiry if run.audio else None), finish="stop")
+    yield chunk(Delta(audio=expiry if run.audio else None), finish=run.finish_reason)
     if include_usage:
         usage = Usage(
             prompt_tokens=prompt_tokens,
@@ -389,6 +390,6 @@ async def _chat_whole(
         id=f"chatcmpl-{run.request_id}",
         created=int(time.time()),
         model=req.model,
-        choices=[Choice(message=message)],
+        choices=[Choice(message=message, finish_reason=run.finish_reason)],
         usage=usage,
     )

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from omni_runtime.core.types import FinishReason
+
 ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000
@@ -258,7 +260,7 @@ class AssistantMessage(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "error"] = "stop"
+    finish_reason: FinishReason = "stop"
     logprobs: None = None
 
 
@@ -296,7 +298,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "error"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

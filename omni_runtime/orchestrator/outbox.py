@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from omni_runtime import keys
-from omni_runtime.core.types import OrchOutput
+from omni_runtime.core.types import FinishReason, OrchOutput
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire import outgoing
 from omni_runtime.wire.messages import clip_error
@@ -63,7 +63,15 @@ class ClientOutbox:
             log.warning("output for %r has no client; dropped", rid, extra={"request_id": rid})
             return
         self._write(
-            client_id, rid, out.stage_id, out.data, out.finished, out.error, seq, out.error_code
+            client_id,
+            rid,
+            out.stage_id,
+            out.data,
+            out.finished,
+            out.error,
+            seq,
+            out.error_code,
+            out.finish_reason,
         )
 
     def refuse(self, request_id: str, client_id: str, error: str) -> None:
@@ -80,6 +88,7 @@ class ClientOutbox:
         error: str | None,
         seq: int,
         error_code: str | None = None,
+        finish_reason: FinishReason | None = None,
     ) -> None:
         msg = OrchOutputOut(
             request_id=request_id,
@@ -89,6 +98,7 @@ class ClientOutbox:
             error=None if error is None else clip_error(error),
             seq=seq,
             error_code=error_code,
+            finish_reason=finish_reason,
         )
         stream = self.names.client_out(client_id)
         fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}

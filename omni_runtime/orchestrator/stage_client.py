@@ -240,7 +240,9 @@ class RedisStageClient:
                 data = msg.data.copy()  # ends, it must not keep the whole read batch alive
             else:
                 data = msg.data
-            out = StageOutput(msg.request_id, data, msg.finished or msg.error is not None)
+            out = StageOutput(
+                msg.request_id, data, msg.finished or msg.error is not None, msg.finish_reason
+            )
             self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)
             if (tracer := self.obs.tracer) is not None:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import ERROR_CODE_PATTERN, CodecError
 from omni_runtime.keys import MAX_SLOTS as MAX_SLOTS
 
@@ -158,6 +159,8 @@ class StageOutputMsg(_Wire):
     """Index of this output within the request at this stage: a replica that re-runs a
     request taken over from a dead one repeats seqs the orchestrator already has."""
     error_code: ErrorCode | None = None
+    finish_reason: FinishReason | None = None
+    """On a finished output: why the stage ended it (`stage_api.Final.finish_reason`)."""
 
 
 class OrchOutputMsg(_Wire):
@@ -173,6 +176,7 @@ class OrchOutputMsg(_Wire):
     """0, 1, 2, ... per request, assigned by the orchestrator as it emits: the client drops
     repeats and turns a gap into an error instead of a success that misses data."""
     error_code: ErrorCode | None = None
+    finish_reason: FinishReason | None = None
 
 
 class DurableRequest(_Wire):

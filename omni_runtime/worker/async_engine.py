@@ -24,6 +24,7 @@ from typing import Any
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
+from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import StartupTimeoutError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.stage_api import (
@@ -273,12 +274,14 @@ class AsyncEngineDriver:
         finished: bool,
         error: str | None = None,
         error_code: str | None = None,
+        finish_reason: FinishReason | None = None,
     ) -> bool:
         """Queue one output; False once the request is not wanted (aborted, engine dead)."""
         with self._lock:
             if request_id not in self._live:
                 return False
-            self._outputs.append(EngineOutput(request_id, data, finished, error, error_code))
+            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason)
+            self._outputs.append(out)
             if finished:
                 self._live.discard(request_id)
         (self._ended if finished else self._wake)()

@@ -17,6 +17,7 @@ from typing import Any
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
+from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
@@ -274,7 +275,7 @@ class WorkerCore:
             data = codec.encode_raw(out.data)
             if reported:
                 payload = _encode_output(
-                    rid, data, out.finished, out.error, req.seq, out.error_code
+                    rid, data, out.finished, out.error, req.seq, out.error_code, out.finish_reason
                 )
             size = len(payload) if reported else len(data) + CHUNK_ENVELOPE_BYTES
             if size > self.max_message_bytes:  # the reader would refuse it
@@ -291,7 +292,7 @@ class WorkerCore:
             if not ends:
                 req.seq += 1
                 return
-            payload = _encode_output(rid, None, True, None, req.seq)
+            payload = _encode_output(rid, None, True, None, req.seq, None, out.finish_reason)
         ack = req.entry_id if ends else None
         self._actions.outputs.append(Outgoing(rid, req.seq, payload, ends, is_error, ack))
         req.seq += 1
@@ -322,12 +323,24 @@ class WorkerCore:
 
 
 def _encode_output(
-    rid: str, data: Any, finished: bool, error: str | None, seq: int, error_code: str | None = None
+    rid: str,
+    data: Any,
+    finished: bool,
+    error: str | None,
+    seq: int,
+    error_code: str | None = None,
+    finish_reason: FinishReason | None = None,
 ) -> bytes:
     """A `StageOutputMsg`'s wire bytes, built as its `StageOutputOut`: no model per output
     (the reader validates it)."""
     error = None if error is None else clip_error(error)
     msg = StageOutputOut(
-        request_id=rid, data=data, finished=finished, error=error, seq=seq, error_code=error_code
+        request_id=rid,
+        data=data,
+        finished=finished,
+        error=error,
+        seq=seq,
+        error_code=error_code,
+        finish_reason=finish_reason if finished else None,
     )
     return outgoing.encode(msg)

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
+from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import ConfigError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.pipeline import StageConfig, resolve_entry
@@ -27,6 +28,7 @@ from omni_runtime.stage_api import (
     AsyncStageEngine,
     ChunkStream,
     EngineOutput,
+    Final,
     RequestAborted,
     StageEngine,
     refusal_code,
@@ -150,12 +152,14 @@ class GeneratorEngine:
         finished: bool,
         error: str | None = None,
         error_code: str | None = None,
+        finish_reason: FinishReason | None = None,
     ) -> bool:
         """Queue one output; False once the request was aborted (stop producing)."""
         with self._lock:
             if request_id in self._aborted:
                 return False
-            self._outputs.append(EngineOutput(request_id, data, finished, error, error_code))
+            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason)
+            self._outputs.append(out)
             if finished:
                 self._inputs.pop(request_id, None)
         (self._ended if finished else self._wake)()
@@ -211,6 +215,8 @@ class GeneratorEngine:
             result = asyncio.run(result)
         if inspect.isgenerator(result):
             self._drain(request_id, result)
+        elif isinstance(result, Final):
+            self._emit(request_id, result.data, True, finish_reason=result.finish_reason)
         else:
             self._emit(request_id, result, True)
 

@@ -3,13 +3,18 @@ generators and async engines alike), so a request's last chunk leaves marked fin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from omni_runtime.core.types import FinishReason
 from omni_runtime.stage_api import Final
 
-Emit = Callable[[str, Any, bool], bool]
-"""(request id, data, finished) -> False once the request is aborted."""
+
+class Emit(Protocol):
+    """(request id, data, finished) -> False once the request is aborted."""
+
+    def __call__(
+        self, request_id: str, data: Any, finished: bool, *, finish_reason: FinishReason | None
+    ) -> bool: ...
 
 
 class LastChunkSink:
@@ -27,15 +32,15 @@ class LastChunkSink:
 
     def push(self, item: Any) -> bool:
         """False: stop producing (aborted, or `Final` already sent)."""
-        if self.held is not self._EMPTY and not self.emit(self.request_id, self.held, False):
+        if self.held is not self._EMPTY and not self._emit(self.held, False):
             return False
         self.held = self._EMPTY
         if isinstance(item, Final):
             self.done = True
-            self.emit(self.request_id, item.data, True)
+            self.emit(self.request_id, item.data, True, finish_reason=item.finish_reason)
             return False
         if not self.hold:
-            return self.emit(self.request_id, item, False)
+            return self._emit(item, False)
         self.held = item
         return True
 
@@ -44,4 +49,7 @@ class LastChunkSink:
         if self.done:
             return
         last = None if self.held is self._EMPTY else self.held
-        self.emit(self.request_id, last, True)
+        self._emit(last, True)
+
+    def _emit(self, data: Any, finished: bool) -> bool:
+        return self.emit(self.request_id, data, finished, finish_reason=None)

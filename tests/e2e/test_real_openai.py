@@ -177,6 +177,22 @@ def test_a_spoken_question_in_a_chat_is_answered_aloud_knowing_the_turns_before(
     assert frames / rate > 0.5, (rate, frames)
 
 
+def test_an_answer_cut_at_max_tokens_says_length(client: openai.OpenAI) -> None:
+    """As OpenAI's: a client tells a whole answer from one cut short by `finish_reason`."""
+    ask: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me a long story about a dragon."}
+    ]
+    whole = client.chat.completions.create(model="voice", messages=ask, max_tokens=4)
+    assert whole.choices[0].finish_reason == "length", whole
+    stream = client.chat.completions.create(model="voice", messages=ask, max_tokens=4, stream=True)
+    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert [r for r in reasons if r is not None] == ["length"], reasons
+    said = client.chat.completions.create(
+        model="voice", messages=[{"role": "user", "content": "What is 2+2?"}], temperature=0
+    )
+    assert said.choices[0].finish_reason == "stop", said.choices[0].message.content
+
+
 def test_a_conversation_longer_than_the_context_is_the_clients_error(client: openai.OpenAI) -> None:
     """A 400 with OpenAI's code for it, which the client does not retry (a 502 it would),
     streamed or not."""

@@ -86,6 +86,23 @@ async def test_a_spoken_question_is_transcribed_and_answered_aloud(server: Serve
     assert heard.done.response.audio.output.voice == "alloy"
 
 
+async def test_an_answer_cut_at_max_output_tokens_is_incomplete(server: ServeProcess) -> None:
+    """As OpenAI's: `incomplete`, for `max_output_tokens`, and the item too."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        await send_speech(conn, speech(SENTENCE))
+        await conn.input_audio_buffer.commit()
+        await conn.response.create(response={"max_output_tokens": 3})
+        cut = await until_done(conn)
+    response = cut.done.response
+    assert (response.status, response.status_details.reason) == (
+        "incomplete",
+        "max_output_tokens",
+    ), cut.kinds
+    assert response.output[0].status == "incomplete"
+    assert 1 <= len(cut.transcript.split()) <= 3, cut.transcript
+
+
 async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProcess) -> None:
     remember, recall = speech(REMEMBER), speech(RECALL)
     async with client(server).realtime.connect(model="listen") as conn:

@@ -60,9 +60,12 @@ async def test_a_seed_makes_the_answer_repeat(engine: LlamaCppEngine) -> None:
     assert first == again
 
 
-async def test_max_tokens_bounds_the_answer(engine: LlamaCppEngine) -> None:
+async def test_max_tokens_bounds_the_answer_and_the_end_says_so(engine: LlamaCppEngine) -> None:
     outs = await answer(engine, "r", "Write a long story about a dragon.", max_tokens=5)
     assert len([o for o in outs if isinstance(o, str) and o]) <= 5
+    assert outs[-1] == Final("", "length")
+    short = await answer(engine, "s", "What is 2+2?", max_tokens=24, temperature=0)
+    assert isinstance(short[-1], Final) and short[-1].finish_reason == "stop", text(short)
 
 
 async def test_a_cancelled_request_frees_its_slot_at_the_next_token(engine: LlamaCppEngine) -> None:

@@ -334,17 +334,23 @@ async def test_max_tokens_reaches_the_thinker_and_usage_counts_the_prompt(
     api: tuple[httpx.AsyncClient, Gateway],
 ) -> None:
     """They were accepted and ignored: the demo's thinker said every token, and
-    `usage.prompt_tokens` was always 0."""
+    `usage.prompt_tokens` was always 0. An answer cut at `max_tokens` said it had stopped
+    ("stop"): OpenAI says "length", by which a client knows the answer is not whole."""
     client, _gateway = api
     said = "Hello, world! How are you?"
     body = {"model": "omni", "messages": [{"role": "user", "content": said}], "max_tokens": 3}
     whole = (await client.post(CHAT, json=body)).json()
     assert whole["choices"][0]["message"]["content"] == "Hello , world"
+    assert whole["choices"][0]["finish_reason"] == "length"
     assert whole["usage"] == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
     streamed = await client.post(
         CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}
     )
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
     assert events[-1]["usage"] == whole["usage"]
+    reasons = [c["finish_reason"] for e in events for c in e["choices"] if "finish_reason" in c]
+    assert reasons == ["length"], "said once, on the last chunk"
+    roomy = (await client.post(CHAT, json={**body, "max_tokens": 8})).json()
+    assert roomy["choices"][0]["finish_reason"] == "stop"  # its whole answer is 8 tokens
     tooled = {**body, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
     assert (await client.post(CHAT, json=tooled)).status_code == 200  # asks for nothing more

@@ -127,6 +127,29 @@ def test_an_async_generator_is_driven_too() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["marks_final", "holding one back"])
+def test_finals_reason_reaches_the_last_output_of_a_generator_or_a_function(held: bool) -> None:
+    def cut(data: str) -> Iterator[Any]:
+        yield "a"
+        yield Final(data, "length")
+
+    def whole(data: str) -> Any:
+        return Final(data, "stop")
+
+    engine = engine_for(cut if held else marks_final(cut))
+    engine.add_request("r", "b")
+    outs = drain(engine, "r")
+    assert [(o.data, o.finished, o.finish_reason) for o in outs] == [
+        ("a", False, None),
+        ("b", True, "length"),
+    ]
+    engine.close()
+    engine = engine_for(whole)
+    engine.add_request("r", "c")
+    assert [(o.data, o.finish_reason) for o in drain(engine, "r")] == [("c", "stop")]
+    engine.close()
+
+
 def test_an_exception_ends_only_its_request_with_an_error() -> None:
     def gen(data: str) -> Iterator[Final]:
         if data == "bad":

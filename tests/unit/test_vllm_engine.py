@@ -68,7 +68,7 @@ async def test_the_engine_is_built_in_start_with_the_model_and_engine_args() -> 
 async def test_text_streams_as_deltas_and_the_last_piece_is_final() -> None:
     engine, fake = await started(FakeVllm())
     items = await run(engine, "r", "hello there", {"max_tokens": 5})
-    assert items == [" hello", " there", " hello", " there", Final(" hello")]
+    assert items == [" hello", " there", " hello", " there", Final(" hello", "length")]
     assert fake.seen["r"].output_kind == RequestOutputKind.DELTA
     await engine.close()
 
@@ -89,6 +89,7 @@ async def test_a_stop_string_ends_the_text_before_it() -> None:
     engine, _fake = await started(FakeVllm())
     items = await run(engine, "r", "one two END three", {"stop": "END", "max_tokens": 50})
     assert "".join(i.data if isinstance(i, Final) else i for i in items) == " one two "
+    assert isinstance(items[-1], Final) and items[-1].finish_reason == "stop", "no limit reached"
     await engine.close()
 
 
@@ -110,7 +111,7 @@ async def test_a_bad_parameter_fails_its_request_with_a_message_naming_it(
         await run(engine, "bad", "x", params)
     assert refused.value.code == "invalid_value"
     assert "bad" not in fake.seen, "nothing reached vLLM"
-    assert await run(engine, "good", "x", {"max_tokens": 1}) == [Final(" x")]
+    assert await run(engine, "good", "x", {"max_tokens": 1}) == [Final(" x", "length")]
     await engine.close()
 
 
@@ -121,9 +122,9 @@ def test_a_bad_sampling_option_is_a_config_error() -> None:
 
 async def test_upstream_chunks_are_joined_into_the_prompt() -> None:
     engine, _fake = await started(FakeVllm())
-    assert await run(engine, "l", ["one", " two"], {"max_tokens": 1}) == [Final(" one")]
+    assert await run(engine, "l", ["one", " two"], {"max_tokens": 1}) == [Final(" one", "length")]
     stream = ChunkStream(["three", " four"], closed=True)
-    assert await run(engine, "s", stream, {"max_tokens": 2}) == [" three", Final(" four")]
+    assert await run(engine, "s", stream, {"max_tokens": 2}) == [" three", Final(" four", "length")]
     with pytest.raises(ValueError, match="must be text"):
         await run(engine, "n", 12)
     await engine.close()

@@ -52,8 +52,13 @@ GOOD: dict[Any, dict[str, Any]] = {
 
 OPTIONAL: dict[Any, dict[str, Any]] = {
     StageInputOut: {"trace": True, "streaming": True, "owner": 3, "params": {"voice": "a"}},
-    StageOutputOut: {"error": "boom", "seq": 7, "error_code": "context_length_exceeded"},
-    OrchOutputOut: {"error": "boom", "error_code": "invalid_value"},
+    StageOutputOut: {
+        "error": "boom",
+        "seq": 7,
+        "error_code": "context_length_exceeded",
+        "finish_reason": "length",
+    },
+    OrchOutputOut: {"error": "boom", "error_code": "invalid_value", "finish_reason": "stop"},
     DurableRequestOut: {
         "stage_data": {1: ["a", [1, 2]]},
         "stage_chunks": {1: 2},

@@ -135,6 +135,17 @@ def test_batched_thinker_gives_every_request_one_token_a_step_as_the_generator_d
     assert "b" not in rest and "empty" not in rest
 
 
+def test_batched_thinker_says_which_answers_stopped_at_max_tokens() -> None:
+    eng = Thinker(token_delay_ms=0)
+    eng.add_request("cut", "a b c", {"max_tokens": 2})
+    eng.add_request("whole", "a b", {"max_tokens": 2})
+    eng.add_request("free", "a b c")
+    ends: dict[str, Any] = {}
+    while eng.has_work():
+        ends |= {o.request_id: (o.data, o.finish_reason) for o in eng.step() if o.finished}
+    assert ends == {"cut": ("b", "length"), "whole": ("b", "stop"), "free": ("c", "stop")}
+
+
 def test_batched_talker_matches_the_generator_in_both_modes() -> None:
     tokens = ["Hello", ",", None, "world", "!"]
     seq, streamed = Talker(code_delay_ms=0), Talker(code_delay_ms=0)
