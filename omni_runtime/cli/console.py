@@ -36,6 +36,8 @@ class OutputPrinter:
         self.first_token_s: float | None = None
         self.first_audio_s: float | None = None
         self.end_s: float | None = None
+        self.cut: list[int] = []
+        """Stages whose output stopped at its limit (`max_tokens`), not where it ended."""
 
     def restart_clock(self) -> None:
         self.started = time.monotonic()
@@ -58,8 +60,11 @@ class OutputPrinter:
         else:
             self.first_token_s = self.first_token_s if self.first_token_s is not None else elapsed_s
             desc = repr(data)
+        if out.finish_reason == "length":
+            self.cut.append(out.stage_id)
         if not self.quiet:
             end = "  (finished)" if out.finished else ""
+            end += "  (stopped at max_tokens)" if out.finish_reason == "length" else ""
             print(f"[{elapsed_s * 1000:7.1f} ms] stage {out.stage_id}: {desc}{end}", flush=True)
 
     def summary(self) -> str:
@@ -70,9 +75,10 @@ class OutputPrinter:
                 return "-"
             return f"{value_s * 1000:.0f} ms" if value_s < 1 else f"{value_s:.2f} s"
 
+        cut = "".join(f" · stage {s} stopped at max_tokens" for s in self.cut)
         return (
             f"TTFT {fmt(self.first_token_s)} · TTFP {fmt(self.first_audio_s)} · "
-            f"E2E {fmt(self.end_s)}{' (failed)' if self.failed else ''}"
+            f"E2E {fmt(self.end_s)}{' (failed)' if self.failed else ''}{cut}"
         )
 
 

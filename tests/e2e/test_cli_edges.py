@@ -152,3 +152,16 @@ def test_run_ends_with_a_summary(redis_url: str) -> None:
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("TTFT ") and "TTFP " in summary and "E2E " in summary
     assert "-" not in summary.replace("E2E", "")  # every figure measured
+    assert "max_tokens" not in proc.stdout
+
+
+def test_run_says_when_an_answer_stopped_at_max_tokens(redis_url: str) -> None:
+    proc = cli(
+        "run", "--pipeline", OMNI, "--redis-url", redis_url, "--param", "max_tokens=2", "a b c"
+    )
+    assert proc.returncode == 0, describe(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].endswith(" · stage 0 stopped at max_tokens"), lines[-1]
+    assert [line for line in lines if "(stopped at max_tokens)" in line] == [
+        next(line for line in lines if "stage 0: 'b'" in line)
+    ]
