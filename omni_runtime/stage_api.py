@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import TokenUsage as TokenUsage  # for stage code: `Final.usage`
 from omni_runtime.errors import ERROR_CODE_PATTERN, OmniError
 
 
@@ -46,10 +47,13 @@ class Final:
     """Yield `Final(x)` from a stage generator: x is the request's last chunk, sent at once.
 
     `finish_reason="length"` says the output stopped at a limit (`max_tokens`) rather than
-    where the model ended it: a client is told (OpenAI's `finish_reason: "length"`)."""
+    where the model ended it: a client is told (OpenAI's `finish_reason: "length"`).
+    `usage`: the model's token counts for the request, which the client's `usage` reports
+    instead of an estimate."""
 
     data: Any
     finish_reason: FinishReason | None = None
+    usage: TokenUsage | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +66,8 @@ class EngineOutput:
     """`RequestRefused.code`, when the request was refused for what it asked."""
     finish_reason: FinishReason | None = None
     """On a finished output: why it ended, as `Final.finish_reason`."""
+    usage: TokenUsage | None = None
+    """On a finished output: the request's token counts, as `Final.usage`."""
 
 
 @runtime_checkable

@@ -102,6 +102,7 @@ stage_ids = st.integers(0, m.MAX_STAGES - 1)
 errors = st.text(min_size=1, max_size=60)
 error_codes = st.from_regex(r"\A[a-z][a-z0-9_]{0,63}\Z") | st.none()
 finish_reasons = st.sampled_from(["stop", "length", None])
+token_counts = st.integers(0, m.MAX_TOKEN_COUNT) | st.none()
 
 VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "request": {
@@ -129,6 +130,8 @@ VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "seq": seqs,
         "error_code": error_codes,
         "finish_reason": finish_reasons,
+        "prompt_tokens": token_counts,
+        "completion_tokens": token_counts,
     },
     "orch_output": {
         "request_id": ids,
@@ -139,6 +142,8 @@ VALID: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "seq": seqs,
         "error_code": error_codes,
         "finish_reason": finish_reasons,
+        "prompt_tokens": token_counts,
+        "completion_tokens": token_counts,
     },
     "request_state": {
         "request_id": ids,
@@ -251,6 +256,8 @@ HOSTILE: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "seq": bad_int(0, m.MAX_SEQ),
         "error_code": bad_error_codes,
         "finish_reason": bad_finish_reasons,
+        "prompt_tokens": bad_int(0, m.MAX_TOKEN_COUNT),
+        "completion_tokens": bad_int(0, m.MAX_TOKEN_COUNT),
     },
     "orch_output": {
         "request_id": bad_ids,
@@ -261,6 +268,8 @@ HOSTILE: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "seq": bad_int(0, m.MAX_SEQ),
         "error_code": bad_error_codes,
         "finish_reason": bad_finish_reasons,
+        "prompt_tokens": bad_int(0, m.MAX_TOKEN_COUNT),
+        "completion_tokens": bad_int(0, m.MAX_TOKEN_COUNT),
     },
     "request_state": {
         "request_id": bad_ids,

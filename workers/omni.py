@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, marks_final, with_last
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineOutput,
+    Final,
+    TokenUsage,
+    marks_final,
+    with_last,
+)
 
 CODEBOOK_SIZE = 1024
 """Codes are ints in [0, CODEBOOK_SIZE): the talker makes them, code2wav has a frame each."""
@@ -101,8 +108,9 @@ class Thinker:
         self._lock = threading.Lock()
         self._reqs: dict[str, list[str]] = {}
         """Each running request's tokens still to come, last first (popped from the end)."""
-        self._cut: set[str] = set()
-        """Requests whose prompt was longer than their `max_tokens`: they end at the limit."""
+        self._ends: dict[str, Final] = {}
+        """How each running request will end: "length" if its prompt is longer than its
+        `max_tokens`, and its token counts (the prompt's, then the ones it says)."""
 
     def add_request(self, request_id: str, data: Any, params: dict[str, Any] | None = None) -> None:
         """`params["max_tokens"]`, as an LLM's: at most that many tokens (the request's
@@ -110,15 +118,16 @@ class Thinker:
         tokens = tokenize(str(data)) if data is not None else []
         limit = (params or {}).get("max_tokens")
         cut = isinstance(limit, int) and 0 < limit < len(tokens)
+        said = tokens[:limit] if cut else tokens
         with self._lock:
-            self._reqs[request_id] = tokens[:limit][::-1] if cut else tokens[::-1]
-            if cut:
-                self._cut.add(request_id)
+            self._reqs[request_id] = said[::-1]
+            usage = TokenUsage(len(tokens), len(said))
+            self._ends[request_id] = Final(None, "length" if cut else "stop", usage)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._reqs.pop(request_id, None)
-            self._cut.discard(request_id)
+            self._ends.pop(request_id, None)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -134,10 +143,10 @@ class Thinker:
                     outputs.append(EngineOutput(rid, tok, False))
                     continue
                 del self._reqs[rid]
-                cut = rid in self._cut
-                self._cut.discard(rid)
-                end = EngineOutput(rid, tok, True, finish_reason="length" if cut else "stop")
-                outputs.append(end)
+                end = self._ends.pop(rid)
+                outputs.append(
+                    EngineOutput(rid, tok, True, None, None, end.finish_reason, end.usage)
+                )
         return outputs
 
 

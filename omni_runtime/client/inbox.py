@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from omni_runtime import keys
-from omni_runtime.core.types import OrchOutput
+from omni_runtime.core.types import OrchOutput, TokenUsage
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.wire.views import OrchOutputView
 
@@ -135,9 +135,11 @@ class Inbox:
                 "(OMNI_CLIENT_BUFFER_OUTPUTS)"
             )
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
+        usage = TokenUsage.read(msg.prompt_tokens, msg.completion_tokens)
         out = OrchOutput(
-            rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code, msg.finish_reason
-        )
+            rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code, msg.finish_reason,
+            usage,
+        )  # fmt: skip
         pending.queue.put_nowait(out)
         pending.ended = msg.finished
         pending.error = msg.error

@@ -134,7 +134,9 @@ class Orchestrator(OrchestratorLoops):
         done = self.final_stage_ids <= state.finished
         if done:
             self._cleanup(rid)
-        self._emit(OrchOutput(rid, stage_id, out.data, done, finish_reason=out.finish_reason))
+        output = OrchOutput(rid, stage_id, out.data, done)
+        output.finish_reason, output.usage = out.finish_reason, out.usage
+        self._emit(output)
         return done
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:

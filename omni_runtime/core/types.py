@@ -10,6 +10,35 @@ FinishReason = Literal["stop", "length"]
 """Why a stage's output ended, when its code says (`stage_api.Final`): "length" is a limit
 reached (`max_tokens`), which OpenAI's API reports as `finish_reason: "length"`."""
 
+
+MAX_TOKEN_COUNT = 2**32 - 1
+"""The largest token count a `TokenUsage` (and the wire) carries."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    """The model's own token counts for one request, when its engine reports them: what
+    OpenAI's `usage` says (else the front door estimates them)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    def __post_init__(self) -> None:
+        """Checked where an engine makes it: a count the wire refuses would lose the
+        request's last output, and the request would wait out its deadline."""
+        for name in ("prompt_tokens", "completion_tokens"):
+            n = getattr(self, name)
+            if type(n) is not int or not 0 <= n <= MAX_TOKEN_COUNT:
+                raise ValueError(f"{name} must be an int in 0..{MAX_TOKEN_COUNT}, not {n!r}")
+
+    @classmethod
+    def read(cls, prompt_tokens: int | None, completion_tokens: int | None) -> TokenUsage | None:
+        """The counts as a message carries them (both, or none)."""
+        if prompt_tokens is None or completion_tokens is None:
+            return None
+        return cls(prompt_tokens, completion_tokens)
+
+
 ForwardFn = Callable[[int, Any, list[Any]], Any]
 """`forward_fn(next_stage_id, prompt, all data of the previous stage) -> next input`."""
 
@@ -28,6 +57,8 @@ class StageOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     """Set on a finished output whose stage said why it ended."""
+    usage: TokenUsage | None = None
+    """Set on a finished output whose stage counted its tokens."""
 
 
 @dataclass(slots=True)
@@ -43,6 +74,8 @@ class OrchOutput:
     """Set when a stage refused the request for what it asked (`stage_api.RequestRefused`)."""
     finish_reason: FinishReason | None = None
     """The stage's `StageOutput.finish_reason`, on its finished output."""
+    usage: TokenUsage | None = None
+    """The stage's `StageOutput.usage`, on its finished output."""
 
 
 @dataclass(slots=True)

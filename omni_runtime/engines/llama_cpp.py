@@ -35,6 +35,7 @@ from omni_runtime.stage_api import (
     EngineStats,
     Final,
     RequestRefused,
+    TokenUsage,
     marks_final,
 )
 
@@ -116,6 +117,16 @@ def refusal(error: Any) -> Exception:
         if isinstance(prompt, int) and isinstance(context, int):
             return ContextExceeded(prompt, context)
     return RuntimeError(f"llama.cpp: {error}")
+
+
+def counted(usage: Any) -> TokenUsage | None:
+    """llama.cpp's `usage` as the request's token counts; None (the front door then
+    estimates them) for counts it did not give as expected."""
+    try:
+        return TokenUsage(usage["prompt_tokens"], usage["completion_tokens"])
+    except (TypeError, KeyError, ValueError):
+        log.warning("llama.cpp gave no usable token counts: %r", usage)
+        return None
 
 
 class LlamaCppEngine:
@@ -232,20 +243,23 @@ class LlamaCppEngine:
         self._running += 1
         run = loop.run_in_executor(self._pool, self._server.handle_chat_completions, body, on_chunk)
         run.add_done_callback(lambda f: self._request_ended(request_id, stop, f, pieces))
+        ending: Final | None = None
         try:
             while (chunk := await pieces.get()) is not None:
                 if isinstance(chunk, BaseException):
                     raise chunk
                 if "error" in chunk:
                     raise refusal(chunk["error"])
+                if ending is not None and "usage" in chunk:  # its counts follow the finish
+                    yield Final(ending.data, ending.finish_reason, counted(chunk["usage"]))
+                    return
                 choice = (chunk.get("choices") or [{}])[0]
                 text = (choice.get("delta") or {}).get("content")
                 if (reason := choice.get("finish_reason")) is not None:
-                    yield Final(text or "", "length" if reason == "length" else "stop")
-                    return
-                if text:
+                    ending = Final(text or "", "length" if reason == "length" else "stop")
+                elif text:
                     yield text
-            yield Final("")  # ended without a finish chunk (stopped)
+            yield ending or Final("")  # without counts, or without a finish chunk (stopped)
         finally:
             stop.set()  # cancelled or done: the thread stops at its next token, if any
 
@@ -268,6 +282,7 @@ class LlamaCppEngine:
             "top_p": given.top_p or d.top_p,
             "stop": given.stop,
             "seed": zlib.crc32(request_id.encode()) if given.seed is None else given.seed,
+            "stream_options": {"include_usage": True},
         }
         return body, given.truncation == "auto"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from omni_runtime.stage_api import (
     EngineStats,
     Final,
     RequestRefused,
+    TokenUsage,
     marks_final,
 )
 
@@ -114,6 +115,8 @@ class VllmEngine:
         sampling = api.sampling_params(**fields, output_kind=api.delta)
         prompt = await _prompt(data)
         self._active.add(request_id)
+        prompt_ids: Sequence[int] | None = None  # vLLM's count of the prompt, once it says
+        made = 0
         try:
             outputs = engine.generate(prompt, sampling, request_id)
             while True:
@@ -127,9 +130,12 @@ class VllmEngine:
                         )
                     raise out.error
                 text = out.outputs[0].text if out.outputs else ""
+                prompt_ids = getattr(out, "prompt_token_ids", None) or prompt_ids
+                made += len(out.outputs[0].token_ids) if out.outputs else 0  # DELTA: the new
                 if out.finished:
                     reason = out.outputs[0].finish_reason if out.outputs else None
-                    yield Final(text, "length" if reason == "length" else "stop")
+                    usage = None if prompt_ids is None else TokenUsage(len(prompt_ids), made)
+                    yield Final(text, "length" if reason == "length" else "stop", usage)
                     return
                 if text:
                     yield text

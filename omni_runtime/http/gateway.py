@@ -23,7 +23,7 @@ import numpy.typing as npt
 from redis.exceptions import RedisError
 
 from omni_runtime.client.client import OmniClient, RequestTimeoutError
-from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import FinishReason, TokenUsage
 from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory
@@ -298,6 +298,8 @@ class Run:
         """The request reached its finished output (or failed): nothing left to abort."""
         self.finish_reason: FinishReason = "stop"
         """Why the text stage's output ended: "length" once it says it hit its limit."""
+        self.usage: TokenUsage | None = None
+        """The text stage's token counts, if its engine gave them."""
         self._closed = False
 
     async def events(self) -> AsyncGenerator[Event, None]:
@@ -313,8 +315,9 @@ class Run:
                     self.ended = True
                     yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
-                if out.stage_id == out_cfg.text_stage and out.finish_reason is not None:
-                    self.finish_reason = out.finish_reason
+                if out.stage_id == out_cfg.text_stage:  # its end says why, and counts
+                    self.finish_reason = out.finish_reason or self.finish_reason
+                    self.usage = out.usage or self.usage
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
                     text = out.data if isinstance(out.data, str) else str(out.data)
                     if text:

@@ -22,7 +22,7 @@ import numpy as np
 
 from omni_runtime.client.client import RequestTimeoutError
 from omni_runtime.client.playback import Playback
-from omni_runtime.core.types import OrchOutput
+from omni_runtime.core.types import OrchOutput, TokenUsage
 from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
@@ -100,6 +100,8 @@ class Response:
     """A stage after the speech-to-text one has output (its transcript is due once heard)."""
     cut_short: bool = False
     """The text stage stopped at its limit (`max_output_tokens`): the response is incomplete."""
+    usage: TokenUsage | None = None
+    """The text stage's token counts, if its engine gave them (else `usage` estimates)."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
@@ -128,8 +130,11 @@ class Response:
             words = len(str(self.prompt).split()) if not isinstance(self.prompt, dict) else 0
             for m in self.prompt.get("messages", []) if isinstance(self.prompt, dict) else []:
                 words += len(m["content"].split())
-            body["usage"] = {"input_tokens": words, "output_tokens": self.pieces,
-                             "total_tokens": words + self.pieces}  # fmt: skip
+            said, made = words, self.pieces  # estimates, unless the engine counted
+            if self.usage is not None:
+                said, made = self.usage.prompt_tokens, self.usage.completion_tokens
+            body["usage"] = {"input_tokens": said, "output_tokens": made,
+                             "total_tokens": said + made}  # fmt: skip
         return body
 
     async def _run(self) -> None:
@@ -176,8 +181,9 @@ class Response:
                     if out.error is not None:
                         run.ended = True
                         return FailureEvent.of(out.stage_id, out.error, out.error_code)
-                    if out.stage_id == outs.text_stage and out.finish_reason == "length":
-                        self.cut_short = True
+                    if out.stage_id == outs.text_stage:  # its end says why, and counts
+                        self.cut_short = self.cut_short or out.finish_reason == "length"
+                        self.usage = out.usage or self.usage
                     if out.data is None:
                         continue
                     if out.stage_id == stt and self.heard is not None:

@@ -345,11 +345,7 @@ async def _chat_sse(
     expiry = AudioDelta(id=audio_id, expires_at=int(time.time()) + AUDIO_EXPIRY_S)
     yield chunk(Delta(audio=expiry if run.audio else None), finish=run.finish_reason)
     if include_usage:
-        usage = Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=pieces,
-            total_tokens=prompt_tokens + pieces,
-        )
+        usage = _usage(run, prompt_tokens, pieces)
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
         yield _sse(body.model_dump_json(exclude_none=True))
     yield _sse("[DONE]")
@@ -381,15 +377,20 @@ async def _chat_whole(
             expires_at=int(time.time()) + AUDIO_EXPIRY_S,
             transcript=content,
         )
-    usage = Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=len(text),
-        total_tokens=prompt_tokens + len(text),
-    )
     return ChatCompletion(
         id=f"chatcmpl-{run.request_id}",
         created=int(time.time()),
         model=req.model,
         choices=[Choice(message=message, finish_reason=run.finish_reason)],
-        usage=usage,
+        usage=_usage(run, prompt_tokens, len(text)),
+    )
+
+
+def _usage(run: Run, prompt_tokens: int, pieces: int) -> Usage:
+    """The model's token counts when its engine gave them, else the estimates: the prompt's
+    words and the text pieces."""
+    if run.usage is not None:
+        prompt_tokens, pieces = run.usage.prompt_tokens, run.usage.completion_tokens
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=pieces, total_tokens=prompt_tokens + pieces
     )

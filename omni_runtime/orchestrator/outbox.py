@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from omni_runtime import keys
-from omni_runtime.core.types import FinishReason, OrchOutput
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.redis_io.writer import StreamWriter
 from omni_runtime.wire import outgoing
 from omni_runtime.wire.messages import clip_error
@@ -62,17 +62,7 @@ class ClientOutbox:
         if client_id is None:
             log.warning("output for %r has no client; dropped", rid, extra={"request_id": rid})
             return
-        self._write(
-            client_id,
-            rid,
-            out.stage_id,
-            out.data,
-            out.finished,
-            out.error,
-            seq,
-            out.error_code,
-            out.finish_reason,
-        )
+        self._write(client_id, rid, out.stage_id, out.data, out.finished, out.error, seq, out)
 
     def refuse(self, request_id: str, client_id: str, error: str) -> None:
         """Answer a request that will not run with its one error final (seq 0)."""
@@ -87,9 +77,10 @@ class ClientOutbox:
         finished: bool,
         error: str | None,
         seq: int,
-        error_code: str | None = None,
-        finish_reason: FinishReason | None = None,
+        out: OrchOutput | None = None,
     ) -> None:
+        """One output to the client's stream; `out` adds what the stage said of its end."""
+        usage = None if out is None else out.usage
         msg = OrchOutputOut(
             request_id=request_id,
             stage_id=stage_id,
@@ -97,8 +88,10 @@ class ClientOutbox:
             finished=finished,
             error=None if error is None else clip_error(error),
             seq=seq,
-            error_code=error_code,
-            finish_reason=finish_reason,
+            error_code=None if out is None else out.error_code,
+            finish_reason=None if out is None else out.finish_reason,
+            prompt_tokens=None if usage is None else usage.prompt_tokens,
+            completion_tokens=None if usage is None else usage.completion_tokens,
         )
         stream = self.names.client_out(client_id)
         fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}

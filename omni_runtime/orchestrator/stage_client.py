@@ -25,7 +25,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from omni_runtime import keys
-from omni_runtime.core.types import StageFailure, StageOutput
+from omni_runtime.core.types import StageFailure, StageOutput, TokenUsage
 from omni_runtime.observe.start import Observability
 from omni_runtime.redis_io.backoff import Backoff
 from omni_runtime.redis_io.joint_read import JointRead
@@ -241,7 +241,11 @@ class RedisStageClient:
             else:
                 data = msg.data
             out = StageOutput(
-                msg.request_id, data, msg.finished or msg.error is not None, msg.finish_reason
+                msg.request_id,
+                data,
+                msg.finished or msg.error is not None,
+                msg.finish_reason,
+                TokenUsage.read(msg.prompt_tokens, msg.completion_tokens),
             )
             self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from omni_runtime.core.types import MAX_TOKEN_COUNT as MAX_TOKEN_COUNT
 from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import ERROR_CODE_PATTERN, CodecError
 from omni_runtime.keys import MAX_SLOTS as MAX_SLOTS
@@ -68,6 +69,8 @@ WallClock = Annotated[float, Field(ge=0, le=MAX_WALL_CLOCK_S, allow_inf_nan=Fals
 Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS)]
 Error = Annotated[str, Field(min_length=1, max_length=MAX_ERROR_CHARS)]
 """Non-empty: an empty error would read as no error."""
+TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
+"""A model's token count (`core.types.TokenUsage`)."""
 ErrorCode = Annotated[str, Field(pattern=ERROR_CODE_PATTERN, strict=True)]
 """Set beside `error` when the request itself was at fault (`stage_api.RequestRefused`):
 OpenAI's kind of code (`context_length_exceeded`), which the front door answers with a
@@ -161,6 +164,10 @@ class StageOutputMsg(_Wire):
     error_code: ErrorCode | None = None
     finish_reason: FinishReason | None = None
     """On a finished output: why the stage ended it (`stage_api.Final.finish_reason`)."""
+    prompt_tokens: TokenCount | None = None
+    completion_tokens: TokenCount | None = None
+    """On a finished output: the model's token counts, when its engine gave them
+    (`stage_api.Final.usage`)."""
 
 
 class OrchOutputMsg(_Wire):
@@ -177,6 +184,8 @@ class OrchOutputMsg(_Wire):
     repeats and turns a gap into an error instead of a success that misses data."""
     error_code: ErrorCode | None = None
     finish_reason: FinishReason | None = None
+    prompt_tokens: TokenCount | None = None
+    completion_tokens: TokenCount | None = None
 
 
 class DurableRequest(_Wire):

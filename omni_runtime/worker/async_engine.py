@@ -24,7 +24,7 @@ from typing import Any
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
-from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import FinishReason, TokenUsage
 from omni_runtime.errors import StartupTimeoutError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.stage_api import (
@@ -275,12 +275,13 @@ class AsyncEngineDriver:
         error: str | None = None,
         error_code: str | None = None,
         finish_reason: FinishReason | None = None,
+        usage: TokenUsage | None = None,
     ) -> bool:
         """Queue one output; False once the request is not wanted (aborted, engine dead)."""
         with self._lock:
             if request_id not in self._live:
                 return False
-            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason)
+            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason, usage)
             self._outputs.append(out)
             if finished:
                 self._live.discard(request_id)

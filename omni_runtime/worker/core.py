@@ -17,7 +17,6 @@ from typing import Any
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
-from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
@@ -274,9 +273,7 @@ class WorkerCore:
         try:
             data = codec.encode_raw(out.data)
             if reported:
-                payload = _encode_output(
-                    rid, data, out.finished, out.error, req.seq, out.error_code, out.finish_reason
-                )
+                payload = _encode_output(rid, data, out.finished, out.error, req.seq, out)
             size = len(payload) if reported else len(data) + CHUNK_ENVELOPE_BYTES
             if size > self.max_message_bytes:  # the reader would refuse it
                 raise CodecError(f"{size} bytes > OMNI_MAX_MESSAGE_BYTES")
@@ -292,7 +289,7 @@ class WorkerCore:
             if not ends:
                 req.seq += 1
                 return
-            payload = _encode_output(rid, None, True, None, req.seq, None, out.finish_reason)
+            payload = _encode_output(rid, None, True, None, req.seq, out)
         ack = req.entry_id if ends else None
         self._actions.outputs.append(Outgoing(rid, req.seq, payload, ends, is_error, ack))
         req.seq += 1
@@ -328,19 +325,23 @@ def _encode_output(
     finished: bool,
     error: str | None,
     seq: int,
-    error_code: str | None = None,
-    finish_reason: FinishReason | None = None,
+    out: EngineOutput | None = None,
 ) -> bytes:
     """A `StageOutputMsg`'s wire bytes, built as its `StageOutputOut`: no model per output
-    (the reader validates it)."""
+    (the reader validates it). `out` adds what the engine said of its end: the refusal's
+    code, and on a finished output why it ended and its token counts."""
     error = None if error is None else clip_error(error)
+    ending = out if out is not None and finished else None
+    usage = None if ending is None else ending.usage
     msg = StageOutputOut(
         request_id=rid,
         data=data,
         finished=finished,
         error=error,
         seq=seq,
-        error_code=error_code,
-        finish_reason=finish_reason if finished else None,
+        error_code=None if out is None else out.error_code,
+        finish_reason=None if ending is None else ending.finish_reason,
+        prompt_tokens=None if usage is None else usage.prompt_tokens,
+        completion_tokens=None if usage is None else usage.completion_tokens,
     )
     return outgoing.encode(msg)

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
-from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import FinishReason, TokenUsage
 from omni_runtime.errors import ConfigError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.pipeline import StageConfig, resolve_entry
@@ -153,12 +153,13 @@ class GeneratorEngine:
         error: str | None = None,
         error_code: str | None = None,
         finish_reason: FinishReason | None = None,
+        usage: TokenUsage | None = None,
     ) -> bool:
         """Queue one output; False once the request was aborted (stop producing)."""
         with self._lock:
             if request_id in self._aborted:
                 return False
-            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason)
+            out = EngineOutput(request_id, data, finished, error, error_code, finish_reason, usage)
             self._outputs.append(out)
             if finished:
                 self._inputs.pop(request_id, None)
@@ -216,7 +217,13 @@ class GeneratorEngine:
         if inspect.isgenerator(result):
             self._drain(request_id, result)
         elif isinstance(result, Final):
-            self._emit(request_id, result.data, True, finish_reason=result.finish_reason)
+            self._emit(
+                request_id,
+                result.data,
+                True,
+                finish_reason=result.finish_reason,
+                usage=result.usage,
+            )
         else:
             self._emit(request_id, result, True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import FinishReason, TokenUsage
 from omni_runtime.stage_api import Final
 
 
@@ -13,7 +13,13 @@ class Emit(Protocol):
     """(request id, data, finished) -> False once the request is aborted."""
 
     def __call__(
-        self, request_id: str, data: Any, finished: bool, *, finish_reason: FinishReason | None
+        self,
+        request_id: str,
+        data: Any,
+        finished: bool,
+        *,
+        finish_reason: FinishReason | None,
+        usage: TokenUsage | None,
     ) -> bool: ...
 
 
@@ -37,7 +43,9 @@ class LastChunkSink:
         self.held = self._EMPTY
         if isinstance(item, Final):
             self.done = True
-            self.emit(self.request_id, item.data, True, finish_reason=item.finish_reason)
+            self.emit(
+                self.request_id, item.data, True, finish_reason=item.finish_reason, usage=item.usage
+            )
             return False
         if not self.hold:
             return self._emit(item, False)
@@ -52,4 +60,4 @@ class LastChunkSink:
         self._emit(last, True)
 
     def _emit(self, data: Any, finished: bool) -> bool:
-        return self.emit(self.request_id, data, finished, finish_reason=None)
+        return self.emit(self.request_id, data, finished, finish_reason=None, usage=None)

@@ -177,16 +177,30 @@ def test_a_spoken_question_in_a_chat_is_answered_aloud_knowing_the_turns_before(
     assert frames / rate > 0.5, (rate, frames)
 
 
-def test_an_answer_cut_at_max_tokens_says_length(client: openai.OpenAI) -> None:
-    """As OpenAI's: a client tells a whole answer from one cut short by `finish_reason`."""
+def test_an_answer_cut_at_max_tokens_says_length_and_the_models_token_counts(
+    client: openai.OpenAI,
+) -> None:
+    """As OpenAI's: a client tells a whole answer from one cut short by `finish_reason`, and
+    `usage` is the model's count: the 8 words asked about and, before them, voice.yaml's
+    system prompt in SmolLM2's chat template (the front door's estimate would be 8)."""
     ask: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Tell me a long story about a dragon."}
     ]
     whole = client.chat.completions.create(model="voice", messages=ask, max_tokens=4)
     assert whole.choices[0].finish_reason == "length", whole
-    stream = client.chat.completions.create(model="voice", messages=ask, max_tokens=4, stream=True)
-    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert whole.usage is not None and whole.usage.completion_tokens == 4, whole.usage
+    assert whole.usage.prompt_tokens > 30, whole.usage
+    stream = client.chat.completions.create(
+        model="voice",
+        messages=ask,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [r for r in reasons if r is not None] == ["length"], reasons
+    assert chunks[-1].usage == whole.usage
     said = client.chat.completions.create(
         model="voice", messages=[{"role": "user", "content": "What is 2+2?"}], temperature=0
     )

@@ -101,6 +101,8 @@ async def test_an_answer_cut_at_max_output_tokens_is_incomplete(server: ServePro
     ), cut.kinds
     assert response.output[0].status == "incomplete"
     assert 1 <= len(cut.transcript.split()) <= 3, cut.transcript
+    assert response.usage.output_tokens == 3, response.usage  # the model's count
+    assert response.usage.input_tokens > 30, response.usage  # the template's too
 
 
 async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProcess) -> None:

@@ -25,7 +25,9 @@ QUESTIONS = [
     "How do birds fly?", "What is a rainbow?", "Why do leaves fall?",
 ]  # fmt: skip
 """Six seeded answers, ~230 words: a short answer alone is a noisy measure."""
-TEXT_LINE = re.compile(r"^\[\s*[\d.]+ ms\] stage 0: (['\"].*['\"])(  \(finished\))?$")
+TEXT_LINE = re.compile(
+    r"^\[\s*[\d.]+ ms\] stage 0: (['\"].*['\"])(  \(finished\))?(  \(stopped at max_tokens\))?$"
+)
 """A thinker's piece as `run` prints it: its Python repr, in double quotes when the piece
 holds an apostrophe ("'s", "'re"), so it is read back with `ast.literal_eval`."""
 

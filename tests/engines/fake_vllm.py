@@ -53,6 +53,8 @@ class RequestOutput:
     prompt: str
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_token_ids: list[int] | None = None
+    """One per word of the prompt, on the first output only (the adapter keeps it)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -177,7 +179,8 @@ class FakeAsyncLLM:
         delta = sp.output_kind == RequestOutputKind.DELTA
         piece = text[sent:] if delta else text
         out = CompletionOutput(0, piece, [n], reason)
-        return RequestOutput(rid, prompt, [out], finished=reason is not None)
+        ids = list(range(len(prompt.split()))) if n == 1 else None
+        return RequestOutput(rid, prompt, [out], finished=reason is not None, prompt_token_ids=ids)
 
 
 class FakeVllm:

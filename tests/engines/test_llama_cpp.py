@@ -63,7 +63,10 @@ async def test_a_seed_makes_the_answer_repeat(engine: LlamaCppEngine) -> None:
 async def test_max_tokens_bounds_the_answer_and_the_end_says_so(engine: LlamaCppEngine) -> None:
     outs = await answer(engine, "r", "Write a long story about a dragon.", max_tokens=5)
     assert len([o for o in outs if isinstance(o, str) and o]) <= 5
-    assert outs[-1] == Final("", "length")
+    end = outs[-1]
+    assert isinstance(end, Final) and end.finish_reason == "length"
+    assert end.usage is not None and end.usage.completion_tokens == 5
+    assert end.usage.prompt_tokens > 8  # the question's words, in SmolLM2's chat template
     short = await answer(engine, "s", "What is 2+2?", max_tokens=24, temperature=0)
     assert isinstance(short[-1], Final) and short[-1].finish_reason == "stop", text(short)
 

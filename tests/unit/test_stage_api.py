@@ -16,6 +16,7 @@ from omni_runtime.stage_api import (
     Final,
     RequestAborted,
     RequestRefused,
+    TokenUsage,
     marks_final,
     with_last,
 )
@@ -148,6 +149,17 @@ def test_finals_reason_reaches_the_last_output_of_a_generator_or_a_function(held
     engine.add_request("r", "c")
     assert [(o.data, o.finish_reason) for o in drain(engine, "r")] == [("c", "stop")]
     engine.close()
+
+
+@pytest.mark.parametrize("count", [-1, 2**32, True, 1.0, "5", None])
+def test_token_counts_the_wire_would_refuse_are_refused_where_they_are_made(count: Any) -> None:
+    """Else the request's last output would be dead-lettered, and the request would wait
+    out its deadline."""
+    with pytest.raises(ValueError, match=r"must be an int in 0\.\.4294967295"):
+        TokenUsage(count, 1)
+    with pytest.raises(ValueError, match="completion_tokens"):
+        TokenUsage(1, count)
+    assert TokenUsage.read(3, None) is None and TokenUsage.read(3, 4) == TokenUsage(3, 4)
 
 
 def test_an_exception_ends_only_its_request_with_an_error() -> None:

@@ -13,7 +13,14 @@ import pytest
 from omni_runtime.engines.vllm import VllmEngine
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig
-from omni_runtime.stage_api import ChunkStream, EngineDead, EngineStats, Final, RequestRefused
+from omni_runtime.stage_api import (
+    ChunkStream,
+    EngineDead,
+    EngineStats,
+    Final,
+    RequestRefused,
+    TokenUsage,
+)
 from omni_runtime.worker.async_engine import AsyncEngineDriver
 from omni_runtime.worker.engines import load_engine
 from tests.engines.fake_vllm import FakeAsyncLLM, FakeVllm, RequestOutputKind
@@ -68,7 +75,13 @@ async def test_the_engine_is_built_in_start_with_the_model_and_engine_args() -> 
 async def test_text_streams_as_deltas_and_the_last_piece_is_final() -> None:
     engine, fake = await started(FakeVllm())
     items = await run(engine, "r", "hello there", {"max_tokens": 5})
-    assert items == [" hello", " there", " hello", " there", Final(" hello", "length")]
+    assert items == [
+        " hello",
+        " there",
+        " hello",
+        " there",
+        Final(" hello", "length", TokenUsage(prompt_tokens=2, completion_tokens=5)),
+    ]
     assert fake.seen["r"].output_kind == RequestOutputKind.DELTA
     await engine.close()
 
@@ -111,7 +124,9 @@ async def test_a_bad_parameter_fails_its_request_with_a_message_naming_it(
         await run(engine, "bad", "x", params)
     assert refused.value.code == "invalid_value"
     assert "bad" not in fake.seen, "nothing reached vLLM"
-    assert await run(engine, "good", "x", {"max_tokens": 1}) == [Final(" x", "length")]
+    assert await run(engine, "good", "x", {"max_tokens": 1}) == [
+        Final(" x", "length", TokenUsage(1, 1))
+    ]
     await engine.close()
 
 
@@ -122,9 +137,11 @@ def test_a_bad_sampling_option_is_a_config_error() -> None:
 
 async def test_upstream_chunks_are_joined_into_the_prompt() -> None:
     engine, _fake = await started(FakeVllm())
-    assert await run(engine, "l", ["one", " two"], {"max_tokens": 1}) == [Final(" one", "length")]
+    joined = await run(engine, "l", ["one", " two"], {"max_tokens": 1})
+    assert joined == [Final(" one", "length", TokenUsage(2, 1))]  # "one two": 2 words
     stream = ChunkStream(["three", " four"], closed=True)
-    assert await run(engine, "s", stream, {"max_tokens": 2}) == [" three", Final(" four", "length")]
+    streamed = await run(engine, "s", stream, {"max_tokens": 2})
+    assert streamed == [" three", Final(" four", "length", TokenUsage(2, 2))]
     with pytest.raises(ValueError, match="must be text"):
         await run(engine, "n", 12)
     await engine.close()

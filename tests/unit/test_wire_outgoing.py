@@ -57,8 +57,16 @@ OPTIONAL: dict[Any, dict[str, Any]] = {
         "seq": 7,
         "error_code": "context_length_exceeded",
         "finish_reason": "length",
+        "prompt_tokens": 37,
+        "completion_tokens": 5,
     },
-    OrchOutputOut: {"error": "boom", "error_code": "invalid_value", "finish_reason": "stop"},
+    OrchOutputOut: {
+        "error": "boom",
+        "error_code": "invalid_value",
+        "finish_reason": "stop",
+        "prompt_tokens": 0,
+        "completion_tokens": 4096,
+    },
     DurableRequestOut: {
         "stage_data": {1: ["a", [1, 2]]},
         "stage_chunks": {1: 2},

@@ -16,7 +16,7 @@ import pytest
 
 import workers.omni as omni_mod
 from omni_runtime.pipeline import load_pipeline
-from omni_runtime.stage_api import ChunkStream, EngineOutput, Final
+from omni_runtime.stage_api import ChunkStream, EngineOutput, Final, TokenUsage
 from omni_runtime.wav import write_wav
 from workers.omni import CODEBOOK_SIZE, Code2Wav, Talker, Thinker, talker, thinker, token_codes
 from workers.seed import prefix_wav, split_words, upper_all
@@ -142,8 +142,12 @@ def test_batched_thinker_says_which_answers_stopped_at_max_tokens() -> None:
     eng.add_request("free", "a b c")
     ends: dict[str, Any] = {}
     while eng.has_work():
-        ends |= {o.request_id: (o.data, o.finish_reason) for o in eng.step() if o.finished}
-    assert ends == {"cut": ("b", "length"), "whole": ("b", "stop"), "free": ("c", "stop")}
+        ends |= {o.request_id: (o.data, o.finish_reason, o.usage) for o in eng.step() if o.finished}
+    assert ends == {
+        "cut": ("b", "length", TokenUsage(3, 2)),
+        "whole": ("b", "stop", TokenUsage(2, 2)),
+        "free": ("c", "stop", TokenUsage(3, 3)),
+    }
 
 
 def test_batched_talker_matches_the_generator_in_both_modes() -> None:
