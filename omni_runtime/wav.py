@@ -1,9 +1,11 @@
 """WAV files (stdlib `wave`): audio outputs written as one a player can open (16-bit PCM
 mono), and a recording given as input (an upload, a chat's speech, a `--prompt-file`)
-checked and re-written whole, or refused with the reason in words."""
+checked and re-written whole, or refused with the reason in words. A recording in MP3,
+FLAC or Ogg (Vorbis, Opus) is decoded into one first (`soundfile`, the `serve` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import struct
 import wave
@@ -16,6 +18,8 @@ import numpy.typing as npt
 MIN_RATE = 4_000
 MAX_RATE = 384_000
 """The sample rates an uploaded recording may have: narrowband telephony to studio audio."""
+MAX_DECODED_BYTES = 64 * 1024 * 1024
+"""The most PCM a compressed recording may decode to: the largest WAV an upload may be."""
 
 
 def write_wav(path: str | Path, chunks: Sequence[npt.ArrayLike], sample_rate: int) -> int:
@@ -69,3 +73,51 @@ def whole_wav(data: bytes) -> bytes:
         w.setframerate(params.framerate)
         w.writeframes(frames[:whole])
     return out.getvalue()
+
+
+def recording(data: bytes) -> bytes:
+    """A recording as a speech-to-text stage reads it (`whole_wav`): a PCM WAV file as it
+    is; an MP3, FLAC or Ogg file, or a float WAV, decoded into 16-bit PCM; else `WavError`."""
+    if data[:4] == b"RIFF" or not data:
+        try:
+            return whole_wav(data)
+        except WavError as unread:
+            if not data or importlib.util.find_spec("soundfile") is None:
+                raise
+            try:
+                return _decoded(data)  # a WAV `wave` cannot read (float, A-law) libsndfile may
+            except WavError:
+                raise unread from None
+    return _decoded(data)
+
+
+def _decoded(data: bytes) -> bytes:
+    try:
+        import soundfile
+    except ImportError:
+        raise WavError(
+            "not a WAV file, and MP3, FLAC and Ogg need the soundfile package "
+            "(pip install 'omni-runtime[serve]')"
+        ) from None
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            rate, channels = f.samplerate, f.channels
+            most = MAX_DECODED_BYTES // (2 * channels)
+            pcm = f.read(frames=most + 1, dtype="int16", always_2d=True)
+    except soundfile.LibsndfileError as e:
+        raise WavError(f"not a WAV, MP3, FLAC or Ogg file ({e.error_string})") from None
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise WavError(f"not a WAV, MP3, FLAC or Ogg file ({e})") from None
+    if len(pcm) > most:
+        raise WavError(f"the recording decodes to more than {MAX_DECODED_BYTES} bytes of audio")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise WavError(f"the recording's sample rate is {rate} Hz, outside {MIN_RATE}..{MAX_RATE}")
+    if not len(pcm):
+        raise WavError("the recording holds no audio")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.astype("<i2").tobytes())
+    return whole_wav(out.getvalue())  # its rate and length checked as a WAV's

@@ -107,8 +107,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("prompt", nargs="?", help="the request's prompt ('-': read stdin)")
             p.add_argument(
                 "--prompt-file",
-                help="read the prompt from this file ('-': stdin); a WAV file for a pipeline "
-                "that takes speech",
+                help="read the prompt from this file ('-': stdin); a recording (WAV, MP3, "
+                "FLAC, Ogg) for a pipeline that takes speech",
             )
             p.add_argument("--wav", help="write the audio outputs to this .wav file")
             p.add_argument(

@@ -1,4 +1,4 @@
-"""What the command line sends and prints: the prompt (text, or a WAV file for a pipeline
+"""What the command line sends and prints: the prompt (text, or a recording for a pipeline
 that hears), then the outputs as they stream, a summary, the audio file."""
 
 from __future__ import annotations
@@ -138,22 +138,23 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 def read_input(pipeline: PipelineConfig, prompt: str | None, prompt_file: str | None) -> Any:
     """What stage 0 is sent: the prompt's text (`read_prompt`), or for a pipeline that hears
-    (`outputs.input: audio`) the WAV file `--prompt-file` names, as `{"wav": bytes}` (what
-    `/v1/audio/transcriptions` sends it); a `ConfigError` before anything starts."""
+    (`outputs.input: audio`) the recording `--prompt-file` names, as a WAV (MP3, FLAC and
+    Ogg are decoded) in `{"wav": bytes}` (what `/v1/audio/transcriptions` sends it); a
+    `ConfigError` before anything starts."""
     if pipeline.outputs is None or pipeline.outputs.input != "audio":
         return read_prompt(prompt, prompt_file)
     if prompt_file is None:
         raise ConfigError(
-            f"pipeline {pipeline.name!r} takes speech: give a WAV file with --prompt-file "
+            f"pipeline {pipeline.name!r} takes speech: give a WAV or MP3 file with --prompt-file "
             "(--prompt-file - reads it from stdin)"
         )
     if prompt is not None:
         raise ConfigError("give the prompt as an argument or with --prompt-file, not both")
-    from omni_runtime.wav import WavError, whole_wav  # numpy: not before a command needs it
+    from omni_runtime.wav import WavError, recording  # numpy: not before a command needs it
 
     where = "stdin" if prompt_file == "-" else f"--prompt-file {prompt_file}"
     try:
-        return {"wav": whole_wav(_read_stdin() if prompt_file == "-" else _read_file(prompt_file))}
+        return {"wav": recording(_read_stdin() if prompt_file == "-" else _read_file(prompt_file))}
     except WavError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -1,11 +1,13 @@
 """Float32 PCM chunks → what HTTP clients play: 16-bit PCM at the rate its format promises,
-whole WAV files, base64."""
+whole WAV, MP3, FLAC or Ogg Opus files (OpenAI's file formats), base64."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import io
 import struct
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -98,3 +100,38 @@ def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+FileFormat = Literal["wav", "mp3", "flac", "opus"]
+"""A whole answer as one file; MP3, FLAC and Opus are encoded by libsndfile (`soundfile`)."""
+MEDIA_TYPES: dict[FileFormat, str] = {
+    "wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "opus": "audio/ogg",
+}  # fmt: skip
+_ENCODINGS = {
+    "mp3": ("MP3", "MPEG_LAYER_III", {8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000}),
+    "flac": ("FLAC", "PCM_16", None),
+    "opus": ("OGG", "OPUS", {8000, 12000, 16000, 24000, 48000}),
+}  # fmt: skip
+"""libsndfile's format and subtype for each, and the sample rates it encodes (else the
+audio goes at `PCM16_RATE`, which both take)."""
+
+
+def unencodable(fmt: FileFormat) -> str | None:
+    """Why this server cannot make `fmt` files (checked before a request runs), or None."""
+    if fmt == "wav" or importlib.util.find_spec("soundfile") is not None:
+        return None
+    return f"{fmt} needs the soundfile package on the server (pip install 'omni-runtime[serve]')"
+
+
+def audio_file(samples: npt.NDArray[np.float32], rate: int, fmt: FileFormat) -> bytes:
+    """A whole answer as one `fmt` file."""
+    if fmt == "wav":
+        return wav_bytes(pcm16(samples), rate)
+    import soundfile
+
+    container, subtype, rates = _ENCODINGS[fmt]
+    if rates is not None and rate not in rates:
+        samples, rate = resampled(samples, rate), PCM16_RATE
+    out = io.BytesIO()  # from the samples a WAV holds: a FLAC decodes to the WAV's very PCM
+    soundfile.write(out, np.frombuffer(pcm16(samples), "<i2"), rate, subtype, format=container)
+    return out.getvalue()

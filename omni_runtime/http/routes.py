@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated
 
 import numpy as np
+import numpy.typing as npt
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from omni_runtime.core.types import FinishReason
-from omni_runtime.http.audio import PCM16_RATE, Resampler, b64, pcm16, resampled, wav_bytes
+from omni_runtime.http.audio import (
+    MEDIA_TYPES,
+    PCM16_RATE,
+    Resampler,
+    audio_file,
+    b64,
+    pcm16,
+    resampled,
+    unencodable,
+)
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import (
     AudioEvent,
@@ -24,9 +32,9 @@ from omni_runtime.http.gateway import (
     FailureEvent,
     Gateway,
     Run,
-    Served,
     TextEvent,
 )
+from omni_runtime.http.prompts import chat_prompt, check_prompt, count_tokens, unsupported
 from omni_runtime.http.schemas import (
     AssistantMessage,
     AudioDelta,
@@ -40,7 +48,6 @@ from omni_runtime.http.schemas import (
     SpeechRequest,
     Usage,
 )
-from omni_runtime.wav import WavError, whole_wav
 
 AUDIO_EXPIRY_S = 3600
 """`expires_at` is reported as OpenAI does; this server keeps no audio to refer back to."""
@@ -81,87 +88,6 @@ class GuardedStream(StreamingResponse):
             self._on_close()
 
 
-def check_prompt(gateway: Gateway, prompt: str, param: str) -> None:
-    if not prompt.strip():
-        raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
-    if len(prompt) > gateway.serve.max_prompt_chars:
-        raise ApiError(
-            400,
-            f"the prompt exceeds {gateway.serve.max_prompt_chars} characters",
-            param=param,
-            code="prompt_too_long",
-        )
-
-
-def unsupported(served: Served, what: str) -> ApiError:
-    """A request the model named cannot serve (its pipeline lacks the input or output)."""
-    return ApiError(
-        400, f"the model {served.name!r} {what}", param="model", code="unsupported_model"
-    )
-
-
-TOKEN = re.compile(r"\w+|[^\w\s]")
-
-
-def count_tokens(prompt: Any) -> int:
-    """`usage.prompt_tokens`: the words and punctuation marks of what stage 0 is given (all
-    the messages of a chat), as `completion_tokens` counts the text pieces it answers
-    with. The front door has no model's tokenizer: a thinker's own count may differ."""
-    if isinstance(prompt, dict):
-        return sum(count_tokens(m["content"]) for m in prompt.get("messages", ()))
-    return len(TOKEN.findall(str(prompt)))
-
-
-def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
-    """The conversation for a pipeline taking chat messages, the last user message for one
-    taking text; for one that hears, what `heard_prompt` makes."""
-    if served.outputs.input == "audio":
-        return heard_prompt(gateway, served, req)
-    if any(m.audio() for m in req.messages):
-        raise unsupported(served, "takes text, not audio (a model whose pipeline hears does)")
-    check_prompt(gateway, req.prompt, "messages")
-    if served.outputs.input == "text":
-        return req.prompt
-    try:
-        conversation = req.conversation()
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-    check_prompt(gateway, "".join(m["content"] for m in conversation["messages"]), "messages")
-    return conversation
-
-
-def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
-    """The last user message's speech (one `input_audio` WAV) as a spoken turn, with the
-    messages before it (and its own text, as a user message before the speech): what
-    `/v1/realtime` sends such a pipeline. Earlier turns are text: none is heard again."""
-    last = max(i for i, m in enumerate(req.messages) if m.role == "user")
-    param = f"messages.{last}.content"
-    spoken = [i for i, m in enumerate(req.messages) if m.audio()]
-    if last not in spoken:
-        raise ApiError(400, f"the model {served.name!r} takes speech: send it in the last user "
-                       "message as an input_audio part (a WAV file), or to "
-                       "/v1/audio/transcriptions", param=param)  # fmt: skip
-    if spoken != [last]:
-        raise ApiError(400, "only the last user message may carry audio: send earlier turns "
-                       "as text", param=f"messages.{spoken[0]}.content")  # fmt: skip
-    parts = req.messages[last].audio()
-    if len(parts) > 1:
-        raise ApiError(400, "a message carries one input_audio part", param=param)
-    try:
-        wav = whole_wav(base64.b64decode(parts[0].data, validate=True))
-    except (binascii.Error, WavError) as e:
-        why = e if isinstance(e, WavError) else "not base64"
-        raise ApiError(400, f"input_audio: {why}", param=param, code="invalid_audio") from None
-    try:
-        before = req.conversation(before=last + 1)["messages"]
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-    history = [m for m in before if m["content"].strip()]
-    if history:
-        check_prompt(gateway, "".join(m["content"] for m in history), "messages")
-    return {"wav": wav, "messages": history} if history else {"wav": wav}
-
-
 def media_router(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
@@ -180,6 +106,9 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise ApiError(400, "this pipeline has no audio output", param="modalities")
         if not req.wants_audio and served.outputs.text_stage is None:
             raise ApiError(400, "this pipeline has no text output", param="modalities")
+        fmt = req.audio.format if req.audio else "wav"
+        if req.wants_audio and fmt != "pcm16" and (cannot := unencodable(fmt)) is not None:
+            raise ApiError(400, cannot, param="audio.format")
         run = await gateway.open(served, prompt, req.wants_audio, wants(x_omni_trace), req.params())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -210,17 +139,19 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise unsupported(served, "takes audio, not text")
         if not outputs.speaks_input:
             raise unsupported(served, "answers its input instead of speaking it")
+        fmt = req.response_format
+        if fmt != "pcm" and (why := unencodable(fmt)) is not None:
+            raise ApiError(400, why, param="response_format")
         # a chat pipeline's stage 0 takes a string as one user turn
         run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
-        if req.response_format == "wav":  # a file: whole, with its true sizes in the header
+        if fmt != "pcm":  # a file: whole (a WAV's header says its true sizes)
             try:
-                pcm = await _whole_audio(run)
+                samples = await _whole_audio(run)
             finally:
                 run.close()
-            headers = {"X-Sample-Rate": str(outputs.sample_rate), REQUEST_ID_HEADER: run.request_id}
-            return Response(
-                wav_bytes(pcm, outputs.sample_rate), media_type="audio/wav", headers=headers
-            )
+            headers = {REQUEST_ID_HEADER: run.request_id}
+            data = await asyncio.to_thread(audio_file, samples, outputs.sample_rate, fmt)
+            return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
         events = run.events()
         first = await _first_event(run, events, audio_only=True)
         resample = Resampler(outputs.sample_rate)
@@ -247,16 +178,16 @@ def media_router(gateway: Gateway) -> APIRouter:
     return router
 
 
-async def _whole_audio(run: Run) -> bytes:
-    """Every audio chunk of a request as 16-bit PCM; a failure is an error response."""
-    chunks: list[bytes] = []
+async def _whole_audio(run: Run) -> npt.NDArray[np.float32]:
+    """Every audio chunk of a request; a failure is an error response."""
+    chunks: list[npt.NDArray[np.float32]] = []
     async with aclosing(run.events()) as events:
         async for ev in events:
             if isinstance(ev, AudioEvent):
-                chunks.append(pcm16(ev.pcm))
+                chunks.append(ev.pcm)
             elif isinstance(ev, FailureEvent):
                 raise ev.api_error()
-    return b"".join(chunks)
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
 
 async def _first_event(
@@ -369,8 +300,10 @@ async def _chat_whole(
     if run.audio:
         samples = np.concatenate(audio) if audio else np.zeros(0, np.float32)
         fmt = req.audio.format if req.audio else "wav"
-        wav = fmt == "wav"  # a WAV file says its rate; raw pcm16 is 24 kHz
-        data = wav_bytes(pcm16(samples), rate) if wav else pcm16(resampled(samples, rate))
+        if fmt == "pcm16":  # 24 kHz; a file says its rate
+            data = pcm16(resampled(samples, rate))
+        else:
+            data = await asyncio.to_thread(audio_file, samples, rate, fmt)
         message.audio = AudioOut(
             id=f"audio_{run.request_id}",
             data=b64(data),

@@ -41,8 +41,9 @@ class TextPart(_Request):
 
 class InputAudio(_Request):
     data: Annotated[str, Field(min_length=1)]
-    """Base64 of a WAV file (the body's size bounds it: `OMNI_MAX_BODY_BYTES`)."""
-    format: Literal["wav"]
+    """Base64 of a WAV or MP3 file (the body's size bounds it: `OMNI_MAX_BODY_BYTES`); it is
+    read by its content (FLAC and Ogg are too), not by `format`."""
+    format: Literal["wav", "mp3"]
 
 
 class AudioPart(_Request):
@@ -100,8 +101,9 @@ def voice_name(voice: str | VoiceId | None) -> str | None:
 
 
 class AudioParams(_Request):
-    format: Literal["wav", "pcm16"] = "wav"
-    """Non-streamed: `message.audio.data` as a WAV file or raw pcm16. Streamed: always pcm16."""
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+    """Non-streamed: `message.audio.data` as a file of that format or raw pcm16. Streamed:
+    always pcm16."""
     voice: ShortStr | VoiceId | None = None
     """`params["voice"]`: the voice stages take it (an unknown one fails the request there)."""
 
@@ -201,7 +203,8 @@ class SpeechRequest(_Request):
     model: ShortStr
     input: Annotated[str, Field(min_length=1, max_length=4096)]
     voice: ShortStr | VoiceId | None = None
-    response_format: Literal["wav", "pcm"] = "wav"
+    response_format: Literal["wav", "mp3", "flac", "opus", "pcm"] = "wav"
+    """`pcm` streams as it is made; a file format comes whole."""
     speed: Speed | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     """Accepted for compatibility; not passed on."""
@@ -245,7 +248,7 @@ class ModelList(BaseModel):
 class AudioOut(BaseModel):
     id: str
     data: str
-    """Base64 of a WAV file (format wav) or of raw pcm16 (format pcm16)."""
+    """Base64 of a file (format wav, mp3, flac, opus) or of raw pcm16 (format pcm16)."""
     expires_at: int
     transcript: str
 

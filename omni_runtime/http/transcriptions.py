@@ -1,4 +1,5 @@
-"""POST /v1/audio/transcriptions: a multipart WAV upload → a speech-to-text pipeline's text.
+"""POST /v1/audio/transcriptions: a multipart upload (WAV, MP3, FLAC or Ogg) → a
+speech-to-text pipeline's text.
 
 The form is the one the official `openai` client sends (`file`, `model`, `language`,
 `response_format`, …); fields this server has no use for (`prompt`, `temperature`,
@@ -16,9 +17,10 @@ from fastapi.responses import PlainTextResponse
 
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, TextEvent
-from omni_runtime.http.routes import REQUEST_ID_HEADER, TraceHeader, unsupported, wants
+from omni_runtime.http.prompts import unsupported
+from omni_runtime.http.routes import REQUEST_ID_HEADER, TraceHeader, wants
 from omni_runtime.http.schemas import Transcription
-from omni_runtime.wav import WavError, whole_wav
+from omni_runtime.wav import WavError, recording
 
 PATH = "/v1/audio/transcriptions"
 """Its body limit is `max_upload_bytes` (`BodyLimit`'s per-path limit), not `max_body_bytes`."""
@@ -30,7 +32,7 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
     @router.post("/audio/transcriptions", response_model=None)
     async def transcriptions(
         response: Response,
-        file: Annotated[UploadFile, File(description="a PCM WAV file")],
+        file: Annotated[UploadFile, File(description="a WAV, MP3, FLAC or Ogg file")],
         model: Annotated[str, Form(min_length=1, max_length=256)],
         language: Annotated[str | None, Form(min_length=1, max_length=32)] = None,
         response_format: Annotated[Literal["json", "text"], Form()] = "json",
@@ -45,7 +47,7 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
         if stream:
             raise ApiError(400, "streamed transcriptions are not supported", param="stream")
         try:
-            wav = whole_wav(await file.read())
+            wav = recording(await file.read())
         except WavError as e:
             raise ApiError(400, f"file: {e}", param="file", code="invalid_audio") from None
         finally:

@@ -64,13 +64,15 @@ def test_an_empty_prompt_is_an_error() -> None:
     assert_one_line(proc, "the prompt is empty")
 
 
-def test_a_pipeline_that_hears_takes_a_wav_file_and_nothing_else(tmp_path: Path) -> None:
+def test_a_pipeline_that_hears_takes_a_recording_and_nothing_else(tmp_path: Path) -> None:
     hears = str(ROOT / "tests" / "pipelines" / "transcribe.yaml")
     assert_one_line(cli("run", "--pipeline", hears, "hello"), "takes speech", "--prompt-file")
     text = tmp_path / "prompt.txt"
     text.write_text("hello")
     proc = cli("run", "--pipeline", hears, "--prompt-file", str(text))
-    assert_one_line(proc, f"--prompt-file {text}: not a PCM WAV file")
+    assert_one_line(
+        proc, f"--prompt-file {text}: not a WAV, MP3, FLAC or Ogg file (Format not recognised.)"
+    )
     proc = cli_input("submit", "--pipeline", hears, "--prompt-file", "-", stdin=b"")
     assert_one_line(proc, "stdin: not a PCM WAV file (the file is empty)")
 

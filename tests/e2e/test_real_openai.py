@@ -10,9 +10,11 @@ import io
 import wave
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
+import soundfile
 from openai.types.chat import (
     ChatCompletionContentPartInputAudioParam,
     ChatCompletionMessageParam,
@@ -134,6 +136,23 @@ def test_speech_in_a_voice_is_transcribed_back_to_its_words(
     )
     # (piper's sampling noise moves a sentence's length by a few per cent: 5.2 % seen)
     assert wav_frames(marin.content)[1] == pytest.approx(frames, rel=0.12)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac"])
+def test_speech_as_mp3_opus_or_flac_is_transcribed_back_to_its_words(
+    client: openai.OpenAI, fmt: Literal["mp3", "opus", "flac"]
+) -> None:
+    """OpenAI's own formats (its speech default is mp3), out and back in: piper speaks at
+    22.05 kHz, which Opus lacks (24 kHz then); pocketsphinx hears what the door decoded."""
+    speech = client.audio.speech.create(
+        model="speak", input=SENTENCE, voice="joe", response_format=fmt
+    )
+    audio, rate = soundfile.read(io.BytesIO(speech.content))
+    assert rate == (24000 if fmt == "opus" else 22050) and len(audio) / rate > 1.5, rate
+    heard = client.audio.transcriptions.create(
+        model="transcribe", file=(f"speech.{fmt}", speech.content)
+    )
+    assert wer(SENTENCE, heard.text) <= 0.35, heard.text
 
 
 def test_speech_refuses_a_pipeline_that_would_answer_instead_and_an_unknown_voice(

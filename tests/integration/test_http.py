@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 
 from omni_runtime.http.app import create_app
 from omni_runtime.http.gateway import Gateway
@@ -147,6 +148,29 @@ async def test_speech_is_a_whole_wav_or_streamed_24khz_pcm(
     raw = await api.post("/v1/audio/speech", json={**body, "response_format": "pcm"})
     assert raw.headers["x-sample-rate"] == "24000"
     assert_same_pcm(raw.content, await expected_pcm(cluster, 24_000))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "media_type", "rate"),
+    [("mp3", "audio/mpeg", 16000), ("flac", "audio/flac", 16000), ("opus", "audio/ogg", 16000)],
+)
+async def test_speech_and_chat_audio_come_in_openais_compressed_formats(
+    api: httpx.AsyncClient, cluster: InProcessCluster, fmt: str, media_type: str, rate: int
+) -> None:
+    """Decoded again, each is the pipeline's audio: its length, and for FLAC its samples."""
+    pcm = np.frombuffer(await expected_pcm(cluster), "<i2")
+    body = {"model": "omni", "input": PROMPT, "response_format": fmt}
+    resp = await api.post("/v1/audio/speech", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"] == media_type
+    chat = chat_body(modalities=["text", "audio"], audio={"format": fmt, "voice": "x"})
+    said = (await api.post(CHAT, json=chat)).json()["choices"][0]["message"]["audio"]["data"]
+    for data in (resp.content, base64.b64decode(said)):
+        decoded, decoded_rate = soundfile.read(io.BytesIO(data), dtype="int16")
+        assert decoded_rate == rate
+        assert abs(len(decoded) - len(pcm)) <= 2 * 1152, (len(decoded), len(pcm))  # MP3 pads
+        if fmt == "flac":  # lossless
+            assert np.array_equal(decoded, pcm)
 
 
 async def test_models_health_ready(api: httpx.AsyncClient) -> None:

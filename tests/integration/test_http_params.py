@@ -4,6 +4,7 @@ over the HTTP path (an in-process cluster per pipeline on fakeredis)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 
 from omni_runtime.errors import ConfigError
 from omni_runtime.http.audio import STREAMING_SIZE, wav_header
@@ -140,6 +142,37 @@ async def test_speech_voice_and_speed_reach_the_audio_stage(
     broke = assert_error(await client.post(SPEECH, json={**base, "voice": "crash"}), 502)
     assert "the tone generator broke" in broke["message"]
     assert (broke["type"], broke["code"]) == ("server_error", "pipeline_error")
+
+
+def encoded(seconds: float, container: str, subtype: str, rate: int = 16000) -> bytes:
+    """`seconds` of a tone, as a file libsndfile writes (MP3, FLAC, Ogg)."""
+    out = io.BytesIO()
+    tone = 0.3 * np.sin(np.arange(round(seconds * rate)) / 5)
+    soundfile.write(out, tone, rate, subtype, format=container)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("container", "subtype", "rate"),
+    [("MP3", "MPEG_LAYER_III", 16000), ("FLAC", "PCM_16", 16000), ("OGG", "VORBIS", 16000),
+     ("OGG", "OPUS", 48000), ("WAV", "FLOAT", 8000)],
+)  # fmt: skip
+async def test_a_recording_in_openais_other_formats_is_heard_as_a_wav(
+    api: tuple[httpx.AsyncClient, Gateway], container: str, subtype: str, rate: int
+) -> None:
+    """MP3, FLAC, Ogg, a float WAV: decoded at the door; the stage gets 16-bit PCM."""
+    client, _gateway = api
+    data = encoded(1.0, container, subtype, rate)
+    resp = await client.post(TRANSCRIBE, data={"model": "transcribe"}, files={"file": ("a", data)})
+    assert resp.status_code == 200, resp.text
+    seconds, heard = resp.json()["text"].split(" s, ")
+    assert heard == f"{rate} Hz, 1 ch, language -"
+    assert 1.0 <= float(seconds) <= 1.0 + 2 * 1152 / rate  # MP3 pads its frames
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(),
+                                                   "format": "mp3"}}  # fmt: skip
+    chat = {"model": "transcribe", "messages": [{"role": "user", "content": [part]}]}
+    said = await client.post(CHAT, json=chat)
+    assert said.json()["choices"][0]["message"]["content"] == resp.json()["text"]
 
 
 async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Gateway]) -> None:
@@ -306,10 +339,14 @@ async def test_a_chat_message_may_carry_speech_for_a_pipeline_that_hears(
         body = {"model": "transcribe", "messages": messages}
         error = assert_error(await client.post(CHAT, json=body), 400, param)
         assert words in error["message"], error
-    mp3 = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}
-    body = {"model": "transcribe", "messages": [{"role": "user", "content": [mp3]}]}
+    flac = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}
+    body = {"model": "transcribe", "messages": [{"role": "user", "content": [flac]}]}
     error = assert_error(await client.post(CHAT, json=body), 400)
-    assert "messages.0.content.0.input_audio.format: Input should be 'wav'" in error["message"]
+    assert "input_audio.format: Input should be 'wav' or 'mp3'" in error["message"], error
+    junk = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}
+    body = {"model": "transcribe", "messages": [{"role": "user", "content": [junk]}]}
+    error = assert_error(await client.post(CHAT, json=body), 400, "messages.0.content")
+    assert "not a WAV, MP3, FLAC or Ogg file (Format not recognised.)" in error["message"]
     body = {"model": "echo", "messages": [spoken(wav_file(0.1))]}
     error = assert_error(await client.post(CHAT, json=body), 400, "model")
     assert "takes text, not audio" in error["message"]

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import sys
 import wave
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
 from pydantic import ValidationError
 
 from omni_runtime.cli import parse_args
 from omni_runtime.errors import ConfigError
 from omni_runtime.http.audio import (
     AudioFormatError,
+    FileFormat,
     as_pcm,
+    audio_file,
     pcm16,
+    unencodable,
     wav_bytes,
     wav_header,
 )
@@ -23,7 +29,7 @@ from omni_runtime.http.schemas import ChatCompletionRequest
 from omni_runtime.http.serve import pipeline_paths
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.wav import WavError, whole_wav
+from omni_runtime.wav import WavError, recording, whole_wav
 
 
 def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,3 +156,33 @@ def test_an_upload_is_checked_and_rewritten_whole() -> None:
             whole_wav(bad)
     with pytest.raises(WavError, match=r"sample rate is 1 Hz, outside 4000\.\.384000"):
         whole_wav(wav_bytes(pcm, 1))
+
+
+def test_without_soundfile_other_formats_are_refused_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A WAV still goes through; a request for MP3 is refused before it runs."""
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # `import soundfile` fails
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "soundfile" else real_find_spec(n)
+    )
+    pcm = np.arange(-400, 400, dtype="<i2").tobytes()
+    assert recording(wav_bytes(pcm, 8000)) == wav_bytes(pcm, 8000)
+    with pytest.raises(WavError, match=r"need the soundfile package .*omni-runtime\[serve\]"):
+        recording(b"ID3\x04 an mp3")
+    with pytest.raises(WavError, match="not a PCM WAV file"):  # a float WAV: as before
+        recording(b"RIFF" + bytes(40))
+    assert unencodable("wav") is None
+    assert "needs the soundfile package" in (unencodable("mp3") or "")
+    assert audio_file(np.zeros(4, np.float32), 8000, "wav") == wav_bytes(bytes(8), 8000)
+
+
+def test_a_compressed_answer_at_a_rate_its_format_lacks_is_resampled() -> None:
+    """Opus has no 22.05 kHz (piper's rate): its answer goes at 24 kHz, as long."""
+    tone = (0.3 * np.sin(np.arange(22050) / 5)).astype(np.float32)
+    formats: list[tuple[FileFormat, int]] = [("opus", 24000), ("mp3", 22050), ("flac", 22050)]
+    for fmt, rate in formats:
+        decoded, decoded_rate = soundfile.read(io.BytesIO(audio_file(tone, 22050, fmt)))
+        assert decoded_rate == rate, fmt
+        assert abs(len(decoded) / rate - 1.0) < 0.11, (fmt, len(decoded))
