@@ -136,10 +136,8 @@ class Inbox:
             )
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
         usage = TokenUsage.read(msg.prompt_tokens, msg.completion_tokens)
-        out = OrchOutput(
-            rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code, msg.finish_reason,
-            usage,
-        )  # fmt: skip
+        out = OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code)
+        out.finish_reason, out.usage = msg.finish_reason, usage
         pending.queue.put_nowait(out)
         pending.ended = msg.finished
         pending.error = msg.error

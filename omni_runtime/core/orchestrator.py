@@ -134,9 +134,8 @@ class Orchestrator(OrchestratorLoops):
         done = self.final_stage_ids <= state.finished
         if done:
             self._cleanup(rid)
-        output = OrchOutput(rid, stage_id, out.data, done)
-        output.finish_reason, output.usage = out.finish_reason, out.usage
-        self._emit(output)
+        reason, usage = out.finish_reason, out.usage  # the stage's, on its finished output
+        self._emit(OrchOutput(rid, stage_id, out.data, done, finish_reason=reason, usage=usage))
         return done
 
     async def _submit(self, request_id: str, stage_id: int, data: Any) -> None:

@@ -122,7 +122,11 @@ class Leases:
         raise AssertionError("unreachable")
 
     async def take(self, slot: int) -> bool:
-        """SET NX: True if the slot is now this process's."""
+        """SET NX: True if the slot is now this process's. A process that gave its slots up
+        (`shut`) or was deposed takes none: a slot it just released, still worth taking,
+        would be its own again until its lease lapsed, a TTL after the process exited."""
+        if self.lost:
+            return False
         started = self.clock()
         registry = self.names.orchestrator_slots
         previous = await self.client.hget(registry, str(slot))

@@ -103,6 +103,22 @@ async def test_a_release_racing_its_own_renewal_still_gives_the_slot_back(
     assert await redis.xlen(NAMES.orchestrator_released) == 1  # the notice went out once
 
 
+async def test_a_process_that_gave_its_slots_up_takes_none_back(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    """A wedged orchestrator gives its slots back and exits; its lease round, still
+    running, found the slot it had just released lapsed and took it again (its own release
+    notice woke it), so the live process waited a whole TTL for it."""
+    a, b = Leases(redis, NAMES, TTL_S), Leases(redis, NAMES, TTL_S)
+    await a.take(1)
+    a.shut()
+    await a.release(1)
+    assert await a.lapsed() == [1]
+    assert not await a.take(1)
+    assert await redis.get(NAMES.orchestrator_lease(1)) is None
+    assert await b.take(1)
+
+
 async def test_a_lapsed_lease_nobody_took_is_kept(redis: fakeredis.FakeAsyncRedis) -> None:
     a = Leases(redis, NAMES, TTL_S)
     await a.take(0)
