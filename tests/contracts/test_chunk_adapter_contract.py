@@ -119,9 +119,11 @@ def test_cancel_before_the_first_save_marks_the_request(world: World) -> None:
     assert drain(rcv, "early", 1) == [{"data": None, "finished": True}]
     assert world.put_keys("early_") == ["early_0_0"]
     assert count(snd, "chunks_dropped") == 2
-    snd.save_async("early", "again", True)  # the final put cleared the mark
-    rcv.load_async("early")
-    assert drain(rcv, "early", 1) == [{"data": "again", "finished": True}]
+    snd.save_async("early", "again", True)  # the final put cleared the mark: put whole
+    # Seen in what was put, not read back: the same id's key again, read by the receiver
+    # that served the first final inline, can lose to that final's deferred unlink.
+    wait_until(lambda: len(world.put_values("early_")) == 2)
+    assert world.put_values("early_")[-1] == {"data": "again", "finished": True}
 
 
 # --- sender rules --------------------------------------------------------------
