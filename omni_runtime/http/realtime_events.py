@@ -13,6 +13,7 @@ import base64
 import binascii
 import json
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -48,6 +49,15 @@ class PcmFormat(_Body):
     rate: Literal[24000] = 24000
 
 
+class G711Format(_Body):
+    """Telephony's 8 kHz G.711: `audio/pcmu` (μ-law), `audio/pcma` (A-law)."""
+
+    type: Literal["audio/pcmu", "audio/pcma"]
+
+
+AudioFormat = Annotated[PcmFormat | G711Format, Field(discriminator="type")]
+
+
 class ServerVad(_Body):
     type: Literal["server_vad"]
     threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -58,7 +68,7 @@ class ServerVad(_Body):
 
 
 class AudioInput(_Body):
-    format: PcmFormat | None = None
+    format: AudioFormat | None = None
     turn_detection: ServerVad | None = None
     """Given as null: turn detection off (the client commits and asks for responses)."""
 
@@ -68,7 +78,7 @@ class VoiceRef(_Body):
 
 
 class AudioOutput(_Body):
-    format: PcmFormat | None = None
+    format: AudioFormat | None = None
     voice: Id | VoiceRef | None = None
     speed: Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)] | None = None
 
@@ -92,7 +102,7 @@ class ContentPart(_Body):
     text: Text | None = None
     transcript: Text | None = None
     audio: str | None = None
-    """Base64 PCM16 at 24 kHz (an `input_audio` part)."""
+    """Base64 audio in the session's input format (an `input_audio` part)."""
 
 
 class MessageItem(_Body):
@@ -193,15 +203,17 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
         raise EventError(f"{kind}: {where}: {first['msg']}", param=where or None) from None
 
 
-def decode_pcm(data: str, param: str) -> bytes:
-    """Base64 PCM16 as bytes; EventError for what is not base64 or not whole samples."""
+def decode_audio(data: str, param: str, decode: Callable[[bytes], bytes]) -> bytes:
+    """Base64 audio in the session's input format as 24 kHz PCM16 (`decode`: its
+    `InputDecoder`); EventError for what is not base64 or not whole samples."""
     try:
-        pcm = base64.b64decode(data, validate=True)
+        raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise EventError("audio is not base64", param=param) from None
-    if len(pcm) % 2:
-        raise EventError("audio is not 16-bit samples (an odd byte count)", param=param)
-    return pcm
+    try:
+        return decode(raw)
+    except ValueError as e:
+        raise EventError(str(e), param=param) from None
 
 
 def b64(data: bytes) -> str:

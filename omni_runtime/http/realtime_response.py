@@ -18,15 +18,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-import numpy as np
-
 from omni_runtime.client.client import RequestTimeoutError
 from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput, TokenUsage
-from omni_runtime.http.audio import AudioFormatError, Resampler, as_pcm, pcm16
+from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
-from omni_runtime.http.realtime_events import SAMPLE_RATE, b64, event, new_id
+from omni_runtime.http.realtime_audio import AudioType, OutputEncoder, rate_of
+from omni_runtime.http.realtime_events import b64, event, new_id
 from omni_runtime.http.schemas import ErrorBody
 
 log = logging.getLogger(__name__)
@@ -102,6 +101,8 @@ class Response:
     """The text stage stopped at its limit (`max_output_tokens`): the response is incomplete."""
     usage: TokenUsage | None = None
     """The text stage's token counts, if its engine gave them (else `usage` estimates)."""
+    output_format: AudioType = "audio/pcm"
+    """The session's, when the response started: what its audio deltas carry."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
@@ -122,7 +123,8 @@ class Response:
             "id": self.id, "object": "realtime.response", "status": status,
             "status_details": details, "output_modalities": self.modalities,
             "conversation_id": None, "output": [],
-            "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
+            "audio": {"output": {"format": {"type": self.output_format,
+                                            "rate": rate_of(self.output_format)},
                                  "voice": self.params.get("voice")}},
         }  # fmt: skip
         if status != "in_progress":
@@ -168,7 +170,7 @@ class Response:
         """Emit the request's outputs as they come; the failure, if one ends it."""
         outs, timer = self.served.outputs, self.gateway.timer
         stt, audio = transcript_stage(self.served), "audio" in self.modalities
-        resample = Resampler(outs.sample_rate, SAMPLE_RATE)
+        encode = OutputEncoder(self.output_format, outs.sample_rate)
         stream = cast(
             AsyncGenerator[OrchOutput, None],
             run.client.stream(run.request_id, self.timeout_s),
@@ -195,15 +197,14 @@ class Response:
                         self._text(str(out.data))
                     elif out.stage_id == outs.audio_stage and audio:
                         self._heard_done()
-                        pcm = as_pcm(out.data)
-                        self._audio(resample(pcm))
+                        self._audio(*encode(as_pcm(out.data)))
         except RequestTimeoutError as e:
             return FailureEvent(str(e), 504)
         except AudioFormatError as e:
             return FailureEvent(f"stage {outs.audio_stage}: {e}")
         self._heard_done(ended=True)
         if audio:
-            self._audio(resample.flush())
+            self._audio(*encode.flush())
         return None
 
     def _heard_done(self, ended: bool = False) -> None:
@@ -234,17 +235,18 @@ class Response:
             self.emit(event("response.output_audio_transcript.delta", **self._at(audio_index),
                             delta=piece))  # fmt: skip
 
-    def _audio(self, pcm: np.ndarray) -> None:
-        if not pcm.size or self.status is not None:
+    def _audio(self, coded: bytes, samples: int) -> None:
+        """One audio delta: `samples` of audio, coded in the output format."""
+        if not samples or self.status is not None:
             return
         now = asyncio.get_running_loop().time()
         if self.speech_end is not None:
             self.gateway.metrics.observe("omni_realtime_speech_to_audio_seconds",
                                          now - self.speech_end)  # fmt: skip
             self.speech_end = None
-        self.playback.add(now, pcm.size / SAMPLE_RATE)
+        self.playback.add(now, samples / rate_of(self.output_format))
         index = 1 if "text" in self.modalities else 0
-        self.emit(event("response.output_audio.delta", **self._at(index), delta=b64(pcm16(pcm))))
+        self.emit(event("response.output_audio.delta", **self._at(index), delta=b64(coded)))
 
     def cancel(self, reason: str) -> None:
         """End it now (`cancelled`) and abort its request at every stage."""

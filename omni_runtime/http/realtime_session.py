@@ -18,6 +18,7 @@ from typing import Any, Literal
 from omni_runtime.client.playback import Playback
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.http.gateway import Gateway, Served
+from omni_runtime.http.realtime_audio import AudioType, InputDecoder, rate_of, uncodable
 from omni_runtime.http.realtime_events import (
     SAMPLE_RATE,
     AudioConfig,
@@ -31,7 +32,7 @@ from omni_runtime.http.realtime_events import (
     ResponseCreate,
     ServerVad,
     SessionUpdate,
-    decode_pcm,
+    decode_audio,
     event,
     new_id,
 )
@@ -79,6 +80,9 @@ class Session:
         self.max_tokens: int | None = None
         self.truncation: Literal["auto", "disabled"] = "auto"
         """`auto`: a thinker whose context the conversation outgrows drops its oldest turns."""
+        self.input_format: AudioType = "audio/pcm"
+        self.output_format: AudioType = "audio/pcm"
+        self.decode = InputDecoder(self.input_format)
         self.vad_config: ServerVad | None = ServerVad(type="server_vad")
         self.vad = self._new_vad()
         self.items: list[Item] = []
@@ -93,15 +97,15 @@ class Session:
     # --- what the client sees of the session ------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+        heard, said = (_format(f) for f in (self.input_format, self.output_format))
         vad = None if self.vad_config is None else self.vad_config.model_dump(exclude_none=True)
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id,
             "model": self.served.name, "output_modalities": self.modalities,
             "instructions": self.instructions, "tools": [], "tool_choice": "auto",
             "max_output_tokens": self.max_tokens or "inf", "truncation": self.truncation,
-            "audio": {"input": {"format": pcm, "turn_detection": vad, "transcription": None},
-                      "output": {"format": pcm, "voice": self.voice, "speed": self.speed}},
+            "audio": {"input": {"format": heard, "turn_detection": vad, "transcription": None},
+                      "output": {"format": said, "voice": self.voice, "speed": self.speed}},
         }  # fmt: skip
 
     def _new_vad(self) -> VoiceActivity | None:
@@ -119,7 +123,7 @@ class Session:
         if isinstance(ev, SessionUpdate):
             self._update(ev)
         elif isinstance(ev, BufferAppend):
-            self._append(decode_pcm(ev.audio, "audio"))
+            self._append(decode_audio(ev.audio, "audio", self.decode))
         elif isinstance(ev, BufferCommit):
             self._commit(None)
         elif isinstance(ev, BufferClear):
@@ -166,6 +170,15 @@ class Session:
     def _apply_audio(self, audio: AudioConfig | None) -> None:
         if audio is None:
             return
+        heard = audio.input.format.type if audio.input and audio.input.format else None
+        said = audio.output.format.type if audio.output and audio.output.format else None
+        for side, kind in (("input", heard), ("output", said)):
+            if kind is not None and (why := uncodable(kind)) is not None:
+                raise EventError(why, param=f"session.audio.{side}.format")
+        if heard is not None and heard != self.input_format:
+            self.input_format, self.decode = heard, InputDecoder(heard)
+        if said is not None:
+            self.output_format = said
         if audio.input is not None and "turn_detection" in audio.input.model_fields_set:
             self.vad_config = audio.input.turn_detection
             self.vad = self._new_vad()
@@ -246,7 +259,8 @@ class Session:
         for i, part in enumerate(given.content):
             if part.type == "input_audio":
                 if part.audio:
-                    audio += decode_pcm(part.audio, f"item.content.{i}.audio")
+                    decode = InputDecoder(self.input_format)  # a whole recording of its own
+                    audio += decode_audio(part.audio, f"item.content.{i}.audio", decode)
                 if part.transcript:
                     texts.append(part.transcript)
             else:
@@ -281,6 +295,7 @@ class Session:
             self.gateway, self.served, self.emit, prompt,
             {k: v for k, v in params.items() if v is not None}, modalities, heard,
             self.speech_end, Playback(), self._response_done, self.timeout_s,
+            output_format=self.output_format,
         )  # fmt: skip
         self.speech_end = None
         self.active = response
@@ -338,3 +353,8 @@ class Session:
         if self.active is not None:
             self.active.cancel("client_cancelled")
         self.gateway.metrics.observe("omni_realtime_session_worst_gap_seconds", self.worst_gap_s)
+
+
+def _format(kind: AudioType) -> dict[str, Any]:
+    """A format as the session describes it: its type and rate."""
+    return {"type": kind, "rate": rate_of(kind)}

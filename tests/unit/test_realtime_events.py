@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 
+from omni_runtime.http.realtime_audio import AudioType, InputDecoder, OutputEncoder
 from omni_runtime.http.realtime_events import EventError, parse_client_event
 
 
@@ -26,3 +28,36 @@ def test_a_bad_session_update_names_the_field(session: dict[str, Any], param: st
         parse_client_event(json.dumps({"type": "session.update", "session": session}))
     assert caught.value.param == param
     assert str(caught.value).startswith(f"session.update: {param}: ")
+
+
+def test_an_unknown_audio_format_names_the_field() -> None:
+    session = {"audio": {"input": {"format": {"type": "audio/g729"}}}}
+    with pytest.raises(EventError) as caught:
+        parse_client_event(json.dumps({"type": "session.update", "session": session}))
+    assert caught.value.param == "session.audio.input.format"
+    assert "audio/pcmu" in str(caught.value)  # what it may be
+
+
+@pytest.mark.parametrize("kind", ["audio/pcmu", "audio/pcma"])
+def test_g711_in_is_24_khz_pcm16_and_out_is_8_khz_g711(kind: AudioType) -> None:
+    """A second of tone each way, in 20 ms pieces as a phone line sends them: as long, and
+    the same tone (G.711 keeps 8 kHz speech to within a few per cent)."""
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 8000)).astype(np.float32)
+    encode = OutputEncoder(kind, 8000)
+    coded = [encode(piece) for piece in np.split(tone, 50)] + [encode.flush()]
+    line = b"".join(data for data, _n in coded)
+    assert sum(n for _data, n in coded) == len(line) == 8000  # one byte a sample
+    decode = InputDecoder(kind)
+    heard = np.frombuffer(b"".join(decode(line[i : i + 160]) for i in range(0, 8000, 160)), "<i2")
+    assert 24000 - 1200 <= heard.size <= 24000  # the resampler holds its last ms (< 50)
+    wide = (0.3 * np.sin(2 * np.pi * 440 * np.arange(heard.size) / 24000)) * 32767
+    lag = int(np.argmax(np.correlate(heard[:2400].astype(float), wide[:2400], "full"))) - 2399
+    assert abs(lag) < 48  # under 2 ms: the resampler's delay
+    assert np.abs(heard).max() == pytest.approx(0.3 * 32767, rel=0.05)
+
+
+def test_pcm_in_is_taken_as_it_is_whole_samples_only() -> None:
+    decode = InputDecoder("audio/pcm")
+    assert decode(b"\x01\x02\x03\x04") == b"\x01\x02\x03\x04"
+    with pytest.raises(ValueError, match="odd byte count"):
+        decode(b"\x01\x02\x03")
