@@ -24,7 +24,7 @@ QUESTIONS = [
     "Why is the sky blue?", "What do bees make?", "Describe the ocean.",
     "How do birds fly?", "What is a rainbow?", "Why do leaves fall?",
 ]  # fmt: skip
-"""Six seeded answers, ~230 words: a short answer alone is a noisy measure."""
+"""Six seeded answers, ~370 words: a short answer alone is a noisy measure."""
 TEXT_LINE = re.compile(
     r"^\[\s*[\d.]+ ms\] stage 0: (['\"].*['\"])(  \(finished\))?(  \(stopped at max_tokens\))?$"
 )
