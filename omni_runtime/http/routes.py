@@ -100,7 +100,10 @@ def media_router(gateway: Gateway) -> APIRouter:
         if refused is not None:
             param, why = refused
             raise ApiError(400, why, param=param, code="unsupported_parameter")
-        prompt = chat_prompt(gateway, served, req)
+        if served.outputs.input == "audio":  # decoding a recording takes a while: not here
+            prompt = await asyncio.to_thread(chat_prompt, gateway, served, req)
+        else:
+            prompt = chat_prompt(gateway, served, req)
         prompt_tokens = count_tokens(prompt)
         if req.wants_audio and served.outputs.audio_stage is None:
             raise ApiError(400, "this pipeline has no audio output", param="modalities")

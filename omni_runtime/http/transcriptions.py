@@ -9,6 +9,7 @@ is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are 
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from typing import Annotated, Literal
 
@@ -47,7 +48,7 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
         if stream:
             raise ApiError(400, "streamed transcriptions are not supported", param="stream")
         try:
-            wav = recording(await file.read())
+            wav = await asyncio.to_thread(recording, await file.read())  # off the loop
         except WavError as e:
             raise ApiError(400, f"file: {e}", param="file", code="invalid_audio") from None
         finally:
