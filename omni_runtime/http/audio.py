@@ -116,11 +116,17 @@ _ENCODINGS = {
 audio goes at `PCM16_RATE`, which both take)."""
 
 
-def unencodable(fmt: FileFormat) -> str | None:
-    """Why this server cannot make `fmt` files (checked before a request runs), or None."""
-    if fmt == "wav" or importlib.util.find_spec("soundfile") is not None:
+def without_soundfile(what: str) -> str | None:
+    """Why `what` cannot be coded here (soundfile is not installed), or None: said before a
+    request runs, not when its audio is done."""
+    if importlib.util.find_spec("soundfile") is not None:
         return None
-    return f"{fmt} needs the soundfile package on the server (pip install 'omni-runtime[serve]')"
+    return f"{what} needs the soundfile package on the server (pip install 'omni-runtime[serve]')"
+
+
+def unencodable(fmt: FileFormat) -> str | None:
+    """Why this server cannot make `fmt` files, or None."""
+    return None if fmt == "wav" else without_soundfile(fmt)
 
 
 def audio_file(samples: npt.NDArray[np.float32], rate: int, fmt: FileFormat) -> bytes:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from redis.exceptions import RedisError
 
 from omni_runtime.client.client import OmniClient, RequestTimeoutError
-from omni_runtime.core.types import FinishReason, TokenUsage
+from omni_runtime.core.types import FinishReason, OrchOutput, TokenUsage
 from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory
@@ -302,6 +302,12 @@ class Run:
         """The text stage's token counts, if its engine gave them."""
         self._closed = False
 
+    def note_end(self, out: OrchOutput) -> None:
+        """What the text stage's finished output says of it: why it ended, its counts."""
+        if out.stage_id == self.served.outputs.text_stage:
+            self.finish_reason = out.finish_reason or self.finish_reason
+            self.usage = out.usage or self.usage
+
     async def events(self) -> AsyncGenerator[Event, None]:
         out_cfg = self.served.outputs
         first_text = True
@@ -315,9 +321,7 @@ class Run:
                     self.ended = True
                     yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
-                if out.stage_id == out_cfg.text_stage:  # its end says why, and counts
-                    self.finish_reason = out.finish_reason or self.finish_reason
-                    self.usage = out.usage or self.usage
+                self.note_end(out)
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
                     text = out.data if isinstance(out.data, str) else str(out.data)
                     if text:

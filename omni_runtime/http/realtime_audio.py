@@ -6,14 +6,13 @@ pipeline's audio goes out resampled to the output format's rate."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from omni_runtime.http.audio import PCM16_RATE, Resampler, pcm16
+from omni_runtime.http.audio import PCM16_RATE, Resampler, pcm16, without_soundfile
 
 AudioType = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
 G711_RATE = 8000
@@ -26,9 +25,7 @@ def rate_of(kind: AudioType) -> int:
 
 def uncodable(kind: AudioType) -> str | None:
     """Why this server cannot take or make `kind` (said when the session asks), or None."""
-    if kind == "audio/pcm" or importlib.util.find_spec("soundfile") is not None:
-        return None
-    return f"{kind} needs the soundfile package on the server (pip install 'omni-runtime[serve]')"
+    return None if kind == "audio/pcm" else without_soundfile(kind)
 
 
 def _g711_to_pcm16(data: bytes, kind: AudioType) -> npt.NDArray[np.int16]:

@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 
 from omni_runtime.client.client import RequestTimeoutError
 from omni_runtime.client.playback import Playback
-from omni_runtime.core.types import OrchOutput, TokenUsage
+from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
@@ -97,10 +97,6 @@ class Response:
     pieces: int = 0
     later_spoke: bool = False
     """A stage after the speech-to-text one has output (its transcript is due once heard)."""
-    cut_short: bool = False
-    """The text stage stopped at its limit (`max_output_tokens`): the response is incomplete."""
-    usage: TokenUsage | None = None
-    """The text stage's token counts, if its engine gave them (else `usage` estimates)."""
     output_format: AudioType = "audio/pcm"
     """The session's, when the response started: what its audio deltas carry."""
 
@@ -133,8 +129,8 @@ class Response:
             for m in self.prompt.get("messages", []) if isinstance(self.prompt, dict) else []:
                 words += len(m["content"].split())
             said, made = words, self.pieces  # estimates, unless the engine counted
-            if self.usage is not None:
-                said, made = self.usage.prompt_tokens, self.usage.completion_tokens
+            if self.run is not None and (counted := self.run.usage) is not None:
+                said, made = counted.prompt_tokens, counted.completion_tokens
             body["usage"] = {"input_tokens": said, "output_tokens": made,
                              "total_tokens": said + made}  # fmt: skip
         return body
@@ -161,7 +157,7 @@ class Response:
             run.close()
         if failed is not None:
             self._finish("failed", failed.api_error().body)
-        elif self.cut_short:
+        elif run.finish_reason == "length":  # the text stopped at `max_output_tokens`
             self._finish("incomplete", reason="max_output_tokens")
         else:
             self._finish("completed")
@@ -183,9 +179,7 @@ class Response:
                     if out.error is not None:
                         run.ended = True
                         return FailureEvent.of(out.stage_id, out.error, out.error_code)
-                    if out.stage_id == outs.text_stage:  # its end says why, and counts
-                        self.cut_short = self.cut_short or out.finish_reason == "length"
-                        self.usage = out.usage or self.usage
+                    run.note_end(out)
                     if out.data is None:
                         continue
                     if out.stage_id == stt and self.heard is not None:

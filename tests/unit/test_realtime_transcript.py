@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.http.gateway import FailureEvent
+from omni_runtime.http.gateway import FailureEvent, Run
 from omni_runtime.http.realtime_response import Item, Response, Status
 
 TRANSCRIBED = "conversation.item.input_audio_transcription.completed"
@@ -55,7 +55,7 @@ def response(stream: Stream, emitted: list[dict[str, Any]]) -> tuple[Response, A
         on_done=lambda _r, status: done.append(status),
         timeout_s=10,
     )
-    run = SimpleNamespace(client=stream, request_id="r", ended=False)
+    run = Run(gateway, served, cast(Any, stream), "r", audio=False)  # over a fake stream
     return r, run
 
 
