@@ -1,9 +1,10 @@
 """The `serve` process: the HTTP app on uvicorn, over a given Redis or an embedded deployment.
 
 With no Redis URL it starts what `run` starts (a private Redis, the orchestrator
-and every worker as subprocesses, each with every setting `serve` was given) and
-stops them when it exits, on SIGINT, SIGTERM or SIGHUP alike; they die with it if it
-is killed (`parent_death`). With a URL, it is just another client and any number of
+and every worker as subprocesses, each with every setting `serve` was given), starts
+again any of them that dies (`ProcessGroup.restart_dead`), and stops them when it
+exits, on SIGINT, SIGTERM or SIGHUP alike; they die with it if it is killed
+(`parent_death`). With a URL, it is just another client and any number of
 replicas may run side by side.
 Several pipelines (`--pipeline` repeated, or a comma list) run each in a namespace of
 its own (`gateway.namespace_for`).
@@ -50,7 +51,7 @@ def pipeline_paths(given: str | list[str]) -> list[str]:
 def run_serve(
     args: argparse.Namespace, settings: Settings, children: Children, log_args: list[str]
 ) -> int:
-    """`omni-runtime serve`: returns the exit code (1 if an embedded process died).
+    """`omni-runtime serve`: returns the exit code (1 if an embedded process kept dying).
     `children` is what an embedded deployment forks (the command line's entry point),
     `log_args` the logging flags each of its processes is given."""
 
@@ -147,8 +148,8 @@ async def _serve_until_stopped(server: uvicorn.Server, groups: list[ProcessGroup
     while groups and not task.done() and not server.should_exit:
         try:
             for group in groups:
-                group.check_alive()
-        except OmniError as e:  # a dead embedded worker: stop serving, say why
+                group.restart_dead()
+        except OmniError as e:  # an embedded process that keeps dying: stop serving, say why
             log.error("%s", e)
             server.should_exit = True
             await task

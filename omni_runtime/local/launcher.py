@@ -111,6 +111,11 @@ def embedded_redis() -> Iterator[str]:
         server.server_close()
 
 
+RESTART_LIMIT = 3
+"""`restart_dead`: how often one process may die within `RESTART_WINDOW_S` and be started again."""
+RESTART_WINDOW_S = 60.0
+
+
 class ProcessGroup:
     """The orchestrator and workers of one pipeline, each its own OS process.
 
@@ -140,6 +145,9 @@ class ProcessGroup:
         self.final_logs: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}
         """With OMNI_METRICS_PORT=P in `env`, process i (orchestrator first) serves on P + i."""
+        self.commands: dict[str, tuple[list[str], Mapping[str, str] | None]] = {}
+        self.deaths: dict[str, list[float]] = {}
+        """`restart_dead`: when each process died, over the last `RESTART_WINDOW_S`."""
 
     def start(self) -> None:
         if self.fork is not None and can_fork():
@@ -153,16 +161,28 @@ class ProcessGroup:
                 name = f"stage{stage.id}-{stage.name}-{r}"
                 self._spawn(name, [*base, "worker", *common, "--stage", str(stage.id)])
 
-    def _spawn(self, name: str, cmd: list[str], extra_env: Mapping[str, str] | None = None) -> None:
-        """Start one process; `extra_env` adds to (or overrides) the group's variables."""
+    def _spawn(
+        self,
+        name: str,
+        cmd: list[str],
+        extra_env: Mapping[str, str] | None = None,
+        *,
+        again_at: int | None = None,
+    ) -> None:
+        """Start one process; `extra_env` adds to (or overrides) the group's variables.
+        `again_at`: it replaces the dead process at that index of `procs`, on its port,
+        its log continued."""
+        self.commands[name] = (cmd, extra_env)
         env = {**self.env, **(extra_env or {})}
         base = env.get("OMNI_METRICS_PORT", "").strip()
         at_start = exit_with_parent()  # per start: the kernel follows the starting thread
         if base.isdigit() and int(base) > 0:  # one port each: the same one would fail all but one
-            port = self.metrics_ports[name] = int(base) + len(self.procs)
+            port = self.metrics_ports.get(name) if again_at is not None else None
+            port = self.metrics_ports[name] = port or int(base) + len(self.procs)
             env = {**env, "OMNI_METRICS_PORT": str(port)}
             log.info("%s serves /metrics on port %d", name, port)
-        logfile = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
+        mode = "ab" if again_at is not None else "wb"
+        logfile = open(self.log_dir / f"{name}.log", mode)  # noqa: SIM115 (closed in stop)
         proc: subprocess.Popen[bytes] | ForkedProcess
         with stop_signals_held():  # a stop signal comes once the child is in `procs`
             if self.fork is not None and can_fork():  # cmd[3:]: after `python -m omni_runtime.cli`
@@ -177,7 +197,11 @@ class ProcessGroup:
                     stderr=subprocess.STDOUT,
                     preexec_fn=_released(at_start),
                 )
-            self.procs.append((name, proc, logfile))
+            if again_at is None:
+                self.procs.append((name, proc, logfile))
+            else:
+                self.procs[again_at][2].close()
+                self.procs[again_at] = (name, proc, logfile)
 
     def _stage_packages(self) -> set[str]:
         """The top-level packages of the pipeline's own code (entries, forward function)."""
@@ -191,6 +215,39 @@ class ProcessGroup:
             code = proc.poll()
             if code is not None:
                 raise FatalError(f"{name} exited with code {code}:\n{self.tail(name)}")
+
+    def restart_dead(self, now: float | None = None) -> list[str]:
+        """Start again each process that died, and return their names: `serve` keeps
+        serving through a crash (a request that killed its worker, the kernel's OOM killer),
+        its requests in flight taken over as from any dead replica (`docs/operations.md`).
+
+        A process that died more than `RESTART_LIMIT` times in `RESTART_WINDOW_S` is not
+        started again: the group fails with its last log lines, as `check_alive` would,
+        since it would fail every request it is given (a model that does not load, a Redis
+        that refuses it)."""
+        now = time.monotonic() if now is None else now
+        started = []
+        for index, (name, proc, _f) in enumerate(self.procs):
+            code = proc.poll()
+            if code is None:
+                continue
+            deaths = [t for t in self.deaths.get(name, []) if now - t < RESTART_WINDOW_S]
+            deaths.append(now)
+            self.deaths[name] = deaths
+            if len(deaths) > RESTART_LIMIT:
+                raise FatalError(
+                    f"{name} exited with code {code} and died {len(deaths)} times in "
+                    f"{RESTART_WINDOW_S:.0f} s: not started again. Its last lines:\n"
+                    f"{self.tail(name)}"
+                )
+            log.error(
+                "%s exited with code %d; starting it again (%d of %d in %.0f s). Its last lines:\n%s",
+                name, code, len(deaths), RESTART_LIMIT, RESTART_WINDOW_S, self.tail(name),
+            )  # fmt: skip
+            cmd, extra_env = self.commands[name]
+            self._spawn(name, cmd, extra_env, again_at=index)
+            started.append(name)
+        return started
 
     def tail(self, name: str, lines: int = 20) -> str:
         text = self.final_logs.get(name)

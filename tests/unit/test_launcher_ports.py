@@ -1,4 +1,5 @@
-"""ProcessGroup: with OMNI_METRICS_PORT set, every process it starts gets a port of its own."""
+"""ProcessGroup: with OMNI_METRICS_PORT set, every process it starts gets a port of its own,
+and keeps it when `restart_dead` starts it again."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from omni_runtime.errors import FatalError
 from omni_runtime.local.launcher import ProcessGroup
 from omni_runtime.pipeline import load_pipeline
 
@@ -45,5 +47,57 @@ def test_each_process_gets_its_own_metrics_port(
         else:
             assert [int(e["OMNI_METRICS_PORT"]) for e in envs] == expected
             assert list(group.metrics_ports.values()) == expected
+    finally:
+        group.stop()
+
+
+class DyingPopen:
+    """A process that runs until the test says it died (`code`)."""
+
+    started: ClassVar[list[DyingPopen]] = []
+
+    def __init__(self, cmd: list[str], env: dict[str, str], **_kw: Any) -> None:
+        self.cmd, self.env = cmd, env
+        self.code: int | None = None
+        self.returncode: int | None = None
+        self.started.append(self)
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, _timeout: float | None = None) -> int:
+        self.returncode = self.code = self.code if self.code is not None else 0
+        return self.code
+
+    def send_signal(self, _sig: int) -> None:
+        pass
+
+
+def test_a_dead_process_is_started_again_in_its_place_and_a_crash_loop_stops_the_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(subprocess, "Popen", DyingPopen)
+    DyingPopen.started.clear()
+    group = ProcessGroup(OMNI, load_pipeline(OMNI), {"OMNI_METRICS_PORT": "9400"})
+    group.start()
+    try:
+        assert group.restart_dead(now=0.0) == []
+        for died_at in (0.0, 10.0, 20.0, 61.0):  # the one at 0 is out of the window at 61
+            talker = group.procs[2][1]
+            assert isinstance(talker, DyingPopen)
+            talker.code = -9
+            assert group.restart_dead(now=died_at) == ["stage1-talker-0"]
+            again = group.procs[2][1]
+            assert again is not talker and isinstance(again, DyingPopen)
+            assert (again.cmd, again.env["OMNI_METRICS_PORT"]) == (talker.cmd, "9402")
+        assert [name for name, _p, _f in group.procs][2] == "stage1-talker-0"
+        assert len(DyingPopen.started) == 4 + 4
+        dying = group.procs[2][1]
+        assert isinstance(dying, DyingPopen)
+        dying.code = 3
+        with pytest.raises(
+            FatalError, match=r"stage1-talker-0 exited with code 3 and died 4 times"
+        ):
+            group.restart_dead(now=62.0)
     finally:
         group.stop()
