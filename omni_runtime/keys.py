@@ -180,7 +180,12 @@ class Names:
         return f"{self.prefix}hb:{role}"
 
     def orchestrator_heartbeat(self) -> str:
+        """Shared by every orchestrator process (clients wait for one): the pipeline, its mode."""
         return self.heartbeat("orchestrator")
+
+    def orchestrator_process_heartbeat(self, token: str) -> str:
+        """One orchestrator process's own (`status`): its host, pid, requests, slots."""
+        return self.heartbeat(f"orchestrator:{token}")
 
     def stage_heartbeat(self, stage_id: int, worker_id: str) -> str:
         return self.heartbeat(f"stage:{stage_id}:{worker_id}")

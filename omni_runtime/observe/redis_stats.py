@@ -102,6 +102,8 @@ class ProcessInfo:
     """An async engine's `running`, `waiting` and `capacity` (its worker's heartbeat)."""
     max_concurrency: int | None = None
     """A worker's `OMNI_WORKER_MAX_CONCURRENCY`: what it may hold at once."""
+    mode: str | None = None
+    """The shared orchestrator heartbeat's: the pipeline's mode (its name is `value`)."""
 
 
 def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: float) -> ProcessInfo:
@@ -110,8 +112,8 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
     if role[0] == "stage" and len(role) >= 3:
         info.kind, info.name = "worker", ":".join(role[2:])
         info.stage = int(role[1]) if role[1].isdigit() else None
-    elif role[0] == "client":
-        info.name = ":".join(role[1:])
+    elif role[0] in ("client", "orchestrator"):  # an orchestrator process's own: its token
+        info.name = ":".join(role[1:]) or None
     info.host = doc.get("host")
     info.pid = doc.get("pid")
     started = doc.get("started_at")
@@ -120,6 +122,7 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
     info.in_flight = doc.get("in_flight")
     info.completed = doc.get("completed")
     info.value = doc.get("value", doc.get("pipeline"))  # an orchestrator names its pipeline
+    info.mode = doc.get("mode") if isinstance(doc.get("mode"), str) else None
     limit = doc.get("max_concurrency")
     info.max_concurrency = limit if isinstance(limit, int) else None
     engine = doc.get("engine")
@@ -128,9 +131,10 @@ def _process(key: str, prefix: str, doc: dict[str, Any], ttl_ms: int, now_s: flo
 
 
 def read_heartbeats(client: redis.Redis, names: keys.Names, now_s: float) -> list[ProcessInfo]:
-    """Every live process of the namespace, from its heartbeat key."""
+    """Every live process of the namespace, from its heartbeat key (the Redis state's
+    epoch token, kept beside them, is none)."""
     prefix = names.heartbeat("")
-    hb_keys = scan_keys(client, f"{prefix}*", "string")
+    hb_keys = [k for k in scan_keys(client, f"{prefix}*", "string") if k != names.epoch]
     with client.pipeline(transaction=False) as pipe:
         for key in hb_keys:
             pipe.get(key)

@@ -46,6 +46,8 @@ class RequestTimer:
         self.metrics = metrics
         self.max_open = max_open
         self._open: OrderedDict[str, _Open] = OrderedDict()
+        self.ended_total = 0
+        """Requests whose last output went out (the process's heartbeat: `status`)."""
 
     def started(self, request_id: str, t: float | None = None) -> None:
         """`t`: time.monotonic() when the request was read (default now)."""
@@ -77,6 +79,7 @@ class RequestTimer:
         """The request's last output (its final result, error, abort or deadline) went out."""
         req = self._open.pop(request_id, None)
         if req is not None:
+            self.ended_total += 1
             now = time.monotonic() if t is None else t
             self.metrics.observe("omni_e2e_request_latency_seconds", now - req.start)
 

@@ -56,10 +56,15 @@ def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
         leases: list[redis_stats.SlotLease] | None = redis_stats.read_slot_leases(client, names)
     except RedisError:  # an ACL without these keys: the shared heartbeat alone
         leases = None
-    beating = sum(1 for p in procs if p.kind == "orchestrator")
+    # each orchestrator process beats a key of its own beside the one they share, which
+    # names the pipeline (one from before that beats the shared key alone still counts)
+    own = sum(1 for p in procs if p.kind == "orchestrator" and p.name)
+    shared = next((p for p in procs if p.kind == "orchestrator" and not p.name), None)
+    beating = own or int(shared is not None)
     return {
         "namespace": names.namespace,
         "time": now_s,
+        "pipeline": None if shared is None else {"name": shared.value, "mode": shared.mode},
         "orchestrators": beating if not leases else len({lease.holder for lease in leases}),
         "orchestrator_slots": None if leases is None else redis_stats.as_jsonable(leases),
         "workers_per_stage": {str(k): v for k, v in workers.items()},
@@ -69,6 +74,7 @@ def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
         "request_rate_per_s": redis_stats.request_rate(client, names, now_ms),
         "stats": redis_stats.read_stats(client, names),
         "redis_memory": redis_memory(client),
+        "other_namespaces": other_namespaces(client, names) if not procs else [],
     }
 
 
@@ -124,18 +130,33 @@ def _opt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _pipeline_label(pipeline: dict[str, Any] | None) -> str:
+    if not pipeline:
+        return ""
+    return f"  pipeline {pipeline['name']}" + (f" ({pipeline['mode']})" if pipeline["mode"] else "")
+
+
+def other_namespaces(client: redis.Redis, names: keys.Names) -> list[str]:
+    """The namespaces with an orchestrator on this Redis, this one aside: what `status` of
+    an empty namespace suggests (`serve` runs several pipelines each in `<ns>.<name>`)."""
+    suffix = names.orchestrator_heartbeat().removeprefix(names.prefix)
+    beats = redis_stats.scan_keys(client, f"*:{suffix}", "string")
+    return sorted({k.removesuffix(":" + suffix) for k in beats} - {names.namespace})
+
+
 def _processes_table(snap: dict[str, Any]) -> Table:
     t = Table(title="processes", title_justify="left", expand=False)
     cols = ("kind", "stage", "name", "host", "pid", "up", "last beat", "in flight", "done")
     for col in (*cols, "engine"):
         t.add_column(col, justify="right" if col in ("pid", "in flight", "done") else "left")
+    own_rows = any(p["kind"] == "orchestrator" and p["name"] for p in snap["processes"])
     for p in snap["processes"]:
-        if p["kind"] == "client":
-            continue
+        if p["kind"] == "client" or (own_rows and p["kind"] == "orchestrator" and not p["name"]):
+            continue  # the shared orchestrator heartbeat: in the header, as the pipeline
         t.add_row(
             p["kind"],
             _opt(p["stage"]),
-            p["name"] or p["value"] or "",
+            (p["name"] or p["value"] or "")[: 12 if p["kind"] == "orchestrator" else None],
             _opt(p["host"]),
             _opt(p["pid"]),
             _age(p["uptime_s"]),
@@ -223,8 +244,10 @@ def render(snap: dict[str, Any]) -> Group:
     """The rich renderable of one snapshot."""
     per_stage = snap["workers_per_stage"]
     missing = [k for k, n in per_stage.items() if n == 0]
+    pipeline = snap.get("pipeline")
     head = Text.assemble(
         (f"namespace {snap['namespace']}", "bold"),
+        _pipeline_label(pipeline),
         f"  orchestrators {snap['orchestrators']}",
         "  workers " + (", ".join(f"stage {k}: {n}" for k, n in per_stage.items()) or "none"),
         f"  requests/s {snap['request_rate_per_s']:.2f}",
@@ -244,6 +267,9 @@ def render(snap: dict[str, Any]) -> Group:
             parts.append(Text(line))
     if snap["orchestrators"] == 0:
         parts.append(Text("no orchestrator heartbeat", style="bold red"))
+    if snap.get("other_namespaces"):
+        found = ", ".join(snap["other_namespaces"])
+        parts.append(Text(f"nothing runs in this namespace; on this Redis: {found} (--namespace)"))
     if missing:
         parts.append(Text(f"no live worker for stage {', '.join(missing)}", style="bold red"))
     parts += [_processes_table(snap)]

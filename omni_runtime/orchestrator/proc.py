@@ -214,6 +214,8 @@ class OrchestratorService:
         await cancel_and_wait(loops)
         for served in self.slots.values():
             await served.stop()
+        with contextlib.suppress(RedisError):  # its row in `status` goes with it
+            await self.client.delete(self.watch.own_heartbeat)
         if self.deposed is not None:
             return
         with contextlib.suppress(TimeoutError):

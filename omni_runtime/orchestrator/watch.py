@@ -16,6 +16,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from omni_runtime import keys
+from omni_runtime.observe.redis_stats import heartbeat_value
 from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.orchestrator.slot import SlotService
 from omni_runtime.redis_io.liveness import Absence, Replicas, StateEpoch, no_live_worker
@@ -37,6 +38,7 @@ class Watch:
         self.replicas = Replicas(shared.client, self.names, shared.pipeline.last_stage + 1)
         self._beat = orchestrator_beat(shared.pipeline)
         """The heartbeat's value: the pipeline and its mode (`mode_check`)."""
+        self.own_heartbeat = self.names.orchestrator_process_heartbeat(shared.leases.token)
 
     async def once(self, now: float) -> None:
         """One look: beat, Redis restarts, stages, clients (raises `RedisError`). One
@@ -49,19 +51,27 @@ class Watch:
         async with self.shared.client.pipeline(transaction=False) as pipe:
             pipe.set(heartbeat, self._beat, px=s.heartbeat_ttl_ms)
             pipe.pexpire(heartbeat, s.heartbeat_ttl_ms)  # kept alive if Redis refuses the SET
+            pipe.set(self.own_heartbeat, self._own_beat(), px=s.heartbeat_ttl_ms)
             pipe.get(self.names.epoch)
             queued = self.replicas.queue(pipe)
             for cid in client_ids:
                 pipe.exists(self.names.client_heartbeat(cid))
             replies = await pipe.execute(raise_on_error=False)
-        for i, reply in enumerate(replies):  # out of memory refuses the SET alone
-            if isinstance(reply, RedisError) and not (i == 0 and is_oom(reply)):
+        for i, reply in enumerate(replies):  # out of memory refuses the SETs alone
+            if isinstance(reply, RedisError) and not (i in (0, 2) and is_oom(reply)):
                 raise reply
-        if await self._epoch.lost_given(replies[2]):
+        if await self._epoch.lost_given(replies[3]):
             await self.redis_restarted(now)
-        stage_replies = replies[3 : 3 + len(queued)]
+        stage_replies = replies[4 : 4 + len(queued)]
         await self._stages_are(await self.replicas.settle(queued, stage_replies), now)
-        await self._clients_are(client_ids, replies[3 + len(queued) :], now)
+        await self._clients_are(client_ids, replies[4 + len(queued) :], now)
+
+    def _own_beat(self) -> str:
+        """This process's row in `status`: where it runs, its requests in flight and done."""
+        return heartbeat_value(
+            in_flight=sum(len(slot.client_of) for slot in self.slots()),
+            completed=self.shared.timer.ended_total,
+        )
 
     def unreachable(self, now: float) -> None:
         """A look failed: Redis is unreachable (or failing over). Heartbeats written

@@ -196,8 +196,12 @@ def test_status_lists_every_process_and_stream(deployment: Deployment) -> None:
     assert snap["workers_per_stage"] == {"0": 1, "1": 1, "2": 1}
     workers = {p["pid"]: p["stage"] for p in snap["processes"] if p["kind"] == "worker"}
     assert workers == {p.popen.pid: p.stage for p in deployment.procs if p.stage is not None}
-    (orch,) = [p for p in snap["processes"] if p["kind"] == "orchestrator"]
-    assert orch["value"] == deployment.pipeline.name
+    assert snap["pipeline"] == {"name": deployment.pipeline.name, "mode": "streaming"}
+    (orch,) = [p for p in snap["processes"] if p["kind"] == "orchestrator" and p["name"]]
+    orchestrator = deployment.procs[0]
+    assert (orch["pid"], orchestrator.stage) == (orchestrator.popen.pid, None)
+    assert orch["host"] and orch["uptime_s"] > 0 and orch["completed"] >= N_REQUESTS
+    assert not any(p["name"] == "epoch" or p["kind"] == "epoch" for p in snap["processes"])
     streams = {s["name"] for s in snap["streams"]}
     for sid in (0, 1, 2):
         assert {names.stage_in(sid), names.stage_out(sid)} <= streams

@@ -125,6 +125,46 @@ def test_empty_namespace_is_unhealthy_not_an_error(client: redis.Redis) -> None:
     assert json.loads(buf.getvalue())["orchestrators"] == 0
 
 
+def test_an_empty_namespace_names_the_namespaces_that_run_on_this_redis(
+    client: redis.Redis,
+) -> None:
+    """`serve` runs several pipelines each in `<ns>.<name>`: `status` of the plain one says so."""
+    for namespace in ("omni.voice", "omni.speak", "other"):
+        client.set(keys.Names(namespace).orchestrator_heartbeat(), "x", ex=keys.HEARTBEAT_TTL_S)
+    console, buf = _console()
+    assert run_status(_args("--json"), SETTINGS, client=client, console=console) == 1
+    assert json.loads(buf.getvalue())["other_namespaces"] == ["omni.speak", "omni.voice", "other"]
+    console, buf = _console()
+    run_status(_args("--once"), SETTINGS, client=client, console=console)
+    assert "on this Redis: omni.speak, omni.voice, other (--namespace)" in buf.getvalue()
+    _deployment(client)  # something runs here: no other namespace is looked for
+    console, buf = _console()
+    run_status(_args("--json"), SETTINGS, client=client, console=console)
+    assert json.loads(buf.getvalue())["other_namespaces"] == []
+
+
+def test_each_orchestrator_process_has_its_row_and_the_shared_beat_names_the_pipeline(
+    client: redis.Redis,
+) -> None:
+    beat = json.dumps({"pipeline": "voice", "mode": "streaming"})
+    client.set(N.orchestrator_heartbeat(), beat, ex=keys.HEARTBEAT_TTL_S)
+    client.set(N.epoch, "e" * 32)
+    for token, pid in (("a" * 32, 7), ("b" * 32, 8)):
+        doc = {"host": "cpu-a", "pid": pid, "started_at": time.time() - 60, "in_flight": pid}
+        client.set(N.orchestrator_process_heartbeat(token), json.dumps(doc), ex=5)
+    console, buf = _console()
+    run_status(_args("--json"), SETTINGS, client=client, console=console)
+    snap = json.loads(buf.getvalue())
+    assert snap["orchestrators"] == 2 and snap["pipeline"] == {"name": "voice", "mode": "streaming"}
+    rows = {p["name"]: p["pid"] for p in snap["processes"] if p["kind"] == "orchestrator"}
+    assert rows == {None: None, "a" * 32: 7, "b" * 32: 8}  # the epoch token is no process
+    console, buf = _console()
+    run_status(_args("--once"), SETTINGS, client=client, console=console)
+    text = buf.getvalue()
+    assert "pipeline voice (streaming)" in text and "a" * 12 in text and "b" * 12 in text
+    assert "a" * 13 not in text and "e" * 12 not in text
+
+
 def test_each_orchestrator_is_counted_by_the_slot_leases_it_holds(redis_url: str) -> None:
     """Orchestrators share one heartbeat key; each holds its own slot's lease (and any it
     took over): status counts and lists them by those."""
