@@ -1,5 +1,6 @@
 """Float32 PCM chunks → what HTTP clients play: 16-bit PCM at the rate its format promises,
-whole WAV, MP3, FLAC or Ogg Opus files (OpenAI's file formats), base64."""
+whole WAV, MP3, FLAC or Ogg Opus files (OpenAI's file formats), MP3 and Opus streams as
+they are encoded, base64."""
 
 from __future__ import annotations
 
@@ -127,6 +128,134 @@ def without_soundfile(what: str) -> str | None:
 def unencodable(fmt: FileFormat) -> str | None:
     """Why this server cannot make `fmt` files, or None."""
     return None if fmt == "wav" else without_soundfile(fmt)
+
+
+StreamFormat = Literal["mp3", "opus"]
+"""What `EncodedStream` makes: libsndfile writes an Ogg Opus stream front to back, and an
+MP3 one but for its first frame, which it rewrites when the file closes. FLAC's rewritten
+header is what a decoder needs (libsndfile cannot read a FLAC of unknown length), and a
+WAV's says its true sizes: those two come whole."""
+STREAMED: tuple[StreamFormat, ...] = ("mp3", "opus")
+MP3_STREAM_LEVEL = 0.5
+"""libsndfile's compression level for a streamed MP3, at a constant bit rate (~80 kbit/s
+at 22.05 kHz): without the first frame's tag, a decoder that reads no further than the
+size's worth at the first frame's rate would cut a variable-rate stream short."""
+
+
+OGG_PAGE_MS = 100.0
+"""How much Opus audio an Ogg page holds, at most, in a stream: libsndfile's default
+(about a second) would hold each second back until it is whole; 100 ms costs ~5 % more bytes."""
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h (libsndfile >= 1.1)
+
+
+def _short_ogg_pages(file: Any) -> None:
+    """`OGG_PAGE_MS` pages, by the command soundfile does not wrap (through its cffi
+    handle); an older libsndfile or soundfile keeps its default pages."""
+    import soundfile
+
+    try:
+        latency = soundfile._ffi.new("double*", OGG_PAGE_MS)
+        size = soundfile._ffi.sizeof("double")
+        soundfile._snd.sf_command(file._file, _SFC_SET_OGG_PAGE_LATENCY_MS, latency, size)
+    except AttributeError:
+        pass
+
+
+class _Outgoing(io.RawIOBase):
+    """What an encoder writes, taken as it comes (`take`). A write back into bytes already
+    taken is dropped: what went out cannot be changed (MP3's rewritten first frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = bytearray()
+        self._taken = 0
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        end = self._taken + len(self._pending)
+        if self._pos < self._taken:  # gone out already
+            skip = min(size, self._taken - self._pos)
+            view, self._pos = view[skip:], self._pos + skip
+        if self._pos > end:
+            raise OSError("an encoder seeked past the end of its stream")
+        at = self._pos - self._taken
+        self._pending[at : at + len(view)] = view
+        self._pos += len(view)
+        return size
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        end = self._taken + len(self._pending)
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: end}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        return b""  # an encoder reads nothing back from a stream
+
+    def take(self) -> bytes:
+        out = bytes(self._pending)
+        self._taken += len(out)
+        self._pending.clear()
+        return out
+
+
+class EncodedStream:
+    """One answer's audio as an MP3 or Ogg Opus stream, its bytes handed out as each chunk
+    is encoded (an encoder and its resampler keep their state across chunks). Not thread
+    safe: one chunk at a time. `close` gives the stream's tail; an unclosed one frees its
+    encoder when collected."""
+
+    def __init__(self, rate: int, fmt: StreamFormat) -> None:
+        import soundfile
+
+        _container, subtype, rates = _ENCODINGS[fmt]
+        self._resample = Resampler(rate) if rates is not None and rate not in rates else None
+        self._out = _Outgoing()
+        mp3 = {"bitrate_mode": "CONSTANT", "compression_level": MP3_STREAM_LEVEL}
+        self._file = soundfile.SoundFile(
+            self._out,
+            "w",
+            PCM16_RATE if self._resample else rate,
+            1,
+            subtype,
+            format=_ENCODINGS[fmt][0],
+            **(mp3 if fmt == "mp3" else {}),
+        )
+        if fmt == "opus":
+            _short_ogg_pages(self._file)
+
+    def encode(self, samples: npt.NDArray[np.float32]) -> bytes:
+        """The stream's bytes that `samples` completed (may be none yet)."""
+        if self._resample is not None:
+            samples = self._resample(samples)
+        if samples.size:
+            self._file.write(np.frombuffer(pcm16(samples), "<i2"))
+        return self._out.take()
+
+    def close(self) -> bytes:
+        """The rest: the resampler's and the encoder's tails."""
+        if self._file.closed:
+            return b""
+        if self._resample is not None:
+            tail = self._resample.flush()
+            if tail.size:
+                self._file.write(np.frombuffer(pcm16(tail), "<i2"))
+        self._file.close()
+        return self._out.take()
 
 
 def audio_file(samples: npt.NDArray[np.float32], rate: int, fmt: FileFormat) -> bytes:

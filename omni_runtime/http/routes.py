@@ -18,7 +18,9 @@ from omni_runtime.core.types import FinishReason
 from omni_runtime.http.audio import (
     MEDIA_TYPES,
     PCM16_RATE,
+    EncodedStream,
     Resampler,
+    StreamFormat,
     audio_file,
     b64,
     pcm16,
@@ -147,7 +149,7 @@ def media_router(gateway: Gateway) -> APIRouter:
             raise ApiError(400, why, param="response_format")
         # a chat pipeline's stage 0 takes a string as one user turn
         run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
-        if fmt != "pcm":  # a file: whole (a WAV's header says its true sizes)
+        if fmt == "wav" or fmt == "flac":  # whole: their headers say the true sizes
             try:
                 samples = await _whole_audio(run)
             finally:
@@ -157,28 +159,55 @@ def media_router(gateway: Gateway) -> APIRouter:
             return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
         events = run.events()
         first = await _first_event(run, events, audio_only=True)
-        resample = Resampler(outputs.sample_rate)
-
-        async def body() -> AsyncIterator[bytes]:
-            """Raw 16-bit PCM at 24 kHz, as produced: what OpenAI streams as `pcm`."""
-            if isinstance(first, AudioEvent):
-                yield pcm16(resample(first.pcm))
-            async with aclosing(events):
-                async for ev in events:
-                    if isinstance(ev, AudioEvent):
-                        yield pcm16(resample(ev.pcm))
-                    elif isinstance(ev, FailureEvent):  # headers are sent: the audio just ends
-                        return
-            yield pcm16(resample.flush())
-
-        headers = {
-            "X-Sample-Rate": str(PCM16_RATE),
-            "Cache-Control": "no-cache",
-            REQUEST_ID_HEADER: run.request_id,
-        }
-        return GuardedStream(body(), run.close, media_type="audio/pcm", headers=headers)
+        headers = {"Cache-Control": "no-cache", REQUEST_ID_HEADER: run.request_id}
+        if fmt == "pcm":
+            headers["X-Sample-Rate"] = str(PCM16_RATE)
+            body = _pcm_stream(first, events, outputs.sample_rate)
+            return GuardedStream(body, run.close, media_type="audio/pcm", headers=headers)
+        body = _encoded_stream(first, events, outputs.sample_rate, fmt)
+        return GuardedStream(body, run.close, media_type=MEDIA_TYPES[fmt], headers=headers)
 
     return router
+
+
+async def _audio_after(
+    first: Event | None, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[npt.NDArray[np.float32], None]:
+    """The speech endpoint's audio: `first`, then each chunk of `events` (text skipped)
+    until they end; a failure once the headers went out just ends the audio."""
+    async with aclosing(_after(first, events)) as all_events:
+        async for ev in all_events:
+            if isinstance(ev, AudioEvent):
+                yield ev.pcm
+            elif isinstance(ev, FailureEvent):
+                return
+
+
+async def _pcm_stream(
+    first: Event | None, events: AsyncGenerator[Event, None], rate: int
+) -> AsyncIterator[bytes]:
+    """Raw 16-bit PCM at 24 kHz, as produced: what OpenAI streams as `pcm`."""
+    resample = Resampler(rate)
+    async with aclosing(_audio_after(first, events)) as audio:
+        async for pcm in audio:
+            yield pcm16(resample(pcm))
+    yield pcm16(resample.flush())
+
+
+async def _encoded_stream(
+    first: Event | None, events: AsyncGenerator[Event, None], rate: int, fmt: StreamFormat
+) -> AsyncIterator[bytes]:
+    """An MP3 or Ogg Opus stream, encoded chunk by chunk as the audio comes (on a worker
+    thread: a second of speech takes ~3 ms as MP3, ~10 ms as Opus)."""
+    stream = EncodedStream(rate, fmt)
+    try:
+        async with aclosing(_audio_after(first, events)) as audio:
+            async for pcm in audio:
+                if data := await asyncio.to_thread(stream.encode, pcm):
+                    yield data
+        yield await asyncio.to_thread(stream.close)
+    finally:
+        stream.close()  # a stream cut short frees its encoder now
 
 
 async def _whole_audio(run: Run) -> npt.NDArray[np.float32]:

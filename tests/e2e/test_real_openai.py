@@ -143,15 +143,17 @@ def test_speech_as_mp3_opus_or_flac_is_transcribed_back_to_its_words(
     client: openai.OpenAI, fmt: Literal["mp3", "opus", "flac"]
 ) -> None:
     """OpenAI's own formats (its speech default is mp3), out and back in: piper speaks at
-    22.05 kHz, which Opus lacks (24 kHz then); pocketsphinx hears what the door decoded."""
-    speech = client.audio.speech.create(
+    22.05 kHz, which Opus lacks (24 kHz then); pocketsphinx hears what the door decoded.
+    MP3 and Opus stream as they are encoded; a FLAC comes whole, its sizes known."""
+    with client.audio.speech.with_streaming_response.create(
         model="speak", input=SENTENCE, voice="joe", response_format=fmt
-    )
-    audio, rate = soundfile.read(io.BytesIO(speech.content))
+    ) as speech:
+        streamed = "content-length" not in speech.headers
+        assert streamed == (fmt != "flac"), speech.headers
+        data = speech.read()
+    audio, rate = soundfile.read(io.BytesIO(data))
     assert rate == (24000 if fmt == "opus" else 22050) and len(audio) / rate > 1.5, rate
-    heard = client.audio.transcriptions.create(
-        model="transcribe", file=(f"speech.{fmt}", speech.content)
-    )
+    heard = client.audio.transcriptions.create(model="transcribe", file=(f"speech.{fmt}", data))
     assert wer(SENTENCE, heard.text) <= 0.35, heard.text
 
 

@@ -17,6 +17,7 @@ from omni_runtime.cli import parse_args
 from omni_runtime.errors import ConfigError
 from omni_runtime.http.audio import (
     AudioFormatError,
+    EncodedStream,
     FileFormat,
     as_pcm,
     audio_file,
@@ -186,3 +187,63 @@ def test_a_compressed_answer_at_a_rate_its_format_lacks_is_resampled() -> None:
         decoded, decoded_rate = soundfile.read(io.BytesIO(audio_file(tone, 22050, fmt)))
         assert decoded_rate == rate, fmt
         assert abs(len(decoded) / rate - 1.0) < 0.11, (fmt, len(decoded))
+
+
+def streamed(stream: EncodedStream, samples: np.ndarray) -> tuple[bytes, list[int]]:
+    """`samples` through `stream` in uneven chunks: the bytes, and how many each chunk gave."""
+    out, sizes = [], []
+    for piece in np.array_split(samples, [700, 5000, 5001, 9000, 16000, 30000]):
+        out.append(stream.encode(piece))
+        sizes.append(len(out[-1]))
+    out.append(stream.close())
+    return b"".join(out), sizes
+
+
+def test_an_opus_stream_decodes_to_the_audio_its_whole_file_holds() -> None:
+    """Encoded as it comes (piper's 22.05 kHz resampled on the way), the same audio."""
+    tone = (0.3 * np.sin(np.arange(33075) / 7)).astype(np.float32)
+    data, sizes = streamed(EncodedStream(22050, "opus"), tone)
+    assert sum(1 for n in sizes if n) >= 3  # bytes went out before the end
+    decoded, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    whole, _ = soundfile.read(io.BytesIO(audio_file(tone, 22050, "opus")), dtype="float32")
+    assert rate == 24000
+    assert np.abs(decoded - whole).max() < 0.02 and abs(len(decoded) - len(whole)) <= 960
+
+
+def test_an_mp3_stream_plays_its_audio_with_only_the_encoders_delay() -> None:
+    """Its first frame, which libsndfile rewrites at the end, went out as it was first
+    written: any decoder reads the stream to its end, the audio late by the encoder's delay."""
+    rate = 22050
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(2 * rate) / rate)).astype(np.float32)
+    data, sizes = streamed(EncodedStream(rate, "mp3"), tone)
+    assert sizes[1] > 0 and sum(1 for n in sizes if n) >= 4
+    decoded, decoded_rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert decoded_rate == rate
+    delay = len(decoded) - len(tone)
+    assert 0 <= delay <= 3 * 1152, delay  # priming, padding and the tag frame's silence
+    best = max(
+        range(delay + 1), key=lambda lag: float(np.dot(decoded[lag : lag + 4096], tone[:4096]))
+    )
+    aligned = decoded[best : best + len(tone)]
+    error = np.sqrt(np.mean((aligned - tone) ** 2)) / np.sqrt(np.mean(tone**2))
+    assert error < 0.1, (best, error)
+
+
+def test_an_encoder_may_rewrite_what_has_not_gone_out_yet_and_nothing_else() -> None:
+    from omni_runtime.http.audio import _Outgoing
+
+    out = _Outgoing()
+    out.write(b"headerBODY")
+    out.seek(0)
+    out.write(b"HEAD")  # not taken yet: rewritten
+    out.seek(0, io.SEEK_END)
+    assert out.take() == b"HEADerBODY"
+    out.write(b"more")
+    out.seek(2)
+    out.write(b"xxxxxxxxXY")  # 8 bytes into what went out (dropped), 2 onto the pending
+    assert out.tell() == 12
+    out.seek(0, io.SEEK_END)
+    assert out.take() == b"XYre"
+    out.seek(100)
+    with pytest.raises(OSError, match="past the end"):
+        out.write(b"hole")
