@@ -92,17 +92,20 @@ class SamplingParams(BaseModel):
 
 
 def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
-    """The conversation for llama.cpp's chat template: a string is one user turn."""
+    """The conversation for llama.cpp's chat template: a string is one user turn. One it
+    cannot take is refused: the client's to fix (a 400 over HTTP), not the stage's fault."""
     try:
         if isinstance(data, str):
             if not data.strip() or len(data) > MAX_PROMPT_CHARS:
-                raise ValueError(f"the prompt must be 1 to {MAX_PROMPT_CHARS} characters")
+                raise RequestRefused(
+                    f"the prompt must be 1 to {MAX_PROMPT_CHARS} characters", "invalid_value"
+                )
             messages = [ChatMessage(role="user", content=data)]
         else:
             messages = ChatPrompt.model_validate(data).messages
     except ValidationError as e:
-        raise ValueError(
-            f"not a prompt (a string, or {{'messages': [...]}}): {in_words(e)}"
+        raise RequestRefused(
+            f"not a prompt (a string, or {{'messages': [...]}}): {in_words(e)}", "invalid_value"
         ) from None
     out = [m.model_dump() for m in messages]
     if system_prompt and out[0]["role"] != "system":

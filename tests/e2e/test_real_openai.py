@@ -245,3 +245,7 @@ def test_a_conversation_longer_than_the_context_is_the_clients_error(client: ope
             )
         assert refused.value.code == "context_length_exceeded", refused.value
         assert "more than the model's context of 1024 tokens" in str(refused.value)
+    many: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi."}] * 300
+    with pytest.raises(openai.BadRequestError) as refused:  # more turns than llama.cpp takes
+        client.chat.completions.create(model="voice", messages=many, max_tokens=8)
+    assert "at most 256 items" in str(refused.value)

@@ -11,7 +11,7 @@ import pytest
 
 from omni_runtime.engines.context_fit import ContextExceeded
 from omni_runtime.engines.llama_cpp import LlamaCppEngine, chat_messages
-from omni_runtime.stage_api import Final
+from omni_runtime.stage_api import Final, RequestRefused
 from tests.services import unavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,8 +90,12 @@ async def test_a_cancelled_request_frees_its_slot_at_the_next_token(engine: Llam
 
 
 async def test_bad_input_fails_only_that_request(engine: LlamaCppEngine) -> None:
-    with pytest.raises(ValueError, match="not a prompt"):
+    with pytest.raises(RequestRefused, match="not a prompt") as refused:
         await answer(engine, "bad", {"messages": [{"role": "robot", "content": "x"}]})
+    assert refused.value.code == "invalid_value"  # the client's to fix: a 400, not a 502
+    too_long = {"messages": [{"role": "user", "content": "hi"}] * 300}
+    with pytest.raises(RequestRefused, match="at most 256 items"):
+        await answer(engine, "bad1", too_long)
     with pytest.raises(ValueError, match="bad request parameters: temperature: ") as bad:
         await answer(engine, "bad2", "hi", temperature=float("inf"))
     assert "\n" not in str(bad.value) and "pydantic.dev" not in str(bad.value)  # one line
