@@ -96,9 +96,10 @@ def _run_serve(
                     group = ProcessGroup(Path(path), pipeline, env, fork=children, args=log_args)
                     groups.append(group)
                     group.start()
+                logs = f"; its processes log to {groups[-1].log_dir}" if embedded else ""
                 log.info(
-                    "pipeline %r (%s mode) in namespace %r on %s",
-                    pipeline.name, pipeline.mode, namespace, how,
+                    "pipeline %r (%s mode) in namespace %r on %s%s",
+                    pipeline.name, pipeline.mode, namespace, how, logs,
                 )  # fmt: skip
             pipelines = [pipeline for _path, pipeline, _ns in served]
             gateway = Gateway(

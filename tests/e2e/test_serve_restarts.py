@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -94,6 +95,10 @@ def test_a_killed_worker_is_started_again_and_its_request_finishes_whole() -> No
         assert (text, audio) == chat(port), serve.output()
         assert text.split() == PROMPT.split()
         assert serve.proc.poll() is None
+        logs = re.search(r"its processes log to (\S+)", serve.output())
+        assert logs, serve.output()
+        both_lives = (Path(logs.group(1)) / "stage0-thinker-0.log").read_text()
+        assert both_lives.count("of stage 0 (thinker) ready") == 2, both_lives
 
 
 def test_a_process_that_keeps_dying_stops_serve_with_its_log_lines() -> None:
