@@ -24,8 +24,9 @@ from omni_runtime.http.errors import (
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.realtime import realtime_router
 from omni_runtime.http.realtime_session import RealtimeSettings
-from omni_runtime.http.routes import media_router
+from omni_runtime.http.routes import chat_router
 from omni_runtime.http.schemas import ModelCard, ModelList
+from omni_runtime.http.speech import speech_router
 from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
 from omni_runtime.http.transcriptions import transcriptions_router
 from omni_runtime.observe.prometheus import metrics_asgi_app
@@ -165,7 +166,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def model(model_id: str) -> ModelCard:
         return card(gateway.model(model_id).name)
 
-    v1.include_router(media_router(gateway))
+    v1.include_router(chat_router(gateway))
+    v1.include_router(speech_router(gateway))
     v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)
     realtime = gateway.settings.part(RealtimeSettings)

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions and /v1/audio/speech: pipeline events → OpenAI responses."""
+"""POST /v1/chat/completions: pipeline events → OpenAI responses, and what the other
+endpoints stream with (`GuardedStream`, the first event awaited before the headers)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,13 @@ from contextlib import aclosing
 from typing import Annotated
 
 import numpy as np
-import numpy.typing as npt
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from omni_runtime.core.types import FinishReason
 from omni_runtime.http.audio import (
-    MEDIA_TYPES,
-    PCM16_RATE,
-    EncodedStream,
     Resampler,
-    StreamFormat,
     audio_file,
     b64,
     pcm16,
@@ -36,7 +32,7 @@ from omni_runtime.http.gateway import (
     Run,
     TextEvent,
 )
-from omni_runtime.http.prompts import chat_prompt, check_prompt, count_tokens, unsupported
+from omni_runtime.http.prompts import chat_prompt, count_tokens
 from omni_runtime.http.schemas import (
     AssistantMessage,
     AudioDelta,
@@ -47,7 +43,6 @@ from omni_runtime.http.schemas import (
     Choice,
     ChunkChoice,
     Delta,
-    SpeechRequest,
     Usage,
 )
 
@@ -90,7 +85,7 @@ class GuardedStream(StreamingResponse):
             self._on_close()
 
 
-def media_router(gateway: Gateway) -> APIRouter:
+def chat_router(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
     @router.post("/chat/completions", response_model=None)
@@ -118,9 +113,11 @@ def media_router(gateway: Gateway) -> APIRouter:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = run.events()
-            first = await _first_event(run, events)
+            first = await first_event(run, events)
             return GuardedStream(
-                _chat_sse(run, _after(first, events), req.model, include_usage, prompt_tokens),
+                _chat_sse(
+                    run, events_after(first, events), req.model, include_usage, prompt_tokens
+                ),
                 run.close,
                 media_type="text/event-stream",
                 headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},
@@ -131,98 +128,10 @@ def media_router(gateway: Gateway) -> APIRouter:
         finally:
             run.close()
 
-    @router.post("/audio/speech", response_model=None)
-    async def speech(
-        req: SpeechRequest, x_omni_trace: TraceHeader = None
-    ) -> Response | StreamingResponse:
-        served = gateway.model(req.model)
-        check_prompt(gateway, req.input, "input")
-        outputs = served.outputs
-        if outputs.audio_stage is None:
-            raise unsupported(served, "has no audio output")
-        if outputs.input == "audio":
-            raise unsupported(served, "takes audio, not text")
-        if not outputs.speaks_input:
-            raise unsupported(served, "answers its input instead of speaking it")
-        fmt = req.response_format
-        if fmt != "pcm" and (why := unencodable(fmt)) is not None:
-            raise ApiError(400, why, param="response_format")
-        # a chat pipeline's stage 0 takes a string as one user turn
-        run = await gateway.open(served, req.input, True, wants(x_omni_trace), req.params())
-        if fmt == "wav" or fmt == "flac":  # whole: their headers say the true sizes
-            try:
-                samples = await _whole_audio(run)
-            finally:
-                run.close()
-            headers = {REQUEST_ID_HEADER: run.request_id}
-            data = await asyncio.to_thread(audio_file, samples, outputs.sample_rate, fmt)
-            return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
-        events = run.events()
-        first = await _first_event(run, events, audio_only=True)
-        headers = {"Cache-Control": "no-cache", REQUEST_ID_HEADER: run.request_id}
-        if fmt == "pcm":
-            headers["X-Sample-Rate"] = str(PCM16_RATE)
-            body = _pcm_stream(first, events, outputs.sample_rate)
-            return GuardedStream(body, run.close, media_type="audio/pcm", headers=headers)
-        body = _encoded_stream(first, events, outputs.sample_rate, fmt)
-        return GuardedStream(body, run.close, media_type=MEDIA_TYPES[fmt], headers=headers)
-
     return router
 
 
-async def _audio_after(
-    first: Event | None, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[npt.NDArray[np.float32], None]:
-    """The speech endpoint's audio: `first`, then each chunk of `events` (text skipped)
-    until they end; a failure once the headers went out just ends the audio."""
-    async with aclosing(_after(first, events)) as all_events:
-        async for ev in all_events:
-            if isinstance(ev, AudioEvent):
-                yield ev.pcm
-            elif isinstance(ev, FailureEvent):
-                return
-
-
-async def _pcm_stream(
-    first: Event | None, events: AsyncGenerator[Event, None], rate: int
-) -> AsyncIterator[bytes]:
-    """Raw 16-bit PCM at 24 kHz, as produced: what OpenAI streams as `pcm`."""
-    resample = Resampler(rate)
-    async with aclosing(_audio_after(first, events)) as audio:
-        async for pcm in audio:
-            yield pcm16(resample(pcm))
-    yield pcm16(resample.flush())
-
-
-async def _encoded_stream(
-    first: Event | None, events: AsyncGenerator[Event, None], rate: int, fmt: StreamFormat
-) -> AsyncIterator[bytes]:
-    """An MP3 or Ogg Opus stream, encoded chunk by chunk as the audio comes (on a worker
-    thread: a second of speech takes ~3 ms as MP3, ~10 ms as Opus)."""
-    stream = EncodedStream(rate, fmt)
-    try:
-        async with aclosing(_audio_after(first, events)) as audio:
-            async for pcm in audio:
-                if data := await asyncio.to_thread(stream.encode, pcm):
-                    yield data
-        yield await asyncio.to_thread(stream.close)
-    finally:
-        stream.close()  # a stream cut short frees its encoder now
-
-
-async def _whole_audio(run: Run) -> npt.NDArray[np.float32]:
-    """Every audio chunk of a request; a failure is an error response."""
-    chunks: list[npt.NDArray[np.float32]] = []
-    async with aclosing(run.events()) as events:
-        async for ev in events:
-            if isinstance(ev, AudioEvent):
-                chunks.append(ev.pcm)
-            elif isinstance(ev, FailureEvent):
-                raise ev.api_error()
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-
-
-async def _first_event(
+async def first_event(
     run: Run, events: AsyncGenerator[Event, None], audio_only: bool = False
 ) -> Event | None:
     """The run's first event (its first audio, text skipped, if `audio_only`), awaited
@@ -250,11 +159,11 @@ async def _next_audio(events: AsyncGenerator[Event, None]) -> AudioEvent | Failu
     return None
 
 
-def _sse(payload: str) -> bytes:
+def sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def _after(
+async def events_after(
     first: Event | None, events: AsyncGenerator[Event, None]
 ) -> AsyncGenerator[Event, None]:
     """`first`, then the rest of `events` (closed when this is)."""
@@ -283,7 +192,7 @@ async def _chat_sse(
     def chunk(delta: Delta, finish: FinishReason | None = None) -> bytes:
         choice = ChunkChoice(delta=delta, finish_reason=finish)
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice])
-        return _sse(body.model_dump_json(exclude_none=True))
+        return sse(body.model_dump_json(exclude_none=True))
 
     yield chunk(Delta(role="assistant", content=""))
     pieces = 0
@@ -300,7 +209,7 @@ async def _chat_sse(
                     yield chunk(Delta(audio=AudioDelta(id=audio_id, data=b64(pcm16(pcm)))))
             else:
                 err = ev.api_error()
-                yield _sse(error_json(err).decode())
+                yield sse(error_json(err).decode())
                 return
     tail = resample.flush()
     if run.audio and tail.size:
@@ -310,8 +219,8 @@ async def _chat_sse(
     if include_usage:
         usage = _usage(run, prompt_tokens, pieces)
         body = ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage)
-        yield _sse(body.model_dump_json(exclude_none=True))
-    yield _sse("[DONE]")
+        yield sse(body.model_dump_json(exclude_none=True))
+    yield sse("[DONE]")
 
 
 async def _chat_whole(

@@ -199,16 +199,21 @@ class ChatCompletionRequest(_Request):
         return "audio" in self.modalities
 
 
+SpeechFormat = Literal["wav", "mp3", "flac", "opus", "pcm"]
+
+
 class SpeechRequest(_Request):
     model: ShortStr
     input: Annotated[str, Field(min_length=1, max_length=4096)]
     voice: ShortStr | VoiceId | None = None
-    response_format: Literal["wav", "mp3", "flac", "opus", "pcm"] = "wav"
+    response_format: SpeechFormat = "wav"
     """`pcm` streams as it is made; a file format comes whole."""
     speed: Speed | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     """Accepted for compatibility; not passed on."""
-    stream_format: Literal["audio"] = "audio"
+    stream_format: Literal["audio", "sse"] = "audio"
+    """`sse`: server-sent `speech.audio.delta` events, each a base64 piece of the
+    `response_format` audio, then one `speech.audio.done`."""
 
     def params(self) -> dict[str, Any]:
         given = {"voice": voice_name(self.voice), "speed": self.speed}
@@ -216,6 +221,23 @@ class SpeechRequest(_Request):
 
 
 # --- responses -------------------------------------------------------------------
+
+
+class SpeechAudioDelta(BaseModel):
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: str
+    """Base64: the next piece of the answer's audio, in its `response_format`."""
+
+
+class SpeechUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDone(BaseModel):
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: SpeechUsage
 
 
 class ErrorBody(BaseModel):

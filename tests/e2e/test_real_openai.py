@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,24 @@ def test_speech_as_mp3_opus_or_flac_is_transcribed_back_to_its_words(
     audio, rate = soundfile.read(io.BytesIO(data))
     assert rate == (24000 if fmt == "opus" else 22050) and len(audio) / rate > 1.5, rate
     heard = client.audio.transcriptions.create(model="transcribe", file=(f"speech.{fmt}", data))
+    assert wer(SENTENCE, heard.text) <= 0.35, heard.text
+
+
+def test_speech_as_server_sent_events_is_transcribed_back_to_its_words(
+    client: openai.OpenAI,
+) -> None:
+    """`stream_format: "sse"`, as OpenAI's gpt-4o-mini-tts streams: MP3 pieces in
+    `speech.audio.delta` events, as they are encoded, then `speech.audio.done`."""
+    with client.audio.speech.with_streaming_response.create(
+        model="speak", input=SENTENCE, voice="joe", response_format="mp3", stream_format="sse"
+    ) as speech:
+        assert speech.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in speech.iter_lines() if line[:6] == "data: "]
+    *deltas, done = events
+    assert {d["type"] for d in deltas} == {"speech.audio.delta"} and len(deltas) >= 2
+    assert done["type"] == "speech.audio.done" and done["usage"]["input_tokens"] > 0
+    data = b"".join(base64.b64decode(d["audio"]) for d in deltas)
+    heard = client.audio.transcriptions.create(model="transcribe", file=("speech.mp3", data))
     assert wer(SENTENCE, heard.text) <= 0.35, heard.text
 
 

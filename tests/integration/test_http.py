@@ -173,6 +173,36 @@ async def test_speech_and_chat_audio_come_in_openais_compressed_formats(
             assert np.array_equal(decoded, pcm)
 
 
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3", "opus", "flac"])
+async def test_speech_as_server_sent_events_carries_the_same_audio(
+    api: httpx.AsyncClient, cluster: InProcessCluster, fmt: str
+) -> None:
+    """OpenAI's `stream_format: "sse"`: `speech.audio.delta` events whose audio, joined,
+    is what the plain request answers (raw PCM: its samples; a file: decoded, as long),
+    then `speech.audio.done` with the usage."""
+    body = {"model": "omni", "input": PROMPT, "voice": "alloy", "response_format": fmt}
+    resp = await api.post("/v1/audio/speech", json={**body, "stream_format": "sse"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    *deltas, done = sse_events(resp.text)
+    assert {d["type"] for d in deltas} == {"speech.audio.delta"} and len(deltas) >= 1
+    tokens = len(PROMPT_TEXT.split())  # the demo thinker's own count, in and out
+    assert done == {
+        "type": "speech.audio.done",
+        "usage": {"input_tokens": tokens, "output_tokens": tokens, "total_tokens": 2 * tokens},
+    }
+    data = b"".join(base64.b64decode(d["audio"]) for d in deltas)
+    if fmt == "pcm":
+        assert_same_pcm(data, await expected_pcm(cluster, 24_000))
+        return
+    plain = (await api.post("/v1/audio/speech", json=body)).content
+    if fmt == "wav":
+        assert data == plain
+    decoded, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    expected, expected_rate = soundfile.read(io.BytesIO(plain), dtype="int16")
+    assert rate == expected_rate and abs(len(decoded) - len(expected)) <= 1152
+
+
 async def test_models_health_ready(api: httpx.AsyncClient) -> None:
     models = (await api.get("/v1/models")).json()
     assert models["object"] == "list"

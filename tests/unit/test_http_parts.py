@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import sys
 import wave
 from typing import Any
@@ -247,3 +248,33 @@ def test_an_encoder_may_rewrite_what_has_not_gone_out_yet_and_nothing_else() -> 
     out.seek(100)
     with pytest.raises(OSError, match="past the end"):
         out.write(b"hole")
+
+
+async def test_speech_events_end_with_the_error_that_cut_the_audio() -> None:
+    """Once the headers went out, a failure is the last event (no `speech.audio.done`);
+    a raw stream just ends, and a WAV due at the end is not sent half made."""
+    from types import SimpleNamespace
+
+    from omni_runtime.http.gateway import AudioEvent, Event, FailureEvent
+    from omni_runtime.http.speech import _audio_bytes, _speech_events
+
+    async def events() -> Any:
+        yield AudioEvent(np.full(1600, 0.25, np.float32))
+        yield FailureEvent("stage 2 failed: ValueError: boom")
+        raise AssertionError("read past the failure")
+
+    async def collect(source: Any) -> list[bytes]:
+        return [piece async for piece in source]
+
+    failed: list[Event] = []
+    run = SimpleNamespace(usage=None)
+    audio = _audio_bytes(events(), 16000, "pcm", failed)  # type: ignore[arg-type]
+    body = b"".join(await collect(_speech_events(run, audio, failed, 3)))  # type: ignore[arg-type]
+    blocks = [b.removeprefix(b"data: ") for b in body.strip().split(b"\n\n")]
+    assert {json.loads(b).get("type") for b in blocks[:-1]} == {"speech.audio.delta"}
+    assert json.loads(blocks[-1])["error"]["message"] == "stage 2 failed: ValueError: boom"
+    failed.clear()
+    raw = await collect(_audio_bytes(events(), 16000, "pcm", failed))  # type: ignore[arg-type]
+    assert len(b"".join(raw)) == 2 * 2400 and len(failed) == 1  # 0.1 s at 24 kHz
+    failed.clear()
+    assert await collect(_audio_bytes(events(), 16000, "wav", failed)) == []  # type: ignore[arg-type]
