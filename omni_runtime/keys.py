@@ -184,7 +184,7 @@ class Names:
         return self.heartbeat("orchestrator")
 
     def orchestrator_process_heartbeat(self, token: str) -> str:
-        """One orchestrator process's own (`status`): its host, pid, requests, slots."""
+        """One orchestrator process's own (`status`): its host, pid and requests."""
         return self.heartbeat(f"orchestrator:{token}")
 
     def stage_heartbeat(self, stage_id: int, worker_id: str) -> str:

@@ -255,6 +255,25 @@ class Transcription(BaseModel):
     text: str
 
 
+class TranscriptTextDelta(BaseModel):
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptUsage(BaseModel):
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptTextDone(BaseModel):
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: TranscriptUsage | None = None
+    """Only when the pipeline's engine counted its tokens."""
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

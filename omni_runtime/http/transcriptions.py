@@ -2,25 +2,40 @@
 speech-to-text pipeline's text.
 
 The form is the one the official `openai` client sends (`file`, `model`, `language`,
-`response_format`, …); fields this server has no use for (`prompt`, `temperature`,
-`timestamp_granularities[]`, …) are ignored. The pipeline is one whose `outputs.input`
+`response_format`, `stream`, …); fields this server has no use for (`prompt`,
+`temperature`, `timestamp_granularities[]`, …) are ignored. The pipeline is one whose `outputs.input`
 is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Response, UploadFile
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import FailureEvent, Gateway, TextEvent
+from omni_runtime.http.errors import ApiError, error_json
+from omni_runtime.http.gateway import Event, FailureEvent, Gateway, Run, TextEvent
 from omni_runtime.http.prompts import unsupported
-from omni_runtime.http.routes import REQUEST_ID_HEADER, TraceHeader, wants
-from omni_runtime.http.schemas import Transcription
+from omni_runtime.http.routes import (
+    REQUEST_ID_HEADER,
+    SSE_HEADERS,
+    GuardedStream,
+    TraceHeader,
+    events_after,
+    first_event,
+    sse,
+    wants,
+)
+from omni_runtime.http.schemas import (
+    Transcription,
+    TranscriptTextDelta,
+    TranscriptTextDone,
+    TranscriptUsage,
+)
 from omni_runtime.wav import WavError, recording
 
 PATH = "/v1/audio/transcriptions"
@@ -39,14 +54,12 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
         response_format: Annotated[Literal["json", "text"], Form()] = "json",
         stream: Annotated[bool, Form()] = False,
         x_omni_trace: TraceHeader = None,
-    ) -> Transcription | PlainTextResponse:
+    ) -> Transcription | PlainTextResponse | StreamingResponse:
         served = gateway.model(model)
         if served.outputs.input != "audio":
             raise unsupported(served, "does not take audio")
         if served.outputs.text_stage is None:
             raise unsupported(served, "has no text output")
-        if stream:
-            raise ApiError(400, "streamed transcriptions are not supported", param="stream")
         try:
             wav = await asyncio.to_thread(recording, await file.read())  # off the loop
         except WavError as e:
@@ -55,6 +68,12 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
             await file.close()
         params = {"language": language} if language is not None else None
         run = await gateway.open(served, {"wav": wav}, False, wants(x_omni_trace), params)
+        if stream:
+            events = run.events()
+            first = await first_event(run, events)
+            headers = {**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id}
+            body = _transcript_events(run, events_after(first, events))
+            return GuardedStream(body, run.close, media_type="text/event-stream", headers=headers)
         try:
             pieces: list[str] = []
             async with aclosing(run.events()) as events:
@@ -72,3 +91,25 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
         return Transcription(text=text)
 
     return router
+
+
+async def _transcript_events(run: Run, events: AsyncGenerator[Event, None]) -> AsyncIterator[bytes]:
+    """`stream=true`, as OpenAI streams a transcription: a `transcript.text.delta` per
+    piece of text, then `transcript.text.done` with the whole (and the usage, when the
+    engine counted its tokens), or the error that cut it short."""
+    pieces: list[str] = []
+    async with aclosing(events):
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                pieces.append(ev.text)
+                if ev.text:
+                    yield sse(TranscriptTextDelta(delta=ev.text).model_dump_json())
+            elif isinstance(ev, FailureEvent):
+                yield sse(error_json(ev.api_error()).decode())
+                return
+    usage = None
+    if run.usage is not None:
+        given, made = run.usage.prompt_tokens, run.usage.completion_tokens
+        usage = TranscriptUsage(input_tokens=given, output_tokens=made, total_tokens=given + made)
+    done = TranscriptTextDone(text="".join(pieces), usage=usage)
+    yield sse(done.model_dump_json(exclude_none=True))

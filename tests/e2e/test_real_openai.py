@@ -176,6 +176,22 @@ def test_speech_as_server_sent_events_is_transcribed_back_to_its_words(
     assert wer(SENTENCE, heard.text) <= 0.35, heard.text
 
 
+def test_a_streamed_transcription_comes_as_openais_text_events(client: openai.OpenAI) -> None:
+    """The official client's `stream=True`: its typed events, the pieces joined being the
+    whole text, which is what was said."""
+    recording = wav_bytes(speech(SENTENCE), RATE)
+    events = list(
+        client.audio.transcriptions.create(
+            model="transcribe", file=("said.wav", recording), stream=True
+        )
+    )
+    *deltas, done = events
+    assert done.type == "transcript.text.done" and deltas, events
+    assert all(d.type == "transcript.text.delta" for d in deltas)
+    assert "".join(d.delta for d in deltas) == done.text  # type: ignore[union-attr]
+    assert wer(SENTENCE, done.text) <= 0.35, done.text
+
+
 def test_speech_refuses_a_pipeline_that_would_answer_instead_and_an_unknown_voice(
     client: openai.OpenAI,
 ) -> None:

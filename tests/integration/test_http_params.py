@@ -27,6 +27,7 @@ from tests.integration.http_support import (
     omni,
     pipeline_of,
     serving,
+    sse_events,
     wav_file,
 )
 
@@ -191,6 +192,27 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
     assert resp.text == "0.5000 s, 8000 Hz, 1 ch, language -"
 
 
+async def test_a_streamed_transcription_is_openais_text_events(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    """`stream=true`: a `transcript.text.delta` per piece, then `transcript.text.done`
+    with the whole text (no usage: this engine counts no tokens); a recording it cannot
+    read is still an error status, before any event."""
+    client, gateway = api
+    form = {"model": "transcribe", "language": "en", "stream": "true"}
+    resp = await client.post(TRANSCRIBE, data=form, files={"file": ("a.wav", wav_file(1.25))})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    *deltas, done = sse_events(resp.text)
+    text = "1.2500 s, 16000 Hz, 1 ch, language en"
+    assert [d["type"] for d in deltas] == ["transcript.text.delta"] * len(deltas) != []
+    assert "".join(d["delta"] for d in deltas) == text
+    assert done == {"type": "transcript.text.done", "text": text}
+    bad = await client.post(TRANSCRIBE, data=form, files={"file": ("x.wav", wav_file(0))})
+    assert_error(bad, 400, "file")
+    assert gateway.inflight == 0
+
+
 @pytest.mark.parametrize(
     ("data", "file", "status", "param"),
     [
@@ -204,14 +226,13 @@ async def test_transcription_of_a_multipart_wav(api: tuple[httpx.AsyncClient, Ga
         ({"model": "transcribe"}, None, 400, "file"),
         ({}, wav_file(0.1), 400, "model"),
         ({"model": "transcribe", "response_format": "srt"}, wav_file(0.1), 400, "response_format"),
-        ({"model": "transcribe", "stream": "true"}, wav_file(0.1), 400, "stream"),
         ({"model": "echo"}, wav_file(0.1), 400, "model"),
         ({"model": "omni"}, wav_file(0.1), 400, "model"),
         ({"model": "whisper-1"}, wav_file(0.1), 404, "model"),
     ],
     ids=[
         "not-wav", "no-frames", "cut-header", "empty", "rate-1-hz", "rate-400-khz", "too-large", "no-file", "no-model", "srt",
-        "stream", "chat-pipeline", "omni", "unknown-model",
+        "chat-pipeline", "omni", "unknown-model",
     ],
 )  # fmt: skip
 async def test_bad_transcriptions_are_openai_errors(
