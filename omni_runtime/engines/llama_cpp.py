@@ -86,6 +86,8 @@ class SamplingParams(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)
     ] = Field(default_factory=list)
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     """`auto`: a conversation longer than the context loses its oldest turns (a Realtime
     session's default) instead of failing, as it does otherwise (chat completions)."""
@@ -287,6 +289,10 @@ class LlamaCppEngine:
             "seed": zlib.crc32(request_id.encode()) if given.seed is None else given.seed,
             "stream_options": {"include_usage": True},
         }
+        for penalty in ("frequency_penalty", "presence_penalty"):
+            value = getattr(given, penalty)
+            if value is not None:  # else llama.cpp's own default (0: none)
+                body[penalty] = value
         return body, given.truncation == "auto"
 
     def _request_ended(

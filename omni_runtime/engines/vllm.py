@@ -39,7 +39,9 @@ from omni_runtime.stage_api import (
 
 DEFAULT_CAPACITY = 256
 """Reported capacity when `engine_args` has no `max_num_seqs` (vLLM's own default varies)."""
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "stop", "seed")  # VALID checks each
+SAMPLING_KEYS = (
+    "max_tokens", "temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty",
+)  # fmt: skip  # VALID checks each
 """The per-request parameters this engine takes; any other key is another stage's."""
 
 
@@ -72,8 +74,9 @@ class VllmEngine:
     """`AsyncLLM` behind the `AsyncStageEngine` protocol (see the module docstring).
 
     `sampling`: defaults for every request, overridden per request by `max_tokens`,
-    `temperature`, `top_p`, `stop` and `seed` in its parameters. `api`: where vllm's
-    classes come from, a `VllmApi` or a `module:function` returning one (tests)."""
+    `temperature`, `top_p`, `stop`, `seed`, `frequency_penalty` and `presence_penalty` in its
+    parameters. `api`: where vllm's classes come from, a `VllmApi` or a `module:function`
+    returning one (tests)."""
 
     def __init__(
         self,
@@ -205,6 +208,8 @@ VALID: Mapping[str, Callable[[Any], bool]] = {
         isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
     ),
     "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2),
 }
 """Each sampling field's check: a bad value fails its request with a message naming it,
 not deep inside vLLM."""

@@ -23,6 +23,8 @@ MAX_TOKENS = 1 << 20
 """A bound on `max_tokens` for the front door; each thinker enforces its own, lower one."""
 Modality = Literal["text", "audio"]
 StopStr = Annotated[str, Field(min_length=1, max_length=64)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+"""OpenAI's range for `frequency_penalty` and `presence_penalty`."""
 Speed = Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)]
 
 
@@ -135,6 +137,8 @@ class ChatCompletionRequest(_Request):
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=4)] | None = None
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     """One choice per request: the pipeline makes one answer."""
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
@@ -173,6 +177,8 @@ class ChatCompletionRequest(_Request):
             "top_p": self.top_p,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
             "voice": voice_name(self.audio.voice) if self.audio else None,
         }
         return {k: v for k, v in given.items() if v is not None}

@@ -36,6 +36,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop: str | list[str] | None = None
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 

@@ -60,6 +60,17 @@ async def test_a_seed_makes_the_answer_repeat(engine: LlamaCppEngine) -> None:
     assert first == again
 
 
+async def test_the_penalties_reach_llama_cpp(engine: LlamaCppEngine) -> None:
+    """Greedy decoding, so only the penalty can change the answer."""
+    ask = "Write the word cat ten times."
+    plain = text(await answer(engine, "p0", ask, temperature=0.0))
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        penalised = text(await answer(engine, "p1", ask, temperature=0.0, **{penalty: 2.0}))
+        assert penalised != plain, penalty
+    with pytest.raises(RequestRefused, match="presence_penalty"):
+        await answer(engine, "p2", ask, presence_penalty=-2.5)
+
+
 async def test_max_tokens_bounds_the_answer_and_the_end_says_so(engine: LlamaCppEngine) -> None:
     outs = await answer(engine, "r", "Write a long story about a dragon.", max_tokens=5)
     assert len([o for o in outs if isinstance(o, str) and o]) <= 5

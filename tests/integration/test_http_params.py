@@ -87,6 +87,8 @@ async def test_chat_params_and_messages_reach_the_stages(
         "top_p": 0.9,
         "stop": "\n",
         "seed": 3,
+        "frequency_penalty": 0.25,
+        "presence_penalty": -0.5,
         "modalities": ["text", "audio"],
         "audio": {"format": "wav", "voice": "low"},
     }
@@ -98,6 +100,8 @@ async def test_chat_params_and_messages_reach_the_stages(
         "top_p": 0.9,
         "stop": ["\n"],
         "seed": 3,
+        "frequency_penalty": 0.25,
+        "presence_penalty": -0.5,
         "voice": "low",
     }
     roles = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")]
@@ -283,6 +287,8 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 1 << 21}, "max_completion_tokens"),
         ({"seed": -1}, "seed"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"n": 2}, "n"),

@@ -90,9 +90,10 @@ async def test_sampling_defaults_and_request_params_reach_vllm() -> None:
     sampling = {"temperature": 0.2, "max_tokens": 7, "top_p": 0.9}
     engine, fake = await started(FakeVllm(), sampling=sampling)
     params = {"max_tokens": 2, "temperature": 0.0, "stop": ["\n"], "seed": 42, "voice": "x"}
-    await run(engine, "r", "a b c", params)
+    await run(engine, "r", "a b c", {**params, "frequency_penalty": 0.5, "presence_penalty": -1})
     sp = fake.seen["r"]
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.stop, sp.seed) == (2, 0.0, 0.9, ["\n"], 42)
+    assert (sp.frequency_penalty, sp.presence_penalty) == (0.5, -1)
     await run(engine, "d", "a b c")
     assert (fake.seen["d"].max_tokens, fake.seen["d"].temperature) == (7, 0.2)
     await engine.close()
@@ -114,6 +115,8 @@ async def test_a_stop_string_ends_the_text_before_it() -> None:
         ({"top_p": 0}, "top_p=0"),
         ({"stop": [1]}, r"stop=\[1\]"),
         ({"seed": True}, "seed=True"),
+        ({"presence_penalty": 2.5}, "presence_penalty=2.5"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty=nan"),
     ],
 )
 async def test_a_bad_parameter_fails_its_request_with_a_message_naming_it(
