@@ -2,13 +2,15 @@
 
 `echo_request` says what stage 0 was given, `tone` speaks it in a voice and at a speed
 a test can measure, `wav_duration` is a stand-in transcriber (it reports the WAV's length),
-`parrot` a stand-in thinker that answers a transcript with itself.
+`parrot` a stand-in thinker that answers a transcript with itself, `dies_on` a request
+that kills its worker.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import wave
 from collections.abc import Iterator
 from typing import Any
@@ -70,3 +72,12 @@ def parrot(data: Any) -> Iterator[Any]:
     for i, word in enumerate(words):
         piece = word if i == 0 else f" {word}"
         yield Final(piece) if i == len(words) - 1 else piece
+
+
+def dies_on(data: Any, word: str = "die") -> str:
+    """A stand-in for a request that crashes its worker (a model's segfault, the OOM
+    killer): the process exits on a prompt holding `word`; any other is echoed."""
+    text = json.dumps(data, sort_keys=True)
+    if word in text:
+        os._exit(3)
+    return text

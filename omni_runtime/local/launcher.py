@@ -224,8 +224,11 @@ class ProcessGroup:
         A process that died more than `RESTART_LIMIT` times in `RESTART_WINDOW_S` is not
         started again: the group fails with its last log lines, as `check_alive` would,
         since it would fail every request it is given (a model that does not load, a Redis
-        that refuses it)."""
+        that refuses it). The limit is never below `OMNI_MAX_DELIVERIES`: a request that
+        kills whoever runs it does so that often before it is dead-lettered."""
         now = time.monotonic() if now is None else now
+        deliveries = self.env.get("OMNI_MAX_DELIVERIES", "")
+        limit = max(RESTART_LIMIT, int(deliveries) if deliveries.isdigit() else 0)
         started = []
         for index, (name, proc, _f) in enumerate(self.procs):
             code = proc.poll()
@@ -234,7 +237,7 @@ class ProcessGroup:
             deaths = [t for t in self.deaths.get(name, []) if now - t < RESTART_WINDOW_S]
             deaths.append(now)
             self.deaths[name] = deaths
-            if len(deaths) > RESTART_LIMIT:
+            if len(deaths) > limit:
                 raise FatalError(
                     f"{name} exited with code {code} and died {len(deaths)} times in "
                     f"{RESTART_WINDOW_S:.0f} s: not started again. Its last lines:\n"
@@ -242,7 +245,7 @@ class ProcessGroup:
                 )
             log.error(
                 "%s exited with code %d; starting it again (%d of %d in %.0f s). Its last lines:\n%s",
-                name, code, len(deaths), RESTART_LIMIT, RESTART_WINDOW_S, self.tail(name),
+                name, code, len(deaths), limit, RESTART_WINDOW_S, self.tail(name),
             )  # fmt: skip
             cmd, extra_env = self.commands[name]
             self._spawn(name, cmd, extra_env, again_at=index)

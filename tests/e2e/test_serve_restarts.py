@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.redis_server]
 PROMPT = " ".join(f"w{i}" for i in range(150))  # ~3 s of thinker tokens at 20 ms each
 REPLACED_DEADLINE_S = 30.0
 """From the kill to a new process of the stage beating (measured: ~2 s)."""
+POISON_DEADLINE_S = 90.0
+"""Three deaths, each taken over once its heartbeat expired (measured: ~20 s in all)."""
 
 
 def redis_url_of(serve: Launched) -> str:
@@ -116,3 +118,28 @@ def test_a_process_that_keeps_dying_stops_serve_with_its_log_lines() -> None:
         assert serve.proc.returncode == 1, serve.output()
         assert "stage1-talker-0 exited with code -9 and died 4 times" in serve.output()
         assert "starting it again (3 of 3 in 60 s)" in serve.output()
+
+
+def test_a_request_that_kills_its_worker_each_time_fails_alone_and_serve_goes_on() -> None:
+    """Each replica that takes it over dies too, until it has been delivered
+    `OMNI_MAX_DELIVERIES` (3) times: then it is dead-lettered and fails with a clear
+    error; the worker started again serves the next request."""
+    port = free_port()
+    dies = str(ROOT / "tests" / "pipelines" / "dies.yaml")
+    with launched("serve", "--pipeline", dies, "--port", str(port)) as serve:
+        wait_until(lambda: serve_ready(serve, port), START_DEADLINE_S)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+        def chat_with(prompt: str) -> httpx.Response:
+            body = {"model": "dies", "messages": [{"role": "user", "content": prompt}]}
+            return httpx.post(url, json=body, timeout=POISON_DEADLINE_S)
+
+        poisoned = chat_with("please die")
+        assert poisoned.status_code == 502, poisoned.text
+        assert "delivered 3 times without finishing" in poisoned.json()["error"]["message"]
+        assert serve.output().count("stage0-fragile-0 exited with code 3; starting it") == 3
+        wait_until(lambda: serve_ready(serve, port), REPLACED_DEADLINE_S)
+        fine = chat_with("live on")
+        assert fine.status_code == 200, fine.text
+        assert "live on" in fine.json()["choices"][0]["message"]["content"]
+        assert serve.proc.poll() is None

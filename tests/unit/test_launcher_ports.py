@@ -101,3 +101,25 @@ def test_a_dead_process_is_started_again_in_its_place_and_a_crash_loop_stops_the
             group.restart_dead(now=62.0)
     finally:
         group.stop()
+
+
+def test_the_restart_limit_is_never_below_the_deliveries_a_poison_input_gets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With OMNI_MAX_DELIVERIES=5, a request that kills whoever runs it does so 5 times
+    before it is dead-lettered: those 5 deaths are no crash loop."""
+    monkeypatch.setattr(subprocess, "Popen", DyingPopen)
+    group = ProcessGroup(OMNI, load_pipeline(OMNI), {"OMNI_MAX_DELIVERIES": "5"})
+    group.start()
+    try:
+        for died_at in range(6):
+            dying = group.procs[1][1]
+            assert isinstance(dying, DyingPopen)
+            dying.code = -9
+            if died_at == 5:
+                with pytest.raises(FatalError, match="died 6 times"):
+                    group.restart_dead(now=float(died_at))
+            else:
+                assert group.restart_dead(now=float(died_at)) == ["stage0-thinker-0"]
+    finally:
+        group.stop()
