@@ -135,13 +135,10 @@ StreamFormat = Literal["mp3", "opus"]
 MP3 one but for its first frame, which it rewrites when the file closes. FLAC's rewritten
 header is what a decoder needs (libsndfile cannot read a FLAC of unknown length), and a
 WAV's says its true sizes: those two come whole."""
-STREAMED: tuple[StreamFormat, ...] = ("mp3", "opus")
 MP3_STREAM_LEVEL = 0.5
 """libsndfile's compression level for a streamed MP3, at a constant bit rate (~80 kbit/s
 at 22.05 kHz): without the first frame's tag, a decoder that reads no further than the
 size's worth at the first frame's rate would cut a variable-rate stream short."""
-
-
 OGG_PAGE_MS = 100.0
 """How much Opus audio an Ogg page holds, at most, in a stream: libsndfile's default
 (about a second) would hold each second back until it is whole; 100 ms costs ~5 % more bytes."""

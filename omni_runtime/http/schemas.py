@@ -213,7 +213,7 @@ class SpeechRequest(_Request):
     input: Annotated[str, Field(min_length=1, max_length=4096)]
     voice: ShortStr | VoiceId | None = None
     response_format: SpeechFormat = "wav"
-    """`pcm` streams as it is made; a file format comes whole."""
+    """`pcm`, `mp3` and `opus` stream as they are made; `wav` and `flac` come whole."""
     speed: Speed | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     """Accepted for compatibility; not passed on."""

@@ -97,11 +97,11 @@ def speech_router(gateway: Gateway) -> APIRouter:
 
 async def _audio_bytes(
     events: AsyncGenerator[Event, None], rate: int, fmt: SpeechFormat, failed: list[FailureEvent]
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The answer in `fmt` as it is made: raw 16-bit PCM at 24 kHz (what OpenAI streams as
     `pcm`), MP3 or Ogg Opus encoded chunk by chunk (on a worker thread: a second of speech
-    takes ~3 ms as MP3, ~10 ms as Opus), a WAV or FLAC whole at the end. A failure once
-    the headers went out ends the audio, and is put in `failed`."""
+    takes ~3 ms as MP3, ~10 ms as Opus), a WAV or FLAC whole at the end; never an empty
+    piece. A failure once the headers went out ends the audio, and is put in `failed`."""
     chunks = _audio_of(events, failed)
     if fmt == "pcm":
         resample = Resampler(rate)
@@ -109,7 +109,8 @@ async def _audio_bytes(
             async for pcm in chunks:
                 if (data := pcm16(resample(pcm))) != b"":
                     yield data
-        yield pcm16(resample.flush())
+        if tail := pcm16(resample.flush()):
+            yield tail
     elif fmt == "mp3" or fmt == "opus":
         stream = EncodedStream(rate, fmt)
         try:
@@ -117,7 +118,8 @@ async def _audio_bytes(
                 async for pcm in chunks:
                     if data := await asyncio.to_thread(stream.encode, pcm):
                         yield data
-            yield await asyncio.to_thread(stream.close)
+            if tail := await asyncio.to_thread(stream.close):
+                yield tail
         finally:
             stream.close()  # a stream cut short frees its encoder now
     else:
@@ -142,13 +144,13 @@ async def _audio_of(
 
 
 async def _speech_events(
-    run: Run, audio: AsyncIterator[bytes], failed: list[FailureEvent], input_tokens: int
+    run: Run, audio: AsyncGenerator[bytes, None], failed: list[FailureEvent], input_tokens: int
 ) -> AsyncIterator[bytes]:
     """OpenAI's `stream_format: "sse"`: a delta per piece of audio, then the usage (the
     model's counts when an engine gave them, else the input's words and no output), or
     the error that ended the audio."""
-    async for data in audio:
-        if data:
+    async with aclosing(audio):  # cut short, it frees its encoder now
+        async for data in audio:
             yield sse(SpeechAudioDelta(audio=b64(data)).model_dump_json())
     if failed:
         yield sse(error_json(failed[0].api_error()).decode())
