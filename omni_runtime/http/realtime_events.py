@@ -2,9 +2,10 @@
 
 Client events are validated here, at the boundary, by pydantic: a known `type` with a
 body that does not fit, or an unknown `type`, becomes one `error` event (`EventError`)
-and the session goes on. Fields this server has no use for (tools, noise reduction,
-transcription models, ...) are ignored, as the chat endpoint ignores them; what it
-uses is checked and bounded. Server events are plain dicts with a fresh `event_id`.
+and the session goes on. Fields this server has no use for (noise reduction,
+transcription models, ...) are ignored, as the chat endpoint ignores its own; tools are
+dropped, the session saying `"tools": []` (a pipeline calls none); what it uses is
+checked and bounded. Server events are plain dicts with a fresh `event_id`.
 """
 
 from __future__ import annotations
