@@ -36,8 +36,12 @@ def connect(settings: Settings) -> redis.Redis:
     return sync_client(url, cluster=cluster, socket_connect_timeout=5, socket_timeout=10)
 
 
-def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
-    """One snapshot, as plain JSON-able data (what `--json` prints)."""
+def collect_status(
+    client: redis.Redis, names: keys.Names, look_around: bool = True
+) -> dict[str, Any]:
+    """One snapshot, as plain JSON-able data (what `--json` prints). `look_around`: if
+    nothing runs in the namespace, name the ones that do (a SCAN of the whole keyspace,
+    which the live view makes once, not at every refresh)."""
     now_s, now_ms = redis_stats.server_now(client)
     procs = redis_stats.read_heartbeats(client, names, now_s)
     streams = [
@@ -74,7 +78,7 @@ def collect_status(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
         "request_rate_per_s": redis_stats.request_rate(client, names, now_ms),
         "stats": redis_stats.read_stats(client, names),
         "redis_memory": redis_memory(client),
-        "other_namespaces": other_namespaces(client, names) if not procs else [],
+        "other_namespaces": other_namespaces(client, names) if look_around and not procs else [],
     }
 
 
@@ -308,11 +312,13 @@ def run_status(
         )
         return 0 if healthy else 1
     good: Any = Text("reading Redis ...")
+    first = True
     with Live(good, console=console, auto_refresh=False) as live:
         try:
             while True:
                 try:  # while Redis is unreachable, say so over the last good frame
-                    good = render(collect_status(client, names))
+                    good = render(collect_status(client, names, look_around=first))
+                    first = False
                     live.update(good, refresh=True)
                 except RedisError as e:
                     live.update(Group(Text(f"Redis: {e} (retrying)", style="bold red"), good))

@@ -276,11 +276,14 @@ def test_live_view_refreshes_and_survives_a_redis_error(monkeypatch: pytest.Monk
     frames = {"n": 0}
     real_collect = status.collect_status
 
-    def flaky(client: redis.Redis, names: keys.Names) -> dict[str, Any]:
+    looked_around: list[bool] = []
+
+    def flaky(client: redis.Redis, names: keys.Names, look_around: bool) -> dict[str, Any]:
         frames["n"] += 1
+        looked_around.append(look_around)
         if frames["n"] == 2:
             raise redis.ConnectionError("connection refused")
-        return real_collect(client, names)
+        return real_collect(client, names, look_around)
 
     def sleep(_s: float) -> None:
         if frames["n"] >= 3:
@@ -291,6 +294,7 @@ def test_live_view_refreshes_and_survives_a_redis_error(monkeypatch: pytest.Monk
     console, buf = _console()
     assert run_status(_args("--interval", "0.1"), SETTINGS, client=r, console=console) == 0
     assert frames["n"] == 3 and "gpu-a" in buf.getvalue()
+    assert looked_around == [True, False, False]  # the keyspace is scanned once, not per frame
 
 
 def test_status_says_when_redis_is_out_of_memory(full_redis: FullableRedis) -> None:
