@@ -1,15 +1,18 @@
-"""The FastAPI app: routes, API-key check, error handlers, body limit, lifespan."""
+"""The FastAPI app: routes, API-key and origin checks, error handlers, body limit, CORS,
+lifespan."""
 
 from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -22,9 +25,9 @@ from omni_runtime.http.errors import (
     out_of_memory,
 )
 from omni_runtime.http.gateway import Gateway
-from omni_runtime.http.realtime import realtime_router
+from omni_runtime.http.realtime import OriginCheck, realtime_router
 from omni_runtime.http.realtime_session import RealtimeSettings
-from omni_runtime.http.routes import chat_router
+from omni_runtime.http.routes import REQUEST_ID_HEADER, chat_router
 from omni_runtime.http.schemas import ModelCard, ModelList
 from omni_runtime.http.speech import speech_router
 from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
@@ -57,6 +60,28 @@ def api_key_check(gateway: Gateway) -> Any:
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
 
     return check
+
+
+def origin_check(gateway: Gateway) -> OriginCheck:
+    """A Realtime handshake from a web page (browsers send `Origin`) opens a session only
+    from the server's own pages (the playground) or an origin of `OMNI_CORS_ORIGINS`;
+    one with no `Origin` is no browser's, and the API key decides."""
+    allowed = set(gateway.serve.cors_origins)
+
+    def refused(headers: Mapping[str, str]) -> ApiError | None:
+        origin = headers.get("origin")
+        if origin is None or "*" in allowed or origin in allowed:
+            return None
+        if urlsplit(origin).netloc.lower() == headers.get("host", "").lower():
+            return None
+        return ApiError(
+            403,
+            f"a page of {origin} may not open a Realtime session here: "
+            "add its origin to OMNI_CORS_ORIGINS",
+            code="origin_not_allowed",
+        )
+
+    return refused
 
 
 class AsgiEndpoint:
@@ -171,7 +196,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)
     realtime = gateway.settings.part(RealtimeSettings)
-    app.include_router(realtime_router(gateway, api_key_check(gateway), realtime))  # own key check
+    checks = (api_key_check(gateway), origin_check(gateway))  # its own: a socket's headers
+    app.include_router(realtime_router(gateway, *checks, realtime))
     uploads = {UPLOAD_PATH: gateway.serve.max_upload_bytes}
     app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes, paths=uploads)
+    if gateway.serve.cors_origins:  # outermost: a preflight needs no key, an error gets CORS too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=gateway.serve.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Omni-Trace"],
+            expose_headers=[REQUEST_ID_HEADER, "X-Sample-Rate", "Retry-After"],
+            max_age=600,
+        )
     return app

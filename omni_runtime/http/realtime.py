@@ -13,7 +13,9 @@ sans-I/O protocol reports either as soon as it arrives). A malformed or unknown 
 event while no response runs; ending, or the client going away, aborts its response.
 
 The API key is checked as the HTTP API checks it, from `Authorization: Bearer <key>`
-or (what a browser can send) the subprotocol `openai-insecure-api-key.<key>`.
+or (what a browser can send) the subprotocol `openai-insecure-api-key.<key>`. A browser
+gets no CORS check on a WebSocket: a page's `Origin` is checked here (`OriginCheck`), so
+that a site the user visits cannot talk to a server on their machine.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import json
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
@@ -42,6 +44,8 @@ CLOSE_TIMEOUT_S = 1.0
 """A close frame a client does not take within this is given up on."""
 
 KeyCheck = Callable[[str | None], Awaitable[None]]
+OriginCheck = Callable[[Mapping[str, str]], ApiError | None]
+"""Why a handshake's headers may not open a session (a web page's `Origin`), or None."""
 
 
 class Outbox:
@@ -82,7 +86,9 @@ class Outbox:
         return text
 
 
-def realtime_router(gateway: Gateway, check_key: KeyCheck, settings: RealtimeSettings) -> APIRouter:
+def realtime_router(
+    gateway: Gateway, check_key: KeyCheck, check_origin: OriginCheck, settings: RealtimeSettings
+) -> APIRouter:
     router = APIRouter()
 
     @router.websocket(PATH)
@@ -95,6 +101,9 @@ def realtime_router(gateway: Gateway, check_key: KeyCheck, settings: RealtimeSet
             f"Bearer {keyed[0]}" if keyed else None
         )
         subprotocol = "realtime" if "realtime" in offered else None
+        if (cross_site := check_origin(websocket.headers)) is not None:
+            await _refuse(websocket, cross_site, subprotocol)
+            return
         try:
             await check_key(authorization)
             served = _served(gateway, model)

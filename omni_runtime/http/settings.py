@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ORIGIN = re.compile(
+    r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?"
+)
+"""A web origin as a browser sends it in `Origin`: scheme, host, optional port."""
 
 
 class ServeSettings(BaseSettings):
@@ -30,6 +36,10 @@ class ServeSettings(BaseSettings):
     max_prompt_chars: Annotated[int, Field(gt=0, le=1_000_000)] = 32_768
     ready_cache_s: Annotated[float, Field(ge=0, le=60)] = 0.5
     """Readiness is re-checked in Redis at most this often (it scans heartbeat keys)."""
+    cors_origins: Annotated[list[str], NoDecode, Field(max_length=64)] = Field(default_factory=list)
+    """`OMNI_CORS_ORIGINS=https://app.example,http://localhost:3000` (or `*`): web pages of
+    those origins may call the API (CORS) and open a Realtime session; without it only
+    the server's own pages (the playground) and clients that are not browsers may."""
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -37,6 +47,24 @@ class ServeSettings(BaseSettings):
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [o.strip() for o in value.split(",") if o.strip()]
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_are_origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: scheme://host[:port], no path "
+                    "(e.g. https://app.example), or *"
+                )
+        return origins
 
     @field_validator("api_keys")
     @classmethod

@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import websockets
+from websockets.typing import Origin
 
 from tests.e2e.raw_realtime import RawClient
 from tests.e2e.realtime_client import (
@@ -83,6 +84,23 @@ async def test_a_wrong_key_gets_an_error_and_the_socket_closes(demo: Deployment)
             assert ev.type == "error" and ev.error.code == "invalid_api_key"
             await conn.recv()  # the server closes
     assert isinstance(raised.value, websockets.ConnectionClosed | websockets.InvalidStatus)
+
+
+async def test_a_web_page_of_another_origin_may_not_open_a_session(demo: Deployment) -> None:
+    """Browsers make no CORS check on a WebSocket: the server refuses another site's page
+    (403) even with a valid key, and takes its own page's (the playground)."""
+    url = demo.serve.url.replace("http://", "ws://", 1) + "/v1/realtime?model=omni"
+    key = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with websockets.connect(
+            url, origin=Origin("http://evil.test"), additional_headers=key
+        ):
+            pass
+    assert refused.value.response.status_code == 403
+    assert b"OMNI_CORS_ORIGINS" in refused.value.response.body
+    own = Origin(demo.serve.url)
+    async with websockets.connect(url, origin=own, additional_headers=key) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
 
 
 async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Deployment) -> None:

@@ -119,6 +119,43 @@ async def test_api_keys(cluster: InProcessCluster) -> None:
         assert (await api.get("/health")).status_code == 200  # probes need no key
 
 
+async def test_pages_of_the_cors_origins_may_call_the_api_and_no_other(
+    cluster: InProcessCluster,
+) -> None:
+    """A preflight needs no key; answers, errors included, say the origin may read them
+    and which headers it may see; another origin gets no such header (the browser then
+    hides the answer), and without OMNI_CORS_ORIGINS no origin does."""
+    app = create_app(gateway_for(cluster, api_keys="first-key-123", cors_origins="http://app.test"))
+    page = {"Origin": "http://app.test"}
+    ok = {**page, "Authorization": "Bearer first-key-123"}
+    async with http(app) as api:
+        preflight = await api.options(CHAT, headers={
+            **page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        })  # fmt: skip
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "http://app.test"
+        allowed = preflight.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed and "content-type" in allowed
+        answer = await api.post(CHAT, json=chat_body(), headers=ok)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "http://app.test"
+        exposed = answer.headers["access-control-expose-headers"].lower()
+        assert "x-omni-request-id" in exposed
+        refused = await api.get("/v1/models", headers=page)  # no key: a 401 the page can read
+        assert refused.status_code == 401
+        assert refused.headers["access-control-allow-origin"] == "http://app.test"
+        other = await api.get("/v1/models", headers={**ok, "Origin": "http://evil.test"})
+        assert "access-control-allow-origin" not in other.headers
+        bad = await api.options(CHAT, headers={
+            "Origin": "http://evil.test", "Access-Control-Request-Method": "POST",
+        })  # fmt: skip
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    async with http(create_app(gateway_for(cluster))) as api:
+        plain = await api.get("/v1/models", headers=page)
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
 async def test_metrics_need_no_key_and_time_what_serve_saw(cluster: InProcessCluster) -> None:
     app = create_app(gateway_for(cluster, api_keys="first-key-123"))
     ok = {"Authorization": "Bearer first-key-123"}
