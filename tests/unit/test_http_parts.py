@@ -44,6 +44,17 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ServeSettings()
 
 
+def test_cors_origins_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_CORS_ORIGINS", "https://app.example, http://localhost:3000,")
+    assert ServeSettings().cors_origins == ["https://app.example", "http://localhost:3000"]
+    monkeypatch.setenv("OMNI_CORS_ORIGINS", "http://[::1]:8080,*")
+    assert ServeSettings().cors_origins == ["http://[::1]:8080", "*"]
+    for bad in ("app.example", "https://app.example/", "https://app.example/path", "file://x"):
+        monkeypatch.setenv("OMNI_CORS_ORIGINS", bad)
+        with pytest.raises(ConfigError, match=r"OMNI_CORS_ORIGINS: .* is not an origin"):
+            ServeSettings.load()
+
+
 @pytest.mark.parametrize(
     ("host", "keys", "allow", "ok"),
     [
