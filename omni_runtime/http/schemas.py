@@ -145,8 +145,10 @@ class ChatCompletionRequest(_Request):
     tool_choice: ToolChoice | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    """Parsed to be refused (`refused()`): a pipeline calls no tools, shapes no JSON, and
-    reports no log probabilities; accepting them silently would be a wrong answer."""
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    """Parsed to be refused (`refused()`): a pipeline calls no tools, shapes no JSON,
+    reports no log probabilities and biases no token ids (a front door knows no model's
+    vocabulary); accepting them silently would be a wrong answer."""
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first field set that no pipeline can honour."""
@@ -161,6 +163,8 @@ class ChatCompletionRequest(_Request):
             )
         if self.logprobs:
             return "logprobs", "logprobs are not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
         return None
 
     @model_validator(mode="after")
