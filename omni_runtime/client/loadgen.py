@@ -34,7 +34,7 @@ class LoadResult:
         return (
             f"{self.requests} requests, concurrency {self.concurrency}, {self.errors} errors, "
             f"{self.wall_s:.2f} s\n"
-            f"throughput  {rate:,.0f} requests/s\n"
+            f"throughput  {rate:,.{0 if rate >= 100 else 2}f} requests/s\n"
             f"latency     p50 {percentile(lat, 50):.2f} ms  p99 {percentile(lat, 99):.2f} ms\n"
             f"first out   p50 {percentile(first, 50):.2f} ms  p99 {percentile(first, 99):.2f} ms"
         )
