@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -42,10 +44,13 @@ class Launched:
     """A `run` or `serve` in a process group of its own, like a shell's job."""
 
     def __init__(self, args: list[str]) -> None:
+        # its log directory and its Redis's files go here, removed by `close`: a process
+        # SIGKILLed, as `close` may kill it, deletes nothing of its own
+        self.tmp = tempfile.mkdtemp(prefix="launched-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.cli", *args],
             cwd=ROOT,
-            env=cli_env(),  # no Redis URL: it starts its own redis-server
+            env=cli_env(TMPDIR=self.tmp),  # no Redis URL: it starts its own redis-server
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -93,6 +98,7 @@ class Launched:
         self._reader.join(timeout=10)  # at EOF: every holder of the pipe has exited
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
