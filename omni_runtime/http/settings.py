@@ -41,18 +41,12 @@ class ServeSettings(BaseSettings):
     those origins may call the API (CORS) and open a Realtime session; without it only
     the server's own pages (the playground) and clients that are not browsers may."""
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
-    def _split_keys(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
+        """A variable's comma list (`NoDecode`: not read as JSON)."""
         if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
-        return value
-
-    @field_validator("cors_origins", mode="before")
-    @classmethod
-    def _split_origins(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [o.strip() for o in value.split(",") if o.strip()]
+            return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
     @field_validator("cors_origins")
