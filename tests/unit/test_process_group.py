@@ -1,5 +1,6 @@
-"""ProcessGroup: with OMNI_METRICS_PORT set, every process it starts gets a port of its own,
-and keeps it when `restart_dead` starts it again."""
+"""ProcessGroup, with fake processes: with OMNI_METRICS_PORT set, every process it starts
+gets a port of its own, and keeps it when `restart_dead` starts it again; how often a
+process may die before the group gives up."""
 
 from __future__ import annotations
 
