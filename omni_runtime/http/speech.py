@@ -102,16 +102,21 @@ async def _audio_bytes(
     `pcm`), MP3 or Ogg Opus encoded chunk by chunk (on a worker thread: a second of speech
     takes ~3 ms as MP3, ~10 ms as Opus), a WAV or FLAC whole at the end; never an empty
     piece. A failure once the headers went out ends the audio, and is put in `failed`."""
+    if fmt == "wav" or fmt == "flac":
+        samples = await _all_audio(events, failed)
+        if not failed:
+            yield await asyncio.to_thread(audio_file, samples, rate, fmt)
+        return
     chunks = _audio_of(events, failed)
     if fmt == "pcm":
         resample = Resampler(rate)
         async with aclosing(chunks):
             async for pcm in chunks:
-                if (data := pcm16(resample(pcm))) != b"":
+                if data := pcm16(resample(pcm)):
                     yield data
         if tail := pcm16(resample.flush()):
             yield tail
-    elif fmt == "mp3" or fmt == "opus":
+    else:
         stream = EncodedStream(rate, fmt)
         try:
             async with aclosing(chunks):
@@ -122,12 +127,6 @@ async def _audio_bytes(
                 yield tail
         finally:
             stream.close()  # a stream cut short frees its encoder now
-    else:
-        async with aclosing(chunks):
-            whole = [pcm async for pcm in chunks]
-        if not failed:
-            samples = np.concatenate(whole) if whole else np.zeros(0, np.float32)
-            yield await asyncio.to_thread(audio_file, samples, rate, fmt)
 
 
 async def _audio_of(
@@ -164,11 +163,18 @@ async def _speech_events(
 
 async def _whole_audio(run: Run) -> npt.NDArray[np.float32]:
     """Every audio chunk of a request; a failure is an error response."""
-    chunks: list[npt.NDArray[np.float32]] = []
-    async with aclosing(run.events()) as events:
-        async for ev in events:
-            if isinstance(ev, AudioEvent):
-                chunks.append(ev.pcm)
-            elif isinstance(ev, FailureEvent):
-                raise ev.api_error()
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    failed: list[FailureEvent] = []
+    samples = await _all_audio(run.events(), failed)
+    if failed:
+        raise failed[0].api_error()
+    return samples
+
+
+async def _all_audio(
+    events: AsyncGenerator[Event, None], failed: list[FailureEvent]
+) -> npt.NDArray[np.float32]:
+    """The audio chunks of `events` as one array (a failure ends them: `_audio_of`)."""
+    chunks = _audio_of(events, failed)
+    async with aclosing(chunks):
+        whole = [pcm async for pcm in chunks]
+    return np.concatenate(whole) if whole else np.zeros(0, np.float32)
