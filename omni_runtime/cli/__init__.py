@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 
 from pydantic_settings import CliSettingsSource
@@ -35,6 +36,13 @@ process, all over Redis. `run` does everything locally for one prompt; in produc
 start `orchestrator` and `worker`s (any hosts), then `submit` or `bench`.
 Every OMNI_* setting is also a flag (--redis-url, --deadline-s, ...) and may come
 from a YAML file (--settings-file)."""
+
+
+def process_id(text: str) -> str:
+    """A process's name in Redis keys and connection names: no separator, no space."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: 1 to 128 letters, digits, '.', '_' or '-'")
+    return text
 
 
 def serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,10 +137,30 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(settings_source=source)
         return p
 
-    add("orchestrator", "run the orchestrator process").set_defaults(func=cmd_orchestrator)
+    o = add("orchestrator", "run the orchestrator process")
+    o.add_argument(
+        "--orchestrator-id", type=process_id, help="its name in the leases (default: random)"
+    )
+    o.add_argument(
+        "--replaces",
+        type=process_id,
+        metavar="ORCHESTRATOR_ID",
+        help="the id of an orchestrator process that has exited: its slots are taken at "
+        "once, not once their leases lapsed (what `serve` gives the process it starts in a "
+        "dead one's place; never a live process's id)",
+    )
+    o.set_defaults(func=cmd_orchestrator)
     w = add("worker", "run one stage worker process")
     w.add_argument("--stage", type=int, required=True, help="stage id")
-    w.add_argument("--worker-id", help="consumer name (default: host-pid-random)")
+    w.add_argument("--worker-id", type=process_id, help="consumer name (default: host-pid-random)")
+    w.add_argument(
+        "--replaces",
+        type=process_id,
+        metavar="WORKER_ID",
+        help="the consumer name of a worker of this stage whose process has exited: its "
+        "inputs are taken over at once, not once its heartbeat expired (what `serve` gives "
+        "the process it starts in a dead one's place; never a live worker's name)",
+    )
     w.set_defaults(func=cmd_worker)
     # a running deployment's mode is its orchestrator's and workers': submit and bench follow it
     add(

@@ -75,7 +75,9 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
     settings = settings_of(args)
     log_settings(settings)
-    service = OrchestratorService(_pipeline(args), settings)
+    service = OrchestratorService(
+        _pipeline(args), settings, orchestrator_id=args.orchestrator_id, replaces=args.replaces
+    )
 
     async def main() -> NoReturn:
         stop = asyncio.Event()
@@ -100,7 +102,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_stage_options(pipeline, [args.stage])
     settings = settings_of(args)
     log_settings(settings)
-    worker = StageWorker(pipeline, args.stage, settings, worker_id=args.worker_id)
+    worker = StageWorker(
+        pipeline, args.stage, settings, worker_id=args.worker_id, replaces=args.replaces
+    )
     take_stop_signals(worker.stop)
     worker.run()
     stuck = [

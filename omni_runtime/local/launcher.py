@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -146,6 +147,9 @@ class ProcessGroup:
         self.metrics_ports: dict[str, int] = {}
         """With OMNI_METRICS_PORT=P in `env`, process i (orchestrator first) serves on P + i."""
         self.commands: dict[str, tuple[list[str], Mapping[str, str] | None]] = {}
+        self.process_ids: dict[str, str] = {}
+        """The orchestrator's and each worker's name in Redis (`--orchestrator-id`,
+        `--worker-id`), new for each process it runs as."""
         self.deaths: dict[str, list[float]] = {}
         """`restart_dead`: when each process died, over the last `RESTART_WINDOW_S`."""
 
@@ -173,6 +177,7 @@ class ProcessGroup:
         `again_at`: it replaces the dead process at that index of `procs`, on its port,
         its log continued."""
         self.commands[name] = (cmd, extra_env)
+        cmd = cmd + self._identity(name, cmd, again=again_at is not None)
         env = {**self.env, **(extra_env or {})}
         base = env.get("OMNI_METRICS_PORT", "").strip()
         at_start = exit_with_parent()  # per start: the kernel follows the starting thread
@@ -202,6 +207,18 @@ class ProcessGroup:
             else:
                 self.procs[again_at][2].close()
                 self.procs[again_at] = (name, proc, logfile)
+
+    def _identity(self, name: str, cmd: list[str], *, again: bool) -> list[str]:
+        """A process's name in Redis, new for each process it runs as; started in a dead
+        one's place, it takes that one's work over at once (`--replaces`), not once the
+        dead one's heartbeat or leases expired."""
+        role = cmd[3]  # after `python -m omni_runtime.cli`
+        if role not in ("orchestrator", "worker"):
+            return []
+        dead = self.process_ids.get(name) if again else None
+        self.process_ids[name] = f"{socket.gethostname()}-{name}-{uuid.uuid4().hex[:8]}"
+        given = [f"--{role}-id", self.process_ids[name]]
+        return given + (["--replaces", dead] if dead else [])
 
     def _stage_packages(self) -> set[str]:
         """The top-level packages of the pipeline's own code (entries, forward function)."""

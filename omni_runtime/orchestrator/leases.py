@@ -64,14 +64,16 @@ class Leases:
         client: aioredis.Redis,
         names: keys.Names,
         ttl_s: float,
+        token: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`token`: this process's name in the leases (default: random); unique to it."""
         self.client = client
         self.names = names
         self.ttl_s = ttl_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.clock = clock
-        self.token = uuid.uuid4().hex
+        self.token = token or uuid.uuid4().hex
         self.client_name = names.orchestrator_connection(self.token)
         """Set on every connection of the process's client (`CLIENT SETNAME`)."""
         self._kill_refused = False
@@ -233,10 +235,7 @@ class Leases:
 
     def _mine(self, value: bytes | str | None) -> bool:
         """The lease holds this process's token, or none (lapsed)."""
-        if value is None:
-            return True
-        text = value.decode() if isinstance(value, bytes) else value
-        return text == self.token
+        return value is None or _text(value) == self.token
 
     def shut(self) -> None:
         """Nothing more is written from now (the slots are being given back): the next
@@ -258,13 +257,30 @@ class Leases:
         to that left the slot to lapse a whole TTL later."""
         self.held.discard(slot)
         self.generation.pop(slot, None)
+        await self._give_up(slot, self.token)
+
+    async def release_dead(self, token: str) -> list[int]:
+        """Give up, as it would have, every slot of the process `token` names, which has
+        exited (its supervisor saw it, `--replaces`): live processes, this one too (its home
+        slot the lowest free), take them at once rather than once its leases lapsed; its
+        process heartbeat goes too (`status`). Never given a live process's token."""
+        registry: dict[Any, Any] = await self.client.hgetall(self.names.orchestrator_slots)
+        slots = sorted(int(slot) for slot, holder in registry.items() if _text(holder) == token)
+        for slot in slots:
+            await self._give_up(slot, token)
+        await self.client.delete(self.names.orchestrator_process_heartbeat(token))
+        if slots:
+            log.warning("orchestrator %s exited: its slot(s) %s given up", token, slots)
+        return slots
+
+    async def _give_up(self, slot: int, token: str) -> None:
         key = self.names.orchestrator_lease(slot)
         released = self.names.orchestrator_released
         for _attempt in range(RELEASE_ATTEMPTS):
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    if not self._mine(await pipe.get(key)):
+                    if _text(await pipe.get(key)) not in (token, None):
                         return  # it changed hands meanwhile: not ours to delete
                     pipe.multi()
                     pipe.delete(key)
@@ -325,3 +341,7 @@ class Leases:
         if not slots:
             return False
         return bool(await self.client.exists(*(self.names.orchestrator_lease(s) for s in slots)))
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value

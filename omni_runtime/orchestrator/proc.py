@@ -70,9 +70,15 @@ class OrchestratorService:
         settings: Settings,
         clients: RedisClients | None = None,
         metrics: Metrics | None = None,
+        *,
+        orchestrator_id: str | None = None,
+        replaces: str | None = None,
     ) -> None:
+        """`orchestrator_id`: its token in the leases (default: random); `replaces`: that
+        of a process that exited, whose slots it takes at once (`Leases.release_dead`)."""
         s = settings
         self.pipeline = pipeline
+        self.replaces = replaces
         self.settings = settings
         self.names = s.names
         self.obs = Observability(metrics)
@@ -81,7 +87,7 @@ class OrchestratorService:
         self.metrics = self.obs.metrics
         self.clients = clients or RedisClients.connect(s.redis_url, s.redis_cluster, s.namespace)
         self.client = self.clients.aio()
-        self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s)
+        self.leases = Leases(self.client, self.names, s.orchestrator_lease_ttl_s, orchestrator_id)
         if self.leases.can_disconnect:  # a takeover closes them by name (CLIENT KILL)
             name_connections(self.client, self.leases.client_name)
         retry = s.part(RetrySettings)
@@ -167,6 +173,8 @@ class OrchestratorService:
             self.watchdog = Watchdog(self.settings.watchdog_s, self._give_back_from_thread)
         try:
             await check_orchestrator_mode(self.client, self.names, self.pipeline)
+            if self.replaces is not None:  # its slots now, not once their leases lapsed
+                await self.leases.release_dead(self.replaces)
             slot = await self.leases.take_lowest_free()
             self.home = await self._serve(slot, home=True)
             loops = [

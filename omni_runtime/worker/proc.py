@@ -66,6 +66,7 @@ class StageWorker:
         settings: Settings,
         clients: RedisClients | None = None,
         worker_id: str | None = None,
+        replaces: str | None = None,  # a worker that exited: its inputs taken at once
     ) -> None:
         s = settings
         self.pipeline = pipeline
@@ -164,7 +165,7 @@ class StageWorker:
         )
         ttl_s = s.heartbeat_ttl_ms / 1000
         self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
-        self._heartbeat = Takeover(
+        self._takeover = Takeover(
             self._client,
             reader(),
             self._take_over,
@@ -172,7 +173,9 @@ class StageWorker:
             worker_id=self.worker_id,
             stage_id=stage_id,
             metrics=self.metrics,
-        ).heartbeat(self.status, self._guard)
+            replaces=replaces,
+        )
+        self._heartbeat = self._takeover.heartbeat(self.status, self._guard)
         self._output = OutputThread(
             self._client,
             self.out_stream,
@@ -205,6 +208,7 @@ class StageWorker:
                 self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
         self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
+        self._takeover.replace()
         self._heartbeat.start()
         self._output.start()
         self._control.start()  # before inputs: an abort is never older than what it aborts

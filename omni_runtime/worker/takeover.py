@@ -5,6 +5,11 @@ will finish: they are claimed (XCLAIM) and run here. An input already delivered
 `max_deliveries` times is not run again (it may be what kills replicas): it is
 dead-lettered and its request ends with one error output.
 
+A replica started in a dead one's place by a supervisor that saw it exit (`serve`,
+`--replaces`) takes that one's inputs over at once instead: its process is gone, so
+neither its heartbeat's TTL nor the idle fence that guards a replica that only stalled
+has anything to wait for.
+
 The dead replica's connections are closed first (CLIENT KILL by the name every worker
 connection carries, `name_connections`): one that only stalled (SIGSTOP) would otherwise
 land, on waking, a write that passed its fence just before the stall (`fence.py`);
@@ -37,6 +42,11 @@ log = logging.getLogger(__name__)
 
 CLAIM_PAGE = 100
 """Pending entries of one dead consumer claimed per heartbeat."""
+
+REPLACED_MIN_IDLE_MS = 1_000
+"""The idle fence for the inputs of the replica this one replaces: no stall to wait out,
+only another replica's claim of the same inputs, which resets their idle time (so a
+claimant that paused this long between listing and claiming them cannot take them twice)."""
 
 
 def name_connections(client: redis.Redis, names: keys.Names, stage_id: int, worker_id: str) -> None:
@@ -71,6 +81,7 @@ class Takeover:
         worker_id: str,
         stage_id: int,
         metrics: Metrics,
+        replaces: str | None = None,
     ) -> None:
         self.client = client
         self.reader = reader
@@ -81,6 +92,8 @@ class Takeover:
         self.stage_id = stage_id
         self.max_deliveries = settings.max_deliveries
         self.min_idle_ms = settings.heartbeat_ttl_ms
+        self.replaces = replaces
+        """A dead replica's consumer name (`serve` saw its process exit)."""
         self.metrics = metrics
         self.stream = reader.stream
         self._can_disconnect = not is_cluster(client)
@@ -110,13 +123,26 @@ class Takeover:
         for consumer in summary.get("consumers") or []:
             name = consumer["name"]
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != self.worker_id and not self._alive(name):
-                self._take_over(name)
+            if name == self.replaces:
+                self._take_over(name, REPLACED_MIN_IDLE_MS)
+            elif name != self.worker_id and not self._alive(name):
+                self._take_over(name, self.min_idle_ms)
+
+    def replace(self) -> None:
+        """At start: the replaced replica is no live worker (`status`), and its inputs
+        idle long enough are claimed now, not a heartbeat later (the rest at each beat)."""
+        if self.replaces is None:
+            return
+        try:
+            self.client.delete(self.names.stage_heartbeat(self.stage_id, self.replaces))
+            self._take_over(self.replaces, REPLACED_MIN_IDLE_MS)
+        except RedisError as e:  # the heartbeat's takeovers, which retry, will
+            log.warning("cannot take over the inputs of %s yet: %r", self.replaces, e)
 
     def _alive(self, name: str) -> bool:
         return bool(self.client.exists(self.names.stage_heartbeat(self.stage_id, name)))
 
-    def _take_over(self, name: str) -> None:
+    def _take_over(self, name: str, min_idle_ms: int) -> None:
         rows = self.client.xpending_range(
             self.stream, keys.WORKERS_GROUP, min="-", max="+", count=CLAIM_PAGE, consumername=name
         )
@@ -134,7 +160,7 @@ class Takeover:
                 self.stream,
                 keys.WORKERS_GROUP,
                 self.worker_id,
-                min_idle_time=self.min_idle_ms,
+                min_idle_time=min_idle_ms,
                 message_ids=ids,
             ),
         )

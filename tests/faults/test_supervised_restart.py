@@ -1,8 +1,9 @@
-"""The only replica of a stage SIGKILLed under load, with a supervisor starting it again
-as an embedded `serve` does (`ProcessGroup.restart_dead`, every 0.5 s): the process
-started in its place takes its inputs over; nothing lost, nothing repeated, no request
-failed (the stage never looked down: the new replica beats before the dead one's
-heartbeat expires)."""
+"""The only replica of a stage, or the only orchestrator, SIGKILLed under load, with a
+supervisor starting it again as an embedded `serve` does (`ProcessGroup.restart_dead`,
+every 0.5 s): the process started in its place takes the dead one's inputs (or slots)
+over at once (`--replaces`), not once its heartbeat (or leases) expired; nothing lost,
+nothing repeated, no request failed (the stage never looked down: the new replica beats
+before the dead one's heartbeat expires)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from omni_runtime.keys import HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
 
+TTL_S = min(HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S)
 SUPERVISOR_PERIOD_S = 0.5
 """How often `serve` looks for a dead process of its deployment."""
 
@@ -38,8 +41,12 @@ async def supervised(d: FaultDeployment, restarted: list[str]) -> AsyncIterator[
             await task
 
 
-async def test_the_only_replica_killed_and_started_again_loses_nothing(
-    redis_url: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("killed", "started_again"),
+    [("stage1", "stage1-upper_all-0"), ("orchestrator", "orchestrator")],
+)
+async def test_the_only_process_of_its_kind_killed_and_started_again_loses_nothing(
+    redis_url: str, tmp_path: Path, killed: str, started_again: str
 ) -> None:
     n, concurrency = (1000, 100) if FULL else (200, 40)
     with FaultDeployment(
@@ -51,17 +58,18 @@ async def test_the_only_replica_killed_and_started_again_loses_nothing(
     ) as d:
         restarted: list[str] = []
 
-        async def kill_the_replica() -> None:
-            d.signal("stage1", signal.SIGKILL)
+        async def kill_the_process() -> None:
+            d.signal(killed, signal.SIGKILL)
             await asyncio.sleep(0)
 
         prompts = {f"s{i}": f"a{i} b{i}" for i in range(n)}
         async with supervised(d, restarted):
             report = await run_load(
-                d, "only replica SIGKILL, restarted", prompts, seed_final_2, concurrency,
-                n // 4, kill_the_replica,
+                d, f"only {killed} SIGKILL, restarted", prompts, seed_final_2, concurrency,
+                n // 4, kill_the_process,
             )  # fmt: skip
     print("\n" + header() + "\n" + report.line())
-    assert restarted == ["stage1-upper_all-0"], restarted
+    assert restarted == [started_again], restarted
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
-    assert report.recovery_s is not None and report.recovery_s <= 6 + 5, report
+    # without `--replaces` the new process waits out the dead one's heartbeat or leases
+    assert report.recovery_s is not None and report.recovery_s < TTL_S, report

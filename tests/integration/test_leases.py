@@ -190,3 +190,25 @@ async def test_reads_block_no_longer_than_the_fence_stays_open(
     assert a.read_block_ms() == 1
     await a.refresh()
     assert a.read_block_ms() == int(TTL_S * 0.75 * 1000)
+
+
+async def test_a_dead_processs_slots_are_given_up_for_it_and_no_live_ones(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    """A supervisor that saw an orchestrator exit starts another with `--replaces`: the
+    dead one's slots are free at once (with a notice for live processes), not a TTL later;
+    a slot another process holds meanwhile stays its own."""
+    dead = Leases(redis, NAMES, TTL_S, token="dead")
+    live = Leases(redis, NAMES, TTL_S, token="live")
+    await dead.take(0)
+    await dead.take(2)
+    await live.take(1)
+    await redis.delete(NAMES.orchestrator_lease(2))  # lapsed, then taken by `live`
+    await live.take(2)
+    replacement = Leases(redis, NAMES, TTL_S, token="new")
+    assert await replacement.release_dead("dead") == [0]
+    assert await redis.get(NAMES.orchestrator_lease(0)) is None
+    assert [await redis.get(NAMES.orchestrator_lease(s)) for s in (1, 2)] == [b"live"] * 2
+    notices = await redis.xrange(NAMES.orchestrator_released)
+    assert [fields[b"slot"] for _id, fields in notices] == [b"0"]
+    assert await replacement.take_lowest_free() == 0

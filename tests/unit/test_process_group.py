@@ -1,6 +1,6 @@
 """ProcessGroup, with fake processes: with OMNI_METRICS_PORT set, every process it starts
-gets a port of its own, and keeps it when `restart_dead` starts it again; how often a
-process may die before the group gives up."""
+gets a port of its own, and keeps it when `restart_dead` starts it again, as a worker
+that replaces the dead one; how often a process may die before the group gives up."""
 
 from __future__ import annotations
 
@@ -90,7 +90,15 @@ def test_a_dead_process_is_started_again_in_its_place_and_a_crash_loop_stops_the
             assert group.restart_dead(now=died_at) == ["stage1-talker-0"]
             again = group.procs[2][1]
             assert again is not talker and isinstance(again, DyingPopen)
-            assert (again.cmd, again.env["OMNI_METRICS_PORT"]) == (talker.cmd, "9402")
+            assert again.env["OMNI_METRICS_PORT"] == "9402"
+            dead_name = talker.cmd[talker.cmd.index("--worker-id") + 1]
+            new_name = again.cmd[again.cmd.index("--worker-id") + 1]
+            assert new_name != dead_name and new_name == group.process_ids["stage1-talker-0"]
+            assert again.cmd[again.cmd.index("--replaces") + 1] == dead_name
+            assert (
+                again.cmd[: talker.cmd.index("--worker-id")]
+                == talker.cmd[: talker.cmd.index("--worker-id")]
+            )
         assert [name for name, _p, _f in group.procs][2] == "stage1-talker-0"
         assert len(DyingPopen.started) == 4 + 4
         dying = group.procs[2][1]

@@ -18,6 +18,7 @@ from omni_runtime.settings import Settings
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import StageInputMsg, StageOutputMsg
 from omni_runtime.wire.views import StageInputView
+from omni_runtime.worker import takeover as takeover_module
 from omni_runtime.worker.actions import Input, Outgoing
 from omni_runtime.worker.io_threads import Slots
 from omni_runtime.worker.output import OutputThread
@@ -196,3 +197,46 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
     ((rid, _seq, _data, finished, error),) = published(actions)
     assert rid == "often" and finished and error == delivered[0].refused
     assert engine.queues == {}  # never run
+
+
+def test_a_replacement_takes_the_replaced_replicas_inputs_while_its_heartbeat_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`serve` starts a process in a dead one's place with `--replaces`: it need not wait
+    for the dead one's heartbeat to expire, nor for the TTL's idle fence; another replica
+    still waits for both."""
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    settings = Settings()
+    names, stream = settings.names, settings.names.stage_in(1)
+    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
+    client.xadd(
+        stream, {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id="r", data="x"))}
+    )
+    client.xreadgroup(keys.WORKERS_GROUP, "dead", {stream: ">"})
+    client.set(names.stage_heartbeat(1, "dead"), "{}", px=settings.heartbeat_ttl_ms)
+
+    def takeover(worker_id: str, replaces: str | None, delivered: list[Input]) -> Takeover:
+        metrics = Metrics()
+        reader = SyncGroupReader(
+            client, stream, keys.WORKERS_GROUP, worker_id, StageInputView, max_bytes=1 << 20,
+            dead_letters=names.dead_letters, metrics=metrics,
+        )  # fmt: skip
+        return Takeover(
+            client, reader, delivered.extend,
+            settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
+            worker_id=worker_id, stage_id=1, metrics=metrics, replaces=replaces,
+        )  # fmt: skip
+
+    by_peer: list[Input] = []
+    takeover("peer", None, by_peer)()
+    assert by_peer == []  # "dead" still beats, for all the peer knows
+    replacement: list[Input] = []
+    new = takeover("new", "dead", replacement)
+    new.replace()
+    assert not client.exists(names.stage_heartbeat(1, "dead"))  # no live worker in `status`
+    assert replacement == []  # delivered under REPLACED_MIN_IDLE_MS ago
+    monkeypatch.setattr(takeover_module, "REPLACED_MIN_IDLE_MS", 0)
+    client.set(names.stage_heartbeat(1, "dead"), "{}", px=settings.heartbeat_ttl_ms)
+    new()  # at a heartbeat
+    assert [(i.msg.request_id, i.taken_over) for i in replacement] == [("r", True)]
+    assert client.xpending_range(stream, keys.WORKERS_GROUP, "-", "+", 10)[0]["consumer"] == b"new"
