@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import fakeredis
 import pytest
@@ -209,6 +210,6 @@ async def test_a_dead_processs_slots_are_given_up_for_it_and_no_live_ones(
     assert await replacement.release_dead("dead") == [0]
     assert await redis.get(NAMES.orchestrator_lease(0)) is None
     assert [await redis.get(NAMES.orchestrator_lease(s)) for s in (1, 2)] == [b"live"] * 2
-    notices = await redis.xrange(NAMES.orchestrator_released)
+    notices: Any = await redis.xrange(NAMES.orchestrator_released)
     assert [fields[b"slot"] for _id, fields in notices] == [b"0"]
     assert await replacement.take_lowest_free() == 0
