@@ -5,14 +5,11 @@ orchestrator writes every output of this client's requests to; one reader
 task fans them out to per-request queues. The stream expires if the client
 goes away, and is deleted when it closes.
 
-Every request ends with one final at the client, whatever Redis and the orchestrators
-do: the client keeps each request's deadline too, and ends one still waiting past it
-(plus `OMNI_DEADLINE_GRACE_S`) itself, saying what it knows (`client_deadlines`). A
-submission Redis refuses for memory fails at once (`RedisOutOfMemoryError`), never
-written later. Redis coming back empty ends nothing here: a request whose orchestrator
-still holds it may yet succeed, and one it lost ends with its orchestrator's error
-final ("Redis restarted and lost this request's state"); a request no orchestrator
-had read yet ends at its deadline.
+Every request ends with one final at the client, whatever Redis and the orchestrators do:
+the client keeps each request's deadline too, and ends one still waiting past it (plus
+`OMNI_DEADLINE_GRACE_S`) itself, saying what it knows (`client_deadlines`). A submission
+Redis refuses for memory fails at once (`RedisOutOfMemoryError`), never written later.
+Redis restarted empty ends nothing here: its orchestrator's error final or its deadline do.
 """
 
 from __future__ import annotations
@@ -148,9 +145,9 @@ class OmniClient:
     async def close(self) -> None:
         """Stop reading (within one `block_ms`, no command cut off midway), drop the stream.
 
-        asyncio.run cancels every task at once on Ctrl-C, this client's reader and writer
-        with the rest: neither is waited for then, and the aborts it queues are dropped
-        (counted): the orchestrator ends those requests once this client's heartbeat lapses."""
+        asyncio.run cancels every task at once on Ctrl-C, this client's reader and writer with
+        the rest: neither is waited for then, and the aborts it queues are dropped (counted):
+        the orchestrator ends those requests once this client's heartbeat lapses."""
         for request_id in list(self.inbox.requests):  # nobody will read them: free the pipeline
             self._abort_upstream(request_id, "aborted")
         if self._reader is not None:
@@ -186,9 +183,8 @@ class OmniClient:
                 return
             if loop.time() > deadline:
                 raise StartupTimeoutError(
-                    f"not ready after {timeout_s:g}s: no {', '.join(missing)} "
-                    "(raise OMNI_STARTUP_TIMEOUT_S, or check that those processes run "
-                    "against the same Redis URL and namespace)"
+                    f"not ready after {timeout_s:g}s: no {', '.join(missing)} (raise OMNI_"
+                    "STARTUP_TIMEOUT_S, or check that they use the same Redis and namespace)"
                 )
             await asyncio.sleep(READY_POLL_S)
 
@@ -201,9 +197,8 @@ class OmniClient:
         params: dict[str, Any] | None = None,
     ) -> str:
         """Send a request (outputs queue up until `stream`); `trace`: record its timeline;
-        `params`: per-request parameters every stage receives (`docs/stages.md`).
-        Raises `RedisOutOfMemoryError` at once while Redis refuses writes for memory (the
-        request was not submitted), `TransportError` if it could not be sent otherwise."""
+        `params`: what every stage receives (`docs/stages.md`). Raises `RedisOutOfMemoryError`
+        at once while Redis refuses writes for memory, `TransportError` if it was not sent."""
         started = asyncio.get_running_loop().time()  # the request's deadline counts from here
         if self._reader_failed is not None:
             raise TransportError(f"this client can read no answer: {self._reader_failed}")
@@ -347,6 +342,14 @@ class OmniClient:
                 read = ids
                 await asyncio.sleep(0)  # the consumers have what came before the next read
 
+    def end_all(self, reason: str) -> int:
+        """End every request in flight now with `reason` as its error final, each aborted
+        at every stage (`serve` at the end of its drain); how many it ended."""
+        ended = self.inbox.end_all(reason, asyncio.get_running_loop().time())
+        for request_id in ended:
+            self._abort_upstream(request_id, reason)
+        return len(ended)
+
     def _reader_ended(self, task: asyncio.Task[None]) -> None:
         """The reader retries Redis's failures; if a bug ends it, the requests in flight end
         now and `submit` refuses, rather than wait out their deadlines unread."""
@@ -354,8 +357,7 @@ class OmniClient:
             return
         why = self._reader_failed = f"its output reader failed: {error!r}"
         log.error("client %s: %s", self.client_id, why, exc_info=error)
-        for request_id in self.inbox.end_all(why, asyncio.get_running_loop().time()):
-            self._abort_upstream(request_id, why)
+        self.end_all(why)
 
     async def _deliver(self, entry_id: bytes, fields: Any) -> None:
         try:

@@ -67,6 +67,9 @@ class FailureEvent:
 
 Event = TextEvent | AudioEvent | FailureEvent
 
+SHUTTING_DOWN = "the server shut down before the answer was done"
+"""The error of every request still in flight once `serve`'s drain (`OMNI_DRAIN_S`) ran out."""
+
 
 def failure_message(stage_id: int, error: str) -> str:
     """A failed request's error, its stage named once (a stage's own failure says
@@ -267,6 +270,15 @@ class Gateway:
         self.timer.started(request_id)
         return Run(self, served, client, request_id, audio)
 
+    def cut_all(self) -> int:
+        """The drain ran out: every request in flight ends now with an error its client
+        reads (a 503, or an error event in a stream already begun), not a dropped
+        connection; each is aborted at every stage."""
+        cut = sum(s.client.end_all(SHUTTING_DOWN) for s in self.served.values() if s.client)
+        if cut:
+            log.warning("drain over: %d request(s) still in flight cut", cut)
+        return cut
+
     def abort_later(self, client: OmniClient, request_id: str) -> None:
         """Abort from a `finally` that may be under cancellation: a task of its own."""
 
@@ -319,7 +331,10 @@ class Run:
                 timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
-                    yield FailureEvent.of(out.stage_id, out.error, out.error_code)
+                    if out.error == SHUTTING_DOWN:
+                        yield FailureEvent(SHUTTING_DOWN, 503, "shutting_down")
+                    else:
+                        yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
                 self.note_end(out)
                 if out.stage_id == out_cfg.text_stage and out.data is not None:

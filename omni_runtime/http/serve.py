@@ -18,7 +18,6 @@ import logging
 import math
 import signal
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
@@ -34,6 +33,11 @@ from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+
+SUPERVISE_EVERY_S = 0.5
+"""How often `serve` looks for a dead process of its deployment, and for a stop signal."""
+CUT_MARGIN_S = 2
+"""uvicorn cuts connections this long after the drain ended the requests in flight."""
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
@@ -110,17 +114,20 @@ def _run_serve(
                 ),
                 serve,
             )
-            return asyncio.run(_serve(create_app(gateway), serve, groups, settings.drain_s))
+            return asyncio.run(_serve(gateway, serve, groups, settings.drain_s))
         finally:
             for group in groups:
                 group.stop()
 
 
-async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup], drain_s: float) -> int:
-    """Serve until a stop signal; then accept nothing more and give the open streams
-    `drain_s` (`OMNI_DRAIN_S`) to finish before they are cut (and aborted)."""
+async def _serve(
+    gateway: Gateway, serve: ServeSettings, groups: list[ProcessGroup], drain_s: float
+) -> int:
+    """Serve until a stop signal; then accept nothing more and give the requests in flight
+    `drain_s` (`OMNI_DRAIN_S`) to finish before they are cut (`Gateway.cut_all`), which
+    leaves uvicorn's own cut (a second later) only connections that do not close."""
     config = uvicorn.Config(
-        app,
+        create_app(gateway),
         host=serve.host,
         port=serve.port,
         lifespan="on",
@@ -128,7 +135,7 @@ async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup], dra
         # one (`auto` before uvicorn 0.50) holds it until the TCP connection closes, which a
         # client not reading the server's backlog delays by its close timeout (10 s)
         ws="websockets-sansio",
-        timeout_graceful_shutdown=max(1, math.ceil(drain_s)),
+        timeout_graceful_shutdown=math.ceil(drain_s) + CUT_MARGIN_S,
         log_config=None,  # keep the process's logging setup
     )
     server = uvicorn.Server(config)
@@ -138,23 +145,28 @@ async def _serve(app: Any, serve: ServeSettings, groups: list[ProcessGroup], dra
     stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in stop_signals}
     try:
-        return await _serve_until_stopped(server, groups)
+        return await _serve_until_stopped(server, groups, gateway, drain_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-async def _serve_until_stopped(server: uvicorn.Server, groups: list[ProcessGroup]) -> int:
+async def _serve_until_stopped(
+    server: uvicorn.Server, groups: list[ProcessGroup], gateway: Gateway, drain_s: float
+) -> int:
     task = asyncio.create_task(server.serve())
-    while groups and not task.done() and not server.should_exit:
+    while not task.done() and not server.should_exit:
         try:
             for group in groups:
                 group.restart_dead()
         except OmniError as e:  # an embedded process that keeps dying: stop serving, say why
             log.error("%s", e)
             server.should_exit = True
+            gateway.cut_all()
             await task
             return 1
-        await asyncio.wait({task}, timeout=0.5)
+        await asyncio.wait({task}, timeout=SUPERVISE_EVERY_S)
+    cut = asyncio.get_running_loop().call_later(drain_s, gateway.cut_all)
     await task
+    cut.cancel()
     return 0 if server.started else 1

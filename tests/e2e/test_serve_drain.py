@@ -68,3 +68,46 @@ def test_sigterm_finishes_the_open_stream_and_refuses_new_work(tmp_path: Path) -
         assert f"w{WORDS - 1}" in words.lower(), serve.log()  # the whole answer
         assert serve.proc.wait(DRAIN_S + 15) == 0, serve.log()
         assert time.monotonic() - stopped_at < DRAIN_S + 15
+
+
+def test_what_outlives_the_drain_ends_with_an_error_its_client_reads(tmp_path: Path) -> None:
+    """A stream, and a whole answer, still running when the drain ran out: each ends with
+    OpenAI's error shape (`shutting_down`: an event in the stream begun, a 503 for the
+    other), not a dropped connection, and `serve` exits 0 with no traceback logged."""
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "a redis-server")
+    words = " ".join(f"w{i}" for i in range(2000))  # ~40 s at a word per 20 ms
+    with ServeProcess(
+        tmp_path / "serve.log", "--pipeline", "workers/omni.yaml", env={"OMNI_DRAIN_S": "1"}
+    ) as serve:
+        url = f"{serve.url}/v1/chat/completions"
+        lines: list[str] = []
+        whole: list[httpx.Response] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "omni", "messages": [{"role": "user", "content": words}]}
+            with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first.set()
+
+        def ask() -> None:
+            body = {"model": "omni", "messages": [{"role": "user", "content": words}]}
+            whole.append(httpx.post(url, json=body, timeout=60))
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=ask)]
+        for reader in readers:
+            reader.start()
+        assert first.wait(30), serve.log()
+        wait_until(lambda: b"w3" in b"".join(line.encode() for line in lines), 30)
+        serve.proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(30)
+            assert not reader.is_alive()
+        assert '"code": "shutting_down"' in lines[-1], (lines[-3:], serve.log())
+        assert whole[0].status_code == 503, whole[0].text
+        assert whole[0].json()["error"]["code"] == "shutting_down"
+        assert serve.proc.wait(15) == 0, serve.log()
+        assert "Traceback" not in serve.log() and "2 request(s) still in flight cut" in serve.log()
