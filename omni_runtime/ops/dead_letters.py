@@ -2,7 +2,9 @@
 
 A dead letter (written by the orchestrator and workers) has the fields `stream`
 (where the entry was read), `id` (its id there), `error`, and `raw` (its payload,
-cut at 4 KiB). Replaying re-adds `raw` as the payload field to its original
+cut at 4 KiB). The list names the requests a payload is for (what a client's error and
+`X-Omni-Request-Id` name), read from its msgpack front to back, so a cut one still
+gives the ids before the cut; nothing in it is run or unpickled. Replaying re-adds `raw` as the payload field to its original
 stream, then deletes the dead letter, so one entry is never replayed twice.
 """
 
@@ -14,6 +16,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgpack
 import redis
 from rich.console import Console
 from rich.table import Table
@@ -27,6 +30,10 @@ from omni_runtime.settings import Settings
 RAW_CUT_BYTES = 4096
 """The writers keep this much of a payload (`redis_io.stage_client.DEAD_LETTER_RAW_BYTES`)."""
 MAX_LIST = 10_000
+SHOWN_REQUESTS = 3
+"""A batch's payload names this many of its requests at most."""
+ARRAY_HEADS = {*range(0x90, 0xA0), 0xDC, 0xDD}
+"""msgpack's first bytes of an array (a batch of messages); a message is a map."""
 
 
 @dataclass
@@ -37,6 +44,7 @@ class DeadLetter:
     entry_id: str
     error: str
     raw_bytes: int
+    request_ids: list[str]
 
 
 def _s(value: Any) -> str:
@@ -52,7 +60,27 @@ def _letter(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
         entry_id=_s(fields.get(b"id", b"")),
         error=_s(fields.get(b"error", b"")),
         raw_bytes=len(fields.get(b"raw", b"")),
+        request_ids=request_ids(fields.get(b"raw", b"")),
     )
+
+
+def request_ids(raw: bytes) -> list[str]:
+    """The `request_id` of each message in a payload (a map, or an array of maps), up to
+    `SHOWN_REQUESTS`, as far as the bytes go: none of a payload that is not one."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(raw) + 1)
+    unpacker.feed(raw)
+    found: list[str] = []
+    try:
+        messages = unpacker.read_array_header() if raw[:1] and raw[0] in ARRAY_HEADS else 1
+        for _ in range(min(messages, SHOWN_REQUESTS)):
+            for _pair in range(unpacker.read_map_header()):
+                if unpacker.unpack() == "request_id":
+                    found.append(str(unpacker.unpack()))
+                else:
+                    unpacker.skip()
+    except (msgpack.OutOfData, ValueError, TypeError):  # cut, or not a message
+        pass
+    return found
 
 
 def list_dead_letters(client: redis.Redis, names: keys.Names, limit: int = 100) -> list[DeadLetter]:
@@ -130,13 +158,14 @@ def run_dead_letters(
         return 0
     total = client.xlen(names.dead_letters)
     table = Table(title=f"{total} dead letters in {names.dead_letters} (newest first)")
-    for col in ("id", "time (UTC)", "stream", "entry id", "bytes", "error"):
+    for col in ("id", "time (UTC)", "stream", "entry id", "request", "bytes", "error"):
         table.add_column(col, overflow="fold")
     import datetime as dt
 
     for d in letters:
         when = dt.datetime.fromtimestamp(d.time, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         stream = d.stream.removeprefix(names.prefix)
-        table.add_row(d.id, when, stream, d.entry_id, str(d.raw_bytes), d.error)
+        requests = ", ".join(d.request_ids) or "?"
+        table.add_row(d.id, when, stream, d.entry_id, requests, str(d.raw_bytes), d.error)
     console.print(table)
     return 0

@@ -23,6 +23,7 @@ from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.poller import StreamStatsPoller
 from omni_runtime.observe.redis_stats import heartbeat_value, parse_heartbeat
 from omni_runtime.ops.dead_letters import (
+    RAW_CUT_BYTES,
     add_dead_letters_arguments,
     list_dead_letters,
     replay,
@@ -31,6 +32,8 @@ from omni_runtime.ops.dead_letters import (
 from omni_runtime.ops.status import add_status_arguments, run_status
 from omni_runtime.orchestrator.leases import Leases
 from omni_runtime.settings import Settings
+from omni_runtime.wire import codec
+from omni_runtime.wire.messages import StageInputMsg
 from tests.redis_full import FullableRedis
 
 pytestmark = pytest.mark.timeout(60)
@@ -242,6 +245,25 @@ def test_dead_letters_listed_newest_first(client: redis.Redis) -> None:
     console, buf = _console()
     run_dead_letters(_args(adder=add_dead_letters_arguments), SETTINGS, client, console)
     assert "2 dead letters" in buf.getvalue() and "stage:1:out" in buf.getvalue()
+
+
+def test_dead_letters_name_their_requests_even_when_cut(client: redis.Redis) -> None:
+    """What a client's error names (`X-Omni-Request-Id`), read from the payload's msgpack:
+    a message, a batch of them, one cut at 4 KiB; bytes that are no message name none."""
+    one = codec.encode_model(StageInputMsg(request_id="r-one", data="x" * 10_000))
+    batch = msgpack.packb(
+        [
+            msgpack.unpackb(codec.encode_model(StageInputMsg(request_id=f"b{i}", data=i)))
+            for i in range(5)
+        ]
+    )
+    for raw in (one[:RAW_CUT_BYTES], batch, b"\xc1garbage"):
+        _dead_letter(client, N.stage_in(0), raw)
+    letters = list_dead_letters(client, N)
+    assert [d.request_ids for d in letters] == [[], ["b0", "b1", "b2"], ["r-one"]]
+    console, buf = _console()
+    run_dead_letters(_args(adder=add_dead_letters_arguments), SETTINGS, client, console)
+    assert "r-one" in buf.getvalue() and "b0, b1, b2" in buf.getvalue()
 
 
 def test_replay_requeues_onto_the_original_stream_once(client: redis.Redis) -> None:
