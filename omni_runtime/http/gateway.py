@@ -134,6 +134,14 @@ class Served:
     def name(self) -> str:
         return self.pipeline.name
 
+    @property
+    def default_max_tokens(self) -> int | None:
+        """The text stage's own cap on an answer (`options.max_tokens`), if it has one: what
+        a request that sets none gets."""
+        stage = self.outputs.text_stage
+        cap = None if stage is None else self.pipeline.stage(stage).options.get("max_tokens")
+        return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
+
 
 class Gateway:
     def __init__(

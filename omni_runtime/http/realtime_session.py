@@ -103,7 +103,8 @@ class Session:
             "type": "realtime", "object": "realtime.session", "id": self.id,
             "model": self.served.name, "output_modalities": self.modalities,
             "instructions": self.instructions, "tools": [], "tool_choice": "auto",
-            "max_output_tokens": self.max_tokens or "inf", "truncation": self.truncation,
+            "max_output_tokens": self.max_tokens or self.served.default_max_tokens or "inf",
+            "truncation": self.truncation,
             "audio": {"input": {"format": heard, "turn_detection": vad, "transcription": None},
                       "output": {"format": said, "voice": self.voice, "speed": self.speed}},
         }  # fmt: skip

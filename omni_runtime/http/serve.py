@@ -125,7 +125,7 @@ async def _serve(
 ) -> int:
     """Serve until a stop signal; then accept nothing more and give the requests in flight
     `drain_s` (`OMNI_DRAIN_S`) to finish before they are cut (`Gateway.cut_all`), which
-    leaves uvicorn's own cut (a second later) only connections that do not close."""
+    leaves uvicorn's own cut (`CUT_MARGIN_S` later) only connections that do not close."""
     config = uvicorn.Config(
         create_app(gateway),
         host=serve.host,

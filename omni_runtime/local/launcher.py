@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,7 +163,8 @@ class ProcessGroup:
         self._spawn("orchestrator", [*base, "orchestrator", *common])
         for stage in self.pipeline.stages[: self.pipeline.last_stage + 1]:
             for r in range(stage.replicas):
-                name = f"stage{stage.id}-{stage.name}-{r}"
+                # a stage's name is free text: its process's log file and Redis name are not
+                name = f"stage{stage.id}-{re.sub(r'[^A-Za-z0-9._-]', '_', stage.name)}-{r}"
                 self._spawn(name, [*base, "worker", *common, "--stage", str(stage.id)])
 
     def _spawn(
@@ -216,7 +218,7 @@ class ProcessGroup:
         if role not in ("orchestrator", "worker"):
             return []
         dead = self.process_ids.get(name) if again else None
-        self.process_ids[name] = f"{socket.gethostname()}-{name}-{uuid.uuid4().hex[:8]}"
+        self.process_ids[name] = f"{name}-{uuid.uuid4().hex[:8]}"
         given = [f"--{role}-id", self.process_ids[name]]
         return given + (["--replaces", dead] if dead else [])
 

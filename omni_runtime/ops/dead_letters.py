@@ -4,8 +4,9 @@ A dead letter (written by the orchestrator and workers) has the fields `stream`
 (where the entry was read), `id` (its id there), `error`, and `raw` (its payload,
 cut at 4 KiB). The list names the requests a payload is for (what a client's error and
 `X-Omni-Request-Id` name), read from its msgpack front to back, so a cut one still
-gives the ids before the cut; nothing in it is run or unpickled. Replaying re-adds `raw` as the payload field to its original
-stream, then deletes the dead letter, so one entry is never replayed twice.
+gives the ids before the cut; nothing in it is run or unpickled. Replaying re-adds
+`raw` as the payload field to its original stream, then deletes the dead letter, so
+one entry is never replayed twice.
 """
 
 from __future__ import annotations

@@ -64,7 +64,10 @@ async def spoken_turn(conn: Any, pcm: bytes) -> Heard:
 
 
 async def open_session(conn: Any) -> None:
-    assert (await conn.recv()).type == "session.created"
+    created = await conn.recv()
+    assert created.type == "session.created"
+    # no cap asked for: the thinker's own (workers/listen.yaml), which ends such an answer
+    assert created.session.max_output_tokens == 128, created
     await conn.session.update(session={
         "type": "realtime", "output_modalities": ["audio"],
         "audio": {"input": {"turn_detection": None}, "output": {"voice": "alloy"}},

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import yaml
 
+from omni_runtime.cli import process_id
 from omni_runtime.errors import FatalError
 from omni_runtime.local.launcher import ProcessGroup
 from omni_runtime.pipeline import load_pipeline
@@ -130,5 +132,28 @@ def test_the_restart_limit_is_never_below_the_deliveries_a_poison_input_gets(
                     group.restart_dead(now=float(died_at))
             else:
                 assert group.restart_dead(now=float(died_at)) == ["stage0-thinker-0"]
+    finally:
+        group.stop()
+
+
+def test_a_stage_named_in_free_text_still_gives_its_worker_a_valid_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A stage's name is any text up to 64 characters (a '/' in it once made `run` fail to
+    open the process's log); the process's log file and name in Redis (checked by
+    `cli.process_id`) are made of what passes."""
+    monkeypatch.setattr(subprocess, "Popen", DyingPopen)
+    raw = yaml.safe_load(OMNI.read_text())
+    raw["stages"][1]["name"] = "my talker: ünïcode/äöü " + "x" * 40
+    path = tmp_path / "named.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    group = ProcessGroup(path, load_pipeline(path), {})
+    group.start()
+    try:
+        talker = group.procs[2][1]
+        assert isinstance(talker, DyingPopen)
+        given = talker.cmd[talker.cmd.index("--worker-id") + 1]
+        assert process_id(given) == given and given.startswith("stage1-my_talker__")
+        assert (group.log_dir / f"{group.procs[2][0]}.log").exists()
     finally:
         group.stop()
