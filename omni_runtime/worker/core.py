@@ -142,7 +142,11 @@ class WorkerCore:
             self._actions.freed_slots += 1
             return
         if rid in self._active or rid in self._recent_aborts:
-            self._actions.acks.append(inp.entry_id)
+            running = self._active.get(rid)
+            # its own entry read again (a failed read walks the backlog) stays pending until
+            # the request ends, for a takeover should this worker die; a repeat is acked
+            if running is None or running.entry_id != inp.entry_id:
+                self._actions.acks.append(inp.entry_id)
             self._actions.freed_slots += 1
             return
         req = ActiveRequest(inp.entry_id, now)

@@ -30,6 +30,7 @@ from omni_runtime.watchdog import Progress, redis_retries_s
 from omni_runtime.wire.messages import AbortMsg
 from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
+from omni_runtime.worker.redelivery import Redelivery
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,11 @@ class InputThread(_Loop):
         stage_id: int,
         obs: Observability,
         stop: threading.Event | None = None,
+        redelivery: Redelivery | None = None,
     ) -> None:
         super().__init__("input-reader", stop, retries_s(settings.retry))
+        self.redelivery = redelivery
+        """Counts what the backlog walk reads again (a previous life's inputs)."""
         self.reader = reader
         self.slots = slots
         self.deliver = deliver
@@ -203,6 +207,7 @@ class InputThread(_Loop):
             if n == 0:
                 continue
             got: list[tuple[bytes, StageInputView]] = []
+            walking = self.reader.cursor.in_backlog
             try:
                 got = self.reader.read(n, block_ms)
             finally:
@@ -213,7 +218,10 @@ class InputThread(_Loop):
                 tracer = self.obs.tracer or (self.obs.on_demand if msg.trace else None)
                 if tracer is not None:
                     tracer.stamp("input_read", msg.request_id, self.stage_id, self.reader.read_ns)
-            self.deliver([Input(eid, msg) for eid, msg in got])
+            if walking and self.redelivery is not None:  # a previous life's, perhaps its death
+                self.deliver(self.redelivery.backlog(got))
+            else:
+                self.deliver([Input(eid, msg) for eid, msg in got])
 
 
 class ControlThread(_Loop):

@@ -66,7 +66,7 @@ class StageWorker:
         settings: Settings,
         clients: RedisClients | None = None,
         worker_id: str | None = None,
-        replaces: str | None = None,  # a worker that exited: its inputs taken at once
+        replaces: str | None = None,
     ) -> None:
         s = settings
         self.pipeline = pipeline
@@ -151,6 +151,16 @@ class StageWorker:
             metrics=self.metrics,
             backoff=retry.backoff(bounded=True),
         )
+        self._control = ControlThread(
+            self._client, self.names.control, self._aborts.put, reading, self.metrics
+        )
+        ttl_s = s.heartbeat_ttl_ms / 1000
+        self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
+        self._takeover = Takeover(
+            self._client, reader(), self._take_over, s.part(TakeoverSettings, retry=retry),
+            worker_id=self.worker_id, stage_id=stage_id, metrics=self.metrics, replaces=replaces,
+        )  # fmt: skip
+        self._heartbeat = self._takeover.heartbeat(self.status, self._guard)
         self._input = InputThread(
             reader(stop=self._input_stop),
             self._slots,
@@ -159,23 +169,8 @@ class StageWorker:
             stage_id=stage_id,
             obs=self.obs,
             stop=self._input_stop,
+            redelivery=self._takeover.redelivery,
         )
-        self._control = ControlThread(
-            self._client, self.names.control, self._aborts.put, reading, self.metrics
-        )
-        ttl_s = s.heartbeat_ttl_ms / 1000
-        self._guard = StallGuard(self._client, self.in_stream, self.worker_id, ttl_s, self._wake)
-        self._takeover = Takeover(
-            self._client,
-            reader(),
-            self._take_over,
-            s.part(TakeoverSettings, retry=retry),
-            worker_id=self.worker_id,
-            stage_id=stage_id,
-            metrics=self.metrics,
-            replaces=replaces,
-        )
-        self._heartbeat = self._takeover.heartbeat(self.status, self._guard)
         self._output = OutputThread(
             self._client,
             self.out_stream,
@@ -208,6 +203,7 @@ class StageWorker:
                 self._connector, self.stage_id, on_ready=self._turn.deliver, metrics=self.metrics
             )
         self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
+        self._takeover.redelivery.remember_previous_life(self.worker_id)  # before any claim
         self._takeover.replace()
         self._heartbeat.start()
         self._output.start()

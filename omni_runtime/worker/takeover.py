@@ -1,9 +1,8 @@
 """Taking over the inputs of replicas that died, on the heartbeat thread.
 
 A consumer of the stage's group whose heartbeat key expired holds inputs nobody
-will finish: they are claimed (XCLAIM) and run here. An input already delivered
-`max_deliveries` times is not run again (it may be what kills replicas): it is
-dead-lettered and its request ends with one error output.
+will finish: they are claimed (XCLAIM) and run here, but one delivered too often is
+dead-lettered instead (`redelivery.py`).
 
 A replica started in a dead one's place by a supervisor that saw it exit (`serve`,
 `--replaces`) takes that one's inputs over at once instead: its process is gone, so
@@ -37,6 +36,7 @@ from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import HeartbeatThread, retries_s
+from omni_runtime.worker.redelivery import Redelivery
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +90,22 @@ class Takeover:
         self.names = settings.names
         self.worker_id = worker_id
         self.stage_id = stage_id
-        self.max_deliveries = settings.max_deliveries
         self.min_idle_ms = settings.heartbeat_ttl_ms
         self.replaces = replaces
         """A dead replica's consumer name (`serve` saw its process exit)."""
         self.metrics = metrics
         self.stream = reader.stream
         self._can_disconnect = not is_cluster(client)
-        self.dead_letters = SyncDeadLetters(
+        dead_letters = SyncDeadLetters(
             client,
             self.names.dead_letters,
             metrics=metrics,
             backoff=settings.retry.backoff(bounded=True),
         )
+        self.redelivery = Redelivery(
+            client, self.stream, dead_letters, settings.max_deliveries, stage_id
+        )
+        """Also what the input thread counts its backlog's deliveries with."""
 
     def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:
         """The worker's heartbeat thread: after each beat it runs this takeover, then lets
@@ -169,26 +172,8 @@ class Takeover:
             return
         log.warning("took over %d input(s) of dead replica %s", len(entries), name)
         self.metrics.inc("omni_takeovers_total", len(entries), stage=self.stage_id)
-        raw = dict(entries)
-        inputs: list[Input] = []
-        for eid, msg in self.reader.accept(entries):
-            times = deliveries.get(_id(eid), 0)
-            if times < self.max_deliveries:
-                inputs.append(Input(eid, msg, taken_over=True))
-                continue
-            error = (
-                f"input delivered {times} times without finishing "
-                f"(OMNI_MAX_DELIVERIES={self.max_deliveries}); dead-lettered"
-            )
-            log.error(
-                "stage %d: %s: request %r",
-                self.stage_id,
-                error,
-                msg.request_id,
-                extra={"request_id": msg.request_id},
-            )
-            self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, raw[eid])
-            inputs.append(Input(eid, msg, refused=error, taken_over=True))
+        accepted = self.reader.accept(entries)
+        inputs = self.redelivery.inputs(accepted, deliveries, dict(entries), taken_over=True)
         if inputs:
             self.deliver(inputs)
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import re
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -296,15 +295,17 @@ async def test_a_killed_replica_loses_nothing(deploy: Any) -> None:
         await client.wait_ready([0, 1, 2], timeout_s=60)
         for rid, prompt in prompts.items():
             await client.submit(prompt, request_id=rid)
-        victim = next(
-            p for name, p, _f in d.group.procs if name.startswith("stage1-") and name.endswith("-0")
+        victim_name, victim = next(
+            (name, p)
+            for name, p, _f in d.group.procs
+            if name.startswith("stage1-") and name.endswith("-0")
         )
         raw = redis.Redis.from_url(d.settings.redis_url or "")
         try:  # kill it while it holds inputs it has not acknowledged
-            victim_prefix = f"{socket.gethostname()}-{victim.pid}-".encode()
+            consumer = d.group.process_ids[victim_name].encode()  # its name in Redis
             await wait_for(
                 lambda: any(
-                    c["name"].startswith(victim_prefix) and c["pending"] > 0
+                    c["name"] == consumer and c["pending"] > 0
                     for c in raw.xinfo_consumers(d.settings.names.stage_in(1), "workers")
                 ),
                 deadline_s=30,

@@ -42,17 +42,16 @@ async def test_a_drained_replica_hands_back_what_it_cannot_finish(
             stream = d.settings.names.stage_in(1)
             deadline = time.monotonic() + 30
             holder = None
-            while holder is None:  # which replica read it: its consumer name has its pid
+            while holder is None:  # which replica read it: its consumer name is the group's
                 assert time.monotonic() < deadline, "stage 1 never read the input"
                 pending = d.redis.xpending(stream, keys.WORKERS_GROUP)
                 names = [c["name"].decode() for c in pending.get("consumers") or []]
                 holder = names[0] if names else None
                 await asyncio.sleep(0.01)
-            pid = int(holder.split("-")[-2])
-            procs = {proc.pid: proc for _n, proc, _f in d.group.procs}
+            (proc,) = [p for n, p, _f in d.group.procs if d.group.process_ids.get(n) == holder]
             sent = time.monotonic()
-            procs[pid].send_signal(signal.SIGTERM)
-            code = await asyncio.to_thread(procs[pid].wait, DRAIN_S + 5)
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, DRAIN_S + 5)
             exited_s = time.monotonic() - sent
             outs = [o async for o in client.stream(rid, timeout_s=30)]
             done_s = time.monotonic() - sent

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -73,3 +75,50 @@ async def test_the_only_process_of_its_kind_killed_and_started_again_loses_nothi
     assert (report.ok, report.lost, report.wrong, report.duplicated) == (n, 0, 0, 0), report
     # without `--replaces` the new process waits out the dead one's heartbeat or leases
     assert report.recovery_s is not None and report.recovery_s < TTL_S, report
+
+
+async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A supervisor that keeps a worker's name (`--worker-id`: a systemd unit, a pod's
+    container restarted in place) starts it again on its own backlog: the input that
+    killed it kills each new life until it has been delivered `OMNI_MAX_DELIVERIES` (3)
+    times, then it is dead-lettered and its request fails alone; the rest are served (one
+    at a time: inputs in flight beside it in each of those lives are counted too)."""
+    n = 20
+    with FaultDeployment(
+        redis_url,
+        tmp_path,
+        "seed.yaml",
+        stages={1: {"entry": "tests.http_stages:dies_on", "options": {}}},
+    ) as d:
+        d.signal("stage1", signal.SIGTERM)  # the group's own, replaced by this test's
+        await asyncio.to_thread(d.group.procs[2][1].wait, 30)
+        command = [
+            sys.executable, "-m", "omni_runtime.cli", "worker", "--pipeline", str(d.path),
+            "--mode", d.pipeline.mode, "--stage", "1", "--worker-id", "kept-name",
+        ]  # fmt: skip
+        lives: list[subprocess.Popen[bytes]] = []
+        with open(tmp_path / "kept-name.log", "ab") as log:
+
+            async def supervise() -> None:
+                while True:
+                    if not lives or lives[-1].poll() is not None:
+                        lives.append(subprocess.Popen(command, env=d.env, stdout=log, stderr=log))
+                    await asyncio.sleep(SUPERVISOR_PERIOD_S)
+
+            task = asyncio.create_task(supervise())
+            try:
+                prompts = {f"k{i}": "please die" if i == n // 2 else f"a{i} b{i}" for i in range(n)}
+                report = await run_load(d, "kept name, killed by its input", prompts, None, 1)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                for life in lives:
+                    life.terminate()
+                    life.wait(30)
+    print("\n" + header() + "\n" + report.line())
+    assert (report.ok, report.failed, report.lost, report.duplicated) == (n - 1, 1, 0, 0), report
+    assert "delivered 3 times without finishing" in next(iter(report.error_texts.values()))
+    assert [life.returncode for life in lives[:3]] == [3, 3, 3] and len(lives) == 4

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from omni_runtime import keys
+from omni_runtime.cli import parse_args
 from omni_runtime.observe.probes import HEALTH_PATH, READY_PATH
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
@@ -239,3 +240,26 @@ def test_containers_are_locked_down_sized_and_budgeted(overlay: str) -> None:
             continue  # one pod, Recreate: nothing to budget
         labels = pod["metadata"]["labels"]
         assert any(all(labels.get(k) == v for k, v in sel.items()) for sel in budgets), dep
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_orchestrators_and_workers_are_named_after_their_pod(overlay: str) -> None:
+    """A container started again in place bears its pod's name, so a worker reads its own
+    backlog and an orchestrator gives its previous life's slots up (`docs/deploy.md`); the
+    command line, its `$(POD_NAME)` expanded as Kubernetes does, parses."""
+    roles = set()
+    for dep, c in omni_containers(render(overlay)):
+        role = c["args"][1]
+        if role == "serve":
+            continue
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", dep
+        pod = f"{dep['metadata']['name']}-7c9d5b8f6d-x2x4q"
+        args = [a.replace("$(POD_NAME)", pod) for a in c["args"][1:]]
+        parsed = parse_args(args)
+        if role == "worker":
+            assert parsed.worker_id == pod and parsed.replaces is None
+        else:
+            assert parsed.orchestrator_id == parsed.replaces == pod
+        roles.add(role)
+    assert roles == {"orchestrator", "worker"}

@@ -121,6 +121,17 @@ def test_a_redelivered_input_of_a_running_request_is_only_acknowledged() -> None
     assert core.in_flight == 1 and engine.queues == {"a": [1, 2]}
 
 
+def test_its_own_input_read_again_is_left_pending_while_it_runs() -> None:
+    """A failed read walks the worker's backlog again, which holds what it runs: acked
+    then, a running request's input would not be taken over if this worker died."""
+    core, engine = make()
+    core.on_input(inp("a", [1, 2]), now=0)
+    core.on_input(inp("a", [1, 2]), now=0)  # the same entry
+    actions = core.take_actions()
+    assert actions.acks == [] and actions.freed_slots == 1
+    assert core.in_flight == 1 and engine.queues == {"a": [1, 2]}
+
+
 def test_an_abort_drops_the_request_and_its_late_input() -> None:
     core, engine = make()
     core.on_input(inp("a", [1, 2]), now=0)

@@ -12,7 +12,7 @@ import redis
 from omni_runtime import keys
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.redis_io.backoff import RetrySettings
-from omni_runtime.redis_io.entries import parse_entries
+from omni_runtime.redis_io.entries import BacklogCursor, parse_entries
 from omni_runtime.redis_io.streams import SyncGroupReader
 from omni_runtime.settings import Settings
 from omni_runtime.wire import codec
@@ -240,3 +240,54 @@ def test_a_replacement_takes_the_replaced_replicas_inputs_while_its_heartbeat_li
     new()  # at a heartbeat
     assert [(i.msg.request_id, i.taken_over) for i in replacement] == [("r", True)]
     assert client.xpending_range(stream, keys.WORKERS_GROUP, "-", "+", 10)[0]["consumer"] == b"new"
+
+
+def test_a_worker_started_again_under_its_name_dead_letters_what_killed_each_life() -> None:
+    """A worker that keeps its consumer name (`--worker-id` in a systemd unit, a pod's
+    container restarted in place) reads its own backlog first: an input it was given in
+    `OMNI_MAX_DELIVERIES` lives already is dead-lettered, not run to kill this one too."""
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    settings = Settings(max_deliveries=3)
+    names, stream = settings.names, settings.names.stage_in(1)
+    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
+    for rid in ("killer", "innocent"):
+        client.xadd(
+            stream, {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id=rid, data=1))}
+        )
+    client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # life 1: "killer"
+    for _life in (2, 3):
+        client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: "0"})  # its backlog, then died
+    client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # "innocent", died
+    metrics = Metrics()
+    takeover = Takeover(
+        client,
+        SyncGroupReader(
+            client, stream, keys.WORKERS_GROUP, "w", StageInputView, max_bytes=1 << 20,
+            dead_letters=names.dead_letters, metrics=metrics,
+        ),
+        lambda _inputs: None,
+        settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
+        worker_id="w", stage_id=1, metrics=metrics,
+    )  # fmt: skip
+    takeover.redelivery.remember_previous_life("w")  # as life 4 starts
+    life_4 = SyncGroupReader(
+        client, stream, keys.WORKERS_GROUP, "w", StageInputView, max_bytes=1 << 20,
+        dead_letters=names.dead_letters, metrics=metrics,
+    )  # fmt: skip
+    assert life_4.cursor.in_backlog
+    inputs = takeover.redelivery.backlog(life_4.read(10, 10))
+    assert [(i.msg.request_id, i.refused is not None) for i in inputs] == [
+        ("killer", True),
+        ("innocent", False),
+    ]
+    assert "delivered 3 times without finishing" in (inputs[0].refused or "")
+    letters: Any = client.xrange(names.dead_letters)
+    (letter,) = letters
+    assert letter[1][b"stream"] == stream.encode() and letter[1][b"raw"]  # its payload kept
+    pending = client.xpending_range(stream, keys.WORKERS_GROUP, "-", "+", 10)
+    assert [p["message_id"] for p in pending] == [inputs[1].entry_id]  # the killer acked
+    for _failed_read in range(3):  # each read failure walks the backlog again: what runs
+        life_4.cursor = BacklogCursor(True)  # here is delivered again, but counted only once
+        again = takeover.redelivery.backlog(life_4.read(10, 10))
+        assert [(i.msg.request_id, i.refused) for i in again] == [("innocent", None)]
+    assert client.xlen(names.dead_letters) == 1

@@ -1,0 +1,112 @@
+"""An input delivered too often is not run again: it may be what kills whoever runs it.
+
+An input is delivered again when the process it was given to died before finishing it,
+in one of two ways: a live replica takes a dead one's inputs over (`takeover.py`), or a
+worker started again under the same consumer name (`--worker-id`: a systemd unit, a
+pod's container restarted in place) reads its own backlog, what its previous life was
+given and never finished. Either way, one that has run `OMNI_MAX_DELIVERIES` times
+already is dead-lettered and its request ends with one error output, unrun. Without
+this, a request that crashes its worker would, under a stable consumer name, crash every
+new life of it for good, and the stage with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+
+from omni_runtime import keys
+from omni_runtime.redis_io.streams import SyncDeadLetters
+from omni_runtime.wire.views import StageInputView
+from omni_runtime.worker.actions import Input
+
+log = logging.getLogger(__name__)
+
+MAX_REMEMBERED = 10_000
+"""A previous life's pending inputs counted at most (a worker holds its concurrency's)."""
+
+
+class Redelivery:
+    """Sorts inputs delivered again into those to run and those dead-lettered."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        dead_letters: SyncDeadLetters,
+        max_deliveries: int,
+        stage_id: int,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.dead_letters = dead_letters
+        self.max_deliveries = max_deliveries
+        self.stage_id = stage_id
+        self.previous: dict[bytes, int] = {}
+        """Entry → deliveries, of what a previous life left pending under this name."""
+
+    def inputs(
+        self,
+        accepted: Sequence[tuple[bytes, StageInputView]],
+        runs: Mapping[bytes, int],
+        raw: Mapping[bytes, Mapping[bytes, bytes]],
+        *,
+        taken_over: bool,
+    ) -> list[Input]:
+        """`runs`: how often each entry was delivered before this delivery; `raw`: the
+        entries' fields, what a dead letter keeps (one missing is read back)."""
+        inputs: list[Input] = []
+        for eid, msg in accepted:
+            times = runs.get(eid, 0)
+            if times < self.max_deliveries:
+                inputs.append(Input(eid, msg, taken_over=taken_over))
+                continue
+            error = (
+                f"input delivered {times} times without finishing "
+                f"(OMNI_MAX_DELIVERIES={self.max_deliveries}); dead-lettered"
+            )
+            log.error(
+                "stage %d: %s: request %r", self.stage_id, error, msg.request_id,
+                extra={"request_id": msg.request_id},
+            )  # fmt: skip
+            fields = raw.get(eid) or self._fields(eid)
+            self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, fields)
+            inputs.append(Input(eid, msg, refused=error, taken_over=taken_over))
+        return inputs
+
+    def remember_previous_life(self, consumer: str) -> None:
+        """Before this process takes any input: how often each input still pending under
+        its consumer name (a previous life's) was delivered. Counted then, not as the
+        backlog is read: a backlog read again later (after a failed read) holds what this
+        life runs, and what a takeover claimed into it was counted by the takeover."""
+        try:
+            rows: Any = self.client.xpending_range(
+                self.stream, keys.WORKERS_GROUP, min="-", max="+",
+                count=MAX_REMEMBERED, consumername=consumer,
+            )  # fmt: skip
+        except RedisError as e:  # its backlog runs as it did before deliveries were counted
+            log.warning("stage %d: cannot count its backlog's deliveries: %r", self.stage_id, e)
+            return
+        self.previous = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    def backlog(self, read: Sequence[tuple[bytes, StageInputView]]) -> list[Input]:
+        """Inputs read from this consumer's own backlog: a previous life's that ran
+        `OMNI_MAX_DELIVERIES` times already are dead-lettered."""
+        if not any(eid in self.previous for eid, _msg in read):
+            return [Input(eid, msg) for eid, msg in read]
+        inputs = self.inputs(read, self.previous, {}, taken_over=False)
+        for refused in (i for i in inputs if i.refused is not None):
+            del self.previous[refused.entry_id]
+        return inputs
+
+    def _fields(self, entry_id: bytes) -> Mapping[bytes, bytes] | None:
+        entries: Any = self.client.xrange(self.stream, entry_id, entry_id, count=1)
+        return entries[0][1] if entries else None
+
+
+def _id(entry_id: object) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
