@@ -149,38 +149,51 @@ def test_slots_bound_what_the_input_thread_may_take() -> None:
     assert slots.free == 2 and slots.take_up_to(8, 0.01) == 2
 
 
+def stage_1_inputs(*request_ids: str) -> tuple[fakeredis.FakeRedis, Settings, str]:
+    """A Redis holding one input per request on stage 1's stream, and its workers' group."""
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    settings = Settings(max_deliveries=3)
+    stream = settings.names.stage_in(1)
+    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
+    for rid in request_ids:
+        msg = StageInputMsg(request_id=rid, data="x")
+        client.xadd(stream, {keys.PAYLOAD_FIELD: codec.encode_model(msg)})
+    return client, settings, stream
+
+
+def reader_of(
+    client: fakeredis.FakeRedis, settings: Settings, consumer: str
+) -> SyncGroupReader[StageInputView]:
+    return SyncGroupReader(
+        client, settings.names.stage_in(1), keys.WORKERS_GROUP, consumer, StageInputView,
+        max_bytes=1 << 20, dead_letters=settings.names.dead_letters, metrics=Metrics(),
+    )  # fmt: skip
+
+
+def takeover_of(
+    client: fakeredis.FakeRedis,
+    settings: Settings,
+    worker_id: str,
+    delivered: list[Input],
+    replaces: str | None = None,
+) -> Takeover:
+    return Takeover(
+        client, reader_of(client, settings, worker_id), delivered.extend,
+        settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
+        worker_id=worker_id, stage_id=1, metrics=Metrics(), replaces=replaces,
+    )  # fmt: skip
+
+
 def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered_too_often() -> (
     None
 ):
-    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    settings = Settings(max_deliveries=3)
-    names, stream = settings.names, settings.names.stage_in(1)
-    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
-    for rid in ("often", "once"):
-        client.xadd(
-            stream,
-            {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id=rid, data="x"))},
-        )
+    client, settings, stream = stage_1_inputs("often", "once")
     client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "often"
     for _ in range(2):  # its replicas died on it: delivered 3 times
         client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: "0"})
     client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "once"
     delivered: list[Input] = []
-    metrics = Metrics()
-    reader = SyncGroupReader(
-        client,
-        stream,
-        keys.WORKERS_GROUP,
-        "me",
-        StageInputView,
-        max_bytes=1 << 20,
-        dead_letters=names.dead_letters,
-        metrics=metrics,
-    )
-    takeover = Takeover(
-        client, reader, delivered.extend, settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
-        worker_id="me", stage_id=1, metrics=metrics,
-    )  # fmt: skip
+    takeover = takeover_of(client, settings, "me", delivered)
     takeover.min_idle_ms = 0  # claimable at once
     takeover()  # "ghost" has no heartbeat
     assert [(i.msg.request_id, i.refused is not None) for i in delivered] == [
@@ -188,9 +201,9 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered
         ("once", False),
     ]
     assert "OMNI_MAX_DELIVERIES=3" in (delivered[0].refused or "")
-    assert client.xlen(names.dead_letters) == 1
+    assert client.xlen(settings.names.dead_letters) == 1
     assert client.xpending(stream, keys.WORKERS_GROUP)["pending"] == 1  # "once", now ours
-    assert metrics.value("omni_takeovers_total") == 2
+    assert takeover.metrics.value("omni_takeovers_total") == 2
     core, engine = make()
     core.on_input(delivered[0], now=0)
     actions = core.take_actions()
@@ -205,38 +218,20 @@ def test_a_replacement_takes_the_replaced_replicas_inputs_while_its_heartbeat_li
     """`serve` starts a process in a dead one's place with `--replaces`: it need not wait
     for the dead one's heartbeat to expire, nor for the TTL's idle fence; another replica
     still waits for both."""
-    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    settings = Settings()
-    names, stream = settings.names, settings.names.stage_in(1)
-    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
-    client.xadd(
-        stream, {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id="r", data="x"))}
-    )
+    client, settings, stream = stage_1_inputs("r")
     client.xreadgroup(keys.WORKERS_GROUP, "dead", {stream: ">"})
-    client.set(names.stage_heartbeat(1, "dead"), "{}", px=settings.heartbeat_ttl_ms)
-
-    def takeover(worker_id: str, replaces: str | None, delivered: list[Input]) -> Takeover:
-        metrics = Metrics()
-        reader = SyncGroupReader(
-            client, stream, keys.WORKERS_GROUP, worker_id, StageInputView, max_bytes=1 << 20,
-            dead_letters=names.dead_letters, metrics=metrics,
-        )  # fmt: skip
-        return Takeover(
-            client, reader, delivered.extend,
-            settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
-            worker_id=worker_id, stage_id=1, metrics=metrics, replaces=replaces,
-        )  # fmt: skip
-
+    heartbeat = settings.names.stage_heartbeat(1, "dead")
+    client.set(heartbeat, "{}", px=settings.heartbeat_ttl_ms)
     by_peer: list[Input] = []
-    takeover("peer", None, by_peer)()
+    takeover_of(client, settings, "peer", by_peer)()
     assert by_peer == []  # "dead" still beats, for all the peer knows
     replacement: list[Input] = []
-    new = takeover("new", "dead", replacement)
+    new = takeover_of(client, settings, "new", replacement, replaces="dead")
     new.replace()
-    assert not client.exists(names.stage_heartbeat(1, "dead"))  # no live worker in `status`
+    assert not client.exists(heartbeat)  # no live worker in `status`
     assert replacement == []  # delivered under REPLACED_MIN_IDLE_MS ago
     monkeypatch.setattr(takeover_module, "REPLACED_MIN_IDLE_MS", 0)
-    client.set(names.stage_heartbeat(1, "dead"), "{}", px=settings.heartbeat_ttl_ms)
+    client.set(heartbeat, "{}", px=settings.heartbeat_ttl_ms)
     new()  # at a heartbeat
     assert [(i.msg.request_id, i.taken_over) for i in replacement] == [("r", True)]
     assert client.xpending_range(stream, keys.WORKERS_GROUP, "-", "+", 10)[0]["consumer"] == b"new"
@@ -246,34 +241,15 @@ def test_a_worker_started_again_under_its_name_dead_letters_what_killed_each_lif
     """A worker that keeps its consumer name (`--worker-id` in a systemd unit, a pod's
     container restarted in place) reads its own backlog first: an input it was given in
     `OMNI_MAX_DELIVERIES` lives already is dead-lettered, not run to kill this one too."""
-    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    settings = Settings(max_deliveries=3)
-    names, stream = settings.names, settings.names.stage_in(1)
-    client.xgroup_create(stream, keys.WORKERS_GROUP, id="0", mkstream=True)
-    for rid in ("killer", "innocent"):
-        client.xadd(
-            stream, {keys.PAYLOAD_FIELD: codec.encode_model(StageInputMsg(request_id=rid, data=1))}
-        )
+    client, settings, stream = stage_1_inputs("killer", "innocent")
+    names = settings.names
     client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # life 1: "killer"
     for _life in (2, 3):
         client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: "0"})  # its backlog, then died
     client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # "innocent", died
-    metrics = Metrics()
-    takeover = Takeover(
-        client,
-        SyncGroupReader(
-            client, stream, keys.WORKERS_GROUP, "w", StageInputView, max_bytes=1 << 20,
-            dead_letters=names.dead_letters, metrics=metrics,
-        ),
-        lambda _inputs: None,
-        settings.part(TakeoverSettings, retry=settings.part(RetrySettings)),
-        worker_id="w", stage_id=1, metrics=metrics,
-    )  # fmt: skip
+    takeover = takeover_of(client, settings, "w", [])
     takeover.redelivery.remember_previous_life("w")  # as life 4 starts
-    life_4 = SyncGroupReader(
-        client, stream, keys.WORKERS_GROUP, "w", StageInputView, max_bytes=1 << 20,
-        dead_letters=names.dead_letters, metrics=metrics,
-    )  # fmt: skip
+    life_4 = reader_of(client, settings, "w")
     assert life_4.cursor.in_backlog
     inputs = takeover.redelivery.backlog(life_4.read(10, 10))
     assert [(i.msg.request_id, i.refused is not None) for i in inputs] == [
