@@ -7,7 +7,8 @@ Input: WAV bytes (PCM, any rate, mono or averaged channels), or `{"pcm": array o
 bytes, "sample_rate": N}` (a float array in [-1, 1], an int16 array, or int16
 little-endian bytes), or a list (or streamed `ChunkStream`) of those. Audio is
 resampled to the model's 16 kHz (soxr).
-Output: the recognised text, one string.
+Output: the recognised text, one string (`transcribe`), or each segment's as it is
+decoded (`transcribe_segments`, a generator stage: what `workers/transcribe.yaml` streams).
 
 Audio is decoded in segments of at most `SEGMENT_SECONDS`, each cut at a pause and
 decoded whole as soon as it has arrived (its cepstral mean taken from itself), after
@@ -36,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from omni_runtime.errors import ConfigError
-from omni_runtime.stage_api import ChunkStream, RequestRefused
+from omni_runtime.stage_api import ChunkStream, RequestRefused, marks_final
 from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
 
 MODEL_RATE = 16_000
@@ -188,22 +189,49 @@ def transcribe(
     """Speech (see the module doc) → its text. `hmm`, `lm`, `dictionary`: another model's
     files instead of the bundled `en-us` ones. `params` is accepted for a uniform stage
     signature; no request parameter changes recognition."""
+    model = (hmm, lm, dictionary)
+    return " ".join(t for t in _segments(data, model, max_seconds, max_decoders) if t)
+
+
+@marks_final
+def transcribe_segments(
+    data: Any,
+    *,
+    hmm: str | None = None,
+    lm: str | None = None,
+    dictionary: str | None = None,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    max_decoders: int = DEFAULT_MAX_DECODERS,
+    params: dict[str, Any] | None = None,
+) -> Iterator[str]:
+    """`transcribe` as a generator stage: each segment's text goes out as soon as it is
+    decoded (a streamed transcription's deltas), not the whole at the end; every piece but
+    the first starts with a space, so the pieces joined are `transcribe`'s text."""
+    said = False
+    for text in _segments(data, (hmm, lm, dictionary), max_seconds, max_decoders):
+        if text:
+            yield f" {text}" if said else text
+            said = True
+
+
+def _segments(data: Any, model: ModelKey, max_seconds: float, max_decoders: int) -> Iterator[str]:
+    """Each segment's text (perhaps empty) as it is decoded, with a pooled decoder."""
     if not 1 <= max_decoders <= 64 or not max_seconds > 0:
         raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
     limit = int(max_seconds * MODEL_RATE) * 2
     pieces = data if isinstance(data, ChunkStream | list | tuple) else [data]
-    said: list[str] = []
-    with _decoder((hmm, lm, dictionary), max_decoders) as decoder:
+    decoded = 0
+    with _decoder(model, max_decoders) as decoder:
         pending = bytearray()
         for pcm in _model_pcm(pieces, limit, max_seconds):
             pending += pcm
             while len(pending) > SEGMENT_BYTES:
                 cut = segment_end(pending)
-                said.append(_decode(decoder, bytes(pending[:cut])))
+                yield _decode(decoder, bytes(pending[:cut]))
+                decoded += 1
                 del pending[:cut]
-        if pending or not said:
-            said.append(_decode(decoder, bytes(pending)))
-    return " ".join(text for text in said if text)
+        if pending or not decoded:
+            yield _decode(decoder, bytes(pending))
 
 
 def segment_end(pcm: bytearray) -> int:

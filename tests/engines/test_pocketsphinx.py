@@ -19,6 +19,7 @@ from omni_runtime.engines.pocketsphinx import (
     resample,
     segment_end,
     transcribe,
+    transcribe_segments,
 )
 from omni_runtime.engines.wer import wer
 from omni_runtime.stage_api import ChunkStream
@@ -123,6 +124,9 @@ def test_long_audio_is_heard_in_segments_cut_at_pauses(speech: Floats) -> None:
     assert twice.size / RATE > 2 * SEGMENT_SECONDS
     heard = transcribe({"pcm": twice, "sample_rate": RATE})
     assert wer(f"{SENTENCES} {SENTENCES}", heard) <= MAX_WER, heard
+    pieces = list(transcribe_segments({"pcm": twice, "sample_rate": RATE}))
+    assert len(pieces) >= 2 and "".join(pieces) == heard, pieces  # a stream's deltas
+    assert all(p.startswith(" ") for p in pieces[1:]) and not pieces[0].startswith(" ")
 
 
 def test_a_segment_ends_in_the_quietest_stretch_of_its_last_seconds() -> None:
