@@ -185,7 +185,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     b = add("bench", "load a running pipeline: requests/s and latency", mode=False)
     b.add_argument("-n", "--requests", type=int, default=1000, help="requests to send in all")
     b.add_argument("-c", "--concurrency", type=int, default=64, help="requests in flight at once")
-    b.add_argument("--prompt", default="hi there", help="the prompt of every request")
+    b.add_argument("--prompt", help="the prompt of every request (default: 'hi there')")
+    b.add_argument(
+        "--prompt-file",
+        help="read the prompt from this file ('-': stdin); a recording (WAV, MP3, FLAC, Ogg) "
+        "for a pipeline that takes speech",
+    )
     b.set_defaults(func=cmd_bench)
     from omni_runtime.ops.flags import (
         add_dead_letters_arguments,

@@ -268,8 +268,12 @@ async def _watch(group: Any, work: Any) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from omni_runtime.client.loadgen import run_load
 
+    pipeline = _pipeline(args)
+    hears = pipeline.outputs is not None and pipeline.outputs.input == "audio"
+    given = args.prompt is not None or args.prompt_file is not None
+    prompt = read_input(pipeline, args.prompt if given or hears else "hi there", args.prompt_file)
     result = asyncio.run(
-        run_load(settings_of(args), _pipeline(args), args.requests, args.concurrency, args.prompt)
+        run_load(settings_of(args), pipeline, args.requests, args.concurrency, prompt)
     )
     print(result)
     return 0 if result.ok else 1

@@ -287,4 +287,24 @@ def test_bench_exits_1_when_requests_failed(redis_url: str, tmp_path: Path) -> N
     assert re.search(r"^throughput  (\d{1,2}\.\d\d|[\d,]{3,}) requests/s$", good.stdout, re.M)
     assert bad.returncode == 1, describe(bad)
     assert bad.stdout.startswith("6 requests, concurrency 3, 6 errors"), describe(bad)
+    assert "first error stage 1 failed: ValueError" in bad.stdout, describe(bad)  # why
     assert "Traceback" not in bad.stderr
+
+
+def test_bench_reports_first_text_first_audio_and_how_the_audio_plays(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A pipeline whose file says which stage is text and which is audio (`outputs`): what a
+    voice pipeline's users wait for and hear, besides the first output of any stage."""
+    with deployment(redis_url, tmp_path, ROOT / OMNI, "streaming", stages=3) as d:
+        bench = cli("bench", "--pipeline", OMNI, "-n", "4", "-c", "2", "--prompt", "a b c d e",
+                    env=d.env)  # fmt: skip
+    assert bench.returncode == 0, describe(bench)
+
+    def p50(name: str) -> float:
+        found = re.search(rf"^{name} +p50 ([\d.]+) ms", bench.stdout, re.M)
+        assert found, bench.stdout
+        return float(found.group(1))
+
+    assert 0 < p50("first text") < p50("first audio"), bench.stdout  # words, then their sound
+    assert re.search(r"^continuity  \d+\.\d% of 4 with no gap over 100 ms", bench.stdout, re.M)
