@@ -160,7 +160,7 @@ def _processes_table(snap: dict[str, Any]) -> Table:
         t.add_row(
             p["kind"],
             _opt(p["stage"]),
-            (p["name"] or p["value"] or "")[: 12 if p["kind"] == "orchestrator" else None],
+            _short(p["name"] or p["value"] or ""),
             _opt(p["host"]),
             _opt(p["pid"]),
             _age(p["uptime_s"]),
@@ -179,7 +179,7 @@ def _slots_table(leases: list[dict[str, Any]]) -> Table:
     for col in ("slot", "orchestrator", "lease left"):
         t.add_column(col, justify="right" if col == "slot" else "left")
     for lease in leases:
-        t.add_row(str(lease["slot"]), lease["holder"][:12], _age(lease["ttl_s"]))
+        t.add_row(str(lease["slot"]), _short(lease["holder"]), _age(lease["ttl_s"]))
     return t
 
 
@@ -326,3 +326,9 @@ def run_status(
                 time.sleep(max(0.1, args.interval))
         except KeyboardInterrupt:
             return 0
+
+
+def _short(name: str) -> str:
+    """An orchestrator's random token cut to 12 characters; a given name (`serve`'s, a
+    pod's: `--orchestrator-id`) whole."""
+    return name[:12] if re.fullmatch(r"[0-9a-f]{32}", name) else name

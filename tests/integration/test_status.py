@@ -177,7 +177,8 @@ def test_each_orchestrator_is_counted_by_the_slot_leases_it_holds(redis_url: str
     async def two_orchestrators() -> tuple[str, str]:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            first, second = Leases(client, names, 30.0), Leases(client, names, 30.0)
+            first = Leases(client, names, 30.0)  # a random token
+            second = Leases(client, names, 30.0, "omni-orchestrator-7c9d5b8f6d-x2x4q")  # a pod's
             assert await first.take_lowest_free() == 0
             assert await second.take_lowest_free() == 1
             assert await first.take(2)  # a slot taken over
@@ -198,7 +199,9 @@ def test_each_orchestrator_is_counted_by_the_slot_leases_it_holds(redis_url: str
         assert all(0 < s["ttl_s"] <= 30 for s in snap["orchestrator_slots"])
         console, buf = _console()
         run_status(_args("--once"), settings, client=client, console=console)
-        assert "orchestrators 2" in buf.getvalue() and second[:12] in buf.getvalue()
+        shown = buf.getvalue()
+        assert "orchestrators 2" in shown and first[:12] in shown and first not in shown
+        assert second in shown  # a given name whole, not cut to its first 12 characters
     finally:
         client.close()
 
