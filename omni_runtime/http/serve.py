@@ -97,7 +97,9 @@ def _run_serve(
                 if embedded:  # every setting, however given, reaches every process started
                     own = settings.model_copy(update={"namespace": namespace})
                     env = child_env(url, settings_env(own))
-                    group = ProcessGroup(Path(path), pipeline, env, fork=children, args=log_args)
+                    group = ProcessGroup(
+                        Path(path), pipeline, env, fork=children, args=log_args, settings=own
+                    )
                     groups.append(group)
                     group.start()
                 logs = f"; its processes log to {groups[-1].log_dir}" if embedded else ""

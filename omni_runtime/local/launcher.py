@@ -45,7 +45,9 @@ from omni_runtime.local.redis_server import free_port as free_port
 from omni_runtime.local.redis_server import ping as ping
 from omni_runtime.local.redis_server import redis_server_binary as redis_server_binary
 from omni_runtime.local.redis_server import wait_for_ping as wait_for_ping
+from omni_runtime.local.stalls import StallWatch
 from omni_runtime.pipeline import PipelineConfig
+from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ def embedded_redis() -> Iterator[str]:
 RESTART_LIMIT = 3
 """`restart_dead`: how often one process may die within `RESTART_WINDOW_S` and be started again."""
 RESTART_WINDOW_S = 60.0
+KILL_WAIT_S = 5.0
+"""How long a stalled process killed (SIGKILL) is waited for."""
 
 
 class ProcessGroup:
@@ -126,7 +130,8 @@ class ProcessGroup:
     when it safely can, instead of each starting an interpreter and importing it again.
 
     Each process dies with this one, however it ends (`parent_death`); `args` are added
-    to each one's command line (`run`'s and `serve`'s logging flags)."""
+    to each one's command line (`run`'s and `serve`'s logging flags). Given the processes'
+    `settings`, `restart_dead` also kills a process that stalled (`stalls.py`)."""
 
     def __init__(
         self,
@@ -136,12 +141,14 @@ class ProcessGroup:
         *,
         fork: Children | None = None,
         args: Sequence[str] = (),
+        settings: Settings | None = None,
     ) -> None:
         self.pipeline_path = pipeline_path
         self.pipeline = pipeline
         self.env = env
         self.fork = fork
         self.args = list(args)
+        self.settings = settings
         self.procs: list[tuple[str, subprocess.Popen[bytes] | ForkedProcess, IO[bytes]]] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="omni-runtime-"))
         self.final_logs: dict[str, str] = {}
@@ -153,6 +160,9 @@ class ProcessGroup:
         `--worker-id`), new for each process it runs as."""
         self.deaths: dict[str, list[float]] = {}
         """`restart_dead`: when each process died, over the last `RESTART_WINDOW_S`."""
+        self.heartbeats: dict[str, str] = {}
+        """The orchestrator's and each worker's heartbeat key (`restart_dead`'s stall check)."""
+        self._stalls: StallWatch | None = None
 
     def start(self) -> None:
         if self.fork is not None and can_fork():
@@ -218,8 +228,15 @@ class ProcessGroup:
         if role not in ("orchestrator", "worker"):
             return []
         dead = self.process_ids.get(name) if again else None
-        self.process_ids[name] = f"{name}-{uuid.uuid4().hex[:8]}"
-        given = [f"--{role}-id", self.process_ids[name]]
+        given_name = self.process_ids[name] = f"{name}-{uuid.uuid4().hex[:8]}"
+        if self.settings is not None:
+            names = self.settings.names
+            self.heartbeats[name] = (
+                names.orchestrator_process_heartbeat(given_name)
+                if role == "orchestrator"
+                else names.stage_heartbeat(int(cmd[cmd.index("--stage") + 1]), given_name)
+            )
+        given = [f"--{role}-id", given_name]
         return given + (["--replaces", dead] if dead else [])
 
     def _stage_packages(self) -> set[str]:
@@ -246,6 +263,7 @@ class ProcessGroup:
         that refuses it). The limit is never below `OMNI_MAX_DELIVERIES`: a request that
         kills whoever runs it does so that often before it is dead-lettered."""
         now = time.monotonic() if now is None else now
+        self._kill_stalled()
         deliveries = self.env.get("OMNI_MAX_DELIVERIES", "")
         limit = max(RESTART_LIMIT, int(deliveries) if deliveries.isdigit() else 0)
         started = []
@@ -270,6 +288,29 @@ class ProcessGroup:
             self._spawn(name, cmd, extra_env, again_at=index)
             started.append(name)
         return started
+
+    def _kill_stalled(self) -> None:
+        """Kill each process that stopped beating while alive (`stalls.py`): `restart_dead`
+        then starts it again in its place."""
+        live = {n: self.heartbeats[n] for n, p, _f in self.procs if n in self.heartbeats}
+        live = {n: key for n, key in live.items() if self._proc(n).poll() is None}
+        if self.settings is None or self.settings.redis_url is None or not live:
+            return
+        if self._stalls is None:
+            client = RedisClients.from_url(self.settings.redis_url).sync()
+            self._stalls = StallWatch(client, self.settings.heartbeat_ttl_ms / 1000)
+        for name in self._stalls.stalled(live):
+            proc = self._proc(name)
+            silent_s = self._stalls.missing_for_s(live[name])
+            log.error(
+                "%s (pid %d) is alive but has beaten no heartbeat for %.0f s: killed, to be "
+                "started again", name, proc.pid, silent_s,
+            )  # fmt: skip
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(KILL_WAIT_S)
+
+    def _proc(self, name: str) -> subprocess.Popen[bytes] | ForkedProcess:
+        return next(p for n, p, _f in self.procs if n == name)
 
     def tail(self, name: str, lines: int = 20) -> str:
         text = self.final_logs.get(name)

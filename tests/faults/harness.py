@@ -110,10 +110,16 @@ class FaultDeployment:
         self.path = tmp_path / f"{self.namespace}.yaml"
         self.path.write_text(yaml.safe_dump(raw))
         self.pipeline = load_pipeline(self.path)
-        self.settings = Settings(redis_url=redis_url, namespace=self.namespace, block_ms=50)
+        ttl_s = (env or {}).get("OMNI_HEARTBEAT_TTL_S")  # the children's, for the supervision
+        self.settings = Settings(
+            redis_url=redis_url,
+            namespace=self.namespace,
+            block_ms=50,
+            heartbeat_ttl_s=float(ttl_s) if ttl_s else None,
+        )
         extra = {"OMNI_NAMESPACE": self.namespace, "OMNI_WORKER_MAX_CONCURRENCY": "32"}
         self.env = child_env(redis_url, {**extra, **(env or {})})
-        self.group = ProcessGroup(self.path, self.pipeline, self.env)
+        self.group = ProcessGroup(self.path, self.pipeline, self.env, settings=self.settings)
         self.clients = RedisClients.from_url(redis_url)
         self.redis = self.clients.sync()  # a cluster client on a cluster
         self.orchestrators = orchestrators

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from omni_runtime.keys import HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S
+from omni_runtime.local.stalls import STALL_TTLS
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
 
@@ -122,3 +124,41 @@ async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
     assert (report.ok, report.failed, report.lost, report.duplicated) == (n - 1, 1, 0, 0), report
     assert "delivered 3 times without finishing" in next(iter(report.error_texts.values()))
     assert [life.returncode for life in lives[:3]] == [3, 3, 3] and len(lives) == 4
+
+
+async def test_the_only_replica_stalled_is_killed_and_started_again(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """SIGSTOP: alive but silent, it would never exit, and `restart_dead` would wait on it
+    for good. Once its heartbeat has been gone `STALL_TTLS` TTLs, the supervision kills
+    it and starts it again: what was in flight fails (its stage had no live worker),
+    nothing is lost or repeated, and the stage serves again."""
+    n, concurrency, ttl_s = 120, 10, 2.5
+    with FaultDeployment(
+        redis_url,
+        tmp_path,
+        "seed.yaml",
+        env={"OMNI_HEARTBEAT_TTL_S": str(ttl_s)},
+        final_stage_ids=[2],
+        stages={1: {"options": {"delay_ms": 50}}},
+    ) as d:
+        restarted: list[str] = []
+
+        async def stall_the_replica() -> None:
+            d.signal("stage1", signal.SIGSTOP)
+            await asyncio.sleep(0)
+
+        prompts = {f"t{i}": f"a{i} b{i}" for i in range(n)}
+        async with supervised(d, restarted):
+            stalled = await run_load(
+                d, "only stage1 SIGSTOP, supervised", prompts, seed_final_2, concurrency,
+                n // 4, stall_the_replica,
+            )  # fmt: skip
+            await wait_for(lambda: bool(restarted), deadline_s=(STALL_TTLS + 2) * ttl_s + 10)
+            again = {f"u{i}": f"c{i} d{i}" for i in range(n)}
+            after = await run_load(d, "after it, started again", again, seed_final_2, concurrency)
+    print("\n" + header() + "\n" + stalled.line() + "\n" + after.line())
+    assert restarted == ["stage1-upper_all-0"], restarted
+    assert (stalled.lost, stalled.wrong, stalled.duplicated) == (0, 0, 0), stalled
+    assert set(stalled.errors) == {"no live worker for stage 1"}, stalled.error_texts
+    assert (after.ok, after.lost) == (n, 0), after
