@@ -120,7 +120,7 @@ class SyncDeadLetters(Retrying):
     def send_all(self, stream: str, group: str | None, bad: Sequence[BadEntry]) -> bool:
         """Every bad entry of one read in one pipeline."""
         for entry_id, _fields, error in bad:
-            log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
+            log.error("entry %s of %s dead-lettered: %s", entry_id, stream, error)
 
         def op() -> None:
             pipe = self.client.pipeline(transaction=False)
@@ -166,7 +166,7 @@ class DeadLetters(Retrying):
         """Every bad entry of one read in one pipeline: a flood costs a round trip per
         batch, not per entry."""
         for entry_id, _fields, error in bad:
-            log.error("malformed entry %s on %s dead-lettered: %s", entry_id, stream, error)
+            log.error("entry %s of %s dead-lettered: %s", entry_id, stream, error)
 
         async def op() -> None:
             pipe = self.client.pipeline(transaction=False)
