@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +130,9 @@ def resolve_voice(
     return default, name
 
 
-def speaker_id(voice: Any, speaker: str | int | None) -> int | None:
-    """The speaker's index in a multi-speaker voice (None: the voice's default)."""
+def speaker_id(voice: Any, speaker: str | int | None, voices: Sequence[str] = ()) -> int | None:
+    """The speaker's index in a multi-speaker voice (None: the voice's default); `voices`:
+    the voice names a request may give instead, named when the speaker is unknown."""
     if speaker is None:
         return None
     names: dict[str, int] = dict(voice.config.speaker_id_map)
@@ -142,7 +143,9 @@ def speaker_id(voice: Any, speaker: str | int | None) -> int | None:
         return speaker
     known = sorted(names) or ["(none: a one-speaker voice)"]
     raise RequestRefused(
-        f"piper: unknown voice or speaker {speaker!r}; its speakers: {known}", "invalid_value"
+        f"piper: unknown voice or speaker {speaker!r}; its voices: {list(voices)}, its "
+        f"speakers: {known}",
+        "invalid_value",
     )
 
 
@@ -162,9 +165,12 @@ def chosen_voice(
     """(the loaded voice, its speaker id, the speed) a request asks for, over the options."""
     voices = options.get("voices") or {}
     chosen = voice_params(params, options.get("voice"), options.get("speed", 1.0), voices)
-    path, spk = resolve_voice(chosen.voice, options.get("model"), options.get("speaker"), voices)
+    model = options.get("model")
+    path, spk = resolve_voice(chosen.voice, model, options.get("speaker"), voices)
     piper_voice = load_voice(path, with_session=with_session, num_threads=num_threads)
-    return piper_voice, speaker_id(piper_voice, spk), chosen.speed  # an unknown voice fails here
+    stem = (Path(model) if model else bundled_voice()).name.removesuffix(".onnx")
+    names = [*sorted(voices), stem, *stem.split("-")[1:2]]
+    return piper_voice, speaker_id(piper_voice, spk, names), chosen.speed  # unknown: fails here
 
 
 def _preload_talker(options: dict[str, Any]) -> None:
