@@ -145,6 +145,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: ToolChoice | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     """Parsed to be refused (`refused()`): a pipeline calls no tools, shapes no JSON,
     reports no log probabilities and biases no token ids (a front door knows no model's
@@ -161,8 +162,8 @@ class ChatCompletionRequest(_Request):
                 "response_format",
                 f"response_format {self.response_format.type!r} is not supported (only 'text')",
             )
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.logprobs or self.top_logprobs:
+            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         return None

@@ -298,6 +298,8 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"audio": {"voice": ""}, "modalities": ["text", "audio"]}, "audio.voice"),
     ],
