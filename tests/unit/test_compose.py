@@ -114,10 +114,22 @@ def project_services(compose: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: svc for name, svc in services(compose).items() if is_project_service(svc)}
 
 
+CONTAINER_HOSTNAME = "3f2a9c1b7d4e"
+"""What Docker sets `$HOSTNAME` to in a container (its id), which a restart keeps."""
+
+
 def argv_of(service: Mapping[str, Any]) -> list[str]:
+    """The command's words; one run through `sh -c` (to read the container's `$HOSTNAME`)
+    must `exec` it, so the stop signal reaches omni-runtime, not the shell."""
     command = service.get("command")
     assert command, "a project service states its command (the image's default is --help)"
-    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    if argv[:2] != ["sh", "-c"]:
+        return argv
+    assert len(argv) == 3, f"one script, no arguments after it: {argv}"
+    words = shlex.split(argv[2].replace("$HOSTNAME", CONTAINER_HOSTNAME))
+    assert words[:1] == ["exec"], f"the shell must exec omni-runtime: {argv[2]}"
+    return words[1:]
 
 
 def parse_cli(argv: list[str]) -> Namespace:
@@ -394,3 +406,14 @@ def test_dockerignore_keeps_what_pip_install_needs() -> None:
     for needed in ("pyproject.toml", "omni_runtime", "workers"):
         assert not any(Path(needed).match(p) for p in patterns), needed
     assert ".git" in patterns
+
+
+def test_orchestrators_and_workers_are_named_after_their_container() -> None:
+    """`restart: unless-stopped` starts a container again in place, with its hostname: a
+    worker then resumes its own backlog, an orchestrator gives its previous life's slots
+    up at once (`docs/deploy.md`)."""
+    for name, args in long_running(load_compose()).items():
+        if args.command == "worker":
+            assert args.worker_id == CONTAINER_HOSTNAME and args.replaces is None, name
+        else:
+            assert args.orchestrator_id == args.replaces == CONTAINER_HOSTNAME, name
