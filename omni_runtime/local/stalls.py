@@ -5,10 +5,11 @@ GIL, which stops its watchdog too: `watchdog.py` ends a wedged loop, not a wedge
 interpreter) keeps its pid and never exits, so `ProcessGroup.restart_dead` would wait on
 it for good, and the requests its stage holds with it. A live process beats every
 `OMNI_HEARTBEAT_INTERVAL_S`; one whose key has been missing for `STALL_TTLS` TTLs (10 s
-by default, 15 s after its last beat), having beaten before, is taken for stalled, to be killed and started again
-in its place. A process still loading its model has not beaten yet and is left alone;
-Redis that lost its keys (an empty restart) sees every live process beat again within
-an interval; Redis out of reach tells nothing, and nothing is judged.
+by default, 15 s after its last beat), having beaten before, is taken for stalled, to be
+killed and started again in its place. A process still loading its model has not beaten
+yet and is left alone; Redis that lost its keys (an empty restart) sees every live
+process beat again within an interval; Redis out of reach tells nothing, and nothing is
+judged.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ class Takeover:
         self.worker_id = worker_id
         self.stage_id = stage_id
         self.min_idle_ms = settings.heartbeat_ttl_ms
-        self.replaces = replaces
-        """A dead replica's consumer name (`serve` saw its process exit)."""
+        self.replaces = replaces if replaces != worker_id else None
+        """A dead replica's consumer name (`serve` saw its process exit); its own name is
+        no other's: what a previous life left under it is this one's backlog."""
         self.metrics = metrics
         self.stream = reader.stream
         self._can_disconnect = not is_cluster(client)
