@@ -91,7 +91,7 @@ class Redelivery:
         except RedisError as e:  # its backlog runs as it did before deliveries were counted
             log.warning("stage %d: cannot count its backlog's deliveries: %r", self.stage_id, e)
             return
-        self.previous = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        self.previous = deliveries(rows)
 
     def backlog(self, read: Sequence[tuple[bytes, StageInputView]]) -> list[Input]:
         """Inputs read from this consumer's own backlog: a previous life's that ran
@@ -106,6 +106,11 @@ class Redelivery:
     def _fields(self, entry_id: bytes) -> Mapping[bytes, bytes] | None:
         entries: Any = self.client.xrange(self.stream, entry_id, entry_id, count=1)
         return entries[0][1] if entries else None
+
+
+def deliveries(pending: Any) -> dict[bytes, int]:
+    """XPENDING's rows as entry id → how often it was delivered."""
+    return {_id(row["message_id"]): int(row["times_delivered"]) for row in pending}
 
 
 def _id(entry_id: object) -> bytes:

@@ -36,7 +36,7 @@ from omni_runtime.wire.views import StageInputView
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.fence import StallGuard
 from omni_runtime.worker.io_threads import HeartbeatThread, retries_s
-from omni_runtime.worker.redelivery import Redelivery
+from omni_runtime.worker.redelivery import Redelivery, deliveries
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Takeover:
             return
         self._disconnect(name)
         ids: list[StreamIdT] = [row["message_id"] for row in rows]
-        deliveries = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        delivered = deliveries(rows)
         # Without justid XCLAIM returns entries, of bytes for our clients (the stub allows
         # ids only, and str); one whose entry was deleted comes back as (None, None).
         claimed = cast(
@@ -174,7 +174,7 @@ class Takeover:
         log.warning("took over %d input(s) of dead replica %s", len(entries), name)
         self.metrics.inc("omni_takeovers_total", len(entries), stage=self.stage_id)
         accepted = self.reader.accept(entries)
-        inputs = self.redelivery.inputs(accepted, deliveries, dict(entries), taken_over=True)
+        inputs = self.redelivery.inputs(accepted, delivered, dict(entries), taken_over=True)
         if inputs:
             self.deliver(inputs)
 
@@ -190,7 +190,3 @@ class Takeover:
         except RedisError as e:  # e.g. an ACL user without CLIENT KILL: the time fence alone
             log.warning("cannot close the connections of dead replica %s: %r", name, e)
             self._can_disconnect = False
-
-
-def _id(entry_id: object) -> bytes:
-    return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
