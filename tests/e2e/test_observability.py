@@ -30,6 +30,7 @@ from omni_runtime.local.launcher import child_env, free_port
 from omni_runtime.pipeline import load_pipeline
 from omni_runtime.settings import Settings
 from tests.e2e.serving import ROOT
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]
 
@@ -187,9 +188,18 @@ def test_every_process_exports_its_series(deployment: Deployment) -> None:
 
 
 def test_status_lists_every_process_and_stream(deployment: Deployment) -> None:
-    done = deployment.cli("status", "--once", "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    snap = json.loads(done.stdout)
+    def snapshot() -> dict[str, Any]:
+        done = deployment.cli("status", "--once", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        return dict(json.loads(done.stdout))
+
+    def own_beat(snap: dict[str, Any]) -> dict[str, Any]:
+        (orch,) = [p for p in snap["processes"] if p["kind"] == "orchestrator" and p["name"]]
+        return dict(orch)
+
+    # an orchestrator's own beat says what it had done at its last beat (once a second)
+    wait_until(lambda: (own_beat(snapshot())["completed"] or 0) >= N_REQUESTS, 10)
+    snap = snapshot()
     names = deployment.settings.names
     assert snap["namespace"] == deployment.namespace
     assert snap["orchestrators"] == 1
@@ -197,7 +207,7 @@ def test_status_lists_every_process_and_stream(deployment: Deployment) -> None:
     workers = {p["pid"]: p["stage"] for p in snap["processes"] if p["kind"] == "worker"}
     assert workers == {p.popen.pid: p.stage for p in deployment.procs if p.stage is not None}
     assert snap["pipeline"] == {"name": deployment.pipeline.name, "mode": "streaming"}
-    (orch,) = [p for p in snap["processes"] if p["kind"] == "orchestrator" and p["name"]]
+    orch = own_beat(snap)
     orchestrator = deployment.procs[0]
     assert (orch["pid"], orchestrator.stage) == (orchestrator.popen.pid, None)
     assert orch["host"] and orch["uptime_s"] > 0 and orch["completed"] >= N_REQUESTS
