@@ -23,6 +23,7 @@ from omni_runtime.http.errors import (
     error_response,
     install_error_handlers,
     out_of_memory,
+    shutting_down,
 )
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.realtime import OriginCheck, realtime_router
@@ -160,7 +161,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         """The orchestrator and a worker of every stage up to the last final one beat, in
-        every pipeline served, and Redis takes writes."""
+        every pipeline served, and Redis takes writes; not once the drain has begun."""
+        if gateway.stopping:
+            return error_response(shutting_down())
         oom = gateway.out_of_memory()
         if oom is not None:
             return error_response(out_of_memory(oom))

@@ -70,6 +70,11 @@ def out_of_memory(message: str) -> ApiError:
     return ApiError(503, message, code="redis_out_of_memory", retry_after_s=OOM_RETRY_AFTER_S)
 
 
+def shutting_down() -> ApiError:
+    """503 once the server's drain has begun: what runs finishes, nothing new starts."""
+    return ApiError(503, "the server is shutting down: retry later", code="shutting_down")
+
+
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(
         ErrorResponse(error=err.body).model_dump(), status_code=err.status, headers=err.headers

@@ -16,7 +16,7 @@ import logging
 import re
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,7 @@ from omni_runtime.client.client import OmniClient, RequestTimeoutError
 from omni_runtime.core.types import FinishReason, OrchOutput, TokenUsage
 from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
-from omni_runtime.http.errors import ApiError, out_of_memory
+from omni_runtime.http.errors import ApiError, out_of_memory, shutting_down
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
@@ -57,7 +57,10 @@ class FailureEvent:
     @classmethod
     def of(cls, stage_id: int, error: str, error_code: str | None) -> FailureEvent:
         """A request's error final: a 400 with the stage's code when the stage refused the
-        request for what it asked (`stage_api.RequestRefused`), else a 502."""
+        request for what it asked (`stage_api.RequestRefused`), a 503 for one the drain
+        cut, else a 502."""
+        if error == SHUTTING_DOWN:
+            return cls(error, 503, "shutting_down")
         message = failure_message(stage_id, error)
         return cls(message, 400, error_code) if error_code else cls(message)
 
@@ -118,6 +121,11 @@ def check_served(pipelines: Sequence[PipelineConfig], namespace: str) -> list[st
     return [namespace_for(namespace, pipelines, n) for n in names]
 
 
+class Drainable(Protocol):
+    def drain(self) -> None:
+        """Close once no response runs (at once if none does)."""
+
+
 class Served:
     """One pipeline this server fronts: what it outputs and takes, its client, its readiness."""
 
@@ -168,6 +176,10 @@ class Gateway:
         self.inflight = 0
         """Requests in flight over every pipeline: `max_inflight` bounds the server."""
         self._aborts: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        """Set by `stop`: new requests are refused, what runs goes on."""
+        self.sessions: set[Drainable] = set()
+        """Realtime connections open: `stop` asks each to close once its response is done."""
 
     @property
     def first(self) -> Served:
@@ -252,6 +264,9 @@ class Gateway:
         `Retry-After`), 429 when at `max_inflight`.
         `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`;
         `params`: the request's parameters, which every stage receives."""
+        if self.stopping:
+            self.metrics.inc("omni_requests_refused_total", reason="shutting down")
+            raise shutting_down()
         missing = await self.missing(served)
         if missing:
             self.metrics.inc("omni_requests_refused_total", reason="not ready")
@@ -277,6 +292,13 @@ class Gateway:
             raise ApiError(503, f"could not submit: {e}", code="unavailable") from e
         self.timer.started(request_id)
         return Run(self, served, client, request_id, audio)
+
+    def stop(self) -> None:
+        """The drain begins: refuse what is new (503 `shutting_down`), let what runs finish,
+        and close each realtime session as soon as it has no response running."""
+        self.stopping = True
+        for session in list(self.sessions):
+            session.drain()
 
     def cut_all(self) -> int:
         """The drain ran out: every request in flight ends now with an error its client
@@ -339,10 +361,7 @@ class Run:
                 timer.output(self.request_id, out.data, out.finished, out.error)
                 if out.error is not None:
                     self.ended = True
-                    if out.error == SHUTTING_DOWN:
-                        yield FailureEvent(SHUTTING_DOWN, 503, "shutting_down")
-                    else:
-                        yield FailureEvent.of(out.stage_id, out.error, out.error_code)
+                    yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
                 self.note_end(out)
                 if out.stage_id == out_cfg.text_stage and out.data is not None:

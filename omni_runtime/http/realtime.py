@@ -31,7 +31,7 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from omni_runtime.http.errors import ApiError
+from omni_runtime.http.errors import ApiError, shutting_down
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_events import EventError, error_event, event, parse_client_event
 from omni_runtime.http.realtime_session import RealtimeSettings, Session
@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 PATH = "/v1/realtime"
 KEY_PROTOCOL = "openai-insecure-api-key."
 CLOSE_TIMEOUT_S = 1.0
-"""A close frame a client does not take within this is given up on."""
+"""A close frame, or the last events before it, a client does not take within this is
+given up on."""
+DRAINED = "the server is shutting down (OMNI_DRAIN_S)"
 
 KeyCheck = Callable[[str | None], Awaitable[None]]
 OriginCheck = Callable[[Mapping[str, str]], ApiError | None]
@@ -59,6 +61,12 @@ class Outbox:
         """Set once: the writer may be stuck in a send the client never takes."""
         self._items: deque[str] = deque()
         self._ready = asyncio.Event()
+        self._finished = False
+
+    def finish(self) -> None:
+        """Nothing more comes: `get` returns None once what is queued has been taken."""
+        self._finished = True
+        self._ready.set()
 
     def put(self, ev: dict[str, Any]) -> None:
         if self.overflowed:
@@ -76,10 +84,10 @@ class Outbox:
 
     async def get(self) -> str | None:
         """The next event to send; None once the outbox has overflowed."""
-        while not self._items and not self.overflowed:
+        while not self._items and not self.overflowed and not self._finished:
             self._ready.clear()
             await self._ready.wait()
-        if self.overflowed:
+        if self.overflowed or not self._items:
             return None
         text = self._items.popleft()
         self.queued -= len(text)
@@ -107,6 +115,8 @@ def realtime_router(
         try:
             await check_key(authorization)
             served = _served(gateway, model)
+            if gateway.stopping:
+                raise shutting_down()
         except ApiError as e:
             await _refuse(websocket, e, subprotocol)
             return
@@ -144,20 +154,30 @@ class Connection:
         self.gateway, self.websocket = gateway, websocket
         self.settings = settings
         self.outbox = Outbox(self.settings.realtime_max_send_bytes)
-        self.session = Session(gateway, served, self.settings, self.outbox.put)
+        self.wake = asyncio.Event()
+        """Set when the drain begins and when a response ends: the reader looks again."""
+        self.session = Session(gateway, served, self.settings, self.outbox.put, self.wake.set)
+
+    def drain(self) -> None:
+        self.wake.set()
 
     async def run(self) -> None:
         metrics = self.gateway.metrics
         metrics.add_gauge("omni_realtime_sessions_open", 1)
+        self.gateway.sessions.add(self)
         writer = asyncio.get_running_loop().create_task(self._write(), name="realtime-writer")
         self.overflow_wait = asyncio.ensure_future(self.outbox.overflow.wait())
         why = "closed by the client"
         try:
             self.outbox.put(event("session.created", session=self.session.describe()))
             why = await self._read(writer)
+            if why == DRAINED:  # the response just done reaches the client whole
+                self.outbox.finish()
+                await asyncio.wait({writer}, timeout=CLOSE_TIMEOUT_S)
         except WebSocketDisconnect:
             pass
         finally:
+            self.gateway.sessions.discard(self)
             self.session.close()
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
@@ -169,21 +189,36 @@ class Connection:
 
     async def _read(self, writer: asyncio.Task[bool]) -> str:
         """Client events until the session ends; why it ended."""
+        self.waking = asyncio.ensure_future(self.wake.wait())
+        try:
+            return await self._read_until_ended(writer)
+        finally:
+            self.waking.cancel()
+
+    async def _read_until_ended(self, writer: asyncio.Task[bool]) -> str:
         s = self.settings
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + s.realtime_max_session_s
         idle_since = loop.time()
         receiving: asyncio.Future[Any] | None = None
         while True:
+            if self.gateway.stopping and self.session.active is None:
+                if receiving is not None:
+                    receiving.cancel()
+                return DRAINED
             if self.session.active is not None:
                 idle_since = loop.time()
             wake_at = min(ends_at, idle_since + s.realtime_idle_timeout_s)
             if receiving is None:
                 receiving = asyncio.ensure_future(self.websocket.receive())
             done, _ = await asyncio.wait(
-                {receiving, writer, self.overflow_wait}, timeout=max(0.0, wake_at - loop.time()),
-                return_when=asyncio.FIRST_COMPLETED,
+                {receiving, writer, self.overflow_wait, self.waking},
+                timeout=max(0.0, wake_at - loop.time()), return_when=asyncio.FIRST_COMPLETED,
             )  # fmt: skip
+            woken = self.waking in done
+            if woken:
+                self.wake.clear()
+                self.waking = asyncio.ensure_future(self.wake.wait())
             if self.overflow_wait in done:
                 receiving.cancel()
                 return "the client did not read its events (OMNI_REALTIME_MAX_SEND_BYTES)"
@@ -196,6 +231,8 @@ class Connection:
                     )
                 return "closed by the client"
             if receiving not in done:
+                if woken:
+                    continue
                 if loop.time() >= ends_at:
                     receiving.cancel()
                     return "session length limit (OMNI_REALTIME_MAX_SESSION_S)"
@@ -246,8 +283,16 @@ class Connection:
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 if not self.outbox.overflowed:
-                    err = EventError(f"session ended: {why}", code="session_ended")
+                    code = "shutting_down" if why == DRAINED else "session_ended"
+                    err = EventError(f"session ended: {why}", code=code)
                     await self.websocket.send_text(json.dumps(error_event(err)))
-                await self.websocket.close(code=1000 if "limit" in why or "idle" in why else 1008)
+                await self.websocket.close(code=_close_code(why))
         except (TimeoutError, RuntimeError, OSError, WebSocketDisconnect):
             pass
+
+
+def _close_code(why: str) -> int:
+    """1012 (service restart: connect again) for the drain, 1000 for a limit reached."""
+    if why == DRAINED:
+        return 1012
+    return 1000 if "limit" in why or "idle" in why else 1008

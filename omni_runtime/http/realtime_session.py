@@ -67,8 +67,10 @@ class Session:
         served: Served,
         settings: RealtimeSettings,
         emit: Callable[[Any], None],
+        on_idle: Callable[[], None] = lambda: None,
     ) -> None:
-        self.gateway, self.served, self.emit = gateway, served, emit
+        """`on_idle`: called when a response ends (the server's drain closes the session then)."""
+        self.gateway, self.served, self.emit, self.on_idle = gateway, served, emit, on_idle
         self.timeout_s = settings.request_timeout_s
         """A response's wait for its request's outputs (`OMNI_REQUEST_TIMEOUT_S`)."""
         self.id = new_id("sess")
@@ -308,6 +310,7 @@ class Session:
     def _response_done(self, response: Response, status: Status) -> None:
         if self.active is response:
             self.active = None
+            self.on_idle()
         if status == "cancelled":
             self.gateway.metrics.inc("omni_realtime_responses_cancelled_total")
         self.worst_gap_s = max(self.worst_gap_s, response.playback.worst_gap_s)

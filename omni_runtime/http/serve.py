@@ -18,6 +18,7 @@ import logging
 import math
 import signal
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -122,6 +123,20 @@ def _run_serve(
                 group.stop()
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose first stop signal only asks for the drain (`stop_requested`): uvicorn
+    closes every WebSocket at once when its shutdown begins, so `serve` holds that back
+    until the realtime sessions' responses are done. A second signal is uvicorn's own."""
+
+    stop_requested = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.stop_requested:
+            self.stop_requested = True
+            return
+        super().handle_exit(sig, frame)
+
+
 async def _serve(
     gateway: Gateway, serve: ServeSettings, groups: list[ProcessGroup], drain_s: float
 ) -> int:
@@ -140,7 +155,7 @@ async def _serve(
         timeout_graceful_shutdown=math.ceil(drain_s) + CUT_MARGIN_S,
         log_config=None,  # keep the process's logging setup
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     # Each stop signal is a graceful shutdown, SIGHUP too (uvicorn takes only SIGINT and
     # SIGTERM), from now on (uvicorn takes them only once it runs) and once uvicorn has
     # stopped (it raises the signal again then, for a KeyboardInterrupt in a task).
@@ -154,10 +169,26 @@ async def _serve(
 
 
 async def _serve_until_stopped(
-    server: uvicorn.Server, groups: list[ProcessGroup], gateway: Gateway, drain_s: float
+    server: DrainingServer, groups: list[ProcessGroup], gateway: Gateway, drain_s: float
 ) -> int:
+    loop = asyncio.get_running_loop()
     task = asyncio.create_task(server.serve())
+    drain_ends: float | None = None
+    cut: asyncio.TimerHandle | None = None
     while not task.done() and not server.should_exit:
+        if server.stop_requested and drain_ends is None:
+            drain_ends = loop.time() + drain_s
+            cut = loop.call_later(drain_s, gateway.cut_all)
+            _stop_listening(server)
+            gateway.stop()
+        if drain_ends is not None and (
+            not gateway.sessions or loop.time() > drain_ends + CUT_MARGIN_S
+        ):
+            # what is left is HTTP, which uvicorn's shutdown waits for, till the drain's end
+            left = math.ceil(max(0.0, drain_ends - loop.time()))
+            server.config.timeout_graceful_shutdown = left + CUT_MARGIN_S
+            server.should_exit = True
+            break
         try:
             for group in groups:
                 group.restart_dead()
@@ -168,7 +199,14 @@ async def _serve_until_stopped(
             await task
             return 1
         await asyncio.wait({task}, timeout=SUPERVISE_EVERY_S)
-    cut = asyncio.get_running_loop().call_later(drain_s, gateway.cut_all)
+    if cut is None:  # stopped at once (uvicorn's own signal handling, or its exit)
+        cut = loop.call_later(drain_s, gateway.cut_all)
     await task
     cut.cancel()
     return 0 if server.started else 1
+
+
+def _stop_listening(server: uvicorn.Server) -> None:
+    """New connections are refused at once, as in uvicorn's shutdown; open ones are kept."""
+    for listener in server.servers:
+        listener.close()

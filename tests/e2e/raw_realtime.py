@@ -69,6 +69,16 @@ class RawClient:
             pass
         return ev
 
+    def close_code(self, deadline_s: float = 10.0) -> int:
+        """The code of the server's close frame, once it comes."""
+        end = time.monotonic() + deadline_s
+        while self.proto.close_rcvd is None:
+            assert time.monotonic() < end, "no close frame before the deadline"
+            data = self.sock.recv(65536)
+            assert data, "the connection closed with no close frame"
+            self.proto.receive_data(data)
+        return self.proto.close_rcvd.code
+
     def reset(self) -> None:
         """Vanish: RST, no close frame, no FIN."""
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from omni_runtime.local.launcher import redis_server_binary
+from tests.e2e.raw_realtime import RawClient
 from tests.e2e.serving import ServeProcess
 from tests.services import unavailable
 from tests.waiting import wait_until
@@ -71,9 +72,10 @@ def test_sigterm_finishes_the_open_stream_and_refuses_new_work(tmp_path: Path) -
 
 
 def test_what_outlives_the_drain_ends_with_an_error_its_client_reads(tmp_path: Path) -> None:
-    """A stream, and a whole answer, still running when the drain ran out: each ends with
-    OpenAI's error shape (`shutting_down`: an event in the stream begun, a 503 for the
-    other), not a dropped connection, and `serve` exits 0 with no traceback logged."""
+    """A stream, a whole answer and a realtime response, still running when the drain ran
+    out: each ends with OpenAI's error shape (`shutting_down`: an event in the stream begun,
+    a 503, a failed `response.done` then close 1012), not a dropped connection, and `serve`
+    exits 0 with no traceback logged."""
     if redis_server_binary() is None:
         unavailable("no redis-server on PATH", "a redis-server")
     words = " ".join(f"w{i}" for i in range(2000))  # ~40 s at a word per 20 ms
@@ -102,7 +104,18 @@ def test_what_outlives_the_drain_ends_with_an_error_its_client_reads(tmp_path: P
             reader.start()
         assert first.wait(30), serve.log()
         wait_until(lambda: b"w3" in b"".join(line.encode() for line in lines), 30)
-        serve.proc.send_signal(signal.SIGTERM)
+        session = RawClient(serve.port, "")
+        try:
+            session.recv_until("session.created")
+            answer_in_text(session, words)
+            serve.proc.send_signal(signal.SIGTERM)
+            done = session.recv_until("response.done", 30)["response"]
+            assert done["status"] == "failed", done
+            assert done["status_details"]["error"]["code"] == "shutting_down", done
+            assert session.recv_until("error")["error"]["code"] == "shutting_down"
+            assert session.close_code() == 1012
+        finally:
+            session.close()
         for reader in readers:
             reader.join(30)
             assert not reader.is_alive()
@@ -110,4 +123,53 @@ def test_what_outlives_the_drain_ends_with_an_error_its_client_reads(tmp_path: P
         assert whole[0].status_code == 503, whole[0].text
         assert whole[0].json()["error"]["code"] == "shutting_down"
         assert serve.proc.wait(15) == 0, serve.log()
-        assert "Traceback" not in serve.log() and "2 request(s) still in flight cut" in serve.log()
+        assert "Traceback" not in serve.log() and "3 request(s) still in flight cut" in serve.log()
+
+
+def answer_in_text(session: RawClient, text: str) -> None:
+    """Ask a realtime session for a text answer to `text`; return once it has begun."""
+    session.send({"type": "session.update", "session": {
+        "type": "realtime", "output_modalities": ["text"],
+        "audio": {"input": {"turn_detection": None}},
+    }})  # fmt: skip
+    session.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}],
+    }})  # fmt: skip
+    session.send({"type": "response.create"})
+    session.recv_until("response.output_text.delta", 30)
+
+
+def test_sigterm_lets_a_realtime_response_end_then_closes_its_session(tmp_path: Path) -> None:
+    """uvicorn would close every WebSocket at once (1012): `serve` holds its shutdown back
+    until the realtime sessions' responses are done. A session with a response running
+    gets it whole, then `shutting_down` and close 1012 (connect again); an idle one gets
+    that at once; new connections are refused meanwhile; `serve` exits 0."""
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "a redis-server")
+    text = " ".join(f"w{i}" for i in range(WORDS))
+    with ServeProcess(
+        tmp_path / "serve.log", "--pipeline", "workers/omni.yaml", env={"OMNI_DRAIN_S": "20"}
+    ) as serve:
+        talking, idle = RawClient(serve.port, ""), RawClient(serve.port, "")
+        try:
+            for session in (talking, idle):
+                session.recv_until("session.created")
+            answer_in_text(talking, text)
+            serve.proc.send_signal(signal.SIGTERM)
+            stopped_at = time.monotonic()
+
+            assert idle.recv_until("error")["error"]["code"] == "shutting_down"
+            assert idle.close_code() == 1012
+            wait_until(lambda: refused(serve.url), 10)
+            done = talking.recv_until("response.done", DRAIN_S)
+            assert done["response"]["status"] == "completed", done
+            said = done["response"]["output"][0]["content"][0]["text"]
+            assert f"w{WORDS - 1}" in said.lower(), said[-80:]  # the whole answer
+            assert talking.recv_until("error")["error"]["code"] == "shutting_down"
+            assert talking.close_code() == 1012
+        finally:
+            talking.close()
+            idle.close()
+        assert serve.proc.wait(15) == 0, serve.log()
+        assert time.monotonic() - stopped_at < DRAIN_S, serve.log()
+        assert "Traceback" not in serve.log()

@@ -71,6 +71,21 @@ async def test_not_ready_without_workers(fake_clients: RedisClients, settings: S
         assert_error(await api.post(CHAT, json=chat_body()), 503)
 
 
+async def test_once_the_drain_begins_nothing_new_is_taken(cluster: InProcessCluster) -> None:
+    """`Gateway.stop` (serve's first stop signal): readiness and new requests answer 503
+    `shutting_down`, so a balancer and a client go elsewhere (what runs goes on:
+    tests/e2e/test_serve_drain.py)."""
+    gateway = gateway_for(cluster)
+    async with http(create_app(gateway)) as api:
+        assert (await api.get("/ready")).status_code == 200
+        gateway.stop()
+        assert assert_error(await api.get("/ready"), 503)["code"] == "shutting_down"
+        refused = await api.post(CHAT, json=chat_body())
+        assert assert_error(refused, 503)["code"] == "shutting_down"
+        assert "Retry-After" in refused.headers
+        assert (await api.get("/health")).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
