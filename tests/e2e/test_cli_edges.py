@@ -119,14 +119,16 @@ def test_an_options_typo_fails_at_start_naming_the_stage(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
 
 
-def test_a_request_timeout_is_one_line(redis_url: str) -> None:
+def test_a_request_timeout_is_one_line(redis_url: str, tmp_path: Path) -> None:
     proc = cli(
         *("run", "--pipeline", OMNI, "--redis-url", redis_url),
         *("--request-timeout-s", "0.001", "Hello there, a slow thinker"),
+        env=cli_env(TMPDIR=str(tmp_path)),  # where the failed run keeps its logs
     )
     assert proc.returncode == 2, describe(proc)
     assert "OMNI_REQUEST_TIMEOUT_S" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert f"logs kept in {tmp_path}" in proc.stderr, describe(proc)
 
 
 def test_a_closed_pipe_is_not_a_traceback(redis_url: str) -> None:
