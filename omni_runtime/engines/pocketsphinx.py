@@ -184,11 +184,14 @@ def transcribe(
     dictionary: str | None = None,
     max_seconds: float = DEFAULT_MAX_SECONDS,
     max_decoders: int = DEFAULT_MAX_DECODERS,
+    language: str = "en",
     params: dict[str, Any] | None = None,
 ) -> str:
     """Speech (see the module doc) → its text. `hmm`, `lm`, `dictionary`: another model's
-    files instead of the bundled `en-us` ones. `params` is accepted for a uniform stage
-    signature; no request parameter changes recognition."""
+    files instead of the bundled `en-us` ones, `language` the one it hears. A request's
+    `language` (`params`) other than that is refused: the model would hear another
+    language's speech as wrong words of its own."""
+    check_language(params, language)
     model = (hmm, lm, dictionary)
     return " ".join(t for t in _segments(data, model, max_seconds, max_decoders) if t)
 
@@ -202,16 +205,34 @@ def transcribe_segments(
     dictionary: str | None = None,
     max_seconds: float = DEFAULT_MAX_SECONDS,
     max_decoders: int = DEFAULT_MAX_DECODERS,
+    language: str = "en",
     params: dict[str, Any] | None = None,
 ) -> Iterator[str]:
     """`transcribe` as a generator stage: each segment's text goes out as soon as it is
     decoded (a streamed transcription's deltas), not the whole at the end; every piece but
     the first starts with a space, so the pieces joined are `transcribe`'s text."""
+    check_language(params, language)
     said = False
     for text in _segments(data, (hmm, lm, dictionary), max_seconds, max_decoders):
         if text:
             yield f" {text}" if said else text
             said = True
+
+
+def check_language(params: dict[str, Any] | None, language: str) -> None:
+    """Refuse a request's `language` (ISO-639-1 as OpenAI's API takes it, or a tag such as
+    `en-US`) that is not the model's."""
+    asked = (params or {}).get("language")
+    if asked is None:
+        return
+    if not isinstance(asked, str) or _primary(asked) != _primary(language):
+        raise RequestRefused(
+            f"language {asked!r}: this model hears {language!r} only", "unsupported_language"
+        )
+
+
+def _primary(tag: str) -> str:
+    return tag.replace("_", "-").split("-")[0].strip().lower()
 
 
 def _segments(data: Any, model: ModelKey, max_seconds: float, max_decoders: int) -> Iterator[str]:

@@ -126,6 +126,11 @@ def test_speech_in_a_voice_is_transcribed_back_to_its_words(
     with path.open("rb") as f:
         heard = client.audio.transcriptions.create(model="transcribe", file=f, language="en")
     assert wer(SENTENCE, heard.text) <= 0.35, heard.text
+    with pytest.raises(openai.BadRequestError) as refused:  # not heard as wrong English
+        client.audio.transcriptions.create(
+            model="transcribe", file=("speech.wav", speech.content), language="fr"
+        )
+    assert refused.value.code == "unsupported_language", refused.value
 
     faster = client.audio.speech.create(
         model="speak", input=SENTENCE, voice="joe", speed=1.5, response_format="wav"

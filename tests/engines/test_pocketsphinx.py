@@ -22,7 +22,7 @@ from omni_runtime.engines.pocketsphinx import (
     transcribe_segments,
 )
 from omni_runtime.engines.wer import wer
-from omni_runtime.stage_api import ChunkStream
+from omni_runtime.stage_api import ChunkStream, RequestRefused
 from omni_runtime.wav import write_wav
 from tests.engines.speech import MAX_WER, SENTENCES, audio, unwrap
 
@@ -171,6 +171,21 @@ def test_audio_over_max_seconds_is_refused(needs_pocketsphinx: None) -> None:
     two_s = {"pcm": np.zeros(32_000, dtype=np.float32), "sample_rate": 16_000}
     with pytest.raises(ValueError, match="max_seconds=1"):
         transcribe(two_s, max_seconds=1)
+
+
+def test_a_language_the_model_does_not_hear_is_refused(
+    needs_pocketsphinx: None, speech: Floats
+) -> None:
+    """OpenAI's `language`: the model's own (as a tag too) is heard; another is refused,
+    rather than heard as wrong English words."""
+    pcm = {"pcm": speech, "sample_rate": 16_000}
+    for same in ("en", "en-US", "EN_gb"):
+        assert transcribe(pcm, params={"language": same}) == transcribe(pcm)
+    for other in ("fr", "", 7):
+        with pytest.raises(RequestRefused, match="hears 'en' only") as refused:
+            list(transcribe_segments(pcm, params={"language": other}))
+        assert refused.value.code == "unsupported_language"
+    assert transcribe(pcm, language="fr", params={"language": "fr-FR"})  # another model's
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4])
