@@ -121,3 +121,9 @@ def _decoded(data: bytes) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm.astype("<i2").tobytes())
     return whole_wav(out.getvalue())  # its rate and length checked as a WAV's
+
+
+def wav_seconds(wav: bytes) -> float:
+    """How long a WAV file `recording` made lasts."""
+    with wave.open(io.BytesIO(wav)) as w:
+        return float(w.getnframes() / w.getframerate())

@@ -63,6 +63,26 @@ def wav_duration(data: Any, params: dict[str, Any] | None = None) -> str:
     return f"{seconds:.4f} s, {rate} Hz, {channels} ch, language {language}"
 
 
+def wav_words(data: Any, params: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A stand-in transcriber that knows when it heard what: a word per half second of the
+    WAV ("w0", "w1", …, each said over its first 0.4 s), four to a piece; timed pieces
+    (`{"text", "start", "end", "words"?}`) when the request asks for `timestamps`."""
+    with wave.open(io.BytesIO(data["wav"])) as w:
+        count = int(w.getnframes() / w.getframerate() / 0.5)
+    asked = (params or {}).get("timestamps") or []
+    for first in range(0, count, 4):
+        words: list[dict[str, Any]] = [{"word": f"w{i}", "start": i * 0.5, "end": i * 0.5 + 0.4}
+                 for i in range(first, min(first + 4, count))]  # fmt: skip
+        text = ("" if first == 0 else " ") + " ".join(w["word"] for w in words)
+        if not asked:
+            yield text
+            continue
+        piece: dict[str, Any] = {"text": text, "start": words[0]["start"], "end": words[-1]["end"]}
+        if "word" in asked:
+            piece["words"] = words
+        yield piece
+
+
 @marks_final
 def parrot(data: Any) -> Iterator[Any]:
     """A stand-in thinker after a speech-to-text stage: answers with what it heard, word by

@@ -26,6 +26,7 @@ audio arrives.
 from __future__ import annotations
 
 import io
+import re
 import threading
 import wave
 from collections.abc import Iterable, Iterator
@@ -44,6 +45,8 @@ MODEL_RATE = 16_000
 DEFAULT_MAX_SECONDS = 600.0
 AUDIO = "invalid_audio"
 """The code audio this stage cannot hear is refused with (`RequestRefused`)."""
+WORD_VARIANT = re.compile(r"\(\d+\)$")
+"""The dictionary's mark of a word's other pronunciation, `read(2)`, not part of the word."""
 DEFAULT_MAX_DECODERS = 4
 SEGMENT_SECONDS = 8.0
 """The most audio decoded in one call. A call holds the GIL while it decodes, so its
@@ -193,7 +196,8 @@ def transcribe(
     language's speech as wrong words of its own."""
     check_language(params, language)
     model = (hmm, lm, dictionary)
-    return " ".join(t for t in _segments(data, model, max_seconds, max_decoders) if t)
+    heard = _segments(data, model, max_seconds, max_decoders)
+    return " ".join(h.text for h in heard if h.text)
 
 
 @marks_final
@@ -207,16 +211,32 @@ def transcribe_segments(
     max_decoders: int = DEFAULT_MAX_DECODERS,
     language: str = "en",
     params: dict[str, Any] | None = None,
-) -> Iterator[str]:
+) -> Iterator[str | dict[str, Any]]:
     """`transcribe` as a generator stage: each segment's text goes out as soon as it is
     decoded (a streamed transcription's deltas), not the whole at the end; every piece but
-    the first starts with a space, so the pieces joined are `transcribe`'s text."""
+    the first starts with a space, so the pieces joined are `transcribe`'s text. A request
+    whose `params` ask for `timestamps` (`["segment"]`, `["segment", "word"]`: what
+    `/v1/audio/transcriptions` asks for subtitles) gets each piece as `{"text", "start",
+    "end"}` (seconds from the recording's start, of its first and last word), with
+    `"words": [{"word", "start", "end"}, ...]` if asked."""
     check_language(params, language)
+    asked = (params or {}).get("timestamps")
+    timed = isinstance(asked, list) and bool(asked)
     said = False
-    for text in _segments(data, (hmm, lm, dictionary), max_seconds, max_decoders):
-        if text:
-            yield f" {text}" if said else text
-            said = True
+    for heard in _segments(data, (hmm, lm, dictionary), max_seconds, max_decoders):
+        if not heard.text:
+            continue
+        text = f" {heard.text}" if said else heard.text
+        said = True
+        if not timed:
+            yield text
+            continue
+        assert isinstance(asked, list)
+        piece: dict[str, Any] = {"text": text, "start": heard.words[0][1],
+                                 "end": heard.words[-1][2]}  # fmt: skip
+        if "word" in asked:
+            piece["words"] = [{"word": w, "start": a, "end": b} for w, a, b in heard.words]
+        yield piece
 
 
 def check_language(params: dict[str, Any] | None, language: str) -> None:
@@ -235,8 +255,17 @@ def _primary(tag: str) -> str:
     return tag.replace("_", "-").split("-")[0].strip().lower()
 
 
-def _segments(data: Any, model: ModelKey, max_seconds: float, max_decoders: int) -> Iterator[str]:
-    """Each segment's text (perhaps empty) as it is decoded, with a pooled decoder."""
+@dataclass(frozen=True)
+class Heard:
+    """One segment as decoded: its text, and its words with their times (seconds from the
+    recording's start)."""
+
+    text: str
+    words: list[tuple[str, float, float]]
+
+
+def _segments(data: Any, model: ModelKey, max_seconds: float, max_decoders: int) -> Iterator[Heard]:
+    """Each segment (its text perhaps empty) as it is decoded, with a pooled decoder."""
     if not 1 <= max_decoders <= 64 or not max_seconds > 0:
         raise ConfigError("pocketsphinx: max_decoders must be 1-64 and max_seconds > 0")
     limit = int(max_seconds * MODEL_RATE) * 2
@@ -244,15 +273,17 @@ def _segments(data: Any, model: ModelKey, max_seconds: float, max_decoders: int)
     decoded = 0
     with _decoder(model, max_decoders) as decoder:
         pending = bytearray()
+        at = 0.0  # where `pending` starts in the recording, in seconds
         for pcm in _model_pcm(pieces, limit, max_seconds):
             pending += pcm
             while len(pending) > SEGMENT_BYTES:
                 cut = segment_end(pending)
-                yield _decode(decoder, bytes(pending[:cut]))
+                yield _decode(decoder, bytes(pending[:cut]), at)
                 decoded += 1
+                at += cut / 2 / MODEL_RATE
                 del pending[:cut]
         if pending or not decoded:
-            yield _decode(decoder, bytes(pending))
+            yield _decode(decoder, bytes(pending), at)
 
 
 def segment_end(pcm: bytearray) -> int:
@@ -266,9 +297,10 @@ def segment_end(pcm: bytearray) -> int:
     return 2 * (first + (int(np.argmin(energy)) + 5) * frame)
 
 
-def _decode(decoder: Any, pcm: bytes) -> str:
-    """One segment, decoded whole, as a fresh decoder would (`reinit_feat` drops what the
-    feature extraction kept from earlier utterances)."""
+def _decode(decoder: Any, pcm: bytes, at: float) -> Heard:
+    """One segment, starting `at` seconds into the recording, decoded whole, as a fresh
+    decoder would (`reinit_feat` drops what the feature extraction kept from earlier
+    utterances)."""
     decoder.reinit_feat()
     decoder.start_utt()
     try:
@@ -276,7 +308,15 @@ def _decode(decoder: Any, pcm: bytes) -> str:
     finally:
         decoder.end_utt()
     hyp = decoder.hyp()
-    return str(hyp.hypstr) if hyp is not None else ""
+    if hyp is None or not hyp.hypstr:
+        return Heard("", [])
+    frame_s = 1 / int(decoder.config["frate"])
+    words = [
+        (WORD_VARIANT.sub("", seg.word), round(at + seg.start_frame * frame_s, 3),
+         round(at + (seg.end_frame + 1) * frame_s, 3))
+        for seg in decoder.seg() if not seg.word.startswith(("<", "["))
+    ]  # fmt: skip
+    return Heard(str(hyp.hypstr), words)
 
 
 def _model_pcm(pieces: Iterable[Any], limit: int, max_seconds: float) -> Iterator[bytes]:

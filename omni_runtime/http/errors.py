@@ -85,7 +85,8 @@ def error_json(err: ApiError) -> bytes:
     return json.dumps(ErrorResponse(error=err.body).model_dump()).encode()
 
 
-FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+FIELD = re.compile(r"^[a-z_][a-z0-9_]*(\[\])?$")
+"""A field's name; a form's list field ends in `[]` (`timestamp_granularities[]`)."""
 TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 

@@ -28,6 +28,7 @@ from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMe
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory, shutting_down
 from omni_runtime.http.settings import ServeSettings
+from omni_runtime.http.subtitles import TimedText, text_of
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class TextEvent:
     text: str
+    timing: TimedText | None = None
+    """When the piece was said, if its stage gave it (`subtitles`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,9 +368,10 @@ class Run:
                     return
                 self.note_end(out)
                 if out.stage_id == out_cfg.text_stage and out.data is not None:
-                    text = out.data if isinstance(out.data, str) else str(out.data)
+                    text, timing = text_of(out.data)
                     if text:
-                        yield TextEvent(text if first_text else out_cfg.text_separator + text)
+                        sep = "" if first_text else out_cfg.text_separator
+                        yield TextEvent(sep + text, timing)
                         first_text = False
                 elif out.stage_id == out_cfg.audio_stage and self.audio and out.data is not None:
                     try:

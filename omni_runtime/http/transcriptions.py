@@ -2,9 +2,10 @@
 speech-to-text pipeline's text.
 
 The form is the one the official `openai` client sends (`file`, `model`, `language`,
-`response_format`, `stream`, …); fields this server has no use for (`prompt`,
-`temperature`, `timestamp_granularities[]`, …) are ignored. The pipeline is one whose `outputs.input`
-is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are the answer.
+`response_format`, `timestamp_granularities[]`, `stream`, …); fields this server has no
+use for (`prompt`, `temperature`, …) are ignored. The pipeline is one whose `outputs.input`
+is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are the answer;
+`verbose_json`, `srt` and `vtt` ask it for their times (`subtitles`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Response, UploadFile
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.gateway import Event, FailureEvent, Gateway, Run, TextEvent
@@ -36,7 +37,15 @@ from omni_runtime.http.schemas import (
     TranscriptTextDone,
     TranscriptUsage,
 )
-from omni_runtime.wav import WavError, recording
+from omni_runtime.http.subtitles import (
+    Granularity,
+    TimedFormat,
+    TimedText,
+    cues,
+    segments_of,
+    verbose_json,
+)
+from omni_runtime.wav import WavError, recording, wav_seconds
 
 PATH = "/v1/audio/transcriptions"
 """Its body limit is `max_upload_bytes` (`BodyLimit`'s per-path limit), not `max_body_bytes`."""
@@ -51,23 +60,38 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
         file: Annotated[UploadFile, File(description="a WAV, MP3, FLAC or Ogg file")],
         model: Annotated[str, Form(min_length=1, max_length=256)],
         language: Annotated[str | None, Form(min_length=1, max_length=32)] = None,
-        response_format: Annotated[Literal["json", "text"], Form()] = "json",
+        response_format: Annotated[Literal["json", "text"] | TimedFormat, Form()] = "json",
+        timestamp_granularities: Annotated[
+            list[Granularity] | None, Form(alias="timestamp_granularities[]", max_length=2)
+        ] = None,
         stream: Annotated[bool, Form()] = False,
         x_omni_trace: TraceHeader = None,
-    ) -> Transcription | PlainTextResponse | StreamingResponse:
+    ) -> Transcription | PlainTextResponse | StreamingResponse | JSONResponse:
         served = gateway.model(model)
         if served.outputs.input != "audio":
             raise unsupported(served, "does not take audio")
         if served.outputs.text_stage is None:
             raise unsupported(served, "has no text output")
+        timed = response_format not in ("json", "text")
+        if timestamp_granularities and response_format != "verbose_json":
+            raise ApiError(400, "timestamp_granularities needs response_format verbose_json",
+                           param="timestamp_granularities", code="invalid_value")  # fmt: skip
+        if stream and timed:
+            raise ApiError(400, f"response_format {response_format} cannot be streamed",
+                           param="stream", code="invalid_value")  # fmt: skip
         try:
             wav = await asyncio.to_thread(recording, await file.read())  # off the loop
         except WavError as e:
             raise ApiError(400, f"file: {e}", param="file", code="invalid_audio") from None
         finally:
             await file.close()
-        params = {"language": language} if language is not None else None
-        run = await gateway.open(served, {"wav": wav}, False, wants(x_omni_trace), params)
+        params: dict[str, Any] = {} if language is None else {"language": language}
+        granularities: list[Granularity] = sorted(set(timestamp_granularities or ["segment"]))
+        if timed:  # subtitles are cut into cues at their words
+            params["timestamps"] = (
+                granularities if response_format == "verbose_json" else ["segment", "word"]
+            )
+        run = await gateway.open(served, {"wav": wav}, False, wants(x_omni_trace), params or None)
         if stream:
             events = run.events()
             first = await first_event(run, events)
@@ -75,18 +99,32 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
             body = _transcript_events(run, events_after(first, events))
             return GuardedStream(body, run.close, media_type="text/event-stream", headers=headers)
         try:
-            pieces: list[str] = []
+            pieces: list[tuple[str, TimedText | None]] = []
             async with aclosing(run.events()) as events:
                 async for ev in events:
                     if isinstance(ev, TextEvent):
-                        pieces.append(ev.text)
+                        pieces.append((ev.text, ev.timing))
                     elif isinstance(ev, FailureEvent):
                         raise ev.api_error()
         finally:
             run.close()
-        text = "".join(pieces)
+        headers = {REQUEST_ID_HEADER: run.request_id}
+        if (
+            response_format == "verbose_json"
+            or response_format == "srt"
+            or response_format == "vtt"
+        ):
+            duration = wav_seconds(wav)
+            segments = segments_of(pieces, duration)
+            if response_format == "verbose_json":
+                timed_body = verbose_json(segments, duration, granularities, language)
+                return JSONResponse(timed_body, headers=headers)
+            kind = "text/vtt" if response_format == "vtt" else "application/x-subrip"
+            subtitles = cues(segments, response_format)
+            return PlainTextResponse(subtitles, media_type=kind, headers=headers)
+        text = "".join(text for text, _timing in pieces)
         if response_format == "text":
-            return PlainTextResponse(text, headers={REQUEST_ID_HEADER: run.request_id})
+            return PlainTextResponse(text, headers=headers)
         response.headers[REQUEST_ID_HEADER] = run.request_id
         return Transcription(text=text)
 

@@ -163,6 +163,34 @@ def test_speech_as_mp3_opus_or_flac_is_transcribed_back_to_its_words(
     assert wer(SENTENCE, heard.text) <= 0.35, heard.text
 
 
+def test_speech_is_transcribed_with_the_times_of_its_words_and_as_subtitles(
+    client: openai.OpenAI,
+) -> None:
+    """`verbose_json` with word and segment times, as the official client asks for them,
+    and `srt`: pocketsphinx's word times, in the recording's time."""
+    speech = client.audio.speech.create(
+        model="speak", input=f"{SENTENCE} {SENTENCE}", voice="joe", response_format="wav"
+    )
+    rate, frames = wav_frames(speech.content)
+    heard = client.audio.transcriptions.create(
+        model="transcribe", file=("speech.wav", speech.content), response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+    )  # fmt: skip
+    assert heard.duration == pytest.approx(frames / rate, abs=0.01)
+    assert wer(f"{SENTENCE} {SENTENCE}", heard.text) <= 0.35, heard.text
+    words = heard.words or []
+    assert " ".join(w.word for w in words) == heard.text
+    assert all(0 <= w.start < w.end <= heard.duration for w in words), words
+    assert [w.start for w in words] == sorted(w.start for w in words)
+    segments = heard.segments or []
+    assert "".join(s.text for s in segments).strip() == heard.text
+    srt = client.audio.transcriptions.create(
+        model="transcribe", file=("speech.wav", speech.content), response_format="srt"
+    )
+    assert str(srt).startswith("1\n00:00:0"), srt
+    assert wer(f"{SENTENCE} {SENTENCE}", " ".join(str(srt).split("\n")[2::4])) <= 0.35, srt
+
+
 def test_speech_as_server_sent_events_is_transcribed_back_to_its_words(
     client: openai.OpenAI,
 ) -> None:

@@ -6,7 +6,7 @@ import io
 import wave
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -124,9 +124,26 @@ def test_long_audio_is_heard_in_segments_cut_at_pauses(speech: Floats) -> None:
     assert twice.size / RATE > 2 * SEGMENT_SECONDS
     heard = transcribe({"pcm": twice, "sample_rate": RATE})
     assert wer(f"{SENTENCES} {SENTENCES}", heard) <= MAX_WER, heard
-    pieces = list(transcribe_segments({"pcm": twice, "sample_rate": RATE}))
+    pieces = cast(list[str], list(transcribe_segments({"pcm": twice, "sample_rate": RATE})))
     assert len(pieces) >= 2 and "".join(pieces) == heard, pieces  # a stream's deltas
     assert all(p.startswith(" ") for p in pieces[1:]) and not pieces[0].startswith(" ")
+    # asked for timestamps (subtitles): the same pieces, each with when its words were said,
+    # in the recording's time across segments
+    asked = {"timestamps": ["segment", "word"]}
+    timed = cast(
+        list[dict[str, Any]],
+        list(transcribe_segments({"pcm": twice, "sample_rate": RATE}, params=asked)),
+    )
+    assert [t["text"] for t in timed] == pieces
+    words = [w for t in timed for w in t["words"]]
+    assert " ".join(w["word"] for w in words) == heard
+    starts = [w["start"] for w in words]
+    assert starts == sorted(starts) and all(w["end"] > w["start"] for w in words)
+    assert starts[0] >= 0 and words[-1]["end"] <= twice.size / RATE
+    assert all(t["start"] == t["words"][0]["start"] and t["end"] == t["words"][-1]["end"]
+               for t in timed)  # fmt: skip
+    second = timed[-1]["start"]  # the second saying starts where the first ended
+    assert second > SEGMENT_SECONDS / 2, timed
 
 
 def test_a_segment_ends_in_the_quietest_stretch_of_its_last_seconds() -> None:

@@ -229,13 +229,13 @@ async def test_a_streamed_transcription_is_openais_text_events(
         ({"model": "transcribe"}, wav_file(2.5), 413, None),
         ({"model": "transcribe"}, None, 400, "file"),
         ({}, wav_file(0.1), 400, "model"),
-        ({"model": "transcribe", "response_format": "srt"}, wav_file(0.1), 400, "response_format"),
+        ({"model": "transcribe", "response_format": "tsv"}, wav_file(0.1), 400, "response_format"),
         ({"model": "echo"}, wav_file(0.1), 400, "model"),
         ({"model": "omni"}, wav_file(0.1), 400, "model"),
         ({"model": "whisper-1"}, wav_file(0.1), 404, "model"),
     ],
     ids=[
-        "not-wav", "no-frames", "cut-header", "empty", "rate-1-hz", "rate-400-khz", "too-large", "no-file", "no-model", "srt",
+        "not-wav", "no-frames", "cut-header", "empty", "rate-1-hz", "rate-400-khz", "too-large", "no-file", "no-model", "tsv",
         "chat-pipeline", "omni", "unknown-model",
     ],
 )  # fmt: skip
