@@ -126,7 +126,8 @@ def _run_serve(
 class DrainingServer(uvicorn.Server):
     """uvicorn, whose first stop signal only asks for the drain (`stop_requested`): uvicorn
     closes every WebSocket at once when its shutdown begins, so `serve` holds that back
-    until the realtime sessions' responses are done. A second signal is uvicorn's own."""
+    until the realtime sessions' responses are done. A second signal begins uvicorn's
+    shutdown at once, a second Ctrl-C (SIGINT) ending it at once too, as in uvicorn."""
 
     stop_requested = False
 
@@ -134,6 +135,7 @@ class DrainingServer(uvicorn.Server):
         if not self.stop_requested:
             self.stop_requested = True
             return
+        self.should_exit = True
         super().handle_exit(sig, frame)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import signal
 import sys
 import wave
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import soundfile
+import uvicorn
 from pydantic import ValidationError
 
 from omni_runtime.cli import parse_args
@@ -28,7 +30,7 @@ from omni_runtime.http.audio import (
     wav_header,
 )
 from omni_runtime.http.schemas import ChatCompletionRequest
-from omni_runtime.http.serve import pipeline_paths
+from omni_runtime.http.serve import DrainingServer, pipeline_paths
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.wav import WavError, recording, whole_wav
@@ -155,6 +157,19 @@ def test_serve_takes_pipelines_repeated_or_as_a_comma_list() -> None:
     args = parse_args(["serve", "--pipeline", "a.yaml", "--pipeline", "b.yaml, c.yaml"])
     assert pipeline_paths(args.pipeline) == ["a.yaml", "b.yaml", "c.yaml"]
     assert pipeline_paths(parse_args(["serve", "--pipeline", "a.yaml"]).pipeline) == ["a.yaml"]
+
+
+@pytest.mark.parametrize(("second", "forced"), [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_the_first_stop_signal_asks_for_the_drain_a_second_shuts_down(
+    second: int, forced: bool
+) -> None:
+    """The first holds uvicorn's shutdown back (Realtime responses finish first); a second
+    begins it, and a second Ctrl-C ends it at once, as uvicorn's own does."""
+    server = DrainingServer(uvicorn.Config(app="omni_runtime.http.app:create_app"))
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.stop_requested and not server.should_exit
+    server.handle_exit(second, None)
+    assert server.should_exit and server.force_exit == forced
 
 
 def test_an_upload_is_checked_and_rewritten_whole() -> None:
