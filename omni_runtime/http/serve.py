@@ -209,6 +209,7 @@ async def _serve_until_stopped(
 
 
 def _stop_listening(server: uvicorn.Server) -> None:
-    """New connections are refused at once, as in uvicorn's shutdown; open ones are kept."""
-    for listener in server.servers:
+    """New connections are refused at once, as in uvicorn's shutdown; open ones are kept.
+    (A signal before uvicorn listens finds none: its startup then ends in its shutdown.)"""
+    for listener in getattr(server, "servers", []):
         listener.close()
