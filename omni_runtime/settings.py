@@ -156,6 +156,10 @@ class Settings(BaseSettings):
     realtime_max_send_bytes: Annotated[int, Field(gt=0, le=1024 * 1024 * 1024)] = 8 * 1024 * 1024
     """`/v1/realtime`: server events queued for a client that does not read them; past this
     the session ends instead of memory growing."""
+    realtime_max_sessions: Annotated[int, Field(gt=0, le=100_000)] = 128
+    """`/v1/realtime`: sessions one `serve` holds open at once; one more is refused (429,
+    `too_many_sessions`): each may hold ~14 MiB (its audio buffer and last spoken turn, 60 s
+    each, and `realtime_max_send_bytes`), open or idle."""
     realtime_send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     """`/v1/realtime`: a server event the client's socket has not taken for this long ends
     the session (a client that stopped reading, froze, or vanished without a reset)."""

@@ -53,6 +53,7 @@ NON_DEFAULT: dict[str, Any] = {
     "realtime_idle_timeout_s": 599.5,
     "realtime_max_send_bytes": 16 * 1024 * 1024,
     "realtime_send_timeout_s": 9.5,
+    "realtime_max_sessions": 64,
 }
 
 

@@ -117,11 +117,21 @@ def realtime_router(
             served = _served(gateway, model)
             if gateway.stopping:
                 raise shutting_down()
+            if len(gateway.sessions) >= settings.realtime_max_sessions:
+                gateway.metrics.inc("omni_requests_refused_total", reason="realtime sessions")
+                raise ApiError(429, f"{settings.realtime_max_sessions} Realtime sessions are "
+                               "open (OMNI_REALTIME_MAX_SESSIONS); retry later",
+                               code="too_many_sessions")  # fmt: skip
         except ApiError as e:
             await _refuse(websocket, e, subprotocol)
             return
-        await websocket.accept(subprotocol=subprotocol)
-        await Connection(gateway, served, websocket, settings).run()
+        connection = Connection(gateway, served, websocket, settings)
+        gateway.sessions.add(connection)  # counted from now: no await since the count
+        try:
+            await websocket.accept(subprotocol=subprotocol)
+            await connection.run()
+        finally:
+            gateway.sessions.discard(connection)
 
     return router
 
@@ -144,7 +154,7 @@ async def _refuse(websocket: WebSocket, err: ApiError, subprotocol: str | None) 
     await websocket.accept(subprotocol=subprotocol)
     code = err.body.code or ("invalid_api_key" if err.status == 401 else "refused")
     await websocket.send_text(json.dumps(error_event(EventError(err.body.message, code))))
-    await websocket.close(code=1008)
+    await websocket.close(code=1013 if err.status in (429, 503) else 1008)  # 1013: try later
 
 
 class Connection:
@@ -164,7 +174,6 @@ class Connection:
     async def run(self) -> None:
         metrics = self.gateway.metrics
         metrics.add_gauge("omni_realtime_sessions_open", 1)
-        self.gateway.sessions.add(self)
         writer = asyncio.get_running_loop().create_task(self._write(), name="realtime-writer")
         self.overflow_wait = asyncio.ensure_future(self.outbox.overflow.wait())
         why = "closed by the client"
@@ -177,7 +186,6 @@ class Connection:
         except WebSocketDisconnect:
             pass
         finally:
-            self.gateway.sessions.discard(self)
             self.session.close()
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)

@@ -55,6 +55,7 @@ class RealtimeSettings:
     realtime_idle_timeout_s: float
     realtime_max_send_bytes: int
     realtime_send_timeout_s: float
+    realtime_max_sessions: int
     request_timeout_s: float
 
 

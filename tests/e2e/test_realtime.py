@@ -103,6 +103,39 @@ async def test_a_web_page_of_another_origin_may_not_open_a_session(demo: Deploym
         assert json.loads(await ws.recv())["type"] == "session.created"
 
 
+@pytest.fixture(scope="module")
+def capped(demo: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A front door that holds two Realtime sessions at most."""
+    yield from front_door(demo, tmp_path_factory, "capped", {"OMNI_REALTIME_MAX_SESSIONS": "2"})
+
+
+async def test_a_session_past_the_cap_is_refused_until_one_closes(capped: Deployment) -> None:
+    """Each session holds memory (its audio, its queued events) whether it talks or not:
+    past `OMNI_REALTIME_MAX_SESSIONS` a handshake gets 429, and a place freed is taken."""
+    url = capped.serve.url.replace("http://", "ws://", 1) + "/v1/realtime?model=omni"
+    key = {"Authorization": f"Bearer {KEY}"}
+    async with (
+        websockets.connect(url, additional_headers=key) as first,
+        websockets.connect(url, additional_headers=key) as second,
+    ):
+        for open_one in (first, second):
+            assert json.loads(await open_one.recv())["type"] == "session.created"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(url, additional_headers=key):
+                pass
+        assert refused.value.response.status_code == 429
+        assert b"too_many_sessions" in refused.value.response.body
+    async with asyncio.timeout(10):  # the server sees the two close, then takes a new one
+        while True:
+            try:
+                async with websockets.connect(url, additional_headers=key) as again:
+                    assert json.loads(await again.recv())["type"] == "session.created"
+                    break
+            except websockets.InvalidStatus as e:
+                assert e.response.status_code == 429
+                await asyncio.sleep(0.05)
+
+
 async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Deployment) -> None:
     words = speech("Stop, please wait a moment.")
     async with demo.client().realtime.connect(model="omni") as conn:
