@@ -147,9 +147,10 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
-    """Parsed to be refused (`refused()`): a pipeline calls no tools, shapes no JSON,
-    reports no log probabilities and biases no token ids (a front door knows no model's
-    vocabulary); accepting them silently would be a wrong answer."""
+    web_search_options: Annotated[dict[str, Any], Field(max_length=16)] | None = None
+    """Parsed to be refused (`refused()`): a pipeline calls no tools, searches no web,
+    shapes no JSON, reports no log probabilities and biases no token ids (a front door
+    knows no model's vocabulary); accepting them silently would be a wrong answer."""
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first field set that no pipeline can honour."""
@@ -166,6 +167,8 @@ class ChatCompletionRequest(_Request):
             return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.web_search_options is not None:  # given at all, even empty, OpenAI searches
+            return "web_search_options", "web search is not supported"
         return None
 
     @model_validator(mode="after")

@@ -301,6 +301,7 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"web_search_options": {}}, "web_search_options"),
         ({"audio": {"voice": ""}, "modalities": ["text", "audio"]}, "audio.voice"),
     ],
 )
