@@ -190,6 +190,10 @@ class Names:
     def stage_heartbeat(self, stage_id: int, worker_id: str) -> str:
         return self.heartbeat(f"stage:{stage_id}:{worker_id}")
 
+    def ran_alone(self, stage_id: int, entry_id: bytes) -> str:
+        """Set while a suspect input runs alone (`worker/isolation.py`)."""
+        return f"{self.prefix}stage:{stage_id}:alone:{entry_id.decode()}"
+
     def worker_connection(self, stage_id: int, worker_id: str) -> str:
         """The client name every connection of a worker carries (a takeover closes them)."""
         return f"{self.prefix}worker:{stage_id}:{worker_id}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 import wave
 from collections.abc import Iterator
 from typing import Any
@@ -94,10 +95,12 @@ def parrot(data: Any) -> Iterator[Any]:
         yield Final(piece) if i == len(words) - 1 else piece
 
 
-def dies_on(data: Any, word: str = "die") -> str:
+def dies_on(data: Any, word: str = "die", delay_s: float = 0.0) -> str:
     """A stand-in for a request that crashes its worker (a model's segfault, the OOM
-    killer): the process exits on a prompt holding `word`; any other is echoed."""
+    killer): the process exits on a prompt holding `word`; any other is echoed. Each
+    takes `delay_s` first, as a model's work would: others are in flight beside it."""
     text = json.dumps(data, sort_keys=True)
+    time.sleep(delay_s)
     if word in text:
         os._exit(3)
     return text

@@ -25,6 +25,8 @@ class Input:
     refused: str | None = None
     taken_over: bool = False
     """Claimed from a dead replica (after any ownership snapshot that listed it as theirs)."""
+    solo: bool = False
+    """Delivered again often enough to be a suspect: it runs alone (`isolation.py`)."""
 
 
 @dataclass(slots=True)  # not frozen, like Input: one per output

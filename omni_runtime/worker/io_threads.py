@@ -80,15 +80,27 @@ class Slots:
 
     def __init__(self, capacity: int) -> None:
         self._free = capacity
+        self._paused = False
         self._cv = threading.Condition()
 
     def take_up_to(self, n: int, timeout_s: float) -> int:
-        """Take up to `n` free slots, waiting up to `timeout_s` for one; 0 if none freed."""
+        """Take up to `n` free slots, waiting up to `timeout_s` for one; 0 if none freed
+        (or while paused)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._free > 0, timeout_s)
-            taken = max(0, min(n, self._free))
+            self._cv.wait_for(lambda: self._free > 0 and not self._paused, timeout_s)
+            taken = 0 if self._paused else max(0, min(n, self._free))
             self._free -= taken
             return taken
+
+    def pause(self) -> None:
+        """No slot is taken until `resume`: suspects run alone (`isolation.py`)."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
 
     def force_take(self, n: int) -> None:
         """Inputs taken over from a dead replica run even beyond the concurrency."""

@@ -44,6 +44,7 @@ from omni_runtime.worker.io_threads import (
     ReaderSettings,
     Slots,
 )
+from omni_runtime.worker.isolation import Isolation
 from omni_runtime.worker.observed import WorkerObservation
 from omni_runtime.worker.output import OutputThread
 from omni_runtime.worker.takeover import Takeover, TakeoverSettings, name_connections
@@ -111,6 +112,7 @@ class StageWorker:
         self._watchdog: Watchdog | None = None
         self._client = self.clients.sync()
         name_connections(self._client, self.names, stage_id, self.worker_id)
+        self._isolation = Isolation(self._client, self.names, self._slots, stage_id)
         ended = self._turn.deliver  # a stage call's last output: its pass runs there
         self._engine_dead: str | None = None
         self.engine = load_engine(self.stage, pipeline.source_dir, s.worker_max_concurrency,
@@ -314,7 +316,8 @@ class StageWorker:
     def _feed(self, now: float) -> bool:
         """What the threads delivered, aborts first (never older than what they abort)."""
         core = self.core
-        aborts, inputs, lost = self._aborts.take(), self._inputs.take(), self._lost.take()
+        aborts, lost = self._aborts.take(), self._lost.take()
+        inputs = self._isolation.admit(self._inputs.take(), core.in_flight)  # suspects alone
         for rid in aborts:
             core.on_abort(rid, now)
         self.observed.aborted(aborts)
@@ -353,7 +356,8 @@ class StageWorker:
         their deliveries (an input that kills engines is dead-lettered, not passed on)."""
         if not self._drained:
             return
-        held = self.core.held_entries() + [i.entry_id for i in self._inputs.take()]
+        unstarted = [i.entry_id for i in self._inputs.take() if not i.solo]  # suspects: pending
+        held = self.core.held_entries() + unstarted + self._isolation.held()
         if held:
             n = hand_back(self._client, self.in_stream, held, self.settings.stream_maxlen)
             log.warning("drain deadline: %d of %d unfinished input(s) handed back", n, len(held))

@@ -4,16 +4,17 @@ An input is delivered again when the process it was given to died before finishi
 in one of two ways: a live replica takes a dead one's inputs over (`takeover.py`), or a
 worker started again under the same consumer name (`--worker-id`: a systemd unit, a
 pod's container restarted in place) reads its own backlog, what its previous life was
-given and never finished. Either way, one that has run `OMNI_MAX_DELIVERIES` times
-already is dead-lettered and its request ends with one error output, unrun. Without
-this, a request that crashes its worker would, under a stable consumer name, crash every
-new life of it for good, and the stage with it.
+given and never finished. Either way, one on its last delivery but one runs alone
+(`isolation.py`), and one that killed its process while it ran alone is dead-lettered
+and its request ends with one error output, unrun; the inputs that were only in flight
+beside it are not. Without this, a request that crashes its worker would, under a
+stable consumer name, crash every new life of it for good, and the stage with it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -30,6 +31,18 @@ MAX_REMEMBERED = 10_000
 """A previous life's pending inputs counted at most (a worker holds its concurrency's)."""
 
 
+HARD_LIMIT_EXTRA = 10
+"""Deliveries past `OMNI_MAX_DELIVERIES` after which an input is dead-lettered whatever
+its marker says: each death of a suspect run alone before it delivers it once more."""
+
+
+def is_suspect(times: int, max_deliveries: int) -> bool:
+    """`times`: deliveries before this one. The last delivery but one, or later, of an
+    input delivered before, makes it a suspect, which runs alone (`isolation.py`); so does
+    any second delivery when the limit is one."""
+    return times >= max(1, max_deliveries - 1)
+
+
 class Redelivery:
     """Sorts inputs delivered again into those to run and those dead-lettered."""
 
@@ -40,8 +53,11 @@ class Redelivery:
         dead_letters: SyncDeadLetters,
         max_deliveries: int,
         stage_id: int,
+        marker: Callable[[bytes], str],
     ) -> None:
+        """`marker`: an entry's key that says it ran alone (`Names.ran_alone`)."""
         self.client = client
+        self.marker = marker
         self.stream = stream
         self.dead_letters = dead_letters
         self.max_deliveries = max_deliveries
@@ -62,13 +78,11 @@ class Redelivery:
         inputs: list[Input] = []
         for eid, msg in accepted:
             times = runs.get(eid, 0)
-            if times < self.max_deliveries:
-                inputs.append(Input(eid, msg, taken_over=taken_over))
+            suspect = is_suspect(times, self.max_deliveries)
+            error = self._killer(eid, times) if suspect else None
+            if error is None:
+                inputs.append(Input(eid, msg, taken_over=taken_over, solo=suspect))
                 continue
-            error = (
-                f"input delivered {times} times without finishing "
-                f"(OMNI_MAX_DELIVERIES={self.max_deliveries}); dead-lettered"
-            )
             log.error(
                 "stage %d: %s: request %r", self.stage_id, error, msg.request_id,
                 extra={"request_id": msg.request_id},
@@ -77,6 +91,27 @@ class Redelivery:
             self.dead_letters.send(self.stream, keys.WORKERS_GROUP, eid, error, fields)
             inputs.append(Input(eid, msg, refused=error, taken_over=taken_over))
         return inputs
+
+    def _killer(self, entry_id: bytes, times: int) -> str | None:
+        """Why a suspect is dead-lettered, if it is: it killed its process while running
+        alone (its marker is there), or it outlived `HARD_LIMIT_EXTRA` more deliveries."""
+        limit = self.max_deliveries
+        if times >= limit + HARD_LIMIT_EXTRA:
+            return (
+                f"input delivered {times} times without finishing "
+                f"(OMNI_MAX_DELIVERIES={limit}, + {HARD_LIMIT_EXTRA} run alone); dead-lettered"
+            )
+        try:
+            alone = self.client.delete(self.marker(entry_id))
+        except RedisError as e:  # not known to have run alone: it runs alone (again)
+            log.warning("stage %d: cannot read a suspect's marker: %r", self.stage_id, e)
+            return None
+        if not alone:
+            return None
+        return (
+            f"input delivered {times} times without finishing, the last time alone: it "
+            f"killed its worker (OMNI_MAX_DELIVERIES={limit}); dead-lettered"
+        )
 
     def remember_previous_life(self, consumer: str) -> None:
         """Before this process takes any input: how often each input still pending under

@@ -17,6 +17,7 @@ closed, that write fails, and its retry meets the fence.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,8 +105,9 @@ class Takeover:
             backoff=settings.retry.backoff(bounded=True),
         )
         self.redelivery = Redelivery(
-            client, self.stream, dead_letters, settings.max_deliveries, stage_id
-        )
+            client, self.stream, dead_letters, settings.max_deliveries, stage_id,
+            functools.partial(self.names.ran_alone, stage_id),
+        )  # fmt: skip
         """Also what the input thread counts its backlog's deliveries with."""
 
     def heartbeat(self, status: Callable[[], dict[str, Any]], guard: StallGuard) -> HeartbeatThread:

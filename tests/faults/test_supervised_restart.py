@@ -79,20 +79,45 @@ async def test_the_only_process_of_its_kind_killed_and_started_again_loses_nothi
     assert report.recovery_s is not None and report.recovery_s < TTL_S, report
 
 
-async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
+async def test_a_request_that_kills_each_replacement_fails_alone(
     redis_url: str, tmp_path: Path
 ) -> None:
-    """A supervisor that keeps a worker's name (`--worker-id`: a systemd unit, a pod's
-    container restarted in place) starts it again on its own backlog: the input that
-    killed it kills each new life until it has been delivered `OMNI_MAX_DELIVERIES` (3)
-    times, then it is dead-lettered and its request fails alone; the rest are served (one
-    at a time: inputs in flight beside it in each of those lives are counted too)."""
+    """As `serve` supervises (each process started in a dead one's place takes its inputs
+    over, `--replaces`): an input that kills whoever runs it, with 9 others in flight
+    beside it, kills three workers, the last while it runs alone (`isolation.py`), and is
+    dead-lettered; the 9 beside it, counted as often, are not: they finish, each alone."""
     n = 20
     with FaultDeployment(
         redis_url,
         tmp_path,
         "seed.yaml",
-        stages={1: {"entry": "tests.http_stages:dies_on", "options": {}}},
+        stages={1: {"entry": "tests.http_stages:dies_on", "options": {"delay_s": 0.3}}},
+    ) as d:
+        restarted: list[str] = []
+        prompts = {f"r{i}": "please die" if i == n // 2 else f"a{i} b{i}" for i in range(n)}
+        async with supervised(d, restarted):
+            report = await run_load(d, "replaced, killed by its input, c=10", prompts, None, 10)
+    print("\n" + header() + "\n" + report.line())
+    assert (report.ok, report.failed, report.lost, report.duplicated) == (n - 1, 1, 0, 0), report
+    assert "the last time alone" in next(iter(report.error_texts.values()))
+    assert len(restarted) == 3, restarted
+
+
+@pytest.mark.parametrize("concurrency", [1, 10])
+async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
+    redis_url: str, tmp_path: Path, concurrency: int
+) -> None:
+    """A supervisor that keeps a worker's name (`--worker-id`: a systemd unit, a pod's
+    container restarted in place) starts it again on its own backlog: the input that
+    killed it kills each new life until it has been delivered `OMNI_MAX_DELIVERIES` (3)
+    times, the last time alone (`isolation.py`), then it is dead-lettered and its request
+    fails alone; the rest are served, those in flight beside it in each life too."""
+    n = 20
+    with FaultDeployment(
+        redis_url,
+        tmp_path,
+        "seed.yaml",
+        stages={1: {"entry": "tests.http_stages:dies_on", "options": {"delay_s": 0.3}}},
     ) as d:
         d.signal("stage1", signal.SIGTERM)  # the group's own, replaced by this test's
         await asyncio.to_thread(d.group.procs[2][1].wait, 30)
@@ -112,7 +137,8 @@ async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
             task = asyncio.create_task(supervise())
             try:
                 prompts = {f"k{i}": "please die" if i == n // 2 else f"a{i} b{i}" for i in range(n)}
-                report = await run_load(d, "kept name, killed by its input", prompts, None, 1)
+                title = f"kept name, killed by its input, c={concurrency}"
+                report = await run_load(d, title, prompts, None, concurrency)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -184,31 +184,39 @@ def takeover_of(
     )  # fmt: skip
 
 
-def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_those_delivered_too_often() -> (
+def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_what_killed_one_alone() -> (
     None
 ):
-    client, settings, stream = stage_1_inputs("often", "once")
-    client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "often"
-    for _ in range(2):  # its replicas died on it: delivered 3 times
+    """Delivered on its last delivery but one, an input is a suspect that runs alone
+    (`isolation.py`); one whose marker says it ran alone when its process died is
+    dead-lettered."""
+    client, settings, stream = stage_1_inputs("killer", "beside", "once")
+    client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=2)  # and died
+    for _ in range(2):  # its replicas died on them: delivered 3 times
         client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: "0"})
     client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "once"
+    killer = client.xrange(stream, count=1)[0][0]
+    client.set(settings.names.ran_alone(1, killer), 1)  # it ran alone, then "ghost" died
     delivered: list[Input] = []
     takeover = takeover_of(client, settings, "me", delivered)
     takeover.min_idle_ms = 0  # claimable at once
     takeover()  # "ghost" has no heartbeat
-    assert [(i.msg.request_id, i.refused is not None) for i in delivered] == [
-        ("often", True),
-        ("once", False),
+    assert [(i.msg.request_id, i.refused is not None, i.solo) for i in delivered] == [
+        ("killer", True, False),  # refused: it is not run at all
+        ("beside", False, True),  # only ever beside it: it runs, alone
+        ("once", False, False),
     ]
+    assert "the last time alone" in (delivered[0].refused or "")
     assert "OMNI_MAX_DELIVERIES=3" in (delivered[0].refused or "")
+    assert not client.exists(settings.names.ran_alone(1, killer))
     assert client.xlen(settings.names.dead_letters) == 1
-    assert client.xpending(stream, keys.WORKERS_GROUP)["pending"] == 1  # "once", now ours
-    assert takeover.metrics.value("omni_takeovers_total") == 2
+    assert client.xpending(stream, keys.WORKERS_GROUP)["pending"] == 2  # now ours
+    assert takeover.metrics.value("omni_takeovers_total") == 3
     core, engine = make()
     core.on_input(delivered[0], now=0)
     actions = core.take_actions()
     ((rid, _seq, _data, finished, error),) = published(actions)
-    assert rid == "often" and finished and error == delivered[0].refused
+    assert rid == "killer" and finished and error == delivered[0].refused
     assert engine.queues == {}  # never run
 
 
@@ -240,13 +248,15 @@ def test_a_replacement_takes_the_replaced_replicas_inputs_while_its_heartbeat_li
 def test_a_worker_started_again_under_its_name_dead_letters_what_killed_each_life() -> None:
     """A worker that keeps its consumer name (`--worker-id` in a systemd unit, a pod's
     container restarted in place) reads its own backlog first: an input it was given in
-    `OMNI_MAX_DELIVERIES` lives already is dead-lettered, not run to kill this one too."""
+    `OMNI_MAX_DELIVERIES` lives already, the last time alone, is dead-lettered, not run to
+    kill this one too."""
     client, settings, stream = stage_1_inputs("killer", "innocent")
     names = settings.names
     client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # life 1: "killer"
     for _life in (2, 3):
         client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: "0"})  # its backlog, then died
     client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # "innocent", died
+    client.set(names.ran_alone(1, client.xrange(stream, count=1)[0][0]), 1)  # life 3 alone
     takeover = takeover_of(client, settings, "w", [])
     takeover.redelivery.remember_previous_life("w")  # as life 4 starts
     life_4 = reader_of(client, settings, "w")
