@@ -161,6 +161,11 @@ def stage_1_inputs(*request_ids: str) -> tuple[fakeredis.FakeRedis, Settings, st
     return client, settings, stream
 
 
+def first_entry(client: fakeredis.FakeRedis, stream: str) -> bytes:
+    entries: Any = client.xrange(stream, count=1)
+    return cast(bytes, entries[0][0])
+
+
 def reader_of(
     client: fakeredis.FakeRedis, settings: Settings, consumer: str
 ) -> SyncGroupReader[StageInputView]:
@@ -184,9 +189,7 @@ def takeover_of(
     )  # fmt: skip
 
 
-def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_what_killed_one_alone() -> (
-    None
-):
+def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_what_killed_one_alone() -> None:
     """Delivered on its last delivery but one, an input is a suspect that runs alone
     (`isolation.py`); one whose marker says it ran alone when its process died is
     dead-lettered."""
@@ -195,7 +198,7 @@ def test_a_takeover_runs_a_dead_replicas_inputs_but_dead_letters_what_killed_one
     for _ in range(2):  # its replicas died on them: delivered 3 times
         client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: "0"})
     client.xreadgroup(keys.WORKERS_GROUP, "ghost", {stream: ">"}, count=1)  # "once"
-    killer = client.xrange(stream, count=1)[0][0]
+    killer = first_entry(client, stream)
     client.set(settings.names.ran_alone(1, killer), 1)  # it ran alone, then "ghost" died
     delivered: list[Input] = []
     takeover = takeover_of(client, settings, "me", delivered)
@@ -256,7 +259,7 @@ def test_a_worker_started_again_under_its_name_dead_letters_what_killed_each_lif
     for _life in (2, 3):
         client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: "0"})  # its backlog, then died
     client.xreadgroup(keys.WORKERS_GROUP, "w", {stream: ">"}, count=1)  # "innocent", died
-    client.set(names.ran_alone(1, client.xrange(stream, count=1)[0][0]), 1)  # life 3 alone
+    client.set(names.ran_alone(1, first_entry(client, stream)), 1)  # life 3 ran it alone
     takeover = takeover_of(client, settings, "w", [])
     takeover.redelivery.remember_previous_life("w")  # as life 4 starts
     life_4 = reader_of(client, settings, "w")
