@@ -43,6 +43,9 @@ COUNTERS: Mapping[str, str] = {
     "omni_deposed_requests_total": "Requests a stalled replica gave up: another claimed them.",
     "omni_engine_resets_total": "Step engines reset (or rebuilt) after step() raised, by stage.",
     "omni_poison_requests_total": "Requests a stage ended as the cause of its engine's failed steps.",
+    "omni_inputs_run_alone_total": (
+        "Inputs run alone: delivered again after processes died holding them, by stage."
+    ),
     "omni_fenced_outputs_total": "Outputs not published: their input was claimed by another.",
     "omni_orchestrator_takeovers_total": "Orchestrator slots taken over after their lease lapsed.",
     "omni_stage_outputs_total": "Outputs a stage published, by stage.",

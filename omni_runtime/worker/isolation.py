@@ -30,6 +30,7 @@ import redis
 from redis.exceptions import RedisError
 
 from omni_runtime.keys import Names
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.io_threads import Slots
 
@@ -42,8 +43,11 @@ MARKER_TTL_S = 24 * 3600
 class Isolation:
     """Admits a worker's inputs to its core so that each suspect runs alone."""
 
-    def __init__(self, client: redis.Redis, names: Names, slots: Slots, stage_id: int) -> None:
+    def __init__(
+        self, client: redis.Redis, names: Names, slots: Slots, stage_id: int, metrics: Metrics
+    ) -> None:
         self.client = client
+        self.metrics = metrics
         self.marker: Callable[[bytes], str] = functools.partial(names.ran_alone, stage_id)
         self.slots = slots
         self.stage_id = stage_id
@@ -96,6 +100,7 @@ class Isolation:
             return []
         self._suspects.popleft()
         self._running = suspect.entry_id
+        self.metrics.inc("omni_inputs_run_alone_total", stage=str(self.stage_id))
         log.warning(
             "stage %d: input of request %r runs alone: it was in flight in processes that "
             "died (%d more wait)", self.stage_id, suspect.msg.request_id, len(self._suspects),

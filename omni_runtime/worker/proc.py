@@ -112,7 +112,7 @@ class StageWorker:
         self._watchdog: Watchdog | None = None
         self._client = self.clients.sync()
         name_connections(self._client, self.names, stage_id, self.worker_id)
-        self._isolation = Isolation(self._client, self.names, self._slots, stage_id)
+        self._isolation = Isolation(self._client, self.names, self._slots, stage_id, self.metrics)
         ended = self._turn.deliver  # a stage call's last output: its pass runs there
         self._engine_dead: str | None = None
         self.engine = load_engine(self.stage, pipeline.source_dir, s.worker_max_concurrency,

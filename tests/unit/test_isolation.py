@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fakeredis
 
+from omni_runtime.observe.metrics import Metrics
 from omni_runtime.settings import Settings
 from omni_runtime.wire.messages import StageInputMsg
 from omni_runtime.worker.actions import Input
@@ -26,7 +27,7 @@ def rids(inputs: list[Input]) -> list[str]:
 def test_suspects_run_one_at_a_time_each_alone_and_marked_while_it_runs() -> None:
     client = fakeredis.FakeRedis()
     slots = Slots(8)
-    isolation = Isolation(client, NAMES, slots, 1)
+    isolation = Isolation(client, NAMES, slots, 1, Metrics())
 
     def marked(entry: int) -> bool:
         return bool(client.exists(NAMES.ran_alone(1, f"{entry}-0".encode())))
@@ -43,6 +44,7 @@ def test_suspects_run_one_at_a_time_each_alone_and_marked_while_it_runs() -> Non
     assert not marked(2) and marked(4)
     assert rids(isolation.admit([], in_flight=0)) == ["n1", "late"]  # the wait is over
     assert not marked(4) and not isolation.active
+    assert isolation.metrics.value("omni_inputs_run_alone_total") == 2
     assert slots.take_up_to(1, 0) == 1
 
 
@@ -50,7 +52,7 @@ def test_a_suspect_that_cannot_be_marked_waits() -> None:
     """Unmarked, its death would blame nobody: it runs once the marker is written."""
     server = fakeredis.FakeServer()
     client = fakeredis.FakeRedis(server=server)
-    isolation = Isolation(client, NAMES, Slots(4), 1)
+    isolation = Isolation(client, NAMES, Slots(4), 1, Metrics())
     server.connected = False
     assert isolation.admit([given("s", 1, solo=True)], in_flight=0) == []
     server.connected = True
