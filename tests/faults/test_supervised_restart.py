@@ -79,6 +79,13 @@ async def test_the_only_process_of_its_kind_killed_and_started_again_loses_nothi
     assert report.recovery_s is not None and report.recovery_s < TTL_S, report
 
 
+def killed_by_an_input(redis_url: str, tmp_path: Path) -> FaultDeployment:
+    """The seed pipeline whose stage 1 exits on a prompt holding "die", after 0.3 s of work
+    (as every input: those before it are still in flight)."""
+    stage = {"entry": "tests.http_stages:dies_on", "options": {"delay_s": 0.3}}
+    return FaultDeployment(redis_url, tmp_path, "seed.yaml", stages={1: stage})
+
+
 async def test_a_request_that_kills_each_replacement_fails_alone(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -87,12 +94,7 @@ async def test_a_request_that_kills_each_replacement_fails_alone(
     beside it, kills three workers, the last while it runs alone (`isolation.py`), and is
     dead-lettered; the 9 beside it, counted as often, are not: they finish, each alone."""
     n = 20
-    with FaultDeployment(
-        redis_url,
-        tmp_path,
-        "seed.yaml",
-        stages={1: {"entry": "tests.http_stages:dies_on", "options": {"delay_s": 0.3}}},
-    ) as d:
+    with killed_by_an_input(redis_url, tmp_path) as d:
         restarted: list[str] = []
         prompts = {f"r{i}": "please die" if i == n // 2 else f"a{i} b{i}" for i in range(n)}
         async with supervised(d, restarted):
@@ -113,12 +115,7 @@ async def test_a_worker_started_again_under_its_own_name_is_not_killed_for_good(
     times, the last time alone (`isolation.py`), then it is dead-lettered and its request
     fails alone; the rest are served, those in flight beside it in each life too."""
     n = 20
-    with FaultDeployment(
-        redis_url,
-        tmp_path,
-        "seed.yaml",
-        stages={1: {"entry": "tests.http_stages:dies_on", "options": {"delay_s": 0.3}}},
-    ) as d:
+    with killed_by_an_input(redis_url, tmp_path) as d:
         d.signal("stage1", signal.SIGTERM)  # the group's own, replaced by this test's
         await asyncio.to_thread(d.group.procs[2][1].wait, 30)
         command = [
