@@ -291,8 +291,11 @@ class Connection:
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 if not self.outbox.overflowed:
-                    code = "shutting_down" if why == DRAINED else "session_ended"
-                    err = EventError(f"session ended: {why}", code=code)
+                    err = EventError(f"session ended: {why}", code="session_ended")
+                    if why == DRAINED:  # not the client's doing
+                        err = EventError(
+                            f"session ended: {why}", "shutting_down", kind="server_error"
+                        )
                     await self.websocket.send_text(json.dumps(error_event(err)))
                 await self.websocket.close(code=_close_code(why))
         except (TimeoutError, RuntimeError, OSError, WebSocketDisconnect):

@@ -35,10 +35,18 @@ Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_l
 class EventError(ValueError):
     """A client event this server cannot take: sent back as one `error` event."""
 
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str = "invalid_value",
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        """`kind`: OpenAI's error type; `server_error` for what is not the client's doing."""
         super().__init__(message)
         self.code = code
         self.param = param
+        self.kind = kind
 
 
 class _Body(BaseModel):
@@ -231,7 +239,7 @@ def event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def error_event(err: EventError, event_id: str | None = None) -> dict[str, Any]:
-    body = {"type": "invalid_request_error", "code": err.code, "message": str(err)}
+    body = {"type": err.kind, "code": err.code, "message": str(err)}
     body.update({"param": err.param} if err.param else {})
     body.update({"event_id": event_id} if event_id else {})
     return event("error", error=body)

@@ -158,7 +158,8 @@ def test_sigterm_lets_a_realtime_response_end_then_closes_its_session(tmp_path: 
             serve.proc.send_signal(signal.SIGTERM)
             stopped_at = time.monotonic()
 
-            assert idle.recv_until("error")["error"]["code"] == "shutting_down"
+            said = idle.recv_until("error")["error"]
+            assert (said["code"], said["type"]) == ("shutting_down", "server_error"), said
             assert idle.close_code() == 1012
             wait_until(lambda: refused(serve.url), 10)
             done = talking.recv_until("response.done", DRAIN_S)
