@@ -66,10 +66,11 @@ class Isolation:
         if not self.active and not any(i.solo for i in inputs):
             return inputs
         now: list[Input] = []
+        holding = self.active  # those delivered beside the first suspects go first
         for inp in inputs:
             if inp.solo:
                 self._suspects.append(inp)
-            elif self.active:
+            elif holding:
                 self._waiting.append(inp)
             else:
                 now.append(inp)
