@@ -69,7 +69,8 @@ class Isolation:
         holding = self.active  # those delivered beside the first suspects go first
         for inp in inputs:
             if inp.solo:
-                self._suspects.append(inp)
+                if not self._holds(inp.entry_id):  # a backlog walked again reads it again
+                    self._suspects.append(inp)
             elif holding:
                 self._waiting.append(inp)
             else:
@@ -86,6 +87,9 @@ class Isolation:
         waiting, self._waiting = self._waiting, []
         self.slots.resume()
         return waiting
+
+    def _holds(self, entry_id: bytes) -> bool:
+        return entry_id == self._running or any(i.entry_id == entry_id for i in self._suspects)
 
     def held(self) -> list[bytes]:
         """At a drain: the inputs waiting behind suspects, to hand back (the suspects stay

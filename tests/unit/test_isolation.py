@@ -39,7 +39,8 @@ def test_suspects_run_one_at_a_time_each_alone_and_marked_while_it_runs() -> Non
     assert rids(isolation.admit([], in_flight=1)) == []  # "plain" and "n1" run
     assert rids(isolation.admit([], in_flight=0)) == ["s1"]
     assert marked(2) and not marked(4)
-    assert rids(isolation.admit([given("late", 5)], in_flight=1)) == []  # s1 runs: late waits
+    again = [given("s1", 2, solo=True), given("s2", 4, solo=True)]  # a backlog walked again
+    assert rids(isolation.admit([given("late", 5), *again], in_flight=1)) == []  # late waits
     assert isolation.held() == [b"5-0"]
     assert rids(isolation.admit([], in_flight=0)) == ["s2"]  # s1 ended: it killed nobody
     assert not marked(2) and marked(4)
