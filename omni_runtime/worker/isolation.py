@@ -68,9 +68,11 @@ class Isolation:
         now: list[Input] = []
         holding = self.active  # those delivered beside the first suspects go first
         for inp in inputs:
+            if self._holds(inp.entry_id):  # read again: what a takeover claimed at the start
+                self.slots.give_back(1)  # is in the backlog the reader walks first
+                continue
             if inp.solo:
-                if not self._holds(inp.entry_id):  # a backlog walked again reads it again
-                    self._suspects.append(inp)
+                self._suspects.append(inp)
             elif holding:
                 self._waiting.append(inp)
             else:
@@ -89,7 +91,9 @@ class Isolation:
         return waiting
 
     def _holds(self, entry_id: bytes) -> bool:
-        return entry_id == self._running or any(i.entry_id == entry_id for i in self._suspects)
+        if entry_id == self._running:
+            return True
+        return any(i.entry_id == entry_id for i in (*self._suspects, *self._waiting))
 
     def held(self) -> list[bytes]:
         """At a drain: the inputs waiting behind suspects, to hand back (the suspects stay

@@ -39,8 +39,11 @@ def test_suspects_run_one_at_a_time_each_alone_and_marked_while_it_runs() -> Non
     assert rids(isolation.admit([], in_flight=1)) == []  # "plain" and "n1" run
     assert rids(isolation.admit([], in_flight=0)) == ["s1"]
     assert marked(2) and not marked(4)
-    again = [given("s1", 2, solo=True), given("s2", 4, solo=True)]  # a backlog walked again
+    # what a takeover claimed is read again from the backlog, plain: not run beside s1
+    again = [given("s1", 2), given("s2", 4), given("s2", 4, solo=True)]
+    free = slots.free
     assert rids(isolation.admit([given("late", 5), *again], in_flight=1)) == []  # late waits
+    assert slots.free == free + 3  # the copies' slots are given back
     assert isolation.held() == [b"5-0"]
     assert rids(isolation.admit([], in_flight=0)) == ["s2"]  # s1 ended: it killed nobody
     assert not marked(2) and marked(4)
