@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar, cast
 import redis
 from redis.exceptions import RedisError
 
+from omni_runtime import keys
 from omni_runtime.errors import CodecError
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.start import Observability
@@ -237,7 +238,10 @@ class InputThread(_Loop):
 
 
 class ControlThread(_Loop):
-    """Follows the broadcast control stream (aborts) from the moment the worker started."""
+    """Follows the broadcast control stream (aborts). It starts with the aborts the stream
+    still holds (`keys.CONTROL_STREAM_AGE_S` before its last one): a request aborted while
+    this stage's worker was down must not be run by the one started in its place, which
+    takes over that worker's inputs (a suspect one alone, holding up the rest)."""
 
     def __init__(
         self,
@@ -259,11 +263,43 @@ class ControlThread(_Loop):
         self._last_id = b"0-0"
 
     def start(self) -> None:
+        """Delivers the stream's recent aborts before its thread starts (and so before the
+        input thread, which the worker starts next, delivers anything they abort)."""
         # Entries of bytes: our clients never use decode_responses (redis-py's stub allows str).
         last = cast("list[Entry]", self.client.xrevrange(self.stream, count=1))
-        self._last_id = last[0][0] if last else b"0-0"
+        if last:
+            self._last_id = last[0][0]
+            newest_ms = int(self._last_id.split(b"-")[0])
+            since = f"{max(0, newest_ms - int(keys.CONTROL_STREAM_AGE_S * 1000))}-0"
+            recent: list[str] = []
+            while True:
+                page = cast(
+                    "list[Entry]",
+                    self.client.xrange(self.stream, since, self._last_id, count=self.read_count),
+                )
+                recent += self._aborts_in(page)
+                if len(page) < self.read_count or page[-1][0] == self._last_id:
+                    break
+                since = "(" + page[-1][0].decode()
+            if recent:
+                log.info(
+                    "%d recent aborts on %s before this worker started", len(recent), self.stream
+                )
+                self.deliver(recent)
         self.own = OwnConnection(self.client, "control-reader")
         super().start()
+
+    def _aborts_in(self, entries: list[Entry]) -> list[str]:
+        aborts: list[str] = []
+        for entry_id, fields in entries:
+            try:
+                aborts.append(parse_entry(fields, AbortMsg, self.max_bytes).request_id)
+            except CodecError as e:  # untrusted: `parse_entry` refuses it as one
+                # Broadcast: every worker sees it; the orchestrators' group on this
+                # stream dead-letters it (`orchestrator/control.py`).
+                self.metrics.inc("omni_malformed_entries_total", stream=self.stream)
+                log.warning("malformed control entry %s skipped: %s", entry_id, e)
+        return aborts
 
     def _run(self) -> None:
         own = self.own or OwnConnection(self.client, "control-reader")
@@ -282,15 +318,9 @@ class ControlThread(_Loop):
                 continue
             aborts: list[str] = []
             for _s, entries in stream_reply(reply):
-                for entry_id, fields in entries:
-                    self._last_id = entry_id
-                    try:
-                        aborts.append(parse_entry(fields, AbortMsg, self.max_bytes).request_id)
-                    except CodecError as e:  # untrusted: `parse_entry` refuses it as one
-                        # Broadcast: every worker sees it; the orchestrators' group on this
-                        # stream dead-letters it (`orchestrator/control.py`).
-                        self.metrics.inc("omni_malformed_entries_total", stream=self.stream)
-                        log.warning("malformed control entry %s skipped: %s", entry_id, e)
+                if entries:
+                    self._last_id = entries[-1][0]
+                aborts += self._aborts_in(entries)
             if aborts:
                 self.deliver(aborts)
 

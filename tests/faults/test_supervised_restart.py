@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.keys import HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S
+from omni_runtime.client.client import OmniClient
+from omni_runtime.keys import HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S, WORKERS_GROUP
 from omni_runtime.local.stalls import STALL_TTLS
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.waiting import wait_for
@@ -103,6 +104,29 @@ async def test_a_request_that_kills_each_replacement_fails_alone(
     assert (report.ok, report.failed, report.lost, report.duplicated) == (n - 1, 1, 0, 0), report
     assert "the last time alone" in next(iter(report.error_texts.values()))
     assert len(restarted) == 3, restarted
+
+
+async def test_a_request_aborted_while_its_worker_was_down_is_not_run_by_the_next(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The worker started in a dead one's place takes its inputs over; one whose client
+    gave up while no worker was there (its abort on the control stream, which that worker
+    did not live to read) is dropped, not run: here it would have killed it again."""
+    with killed_by_an_input(redis_url, tmp_path) as d:
+        async with OmniClient(d.settings) as client:
+            await client.wait_ready([0, 1, 2], timeout_s=60)
+            name, worker = next((n, p) for n, p, _f in d.group.procs if n.startswith("stage1"))
+            await client.submit("please die", request_id="gave-up")
+            assert await asyncio.to_thread(worker.wait, 30) == 3
+            await client.abort("gave-up")
+            await wait_for(lambda: d.redis.xlen(d.settings.names.control) == 1)
+            assert d.group.restart_dead() == [name]
+            await client.submit("a b", request_id="next")
+            outs = [out async for out in client.stream("next", timeout_s=30)]
+            stage_1 = d.settings.names.stage_in(1)
+            assert outs[-1].finished and outs[-1].error is None, outs[-1]
+            await wait_for(lambda: d.redis.xpending(stage_1, WORKERS_GROUP)["pending"] == 0)
+            assert d.group.restart_dead() == []  # it lives: it never ran the input
 
 
 @pytest.mark.parametrize("concurrency", [1, 10])

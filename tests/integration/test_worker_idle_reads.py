@@ -129,6 +129,40 @@ def test_an_abort_reaches_a_control_thread_blocked_long(redis_url: str) -> None:
     assert not thread._thread.is_alive()
 
 
+def test_a_starting_control_thread_delivers_the_recent_aborts_first() -> None:
+    """A request aborted while its worker was down must not run in the next one: the
+    thread delivers what the stream holds from the age limit before its last abort on, in
+    pages, before it starts (and so before the worker's input thread)."""
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    stream = "ctl"
+    newest_ms = 10_000_000
+    age_ms = int(keys.CONTROL_STREAM_AGE_S * 1000)
+
+    def abort(request_id: str, ms: int) -> None:
+        fields = xadd_fields(entry_fields(AbortMsg(request_id=request_id)))
+        client.xadd(stream, fields, id=f"{ms}-0")
+
+    abort("too-old", newest_ms - age_ms - 1)
+    for i in range(5):
+        abort(f"recent-{i}", newest_ms - age_ms + i)
+    client.xadd(stream, {"junk": b"x"}, id=f"{newest_ms - 1}-0")
+    abort("newest", newest_ms)
+    reading = SETTINGS.part(ReaderSettings, retry=SETTINGS.part(RetrySettings), read_count=2)
+    metrics = Metrics()
+    aborts: list[str] = []
+    thread = ControlThread(client, stream, aborts.extend, reading, metrics)
+    thread.start()
+    try:
+        assert aborts == [f"recent-{i}" for i in range(5)] + ["newest"]  # before any read
+        assert metrics.value("omni_malformed_entries_total", stream=stream) == 1
+        abort("later", newest_ms + 1)
+        wait_until(lambda: aborts[-1:] == ["later"])
+        assert aborts.count("newest") == 1
+    finally:
+        thread.request_stop()
+        thread.join(IDLE_BLOCK_MS / 1000 * 2)
+
+
 def test_an_unblocked_read_resumes_on_a_new_connection_after_a_disconnect(redis_url: str) -> None:
     client = sync_client(redis_url)
     own = OwnConnection(client, "test")
