@@ -58,6 +58,10 @@ class OutputsConfig(BaseModel):
     """What stage 0 takes as the prompt a front end builds: `text`, a string (a chat's last
     user message); `chat`, `{"messages": [{"role", "content"}, ...]}`; `audio`,
     `{"wav": <bytes of a PCM WAV file>}` (a speech-to-text pipeline)."""
+    structured: bool = False
+    """Whether the text stage honours a request's `response_format` (`json_object`,
+    `json_schema`: params `response_format` and `json_schema`), as the llama.cpp engine
+    does; a request for JSON to a pipeline that does not is refused, not answered in prose."""
     speaks_input: bool = True
     """Whether the audio is the input spoken as written, so `/v1/audio/speech` may serve
     the pipeline; false where a thinker answers the input instead (speech of the answer is
@@ -69,6 +73,8 @@ class OutputsConfig(BaseModel):
             raise ValueError("outputs needs a text_stage, an audio_stage or both")
         if self.text_stage is not None and self.text_stage == self.audio_stage:
             raise ValueError("text_stage and audio_stage must differ")
+        if self.structured and self.text_stage is None:
+            raise ValueError("structured (JSON) output needs a text_stage")
         return self
 
 

@@ -13,6 +13,8 @@ reached (`max_tokens`), which OpenAI's API reports as `finish_reason: "length"`.
 
 MAX_TOKEN_COUNT = 2**32 - 1
 """The largest token count a `TokenUsage` (and the wire) carries."""
+MAX_PARAM_STR_CHARS = 4096
+"""The longest string a request parameter (the wire's `params`) carries."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import threading
 import zlib
@@ -24,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from omni_runtime.core.types import MAX_PARAM_STR_CHARS
 from omni_runtime.engines.context_fit import MAX_FITS, ContextExceeded, fit
 from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
 from omni_runtime.errors import ConfigError, in_words
@@ -91,6 +93,32 @@ class SamplingParams(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     """`auto`: a conversation longer than the context loses its oldest turns (a Realtime
     session's default) instead of failing, as it does otherwise (chat completions)."""
+    response_format: Literal["text", "json_object", "json_schema"] | None = None
+    """JSON only: llama.cpp constrains each token to a grammar (any object, or `json_schema`)."""
+    json_schema: Annotated[str, Field(max_length=MAX_PARAM_STR_CHARS)] | None = None
+    """The schema of a `json_schema` answer, as JSON text (a request parameter is flat)."""
+
+    @model_validator(mode="after")
+    def _schema_with_its_format(self) -> SamplingParams:
+        if (self.response_format == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                "json_schema is given with response_format 'json_schema', and only then"
+            )
+        return self
+
+    def shape(self) -> dict[str, Any] | None:
+        """llama.cpp's `response_format`, or None for free text."""
+        if self.response_format == "json_object":
+            return {"type": "json_object"}
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise RequestRefused("json_schema must be a JSON object", "invalid_value")
+            return {"type": "json_schema", "json_schema": {"schema": schema}}
+        return None
 
 
 def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -252,6 +280,10 @@ class LlamaCppEngine:
         try:
             while (chunk := await pieces.get()) is not None:
                 if isinstance(chunk, BaseException):
+                    if isinstance(chunk, ValueError) and "response_format" in body:
+                        raise RequestRefused(  # its grammar is built before any token
+                            f"llama.cpp cannot follow this JSON schema: {chunk}", "invalid_value"
+                        ) from chunk
                     raise chunk
                 if "error" in chunk:
                     raise refusal(chunk["error"])
@@ -293,6 +325,8 @@ class LlamaCppEngine:
             value = getattr(given, penalty)
             if value is not None:  # else llama.cpp's own default (0: none)
                 body[penalty] = value
+        if (shape := given.shape()) is not None:
+            body["response_format"] = shape
         return body, given.truncation == "auto"
 
     def _request_ended(

@@ -112,6 +112,11 @@ class VllmEngine:
         engine, api = self._engine, self._api
         if engine is None or api is None:
             raise EngineDead("vLLM engine not started (or closed)")
+        if (params or {}).get("response_format", "text") != "text":
+            raise RequestRefused(  # vLLM can (structured outputs); this adapter does not map it
+                "JSON output (response_format) is not supported by the vLLM engine",
+                "unsupported_parameter",
+            )
         fields = self.sampling | _checked(
             {k: v for k, v in (params or {}).items() if k in SAMPLING_KEYS}, "parameter"
         )

@@ -28,7 +28,7 @@ from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMe
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory, shutting_down
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.http.subtitles import TimedText, text_of
+from omni_runtime.http.transcripts import TimedText, text_of
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class TextEvent:
     text: str
     timing: TimedText | None = None
-    """When the piece was said, if its stage gave it (`subtitles`)."""
+    """When the piece was said, if its stage gave it (`transcripts`)."""
 
 
 @dataclass(frozen=True, slots=True)

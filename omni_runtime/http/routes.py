@@ -97,6 +97,13 @@ def chat_router(gateway: Gateway) -> APIRouter:
         if refused is not None:
             param, why = refused
             raise ApiError(400, why, param=param, code="unsupported_parameter")
+        shaped = req.response_format is not None and req.response_format.type != "text"
+        if shaped and not served.outputs.structured:
+            raise ApiError(
+                400, f"pipeline {served.name!r} does not shape its answers as JSON "
+                "(its outputs.structured is false): response_format must be 'text'",
+                param="response_format", code="unsupported_parameter",
+            )  # fmt: skip
         if served.outputs.input == "audio":  # decoding a recording takes a while: not here
             prompt = await asyncio.to_thread(chat_prompt, gateway, served, req)
         else:

@@ -1,19 +1,28 @@
 """The OpenAI-shaped request and response bodies, validated and bounded by pydantic.
 
 Requests ignore fields that change nothing in the answer (`user`, `metadata`, `store`, …)
-so that stock OpenAI clients work, and refuse those that would (`tools`, a JSON
-`response_format`, `logprobs`); what it does use is checked and size-bounded, and the sampling
-and voice fields become the request's parameters (`params()`), which every stage
-receives and takes the keys it knows of.
+so that stock OpenAI clients work, and refuse those that would (`tools`, `logprobs`); what
+it does use is checked and size-bounded, and the sampling, voice and JSON-shaping fields
+become the request's parameters (`params()`), which every stage receives and takes the
+keys it knows of.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
-from omni_runtime.core.types import FinishReason
+from omni_runtime.core.types import MAX_PARAM_STR_CHARS, FinishReason
 
 ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024
@@ -26,6 +35,10 @@ StopStr = Annotated[str, Field(min_length=1, max_length=64)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 """OpenAI's range for `frequency_penalty` and `presence_penalty`."""
 Speed = Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)]
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _text_only() -> list[Modality]:
@@ -114,8 +127,41 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _fits_a_param(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        if len(compact_json(schema)) > MAX_PARAM_STR_CHARS:
+            raise ValueError(f"the schema must be at most {MAX_PARAM_STR_CHARS} characters of JSON")
+        return schema
+
+
 class ResponseFormat(_Request):
+    """Text, or JSON shaped by the text stage (`outputs.structured` pipelines only): any
+    JSON object, or one that `json_schema.schema` describes."""
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def params(self) -> dict[str, str]:
+        """The stages' `response_format` and `json_schema` (compact JSON, a param's size)."""
+        if self.type == "text":
+            return {}
+        given: dict[str, str] = {"response_format": self.type}
+        if self.json_schema is not None:
+            given["json_schema"] = compact_json(self.json_schema.schema_)
+        return given
 
 
 ToolChoice = Literal["none", "auto", "required"] | dict[str, Any]
@@ -149,8 +195,8 @@ class ChatCompletionRequest(_Request):
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     web_search_options: Annotated[dict[str, Any], Field(max_length=16)] | None = None
     """Parsed to be refused (`refused()`): a pipeline calls no tools, searches no web,
-    shapes no JSON, reports no log probabilities and biases no token ids (a front door
-    knows no model's vocabulary); accepting them silently would be a wrong answer."""
+    reports no log probabilities and biases no token ids (a front door knows no model's
+    vocabulary); accepting them silently would be a wrong answer."""
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first field set that no pipeline can honour."""
@@ -158,11 +204,6 @@ class ChatCompletionRequest(_Request):
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice needs tools, which are not supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return (
-                "response_format",
-                f"response_format {self.response_format.type!r} is not supported (only 'text')",
-            )
         if self.logprobs or self.top_logprobs:
             return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.logit_bias:
@@ -189,7 +230,8 @@ class ChatCompletionRequest(_Request):
             "presence_penalty": self.presence_penalty,
             "voice": voice_name(self.audio.voice) if self.audio else None,
         }
-        return {k: v for k, v in given.items() if v is not None}
+        shaped = self.response_format.params() if self.response_format else {}
+        return {k: v for k, v in given.items() if v is not None} | shaped
 
     def conversation(self, before: int | None = None) -> dict[str, Any]:
         """The messages (those `before` an index, if given) as a chat pipeline's stage 0
@@ -263,29 +305,6 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
-
-
-class Transcription(BaseModel):
-    text: str
-
-
-class TranscriptTextDelta(BaseModel):
-    type: Literal["transcript.text.delta"] = "transcript.text.delta"
-    delta: str
-
-
-class TranscriptUsage(BaseModel):
-    type: Literal["tokens"] = "tokens"
-    input_tokens: int
-    output_tokens: int
-    total_tokens: int
-
-
-class TranscriptTextDone(BaseModel):
-    type: Literal["transcript.text.done"] = "transcript.text.done"
-    text: str
-    usage: TranscriptUsage | None = None
-    """Only when the pipeline's engine counted its tokens."""
 
 
 class ModelCard(BaseModel):

@@ -5,7 +5,7 @@ The form is the one the official `openai` client sends (`file`, `model`, `langua
 `response_format`, `timestamp_granularities[]`, `stream`, …); fields this server has no
 use for (`prompt`, `temperature`, …) are ignored. The pipeline is one whose `outputs.input`
 is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are the answer;
-`verbose_json`, `srt` and `vtt` ask it for their times (`subtitles`).
+`verbose_json`, `srt` and `vtt` ask it for their times (`transcripts`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,14 @@ from omni_runtime.http.routes import (
     sse,
     wants,
 )
-from omni_runtime.http.schemas import (
+from omni_runtime.http.transcripts import (
+    Granularity,
+    TimedFormat,
+    TimedText,
     Transcription,
     TranscriptTextDelta,
     TranscriptTextDone,
     TranscriptUsage,
-)
-from omni_runtime.http.subtitles import (
-    Granularity,
-    TimedFormat,
-    TimedText,
     cues,
     segments_of,
     verbose_json,

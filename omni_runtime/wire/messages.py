@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from omni_runtime.core.types import MAX_PARAM_STR_CHARS as MAX_PARAM_STR_CHARS
 from omni_runtime.core.types import MAX_TOKEN_COUNT as MAX_TOKEN_COUNT
 from omni_runtime.core.types import FinishReason
 from omni_runtime.errors import ERROR_CODE_PATTERN, CodecError
@@ -45,7 +46,6 @@ MAX_ERROR_CHARS: Final = 4000
 """An error longer than this is cut (`clip_error`) by whoever writes it."""
 MAX_PARAMS: Final = 32
 MAX_PARAM_KEY_CHARS: Final = 64
-MAX_PARAM_STR_CHARS: Final = 4096
 MAX_PARAM_LIST: Final = 256
 INT_MIN: Final = -(2**63)
 INT_MAX: Final = 2**63 - 1

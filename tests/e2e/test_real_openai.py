@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import openai
+import pydantic
 import pytest
 import soundfile
 from openai.types.chat import (
@@ -111,6 +112,29 @@ def test_a_whole_chat_answer_speaks_its_own_text(client: openai.OpenAI) -> None:
     heard = client.audio.transcriptions.create(model="transcribe", file=("answer.wav", wav))
     said = message.content or message.audio.transcript or ""
     assert said.strip() and wer(said, heard.text) <= 0.35, (said, heard.text)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+def test_an_answer_parsed_into_a_pydantic_model_comes_as_its_json(
+    client: openai.OpenAI,
+) -> None:
+    """The client's own structured outputs (`parse`): it sends the model's strict JSON
+    schema; llama.cpp's grammar binds the thinker's tokens to it, so the answer parses."""
+    parsed = client.chat.completions.parse(
+        model="voice",
+        messages=[{"role": "user", "content": "Describe a person named Ada who is 36."}],
+        response_format=Person,
+        max_tokens=64,
+        seed=7,
+    )
+    message = parsed.choices[0].message
+    assert parsed.choices[0].finish_reason == "stop", message.content
+    assert isinstance(message.parsed, Person), message.content
+    assert message.parsed.name.strip()
 
 
 def test_speech_in_a_voice_is_transcribed_back_to_its_words(

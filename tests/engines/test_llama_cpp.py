@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -111,6 +112,41 @@ async def test_bad_input_fails_only_that_request(engine: LlamaCppEngine) -> None
         await answer(engine, "bad2", "hi", temperature=float("inf"))
     assert "\n" not in str(bad.value) and "pydantic.dev" not in str(bad.value)  # one line
     assert text(await answer(engine, "good", "Say hi."))
+
+
+async def test_an_answer_asked_for_as_json_follows_its_schema(engine: LlamaCppEngine) -> None:
+    """The grammar llama.cpp builds from the schema binds every token: the small model's
+    answer parses and has the schema's shape; a schema it cannot build is the client's."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    prompt = "Describe a person named Bob who is 30."
+    free = text(await answer(engine, "free", prompt, max_tokens=60))
+    with pytest.raises(ValueError):
+        json.loads(free)  # unshaped, the model answers in prose
+    outs = await answer(
+        engine, "shaped", prompt, max_tokens=60, response_format="json_schema",
+        json_schema=json.dumps(schema),
+    )  # fmt: skip
+    assert isinstance(outs[-1], Final) and outs[-1].finish_reason == "stop"
+    person = json.loads(text(outs))
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    anything = text(
+        await answer(engine, "object", prompt, max_tokens=60, response_format="json_object")
+    )
+    assert isinstance(json.loads(anything), dict)
+    bogus = json.dumps({"type": "bogus"})
+    with pytest.raises(RequestRefused, match="cannot follow this JSON schema") as refused:
+        await answer(engine, "bogus", prompt, response_format="json_schema", json_schema=bogus)
+    assert refused.value.code == "invalid_value"
+    with pytest.raises(RequestRefused, match="json_schema is given with"):
+        await answer(engine, "alone", prompt, json_schema=bogus)
+    with pytest.raises(RequestRefused, match="must be a JSON object"):
+        await answer(engine, "list", prompt, response_format="json_schema", json_schema="[1]")
+    assert engine.stats().running == 0
 
 
 async def test_a_conversation_over_the_context_fails_unless_it_may_be_cut(

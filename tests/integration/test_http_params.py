@@ -119,6 +119,34 @@ async def test_chat_params_and_messages_reach_the_stages(
     assert plain["params"] == {}
 
 
+SCHEMA = {
+    "name": "person",
+    "schema": {"type": "object", "properties": {"age": {"type": "integer"}}},
+}
+HUGE = {"type": "object", "description": "x" * 4096}
+
+
+async def test_a_structured_pipeline_gets_the_json_asked_for_as_params(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    """`response_format` reaches the stages of a pipeline whose text stage shapes JSON
+    (`outputs.structured`): the kind, and the schema as compact JSON (a param's size)."""
+    async with serving([pipeline_of("echo", structured=True)], fake_clients, settings) as (
+        client,
+        _gateway,
+    ):
+        body: dict[str, Any] = {"model": "echo", "messages": CONVERSATION}
+        schema = {"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
+        said = echoed(await client.post(CHAT, json={**body, "response_format": schema}))
+        compact = '{"type":"object","properties":{"age":{"type":"integer"}}}'
+        assert said["params"] == {"response_format": "json_schema", "json_schema": compact}
+        anything = {"type": "json_object"}
+        said = echoed(await client.post(CHAT, json={**body, "response_format": anything}))
+        assert said["params"] == {"response_format": "json_object"}
+        said = echoed(await client.post(CHAT, json={**body, "response_format": {"type": "text"}}))
+        assert said["params"] == {}
+
+
 async def test_a_text_pipeline_gets_the_last_user_message(
     fake_clients: RedisClients, settings: Settings
 ) -> None:
@@ -295,7 +323,17 @@ async def test_models_lists_every_pipeline_and_requests_choose_theirs(
         ({"temperature": 5}, "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),  # not structured
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object", "json_schema": SCHEMA}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**SCHEMA, "name": "a b"}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {**SCHEMA, "schema": HUGE}}},
+            "response_format.json_schema.schema",
+        ),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),

@@ -1,5 +1,5 @@
-"""A transcription's timed forms: OpenAI's `verbose_json` (segments, and words if asked),
-SubRip (`srt`) and WebVTT (`vtt`).
+"""A transcription's answers: OpenAI's `json` and its streamed events, and the timed
+forms, `verbose_json` (segments, and words if asked), SubRip (`srt`) and WebVTT (`vtt`).
 
 A text stage that knows when its words were said gives each piece as `{"text", "start",
 "end", "words"?}` when the request's `params` ask for `timestamps`
@@ -26,6 +26,30 @@ MAX_CUE_CHARS = 84
 """A subtitle cue's most characters: two lines of 42, the common broadcast limit."""
 CUE_PAUSE_S = 0.5
 """A pause this long between two words ends a cue."""
+
+
+class Transcription(BaseModel):
+    text: str
+
+
+class TranscriptTextDelta(BaseModel):
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptUsage(BaseModel):
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptTextDone(BaseModel):
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: TranscriptUsage | None = None
+    """Only when the pipeline's engine counted its tokens."""
+
 
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 

@@ -1,11 +1,11 @@
-"""A transcription's timed forms (`http/subtitles.py`): timed text checked at the boundary,
+"""A transcription's timed forms (`http/transcripts.py`): timed text checked at the boundary,
 cues cut for a reader, clocks as SubRip and WebVTT write them."""
 
 from __future__ import annotations
 
 import math
 
-from omni_runtime.http.subtitles import (
+from omni_runtime.http.transcripts import (
     MAX_CUE_CHARS,
     TimedText,
     TimedWord,
