@@ -144,25 +144,27 @@ class Settings(BaseSettings):
     first (`omni_runtime/watchdog.py`); 0: off."""
 
     realtime_max_event_bytes: Annotated[int, Field(gt=0, le=16 * 1024 * 1024)] = 1024 * 1024
-    """`/v1/realtime`: the largest client event (a WebSocket message); larger ones get an
-    `error` event and are dropped (the socket stays open)."""
+    """`/v1/realtime` and speech streams: the largest client event (a WebSocket message);
+    larger ones get an `error` event and are dropped (the socket stays open)."""
     realtime_max_buffer_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     """`/v1/realtime`: the most input audio one turn may hold (24 kHz PCM16) before a commit."""
     realtime_max_session_s: Annotated[float, Field(gt=0, le=86_400)] = 1800.0
-    """`/v1/realtime`: a session ends (the socket closes) this long after it opened."""
+    """`/v1/realtime` and speech streams: a session ends (the socket closes) this long after
+    it opened."""
     realtime_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
-    """`/v1/realtime`: a session with no client event and no response running for this long
-    ends."""
+    """`/v1/realtime` and speech streams: a session with no client event and nothing running
+    for it (a response, speech to send) for this long ends."""
     realtime_max_send_bytes: Annotated[int, Field(gt=0, le=1024 * 1024 * 1024)] = 8 * 1024 * 1024
-    """`/v1/realtime`: server events queued for a client that does not read them; past this
-    the session ends instead of memory growing."""
+    """`/v1/realtime` and speech streams: server events queued for a client that does not
+    read them; past this the session ends instead of memory growing."""
     realtime_max_sessions: Annotated[int, Field(gt=0, le=100_000)] = 128
-    """`/v1/realtime`: sessions one `serve` holds open at once; one more is refused (429,
-    `too_many_sessions`): each may hold ~14 MiB (its audio buffer and last spoken turn, 60 s
-    each, and `realtime_max_send_bytes`), open or idle."""
+    """`/v1/realtime` and speech streams: sessions one `serve` holds open at once; one more
+    is refused (429, `too_many_sessions`): each may hold ~14 MiB (its audio buffer and last
+    spoken turn, 60 s each, and `realtime_max_send_bytes`), open or idle."""
     realtime_send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    """`/v1/realtime`: a server event the client's socket has not taken for this long ends
-    the session (a client that stopped reading, froze, or vanished without a reset)."""
+    """`/v1/realtime` and speech streams: a server event the client's socket has not taken
+    for this long ends the session (a client that stopped reading, froze, or vanished
+    without a reset)."""
 
     @field_validator("redis_url")
     @classmethod

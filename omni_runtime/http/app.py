@@ -26,11 +26,13 @@ from omni_runtime.http.errors import (
     shutting_down,
 )
 from omni_runtime.http.gateway import Gateway
-from omni_runtime.http.realtime import OriginCheck, realtime_router
+from omni_runtime.http.realtime import realtime_router
 from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.routes import REQUEST_ID_HEADER, chat_router
 from omni_runtime.http.schemas import ModelCard, ModelList
+from omni_runtime.http.sockets import OriginCheck
 from omni_runtime.http.speech import speech_router
+from omni_runtime.http.speech_stream import speech_stream_router
 from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH
 from omni_runtime.http.transcriptions import transcriptions_router
 from omni_runtime.observe.prometheus import metrics_asgi_app
@@ -201,6 +203,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     realtime = gateway.settings.part(RealtimeSettings)
     checks = (api_key_check(gateway), origin_check(gateway))  # its own: a socket's headers
     app.include_router(realtime_router(gateway, *checks, realtime))
+    app.include_router(speech_stream_router(gateway, *checks, realtime))
     uploads = {UPLOAD_PATH: gateway.serve.max_upload_bytes}
     app.add_middleware(BodyLimit, max_bytes=gateway.serve.max_body_bytes, paths=uploads)
     if gateway.serve.cors_origins:  # outermost: a preflight needs no key, an error gets CORS too

@@ -5,18 +5,21 @@ workers/voice.yaml, speak.yaml, transcribe.yaml and listen.yaml)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import openai
 import pydantic
 import pytest
 import soundfile
+import websockets
 from openai.types.chat import (
     ChatCompletionContentPartInputAudioParam,
     ChatCompletionMessageParam,
@@ -135,6 +138,57 @@ def test_an_answer_parsed_into_a_pydantic_model_comes_as_its_json(
     assert parsed.choices[0].finish_reason == "stop", message.content
     assert isinstance(message.parsed, Person), message.content
     assert message.parsed.name.strip()
+
+
+async def test_a_models_tokens_written_into_a_speech_stream_are_heard_back(
+    server: ServeProcess,
+) -> None:
+    """What an agent does with `/v1/audio/speech/stream`: a model's answer, streamed, goes
+    in token by token as it comes; piper's speech of it comes back, piece by piece, in
+    order, and is heard back as the answer's words."""
+    ws_url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream?model=speak"
+    pcm, events, said = bytearray(), [], ""
+    first_audio_at = written_at = 0.0
+
+    async def listen(ws: Any) -> None:
+        nonlocal first_audio_at
+        async for m in ws:
+            if isinstance(m, bytes):
+                pcm.extend(m)
+                first_audio_at = first_audio_at or time.monotonic()
+            elif (ev := json.loads(m))["type"] == "session.done":
+                return
+            else:
+                events.append(ev)
+
+    async with (
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as llm,
+        websockets.connect(ws_url) as ws,
+    ):
+        await ws.send(json.dumps({"type": "session.config", "voice": "joe"}))
+        listening = asyncio.create_task(listen(ws))
+        asked_at = time.monotonic()
+        answer = await llm.chat.completions.create(
+            model="voice", messages=[{"role": "user", "content": "Why is the sky blue?"}],
+            stream=True, max_tokens=96, seed=3,
+        )  # fmt: skip
+        async for chunk in answer:
+            if chunk.choices and (delta := chunk.choices[0].delta.content):
+                said += delta
+                await ws.send(json.dumps({"type": "input.text", "text": delta}))
+        written_at = time.monotonic()
+        await ws.send(json.dumps({"type": "input.done"}))
+        await asyncio.wait_for(listening, 120)
+    print(f"first audio {first_audio_at - asked_at:.2f} s after the question, the answer "
+          f"written {written_at - asked_at:.2f} s after it, {len(pcm) / 48_000:.1f} s of speech")  # fmt: skip
+    assert [e["type"] for e in events if e["type"] == "error"] == []
+    starts = [e for e in events if e["type"] == "audio.start"]
+    assert len(starts) > 1 and "".join(e["sentence_text"] for e in starts) == said.rstrip()
+    heard = await asyncio.to_thread(
+        lambda: openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused").audio.transcriptions
+        .create(model="transcribe", file=("answer.wav", wav_bytes(bytes(pcm), 24_000)))
+    )  # fmt: skip
+    assert said.strip() and wer(said, heard.text) <= 0.35, (said, heard.text)
 
 
 def test_speech_in_a_voice_is_transcribed_back_to_its_words(

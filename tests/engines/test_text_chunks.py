@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_runtime.engines.text_chunks import ClauseCutter, clauses_with_last, cut_text
+from omni_runtime.core.clauses import ClauseCutter, cut_text
+from omni_runtime.engines.text_chunks import clauses_with_last
 from omni_runtime.stage_api import ChunkStream, RequestAborted
 
 # Text rich in the characters the rules look at, so examples hit them often.
