@@ -145,6 +145,12 @@ def speaker(gateway: Gateway, model: str | None) -> Served:
     raise ApiError(404, "no pipeline served here reads text aloud", code="model_not_found")
 
 
+def _close_opened(opening: asyncio.Future[Run]) -> None:
+    """A request opened for a session that closed meanwhile: aborted at once."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
 class SpeechStream:
     """One connection's utterances (`sockets.SocketSession`): pieces cut from the text,
     made ahead, sent in order."""
@@ -273,11 +279,16 @@ class SpeechStream:
             for piece in coming[: AHEAD + 1]:
                 if piece.opened.is_set():
                     continue
-                try:
-                    piece.run = await self.gateway.open(self.served, piece.text, True, False,
-                                                        piece.params)  # fmt: skip
+                opening = asyncio.ensure_future(
+                    self.gateway.open(self.served, piece.text, True, False, piece.params)
+                )
+                try:  # the session closing meanwhile must not leave a request half-opened
+                    piece.run = await asyncio.shield(opening)
                 except ApiError as e:  # busy, not ready, draining: this piece fails
                     piece.refused = e
+                except asyncio.CancelledError:
+                    opening.add_done_callback(_close_opened)
+                    raise
                 piece.opened.set()
 
     async def _speak(self) -> None:

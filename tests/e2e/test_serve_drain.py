@@ -3,13 +3,18 @@ stream within its drain deadline (`OMNI_DRAIN_S`), then stops what it started an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import websockets
 
 from omni_runtime.local.launcher import redis_server_binary
 from tests.e2e.raw_realtime import RawClient
@@ -174,3 +179,38 @@ def test_sigterm_lets_a_realtime_response_end_then_closes_its_session(tmp_path: 
         assert serve.proc.wait(15) == 0, serve.log()
         assert time.monotonic() - stopped_at < DRAIN_S, serve.log()
         assert "Traceback" not in serve.log()
+
+
+def test_a_speech_stream_is_spoken_to_its_end_then_closed_with_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A speech stream whose utterance is still being spoken at the SIGTERM gets all of it,
+    then the drain's `error` and close 1012 (connect again)."""
+    if redis_server_binary() is None:
+        unavailable("no redis-server on PATH", "a redis-server")
+    text = " ".join(f"word{i}" for i in range(WORDS)) + "."
+    with ServeProcess(
+        tmp_path / "serve.log", "--pipeline", "workers/omni.yaml", env={"OMNI_DRAIN_S": "20"}
+    ) as serve:
+
+        async def speak() -> tuple[list[dict[str, Any]], int | None]:
+            url = serve.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+            events: list[dict[str, Any]] = []
+            async with websockets.connect(url) as ws:
+                await ws.send(json.dumps({"type": "input.text", "text": text}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                with contextlib.suppress(websockets.ConnectionClosedError):  # 1012
+                    async for m in ws:
+                        if isinstance(m, str):
+                            events.append(json.loads(m))
+                            if len(events) == 1:  # speaking: the drain begins now
+                                serve.proc.send_signal(signal.SIGTERM)
+            return events, ws.close_code
+
+        events, close_code = asyncio.run(speak())
+        kinds = [e["type"] for e in events]
+        assert kinds[-2:] == ["session.done", "error"], kinds
+        assert events[-1]["code"] == "shutting_down" and close_code == 1012
+        spoken = "".join(e["sentence_text"] for e in events if e["type"] == "audio.start")
+        assert spoken == text  # every piece, none cut
+        assert serve.proc.wait(DRAIN_S + 15) == 0, serve.log()
