@@ -93,7 +93,7 @@ def test_a_spoken_question_gets_a_spoken_transcribed_answer(
         ActionChains(browser).release(talk).perform()
         # The answer plays as it streams.
         until("the answer", lambda: panel.get_attribute("data-playing") == "true" or state("turns"))
-        assert panel.get_attribute("data-playing") == "true", events()
+        assert panel.get_attribute("data-playing") == "true", f"{events()}\n{serve.log()}"
 
         # Talk freely over it: the question comes round, the server's VAD hears it start and
         # the page stops the answer; the server hears it end and answers it.

@@ -234,7 +234,8 @@ function initTalk(config) {
   const events = window.talkEvents = [];  // the last server events, for the console
 
   function handle(ev) {
-    events.push(`${(performance.now() / 1000).toFixed(3)} ${ev.type}${ev.response ? " " + ev.response.status : ""}`);
+    const why = ev.error ? ` ${ev.error.code}: ${ev.error.message}` : "";
+    events.push(`${(performance.now() / 1000).toFixed(3)} ${ev.type}${ev.response ? " " + ev.response.status : ""}${why}`);
     if (events.length > 200) events.shift();
     switch (ev.type) {
       case "input_audio_buffer.speech_started":
