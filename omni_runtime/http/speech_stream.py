@@ -22,6 +22,7 @@ closes). Server → client, per piece: `audio.start` (`utterance_index`, `senten
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable
 from contextlib import aclosing
@@ -40,6 +41,8 @@ from omni_runtime.http.prompts import unsupported
 from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.schemas import ShortStr, Speed, VoiceId, voice_name
 from omni_runtime.http.sockets import Connection, KeyCheck, Message, OriginCheck, admit, refuse
+
+log = logging.getLogger(__name__)
 
 PATH = "/v1/audio/speech/stream"
 AHEAD = 2
@@ -286,6 +289,9 @@ class SpeechStream:
                     piece.run = await asyncio.shield(opening)
                 except ApiError as e:  # busy, not ready, draining: this piece fails
                     piece.refused = e
+                except Exception as e:  # a piece can fail only itself, never the session
+                    log.exception("a speech stream's piece could not be submitted")
+                    piece.refused = ApiError(502, f"could not submit: {e!r}", code="unavailable")
                 except asyncio.CancelledError:
                     opening.add_done_callback(_close_opened)
                     raise
