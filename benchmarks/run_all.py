@@ -49,6 +49,7 @@ SCENARIOS = (
     "startup",
     "real_pipeline",
     "realtime",
+    "speech_stream",
 )
 PEERS = "peers"
 """Only with --peers: Ray Serve is an optional extra, not installed by default."""
