@@ -34,6 +34,7 @@ from omni_runtime.engines.text_chunks import (
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
     clauses_with_last,
+    first_clause_chars_of,
 )
 from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
@@ -249,9 +250,8 @@ def vocoder(
     with engine.lock:
         engine.select_voice(name)  # an unknown voice fails here, before any work
     rate = rate_wpm(chosen.speed)
-    for clause, is_last in clauses_with_last(
-        data, min_clause_chars, max_clause_chars, first_clause_chars
-    ):
+    first = first_clause_chars_of(params, first_clause_chars)
+    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars, first):
         held: Pcm | None = None  # one piece back, to mark the request's last one
         if clause:
             stream = engine.synth(clause, name, rate)

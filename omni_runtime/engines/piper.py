@@ -37,6 +37,7 @@ from omni_runtime.engines.text_chunks import (
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
     clauses_with_last,
+    first_clause_chars_of,
 )
 from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
@@ -206,9 +207,8 @@ def talker(
     """Text deltas (a prompt string, or the thinker's str chunks) → one chunk per clause."""
     voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
     piper_voice, _spk, _speed = chosen_voice(params, {**voice_options, "speed": speed}, False)
-    for clause, is_last in clauses_with_last(
-        data, min_clause_chars, max_clause_chars, first_clause_chars
-    ):
+    first = first_clause_chars_of(params, first_clause_chars)
+    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars, first):
         chunk = {"text": clause, "phoneme_ids": phoneme_ids(piper_voice, clause) if clause else []}
         yield Final(chunk) if is_last else chunk
 

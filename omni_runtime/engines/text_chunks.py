@@ -17,7 +17,7 @@ from omni_runtime.core.clauses import (
     DEFAULT_MIN_CLAUSE_CHARS as DEFAULT_MIN_CLAUSE_CHARS,
 )
 from omni_runtime.core.clauses import ClauseCutter
-from omni_runtime.stage_api import ChunkStream, with_last
+from omni_runtime.stage_api import ChunkStream, RequestRefused, with_last
 
 
 def clauses_with_last(
@@ -56,3 +56,17 @@ def clauses_with_last(
             yield clause, last
     if not ended:
         yield "", True
+
+
+def first_clause_chars_of(params: dict[str, Any] | None, option: int | None) -> int | None:
+    """The first piece's limit for one request: its `first_clause_chars` param if it has one
+    (0: none, the text comes cut already: a speech stream's pieces), else the stage's."""
+    given = (params or {}).get("first_clause_chars")
+    if given is None:
+        return option
+    if type(given) is not int or not 0 <= given <= DEFAULT_MAX_CLAUSE_CHARS:
+        raise RequestRefused(
+            f"first_clause_chars must be an int in 0..{DEFAULT_MAX_CLAUSE_CHARS}, not {given!r}",
+            "invalid_value",
+        )
+    return given or None

@@ -258,8 +258,12 @@ class SpeechStream:
         self._queued.set()
 
     def _queue(self, pieces: list[str]) -> None:
-        params = {"voice": voice_name(self.config.voice), "speed": self.config.speed}
+        params: dict[str, Any] = {
+            "voice": voice_name(self.config.voice),
+            "speed": self.config.speed,
+        }
         params = {k: v for k, v in params.items() if v is not None}
+        params["first_clause_chars"] = 0  # cut already: the talker makes no shorter piece
         for text in pieces:
             if not text.strip():  # nothing to say (the cutter keeps every space)
                 continue

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_runtime.core.clauses import ClauseCutter, cut_text
-from omni_runtime.engines.text_chunks import clauses_with_last
-from omni_runtime.stage_api import ChunkStream, RequestAborted
+from omni_runtime.engines.text_chunks import clauses_with_last, first_clause_chars_of
+from omni_runtime.stage_api import ChunkStream, RequestAborted, RequestRefused
 
 # Text rich in the characters the rules look at, so examples hit them often.
 MARKED_TEXT = st.text(alphabet=st.sampled_from(list("ab Dr3.,;:!?…\n\"')")), max_size=300)
@@ -172,3 +172,19 @@ def test_a_stream_gives_each_clause_before_it_ends_and_stops_on_abort() -> None:
 def test_input_that_is_not_text_is_refused(bad: object) -> None:
     with pytest.raises(TypeError, match="expected text"):
         list(clauses_with_last(bad))
+
+
+def test_a_request_may_turn_the_short_first_piece_off_or_set_it() -> None:
+    """A speech stream's pieces come cut already: `first_clause_chars: 0` keeps each whole
+    (one clause, one pause), where the stage's short first piece would cut it again."""
+    piece = " and the second piece is longer than the first"
+    assert len(list(clauses_with_last(piece, first_clause_chars=14))) > 1
+    first = first_clause_chars_of({"first_clause_chars": 0}, 14)
+    assert first is None and [c for c, _ in clauses_with_last(piece, first_clause_chars=first)] == [
+        piece.strip()
+    ]
+    assert first_clause_chars_of({"first_clause_chars": 30}, 14) == 30
+    assert first_clause_chars_of({"voice": "joe"}, 14) == 14
+    for bad in (True, -1, 1.5, "14", 201):
+        with pytest.raises(RequestRefused, match="first_clause_chars"):
+            first_clause_chars_of({"first_clause_chars": bad}, 14)
