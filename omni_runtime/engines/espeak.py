@@ -36,7 +36,7 @@ from omni_runtime.engines.text_chunks import (
     clauses_with_last,
     first_clause_chars_of,
 )
-from omni_runtime.engines.voice_params import voice_params
+from omni_runtime.engines.voice_params import voice_params, wants_audio
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import Final, RequestRefused, marks_final
 
@@ -251,9 +251,10 @@ def vocoder(
         engine.select_voice(name)  # an unknown voice fails here, before any work
     rate = rate_wpm(chosen.speed)
     first = first_clause_chars_of(params, first_clause_chars)
+    speak = wants_audio(params)
     for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars, first):
         held: Pcm | None = None  # one piece back, to mark the request's last one
-        if clause:
+        if clause and speak:  # else read to its end (the upstream's chunks taken), unsaid
             stream = engine.synth(clause, name, rate)
             try:
                 for pcm in stream:

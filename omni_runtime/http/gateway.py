@@ -266,7 +266,8 @@ class Gateway:
         """Admit and submit one request; 503 when not ready or Redis is out of memory (with
         `Retry-After`), 429 when at `max_inflight`.
         `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`;
-        `params`: the request's parameters, which every stage receives."""
+        `params`: the request's parameters, which every stage receives; with `modalities:
+        ["text"]` added when the pipeline speaks but the client wants no audio."""
         if self.stopping:
             self.metrics.inc("omni_requests_refused_total", reason="shutting down")
             raise shutting_down()
@@ -281,6 +282,8 @@ class Gateway:
             )
         client = served.client
         assert client is not None
+        if not audio and served.outputs.audio_stage is not None:  # its TTS stages make none
+            params = {**(params or {}), "modalities": ["text"]}
         self.inflight += 1
         try:
             request_id = await client.submit(prompt, trace=trace, params=params)

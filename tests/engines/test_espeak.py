@@ -103,6 +103,10 @@ def test_nothing_to_say_still_ends_the_request() -> None:
     assert [p.size for p in speak("   ")] == [0]
 
 
+def test_a_request_that_wants_no_audio_is_read_and_not_spoken() -> None:
+    assert [p.size for p in speak(SENTENCES, params={"modalities": ["text"]})] == [0]
+
+
 def test_one_process_uses_one_buffer_length() -> None:
     espeak.get_espeak()
     with pytest.raises(ConfigError, match="buflength_ms"):

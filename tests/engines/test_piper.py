@@ -71,6 +71,17 @@ def test_nothing_to_say_still_ends_the_request() -> None:
     assert [p.size for p in unwrap(piper.vocoder([]))] == [0]
 
 
+def test_a_request_that_wants_no_audio_is_read_and_not_spoken() -> None:
+    """A text chat of a pipeline that speaks (`modalities: ["text"]`): the talker takes its
+    input to the end (its upstream's chunks read) and ends with nothing to say."""
+    stream = ChunkStream()
+    stream.extend([*token_deltas(SENTENCES), None], closed=True)
+    text_only = {"modalities": ["text"]}
+    assert unwrap(piper.talker(stream, params=text_only)) == [{"text": "", "phoneme_ids": []}]
+    spoken = talk(SENTENCES, params={"modalities": ["text", "audio"]})
+    assert len(spoken) > 1 and all(c["phoneme_ids"] for c in spoken)
+
+
 def test_speed_shortens_the_speech() -> None:
     chunks = talk(SENTENCES)
     normal = audio(unwrap(piper.vocoder(chunks))).size

@@ -114,9 +114,10 @@ async def test_chat_params_and_messages_reach_the_stages(
 
     newer = {"model": "echo", "messages": CONVERSATION, "max_tokens": 7}
     newer["max_completion_tokens"] = 9
-    assert echoed(await client.post(CHAT, json=newer))["params"] == {"max_tokens": 9}
+    text_only = {"modalities": ["text"]}  # the pipeline speaks: its TTS stages need not
+    assert echoed(await client.post(CHAT, json=newer))["params"] == {"max_tokens": 9, **text_only}
     plain = echoed(await client.post(CHAT, json={"model": "echo", "messages": CONVERSATION}))
-    assert plain["params"] == {}
+    assert plain["params"] == text_only
 
 
 SCHEMA = {
@@ -139,12 +140,15 @@ async def test_a_structured_pipeline_gets_the_json_asked_for_as_params(
         schema = {"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
         said = echoed(await client.post(CHAT, json={**body, "response_format": schema}))
         compact = '{"type":"object","properties":{"age":{"type":"integer"}}}'
-        assert said["params"] == {"response_format": "json_schema", "json_schema": compact}
+        text_only = {"modalities": ["text"]}
+        assert (
+            said["params"] == {"response_format": "json_schema", "json_schema": compact} | text_only
+        )
         anything = {"type": "json_object"}
         said = echoed(await client.post(CHAT, json={**body, "response_format": anything}))
-        assert said["params"] == {"response_format": "json_object"}
+        assert said["params"] == {"response_format": "json_object"} | text_only
         said = echoed(await client.post(CHAT, json={**body, "response_format": {"type": "text"}}))
-        assert said["params"] == {}
+        assert said["params"] == text_only
 
 
 async def test_a_text_pipeline_gets_the_last_user_message(
