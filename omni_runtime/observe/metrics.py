@@ -147,7 +147,7 @@ GAUGES: Mapping[str, str] = {
     "omni_engine_running": "Requests an async engine is running (in its batch), by stage.",
     "omni_engine_waiting": "Requests an async engine holds waiting for a batch slot, by stage.",
     "omni_engine_capacity": "Requests an async engine can run at once (batch slots), by stage.",
-    "omni_realtime_sessions_open": "Realtime WebSocket sessions open.",
+    "omni_realtime_sessions_open": "WebSocket sessions open (Realtime and speech streams).",
 }
 """Every gauge name, with its help text."""
 
