@@ -4,10 +4,7 @@ One socket is one session (`realtime_session.Session`), carried by a `sockets.Co
 (its bounds, limits and drain). A malformed or unknown event gets one `error` event and
 the session goes on.
 
-The API key is checked as the HTTP API checks it, from `Authorization: Bearer <key>`
-or (what a browser can send) the subprotocol `openai-insecure-api-key.<key>`. A browser
-gets no CORS check on a WebSocket: a page's `Origin` is checked here (`OriginCheck`), so
-that a site the user visits cannot talk to a server on their machine.
+The API key and a page's `Origin` are checked as for every WebSocket (`sockets`).
 """
 
 from __future__ import annotations
@@ -27,11 +24,11 @@ from omni_runtime.http.sockets import (
     Message,
     OriginCheck,
     admit,
+    offered_key,
     refuse,
 )
 
 PATH = "/v1/realtime"
-KEY_PROTOCOL = "openai-insecure-api-key."
 
 
 def realtime_router(
@@ -41,13 +38,7 @@ def realtime_router(
 
     @router.websocket(PATH)
     async def realtime(websocket: WebSocket, model: str | None = None) -> None:
-        offered = [
-            p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")
-        ]
-        keyed = [p[len(KEY_PROTOCOL) :] for p in offered if p.startswith(KEY_PROTOCOL)]
-        authorization = websocket.headers.get("authorization") or (
-            f"Bearer {keyed[0]}" if keyed else None
-        )
+        offered, authorization = offered_key(websocket)
         subprotocol = "realtime" if "realtime" in offered else None
         if (cross_site := check_origin(websocket.headers)) is not None:
             await refuse(websocket, cross_site, realtime_error, subprotocol)

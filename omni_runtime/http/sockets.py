@@ -12,8 +12,12 @@ without a client message while nothing runs for it; ending, or the client going 
 aborts what runs. When the server drains, a session closes as soon as nothing runs for
 it (its last messages flushed, then close 1012: connect again).
 
-A handshake is refused with an HTTP answer where the server can send one (a bad key, an
-unknown model, too many sessions), else with an `error` message and a close.
+The API key is checked as the HTTP API checks it, from `Authorization: Bearer <key>`
+or (what a browser can send) the subprotocol `openai-insecure-api-key.<key>`. A browser
+gets no CORS check on a WebSocket: a page's `Origin` is checked (`OriginCheck`), so that
+a site the user visits cannot talk to a server on their machine. A handshake is refused
+with an HTTP answer where the server can send one (a bad key, an unknown model, too many
+sessions), else with an `error` message and a close.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ CLOSED = "closed by the client"
 FINISHED = "finished"
 """The session said all it had to and asked to close (a speech stream's `session.close`)."""
 
+KEY_PROTOCOL = "openai-insecure-api-key."
 KeyCheck = Callable[[str | None], Awaitable[None]]
 OriginCheck = Callable[[Mapping[str, str]], ApiError | None]
 """Why a handshake's headers may not open a session (a web page's `Origin`), or None."""
@@ -117,6 +122,17 @@ class Outbox:
         item = self._items.popleft()
         self.queued -= len(item)
         return item
+
+
+def offered_key(websocket: WebSocket) -> tuple[list[str], str | None]:
+    """The subprotocols a handshake offers, and its `Authorization`: the header, else the
+    key a browser sends as the subprotocol `openai-insecure-api-key.<key>`."""
+    offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")]
+    keyed = [p[len(KEY_PROTOCOL) :] for p in offered if p.startswith(KEY_PROTOCOL)]
+    authorization = websocket.headers.get("authorization") or (
+        f"Bearer {keyed[0]}" if keyed else None
+    )
+    return offered, authorization
 
 
 def admit(gateway: Gateway, settings: RealtimeSettings) -> None:

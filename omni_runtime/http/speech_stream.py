@@ -40,7 +40,16 @@ from omni_runtime.http.gateway import AudioEvent, FailureEvent, Gateway, Run, Se
 from omni_runtime.http.prompts import unsupported
 from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.schemas import ShortStr, Speed, VoiceId, voice_name
-from omni_runtime.http.sockets import Connection, KeyCheck, Message, OriginCheck, admit, refuse
+from omni_runtime.http.sockets import (
+    KEY_PROTOCOL,
+    Connection,
+    KeyCheck,
+    Message,
+    OriginCheck,
+    admit,
+    offered_key,
+    refuse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +125,10 @@ def speech_stream_router(
         if (cross_site := check_origin(websocket.headers)) is not None:
             await refuse(websocket, cross_site, stream_error)
             return
+        offered, authorization = offered_key(websocket)
+        keyed = next((p for p in offered if p.startswith(KEY_PROTOCOL)), None)
         try:
-            await check_key(websocket.headers.get("authorization"))
+            await check_key(authorization)
             served = speaker(gateway, model)
             admit(gateway, settings)
         except ApiError as e:
@@ -127,7 +138,7 @@ def speech_stream_router(
         def session(emit: Callable[[Message], None], wake: Callable[[], None]) -> SpeechStream:
             return SpeechStream(gateway, served, emit, wake)
 
-        await Connection(gateway, websocket, settings, session).serve()
+        await Connection(gateway, websocket, settings, session).serve(keyed)
 
     return router
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import websockets
+from websockets.typing import Subprotocol
 
 from tests.e2e.realtime_deployment import KEY, LONG_TEXT, Deployment
 from tests.e2e.test_realtime import expected_audio_s
@@ -148,6 +149,16 @@ async def test_a_model_that_does_not_read_text_aloud_or_a_wrong_key_is_refused(
         async with websockets.connect(url(demo)):
             pass
     assert unkeyed.value.response.status_code == 401
+    # a browser, which cannot set headers on a WebSocket, sends its key as a subprotocol
+    browser = [Subprotocol(f"openai-insecure-api-key.{KEY}")]
+    async with websockets.connect(url(demo), subprotocols=browser) as ws:
+        assert ws.subprotocol == browser[0]
+        await ws.send(json.dumps({"type": "input.done"}))
+        heard = Heard()
+        await listen(ws, heard)
+    assert heard.of("session.done") == [
+        {"type": "session.done", "utterance_index": 0, "total_sentences": 0}
+    ]
 
 
 async def test_a_client_gone_mid_speech_is_dropped_by_every_stage(demo: Deployment) -> None:
