@@ -27,10 +27,9 @@ from omni_runtime.http.errors import (
 )
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.realtime import realtime_router
-from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.routes import REQUEST_ID_HEADER, chat_router
 from omni_runtime.http.schemas import ModelCard, ModelList
-from omni_runtime.http.sockets import OriginCheck
+from omni_runtime.http.sockets import OriginCheck, RealtimeSettings
 from omni_runtime.http.speech import speech_router
 from omni_runtime.http.speech_stream import speech_stream_router
 from omni_runtime.http.transcriptions import PATH as UPLOAD_PATH

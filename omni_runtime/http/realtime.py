@@ -17,12 +17,13 @@ from fastapi import APIRouter, WebSocket
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_events import EventError, error_event, event, parse_client_event
-from omni_runtime.http.realtime_session import RealtimeSettings, Session
+from omni_runtime.http.realtime_session import Session
 from omni_runtime.http.sockets import (
     Connection,
     KeyCheck,
     Message,
     OriginCheck,
+    RealtimeSettings,
     admit,
     offered_key,
     refuse,

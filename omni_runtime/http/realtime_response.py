@@ -27,6 +27,7 @@ from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
 from omni_runtime.http.realtime_audio import AudioType, OutputEncoder, rate_of
 from omni_runtime.http.realtime_events import b64, event, new_id
 from omni_runtime.http.schemas import ErrorBody
+from omni_runtime.http.sockets import open_shielded
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +137,12 @@ class Response:
         return body
 
     async def _run(self) -> None:
-        opening = asyncio.ensure_future(
-            self.gateway.open(
-                self.served, self.prompt, "audio" in self.modalities, params=self.params
-            )
-        )
+        audio = "audio" in self.modalities
         try:
-            run = self.run = await asyncio.shield(opening)
-        except asyncio.CancelledError:  # the request may yet open: close it when it does
-            opening.add_done_callback(_close_when_open)
+            run = self.run = await open_shielded(
+                self.gateway, self.served, self.prompt, audio, self.params
+            )
+        except asyncio.CancelledError:  # closed when it opens (`open_shielded`)
             return
         except ApiError as e:
             self._finish("failed", e.body.model_copy(update={"code": e.body.code or "unavailable"}))
@@ -282,10 +280,3 @@ class Response:
             log.warning("realtime response %s failed: %s", self.id, error.message)
         self.emit(event("response.done", response=self._body(status, details)))
         self.on_done(self, status)
-
-
-def _close_when_open(opening: asyncio.Future[Run]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        run = opening.result()
-        run.ended = False
-        run.close()

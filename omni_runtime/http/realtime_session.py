@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.client.playback import Playback
@@ -37,26 +36,13 @@ from omni_runtime.http.realtime_events import (
     new_id,
 )
 from omni_runtime.http.realtime_response import Item, Response, Status
+from omni_runtime.http.sockets import RealtimeSettings
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
 
 MAX_ITEMS = 200
 """Conversation items a session keeps (oldest dropped): the thinker takes 256 messages."""
 MIN_COMMIT_MS = 100
 BYTES_PER_MS = SAMPLE_RATE * 2 // 1000
-
-
-@dataclass(frozen=True, slots=True)
-class RealtimeSettings:
-    """What a `/v1/realtime` connection takes of the settings (`Settings.part`, by the app)."""
-
-    realtime_max_event_bytes: int
-    realtime_max_buffer_s: float
-    realtime_max_session_s: float
-    realtime_idle_timeout_s: float
-    realtime_max_send_bytes: int
-    realtime_send_timeout_s: float
-    realtime_max_sessions: int
-    request_timeout_s: float
 
 
 class Session:

@@ -27,6 +27,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import WebSocket
@@ -34,8 +35,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from omni_runtime.http.errors import ApiError, shutting_down
-from omni_runtime.http.gateway import Gateway
-from omni_runtime.http.realtime_session import RealtimeSettings
+from omni_runtime.http.gateway import Gateway, Run, Served
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,20 @@ OriginCheck = Callable[[Mapping[str, str]], ApiError | None]
 """Why a handshake's headers may not open a session (a web page's `Origin`), or None."""
 Message = dict[str, Any] | bytes
 """A JSON message, or a binary frame (audio)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RealtimeSettings:
+    """What a WebSocket session takes of the settings (`Settings.part`, by the app)."""
+
+    realtime_max_event_bytes: int
+    realtime_max_buffer_s: float
+    realtime_max_session_s: float
+    realtime_idle_timeout_s: float
+    realtime_max_send_bytes: int
+    realtime_send_timeout_s: float
+    realtime_max_sessions: int
+    request_timeout_s: float
 
 
 class SocketSession(Protocol):
@@ -333,3 +347,21 @@ def _close_code(why: str) -> int:
     if why == DRAINED:
         return 1012
     return 1000 if why == FINISHED or "limit" in why or "idle" in why else 1008
+
+
+async def open_shielded(
+    gateway: Gateway, served: Served, prompt: Any, audio: bool, params: dict[str, Any] | None
+) -> Run:
+    """`gateway.open` for a session's task, which its closing may cancel meanwhile: the
+    submission finishes, and the request is aborted at once, not left running."""
+    opening = asyncio.ensure_future(gateway.open(served, prompt, audio, params=params))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_when_open)
+        raise
+
+
+def _close_when_open(opening: asyncio.Future[Run]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()  # not ended: aborted at every stage

@@ -38,7 +38,6 @@ from omni_runtime.http.audio import PCM16_RATE, Resampler, pcm16
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import AudioEvent, FailureEvent, Gateway, Run, Served
 from omni_runtime.http.prompts import unsupported
-from omni_runtime.http.realtime_session import RealtimeSettings
 from omni_runtime.http.schemas import ShortStr, Speed, VoiceId, voice_name
 from omni_runtime.http.sockets import (
     KEY_PROTOCOL,
@@ -46,8 +45,10 @@ from omni_runtime.http.sockets import (
     KeyCheck,
     Message,
     OriginCheck,
+    RealtimeSettings,
     admit,
     offered_key,
+    open_shielded,
     refuse,
 )
 
@@ -157,12 +158,6 @@ def speaker(gateway: Gateway, model: str | None) -> Served:
         if outs.audio_stage is not None and outs.input == "text" and outs.speaks_input:
             return served
     raise ApiError(404, "no pipeline served here reads text aloud", code="model_not_found")
-
-
-def _close_opened(opening: asyncio.Future[Run]) -> None:
-    """A request opened for a session that closed meanwhile: aborted at once."""
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result().close()
 
 
 class SpeechStream:
@@ -297,19 +292,15 @@ class SpeechStream:
             for piece in coming[: AHEAD + 1]:
                 if piece.opened.is_set():
                     continue
-                opening = asyncio.ensure_future(
-                    self.gateway.open(self.served, piece.text, True, False, piece.params)
-                )
-                try:  # the session closing meanwhile must not leave a request half-opened
-                    piece.run = await asyncio.shield(opening)
+                try:  # the session closing meanwhile aborts it once open
+                    piece.run = await open_shielded(
+                        self.gateway, self.served, piece.text, True, piece.params
+                    )
                 except ApiError as e:  # busy, not ready, draining: this piece fails
                     piece.refused = e
                 except Exception as e:  # a piece can fail only itself, never the session
                     log.exception("a speech stream's piece could not be submitted")
                     piece.refused = ApiError(502, f"could not submit: {e!r}", code="unavailable")
-                except asyncio.CancelledError:
-                    opening.add_done_callback(_close_opened)
-                    raise
                 piece.opened.set()
 
     async def _speak(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.http.realtime_session import RealtimeSettings
+from omni_runtime.http.sockets import RealtimeSettings
 from omni_runtime.keys import Names
 from omni_runtime.observe.start import ObserveSettings
 from omni_runtime.orchestrator.shared import SlotSettings
