@@ -33,10 +33,9 @@ from omni_runtime.engines.text_chunks import (
     DEFAULT_FIRST_CLAUSE_CHARS,
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
-    clauses_with_last,
-    first_clause_chars_of,
+    request_clauses,
 )
-from omni_runtime.engines.voice_params import voice_params, wants_audio
+from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import Final, RequestRefused, marks_final
 
@@ -250,11 +249,10 @@ def vocoder(
     with engine.lock:
         engine.select_voice(name)  # an unknown voice fails here, before any work
     rate = rate_wpm(chosen.speed)
-    first = first_clause_chars_of(params, first_clause_chars)
-    speak = wants_audio(params)
-    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars, first):
+    clauses = request_clauses(data, params, min_clause_chars, max_clause_chars, first_clause_chars)
+    for clause, is_last in clauses:
         held: Pcm | None = None  # one piece back, to mark the request's last one
-        if clause and speak:  # else read to its end (the upstream's chunks taken), unsaid
+        if clause:
             stream = engine.synth(clause, name, rate)
             try:
                 for pcm in stream:

@@ -36,10 +36,9 @@ from omni_runtime.engines.text_chunks import (
     DEFAULT_FIRST_CLAUSE_CHARS,
     DEFAULT_MAX_CLAUSE_CHARS,
     DEFAULT_MIN_CLAUSE_CHARS,
-    clauses_with_last,
-    first_clause_chars_of,
+    request_clauses,
 )
-from omni_runtime.engines.voice_params import voice_params, wants_audio
+from omni_runtime.engines.voice_params import voice_params
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import (
     ChunkStream,
@@ -207,13 +206,8 @@ def talker(
     """Text deltas (a prompt string, or the thinker's str chunks) → one chunk per clause."""
     voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
     piper_voice, _spk, _speed = chosen_voice(params, {**voice_options, "speed": speed}, False)
-    first = first_clause_chars_of(params, first_clause_chars)
-    speak = wants_audio(params)
-    for clause, is_last in clauses_with_last(data, min_clause_chars, max_clause_chars, first):
-        if not speak:  # read to its end (the upstream's chunks are taken), nothing to say
-            if is_last:
-                yield Final({"text": "", "phoneme_ids": []})
-            continue
+    clauses = request_clauses(data, params, min_clause_chars, max_clause_chars, first_clause_chars)
+    for clause, is_last in clauses:
         chunk = {"text": clause, "phoneme_ids": phoneme_ids(piper_voice, clause) if clause else []}
         yield Final(chunk) if is_last else chunk
 

@@ -17,6 +17,7 @@ from omni_runtime.core.clauses import (
     DEFAULT_MIN_CLAUSE_CHARS as DEFAULT_MIN_CLAUSE_CHARS,
 )
 from omni_runtime.core.clauses import ClauseCutter
+from omni_runtime.engines.voice_params import wants_audio
 from omni_runtime.stage_api import ChunkStream, RequestRefused, with_last
 
 
@@ -70,3 +71,23 @@ def first_clause_chars_of(params: dict[str, Any] | None, option: int | None) -> 
             "invalid_value",
         )
     return given or None
+
+
+def request_clauses(
+    data: Any,
+    params: dict[str, Any] | None,
+    min_clause_chars: int,
+    max_clause_chars: int,
+    first_clause_chars: int | None,
+) -> Iterator[tuple[str, bool]]:
+    """`clauses_with_last` for one request of a TTS stage: its `first_clause_chars` param
+    wins over the stage's; one that wants no audio (`voice_params.wants_audio`) has its
+    input read to the end (the upstream's chunks taken) and gets only `("", True)`."""
+    first = first_clause_chars_of(params, first_clause_chars)
+    clauses = clauses_with_last(data, min_clause_chars, max_clause_chars, first)
+    if wants_audio(params):
+        yield from clauses
+        return
+    for _clause, is_last in clauses:
+        if is_last:
+            yield "", True

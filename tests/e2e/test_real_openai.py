@@ -131,8 +131,8 @@ def test_an_answer_parsed_into_a_pydantic_model_comes_as_its_json(
         model="voice",
         messages=[{"role": "user", "content": "Describe a person named Ada who is 36."}],
         response_format=Person,
-        max_tokens=64,
-        seed=7,
+        max_tokens=128,  # room: JSON cut at the limit does not parse
+        temperature=0,
     )
     message = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "stop", message.content
