@@ -20,6 +20,7 @@ import pydantic
 import pytest
 import soundfile
 import websockets
+import yaml
 from openai.types.chat import (
     ChatCompletionContentPartInputAudioParam,
     ChatCompletionMessageParam,
@@ -29,7 +30,7 @@ from omni_runtime.engines.wer import wer
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.local.launcher import redis_server_binary
 from tests.e2e.realtime_client import RATE, speech
-from tests.e2e.serving import ServeProcess
+from tests.e2e.serving import ROOT, ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable
 
@@ -42,9 +43,16 @@ SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     if redis_server_binary() is None:
         unavailable("no redis-server on PATH", "a redis-server")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    pipelines = "workers/voice.yaml,workers/speak.yaml,workers/transcribe.yaml,workers/listen.yaml"
-    with ServeProcess(log, "--pipeline", pipelines, "--mode", "streaming") as serve:
+    where = tmp_path_factory.mktemp("serve")
+    # `speak` without piper's sampling noise: what is said back is heard the same way in
+    # every run (sampled, "the quick brown fox" was once heard as "but quite brown talks")
+    speak = yaml.safe_load((ROOT / "workers" / "speak.yaml").read_text())
+    speak["stages"][1].setdefault("options", {}).update(noise_scale=0, noise_w_scale=0)
+    (where / "speak.yaml").write_text(yaml.safe_dump(speak))
+    pipelines = (
+        f"workers/voice.yaml,{where / 'speak.yaml'},workers/transcribe.yaml,workers/listen.yaml"
+    )
+    with ServeProcess(where / "serve.log", "--pipeline", pipelines, "--mode", "streaming") as serve:
         yield serve
 
 
