@@ -62,6 +62,10 @@ class OutputsConfig(BaseModel):
     """Whether the text stage honours a request's `response_format` (`json_object`,
     `json_schema`: params `response_format` and `json_schema`), as the llama.cpp engine
     does; a request for JSON to a pipeline that does not is refused, not answered in prose."""
+    tools: bool = False
+    """Whether the text stage calls a request's `tools` (params `tools`, `tool_choice`,
+    `tool_name`, `parallel_tool_calls`: `core/tool_calls.py`), as the llama.cpp engine
+    does; a request with tools to a pipeline that does not is refused, not answered."""
     speaks_input: bool = True
     """Whether the audio is the input spoken as written, so `/v1/audio/speech` may serve
     the pipeline; false where a thinker answers the input instead (speech of the answer is
@@ -75,6 +79,8 @@ class OutputsConfig(BaseModel):
             raise ValueError("text_stage and audio_stage must differ")
         if self.structured and self.text_stage is None:
             raise ValueError("structured (JSON) output needs a text_stage")
+        if self.tools and (self.text_stage is None or self.input == "text"):
+            raise ValueError("tools need a text_stage taking a conversation (input chat or audio)")
         return self
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from omni_runtime.core.tool_calls import ToolCall, calls_output
 from omni_runtime.stage_api import Final, RequestRefused, marks_final
 
 PARROT_SAYS = "I am a parrot: I say what I hear, word for word, and nothing else."
@@ -27,9 +28,15 @@ TONE_S = 0.1
 """A tone lasts this long at speed 1."""
 
 
-def echo_request(data: Any, params: dict[str, Any] | None = None) -> str:
-    """Stage 0 (text): its prompt and parameters, as one JSON text."""
-    return json.dumps({"prompt": data, "params": params or {}}, sort_keys=True)
+def echo_request(data: Any, params: dict[str, Any] | None = None) -> str | dict[str, Any]:
+    """Stage 0 (text): its prompt and parameters, as one JSON text; when a call of a tool
+    is required, a call of the tool named (or of the first) whose arguments are those."""
+    said = json.dumps({"prompt": data, "params": params or {}}, sort_keys=True)
+    params = params or {}
+    if "tools" not in params or not ("tool_name" in params or params.get("tool_choice")):
+        return said
+    name = params.get("tool_name") or json.loads(params["tools"][0])["name"]
+    return calls_output([ToolCall(name, said)])
 
 
 def tone(

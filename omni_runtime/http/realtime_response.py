@@ -23,7 +23,8 @@ from omni_runtime.client.playback import Playback
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import FailureEvent, Gateway, Run, Served
+from omni_runtime.http.events import FailureEvent
+from omni_runtime.http.gateway import Gateway, Run, Served
 from omni_runtime.http.realtime_audio import AudioType, OutputEncoder, rate_of
 from omni_runtime.http.realtime_events import b64, event, new_id
 from omni_runtime.http.schemas import ErrorBody

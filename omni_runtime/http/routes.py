@@ -24,14 +24,8 @@ from omni_runtime.http.audio import (
     unencodable,
 )
 from omni_runtime.http.errors import ApiError, error_json
-from omni_runtime.http.gateway import (
-    AudioEvent,
-    Event,
-    FailureEvent,
-    Gateway,
-    Run,
-    TextEvent,
-)
+from omni_runtime.http.events import AudioEvent, Event, FailureEvent, TextEvent, ToolCallEvent
+from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.prompts import chat_prompt, count_tokens
 from omni_runtime.http.schemas import (
     AssistantMessage,
@@ -45,6 +39,7 @@ from omni_runtime.http.schemas import (
     Delta,
     Usage,
 )
+from omni_runtime.http.tools import call_deltas, calls_out
 
 AUDIO_EXPIRY_S = 3600
 """`expires_at` is reported as OpenAI does; this server keeps no audio to refer back to."""
@@ -102,6 +97,17 @@ def chat_router(gateway: Gateway) -> APIRouter:
             raise ApiError(
                 400, f"pipeline {served.name!r} does not shape its answers as JSON "
                 "(its outputs.structured is false): response_format must be 'text'",
+                param="response_format", code="unsupported_parameter",
+            )  # fmt: skip
+        if req.calls_tools and not served.outputs.tools:
+            raise ApiError(
+                400, f"pipeline {served.name!r} calls no tools (its outputs.tools is false): "
+                "send no tools, or tool_choice 'none'",
+                param="tools", code="unsupported_parameter",
+            )  # fmt: skip
+        if req.calls_tools and shaped:
+            raise ApiError(
+                400, "an answer shaped by response_format calls no tools: send one or the other",
                 param="response_format", code="unsupported_parameter",
             )  # fmt: skip
         if served.outputs.input == "audio":  # decoding a recording takes a while: not here
@@ -210,6 +216,8 @@ async def _chat_sse(
                 pieces += 1
                 spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
                 yield chunk(Delta(content=ev.text, audio=spoken))
+            elif isinstance(ev, ToolCallEvent):
+                yield chunk(Delta(tool_calls=call_deltas(run.request_id, ev.calls)))
             elif isinstance(ev, AudioEvent):
                 pcm = resample(ev.pcm)
                 if pcm.size:
@@ -235,17 +243,20 @@ async def _chat_whole(
 ) -> ChatCompletion:
     text: list[str] = []
     audio: list[np.ndarray] = []
+    message = AssistantMessage(content=None)
     async with aclosing(run.events()) as events:
         async for ev in events:
             if isinstance(ev, TextEvent):
                 text.append(ev.text)
+            elif isinstance(ev, ToolCallEvent):
+                message.tool_calls = calls_out(run.request_id, ev.calls)
             elif isinstance(ev, AudioEvent):
                 audio.append(ev.pcm)
             else:
                 raise ev.api_error()
     content = "".join(text)
-    message = AssistantMessage(content=content)
-    if run.audio:
+    message.content = content if text or not message.tool_calls else None
+    if run.audio and message.content is not None:  # an answer of calls only says nothing
         samples = np.concatenate(audio) if audio else np.zeros(0, np.float32)
         fmt = req.audio.format if req.audio else "wav"
         if fmt == "pcm16":  # 24 kHz; a file says its rate

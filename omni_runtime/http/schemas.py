@@ -9,7 +9,6 @@ keys it knows of.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,11 +17,23 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from omni_runtime.core.types import MAX_PARAM_STR_CHARS, FinishReason
+from omni_runtime.core.types import MAX_PARAM_STR_CHARS, FinishReason, param_json
+from omni_runtime.http.tools import (
+    CallDelta,
+    CallMade,
+    CallOut,
+    FunctionTool,
+    ToolChoice,
+    calls_written,
+    result_written,
+    tool_params,
+    unknown_choice,
+)
 
 ShortStr = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024
@@ -37,31 +48,29 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 Speed = Annotated[float, Field(ge=0.25, le=4.0, allow_inf_nan=False)]
 
 
-def compact_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 def _text_only() -> list[Modality]:
     return ["text"]  # OpenAI's default
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """A request body: fields that change nothing in the answer are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
-class InputAudio(_Request):
+class InputAudio(RequestModel):
     data: Annotated[str, Field(min_length=1)]
     """Base64 of a WAV or MP3 file (the body's size bounds it: `OMNI_MAX_BODY_BYTES`); it is
     read by its content (FLAC and Ogg are too), not by `format`."""
     format: Literal["wav", "mp3"]
 
 
-class AudioPart(_Request):
+class AudioPart(RequestModel):
     """Speech in a user message, for a pipeline that hears (`outputs.input: audio`)."""
 
     type: Literal["input_audio"]
@@ -88,13 +97,17 @@ Part = Annotated[
 ]
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: (
         Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
         | Annotated[list[Part], Field(max_length=MAX_PARTS)]
         | None
     ) = None
+    tool_calls: Annotated[list[CallMade], Field(max_length=128)] | None = None
+    """An assistant message's calls (the history of a chat with tools)."""
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    """A tool message's call: the result it gives is that call's."""
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -107,7 +120,7 @@ class ChatMessage(_Request):
         return []
 
 
-class VoiceId(_Request):
+class VoiceId(RequestModel):
     id: ShortStr
 
 
@@ -115,7 +128,7 @@ def voice_name(voice: str | VoiceId | None) -> str | None:
     return voice.id if isinstance(voice, VoiceId) else voice
 
 
-class AudioParams(_Request):
+class AudioParams(RequestModel):
     format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
     """Non-streamed: `message.audio.data` as a file of that format or raw pcm16. Streamed:
     always pcm16."""
@@ -123,11 +136,11 @@ class AudioParams(_Request):
     """`params["voice"]`: the voice stages take it (an unknown one fails the request there)."""
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Annotated[str, Field(max_length=4096)] | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
@@ -136,12 +149,12 @@ class JsonSchemaFormat(_Request):
     @field_validator("schema_")
     @classmethod
     def _fits_a_param(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        if len(compact_json(schema)) > MAX_PARAM_STR_CHARS:
+        if len(param_json(schema)) > MAX_PARAM_STR_CHARS:
             raise ValueError(f"the schema must be at most {MAX_PARAM_STR_CHARS} characters of JSON")
         return schema
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """Text, or JSON shaped by the text stage (`outputs.structured` pipelines only): any
     JSON object, or one that `json_schema.schema` describes."""
 
@@ -160,14 +173,11 @@ class ResponseFormat(_Request):
             return {}
         given: dict[str, str] = {"response_format": self.type}
         if self.json_schema is not None:
-            given["json_schema"] = compact_json(self.json_schema.schema_)
+            given["json_schema"] = param_json(self.json_schema.schema_)
         return given
 
 
-ToolChoice = Literal["none", "auto", "required"] | dict[str, Any]
-
-
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestModel):
     model: ShortStr
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     stream: bool = False
@@ -187,23 +197,21 @@ class ChatCompletionRequest(_Request):
     presence_penalty: Penalty | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     """One choice per request: the pipeline makes one answer."""
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    """Called by the text stage (`outputs.tools` pipelines only): `core/tool_calls.py`."""
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     web_search_options: Annotated[dict[str, Any], Field(max_length=16)] | None = None
-    """Parsed to be refused (`refused()`): a pipeline calls no tools, searches no web,
-    reports no log probabilities and biases no token ids (a front door knows no model's
-    vocabulary); accepting them silently would be a wrong answer."""
+    """Parsed to be refused (`refused()`): a pipeline searches no web, reports no log
+    probabilities and biases no token ids (a front door knows no model's vocabulary);
+    accepting them silently would be a wrong answer."""
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first field set that no pipeline can honour."""
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice needs tools, which are not supported"
         if self.logprobs or self.top_logprobs:
             return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.logit_bias:
@@ -218,6 +226,22 @@ class ChatCompletionRequest(_Request):
             raise ValueError("messages must contain a user message (its text is the prompt)")
         return self
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _a_choice_among_the_tools(
+        cls, choice: ToolChoice | None, info: ValidationInfo
+    ) -> ToolChoice | None:
+        if (why := unknown_choice(info.data.get("tools"), choice)) is not None:
+            raise ValueError(why)
+        return choice
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tool_params())
+
+    def tool_params(self) -> dict[str, Any]:
+        return tool_params(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def params(self) -> dict[str, Any]:
         """The request's parameters for the stages: only what the client set."""
         given: dict[str, Any] = {
@@ -231,18 +255,22 @@ class ChatCompletionRequest(_Request):
             "voice": voice_name(self.audio.voice) if self.audio else None,
         }
         shaped = self.response_format.params() if self.response_format else {}
-        return {k: v for k, v in given.items() if v is not None} | shaped
+        return {k: v for k, v in given.items() if v is not None} | shaped | self.tool_params()
 
     def conversation(self, before: int | None = None) -> dict[str, Any]:
         """The messages (those `before` an index, if given) as a chat pipeline's stage 0
         takes them: roles `system`, `user`, `assistant` (a `developer` message is a system
-        one), content as plain text."""
+        one), content as plain text; an assistant's calls and the tools' results are
+        written as the text stage reads them (`core/tool_calls.py`)."""
         messages = []
+        names = {c.id: c.function.name for m in self.messages for c in m.tool_calls or ()}
         for m in self.messages[:before]:
+            role, text = ("system" if m.role == "developer" else m.role), m.text()
             if m.role == "tool":
-                raise ValueError("tool messages are not supported")
-            role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": m.text()})
+                role, text = "user", result_written(m.tool_call_id, text, names)
+            elif m.tool_calls:
+                text = "\n".join(t for t in (text, calls_written(m.tool_calls)) if t)
+            messages.append({"role": role, "content": text})
         return {"messages": messages}
 
     @property
@@ -255,45 +283,7 @@ class ChatCompletionRequest(_Request):
         return "audio" in self.modalities
 
 
-SpeechFormat = Literal["wav", "mp3", "flac", "opus", "pcm"]
-
-
-class SpeechRequest(_Request):
-    model: ShortStr
-    input: Annotated[str, Field(min_length=1, max_length=4096)]
-    voice: ShortStr | VoiceId | None = None
-    response_format: SpeechFormat = "wav"
-    """`pcm`, `mp3` and `opus` stream as they are made; `wav` and `flac` come whole."""
-    speed: Speed | None = None
-    instructions: Annotated[str, Field(max_length=4096)] | None = None
-    """Accepted for compatibility; not passed on."""
-    stream_format: Literal["audio", "sse"] = "audio"
-    """`sse`: server-sent `speech.audio.delta` events, each a base64 piece of the
-    `response_format` audio, then one `speech.audio.done`."""
-
-    def params(self) -> dict[str, Any]:
-        given = {"voice": voice_name(self.voice), "speed": self.speed}
-        return {k: v for k, v in given.items() if v is not None}
-
-
 # --- responses -------------------------------------------------------------------
-
-
-class SpeechAudioDelta(BaseModel):
-    type: Literal["speech.audio.delta"] = "speech.audio.delta"
-    audio: str
-    """Base64: the next piece of the answer's audio, in its `response_format`."""
-
-
-class SpeechUsage(BaseModel):
-    input_tokens: int
-    output_tokens: int
-    total_tokens: int
-
-
-class SpeechAudioDone(BaseModel):
-    type: Literal["speech.audio.done"] = "speech.audio.done"
-    usage: SpeechUsage
 
 
 class ErrorBody(BaseModel):
@@ -332,6 +322,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     audio: AudioOut | None = None
+    tool_calls: list[CallOut] | None = None
 
 
 class Choice(BaseModel):
@@ -370,6 +361,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: AudioDelta | None = None
+    tool_calls: list[CallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 
 from omni_runtime.http.audio import (
     MEDIA_TYPES,
@@ -27,7 +29,8 @@ from omni_runtime.http.audio import (
     unencodable,
 )
 from omni_runtime.http.errors import ApiError, error_json
-from omni_runtime.http.gateway import AudioEvent, Event, FailureEvent, Gateway, Run
+from omni_runtime.http.events import AudioEvent, Event, FailureEvent
+from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.prompts import check_prompt, count_tokens, unsupported
 from omni_runtime.http.routes import (
     REQUEST_ID_HEADER,
@@ -39,13 +42,44 @@ from omni_runtime.http.routes import (
     sse,
     wants,
 )
-from omni_runtime.http.schemas import (
-    SpeechAudioDelta,
-    SpeechAudioDone,
-    SpeechFormat,
-    SpeechRequest,
-    SpeechUsage,
-)
+from omni_runtime.http.schemas import RequestModel, ShortStr, Speed, VoiceId, voice_name
+
+SpeechFormat = Literal["wav", "mp3", "flac", "opus", "pcm"]
+
+
+class SpeechRequest(RequestModel):
+    model: ShortStr
+    input: Annotated[str, Field(min_length=1, max_length=4096)]
+    voice: ShortStr | VoiceId | None = None
+    response_format: SpeechFormat = "wav"
+    """`pcm`, `mp3` and `opus` stream as they are made; `wav` and `flac` come whole."""
+    speed: Speed | None = None
+    instructions: Annotated[str, Field(max_length=4096)] | None = None
+    """Accepted for compatibility; not passed on."""
+    stream_format: Literal["audio", "sse"] = "audio"
+    """`sse`: server-sent `speech.audio.delta` events, each a base64 piece of the
+    `response_format` audio, then one `speech.audio.done`."""
+
+    def params(self) -> dict[str, Any]:
+        given = {"voice": voice_name(self.voice), "speed": self.speed}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+class SpeechAudioDelta(BaseModel):
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: str
+    """Base64: the next piece of the answer's audio, in its `response_format`."""
+
+
+class SpeechUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDone(BaseModel):
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: SpeechUsage
 
 
 def speech_router(gateway: Gateway) -> APIRouter:

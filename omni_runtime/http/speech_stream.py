@@ -36,7 +36,8 @@ from omni_runtime.core.clauses import DEFAULT_FIRST_CLAUSE_CHARS, ClauseCutter
 from omni_runtime.errors import in_words
 from omni_runtime.http.audio import PCM16_RATE, Resampler, pcm16
 from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import AudioEvent, FailureEvent, Gateway, Run, Served
+from omni_runtime.http.events import AudioEvent, FailureEvent
+from omni_runtime.http.gateway import Gateway, Run, Served
 from omni_runtime.http.prompts import unsupported
 from omni_runtime.http.schemas import ShortStr, Speed, VoiceId, voice_name
 from omni_runtime.http.sockets import (

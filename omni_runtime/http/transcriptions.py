@@ -19,7 +19,8 @@ from fastapi import APIRouter, File, Form, Response, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from omni_runtime.http.errors import ApiError, error_json
-from omni_runtime.http.gateway import Event, FailureEvent, Gateway, Run, TextEvent
+from omni_runtime.http.events import Event, FailureEvent, TextEvent
+from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.prompts import unsupported
 from omni_runtime.http.routes import (
     REQUEST_ID_HEADER,

@@ -148,6 +148,58 @@ def test_an_answer_parsed_into_a_pydantic_model_comes_as_its_json(
     assert message.parsed.name.strip()
 
 
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city."""
+
+    city: str
+
+
+def test_a_voice_chat_calls_a_tool_says_nothing_of_it_and_speaks_the_answer_after(
+    client: openai.OpenAI,
+) -> None:
+    """The client's own function calling (`pydantic_function_tool`, strict): the call the
+    grammar held the thinker to parses into the client's model; streamed with audio, it
+    comes as a `tool_calls` delta and no speech; its result sent back, the answer is text
+    and is spoken."""
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    asked: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the weather in Paris?"}
+    ]
+    parsed = client.chat.completions.parse(
+        model="voice", messages=asked, tools=tools, tool_choice="required", max_tokens=120
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+    call = choice.message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert call.function.parsed_arguments.city.strip()
+
+    stream = client.chat.completions.create(
+        model="voice", messages=asked, tools=tools, tool_choice="required", max_tokens=120,
+        modalities=["text", "audio"], audio={"format": "pcm16", "voice": "alloy"}, stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for d in deltas for t in d.delta.tool_calls or ()]
+    assert streamed and all(t.function and t.function.name == "GetWeather" for t in streamed)
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
+    spoken = [d for d in deltas if ((d.delta.model_extra or {}).get("audio") or {}).get("data")]
+    assert not spoken and not any(d.delta.content for d in deltas)
+
+    result: ChatCompletionMessageParam = {
+        "role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 18}'
+    }  # fmt: skip
+    made: ChatCompletionMessageParam = choice.message.model_dump(exclude_none=True)  # type: ignore[assignment]
+    history = [*asked, made, result]
+    after = client.chat.completions.create(
+        model="voice", messages=history, tools=tools, tool_choice="none", max_tokens=64,
+        modalities=["text", "audio"], audio={"format": "wav", "voice": "alloy"}, seed=1,
+    )  # fmt: skip
+    message = after.choices[0].message
+    assert after.choices[0].finish_reason in ("stop", "length") and not message.tool_calls
+    assert message.content and message.audio is not None
+    assert wav_frames(base64.b64decode(message.audio.data))[1] > 8000, message.content
+
+
 async def test_a_models_tokens_written_into_a_speech_stream_are_heard_back(
     server: ServeProcess,
 ) -> None:

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from omni_runtime.engines.chat_request import chat_messages
 from omni_runtime.engines.context_fit import ContextExceeded
-from omni_runtime.engines.llama_cpp import LlamaCppEngine, chat_messages
+from omni_runtime.engines.llama_cpp import LlamaCppEngine
 from omni_runtime.stage_api import Final, RequestRefused
 from tests.services import unavailable
 from tests.waiting import wait_for
@@ -152,6 +153,86 @@ async def test_an_answer_asked_for_as_json_follows_its_schema(engine: LlamaCppEn
         await answer(engine, "list", prompt, response_format="json_schema", json_schema="[1]")
     # a slot is free once llama.cpp's call returns, just after the answer's last piece
     await wait_for(lambda: engine.stats().running == 0, 5)
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ADD = {
+    "name": "add",
+    "description": "Add two numbers",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+TOOLS = [json.dumps(WEATHER), json.dumps(ADD)]
+
+
+async def test_a_required_call_is_a_call_of_a_tool_with_its_arguments_shape(
+    engine: LlamaCppEngine,
+) -> None:
+    """The grammar admits only calls of the tools given: even the small model's answer is
+    one, its arguments its tool's parameters, said in no piece of text; named, that tool;
+    not parallel, one call."""
+    q = "What is the weather in Paris?"
+    outs = await answer(engine, "call", q, tools=TOOLS, tool_choice="required", max_tokens=120)
+    assert len(outs) == 1 and isinstance(outs[0], Final)  # no text before the calls
+    assert outs[0].finish_reason == "tool_calls"
+    calls = outs[0].data["tool_calls"]
+    assert calls and all(c["name"] in ("get_weather", "add") for c in calls)
+    for call in calls:
+        arguments = json.loads(call["arguments"])
+        wanted = {"city"} if call["name"] == "get_weather" else {"a", "b"}
+        assert set(arguments) == wanted
+    outs = await answer(
+        engine, "named", "What is 2 plus 3?", tools=TOOLS, tool_name="add",
+        parallel_tool_calls=False, max_tokens=120,
+    )  # fmt: skip
+    ((call,),) = [o.data["tool_calls"] for o in outs if isinstance(o, Final)]
+    assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}
+
+
+async def test_an_answer_that_may_call_tools_may_be_text_said_as_it_is_written(
+    engine: LlamaCppEngine,
+) -> None:
+    """Text inside the answer's JSON comes out as pieces while it is written, unescaped."""
+    outs = await answer(
+        engine, "text", "Hello! Who are you?", tools=[json.dumps(WEATHER)], temperature=0.0,
+        max_tokens=120,
+    )  # fmt: skip
+    assert isinstance(outs[-1], Final) and outs[-1].finish_reason == "stop"
+    assert len(outs) > 3 and all(isinstance(o, str) for o in outs[:-1])
+    said = text(outs)
+    assert said.strip() and not said.lstrip().startswith("{") and '\\"' not in said
+    await wait_for(lambda: engine.stats().running == 0, 5)
+
+
+async def test_tools_it_cannot_call_are_the_clients_to_fix(engine: LlamaCppEngine) -> None:
+    q = "Hi"
+    for bad, why in [
+        (["not json"], "tools\\[0\\] must be a JSON object"),
+        ([json.dumps({"name": "a b"})], "tools\\[0\\] must be"),
+        ([json.dumps({"name": "f", "parameters": []})], "tools\\[0\\] must be"),
+    ]:
+        with pytest.raises(RequestRefused, match=why) as refused:
+            await answer(engine, "bad-tools", q, tools=bad)
+        assert refused.value.code == "invalid_value"
+    with pytest.raises(RequestRefused, match="none of the tools"):
+        await answer(engine, "unknown", q, tools=TOOLS, tool_name="nope")
+    with pytest.raises(RequestRefused, match="need tools"):
+        await answer(engine, "no-tools", q, tool_choice="required")
+    with pytest.raises(RequestRefused, match="cannot call tools"):
+        await answer(engine, "shaped", q, tools=TOOLS, response_format="json_object")
 
 
 async def test_a_conversation_over_the_context_fails_unless_it_may_be_cut(

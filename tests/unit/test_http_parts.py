@@ -281,7 +281,7 @@ async def test_speech_events_end_with_the_error_that_cut_the_audio() -> None:
     a raw stream just ends, and a WAV due at the end is not sent half made."""
     from types import SimpleNamespace
 
-    from omni_runtime.http.gateway import AudioEvent, Event, FailureEvent
+    from omni_runtime.http.events import AudioEvent, Event, FailureEvent
     from omni_runtime.http.speech import _audio_bytes, _speech_events
 
     async def events() -> Any:

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from omni_runtime.core.types import OrchOutput
-from omni_runtime.http.gateway import FailureEvent, Run
+from omni_runtime.http.events import FailureEvent
+from omni_runtime.http.gateway import Run
 from omni_runtime.http.realtime_response import Item, Response, Status
 
 TRANSCRIBED = "conversation.item.input_audio_transcription.completed"

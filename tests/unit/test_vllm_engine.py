@@ -107,12 +107,15 @@ async def test_a_stop_string_ends_the_text_before_it() -> None:
     await engine.close()
 
 
-async def test_json_output_is_refused_not_ignored() -> None:
+async def test_json_output_and_tools_are_refused_not_ignored() -> None:
     engine, fake = await started(FakeVllm())
     with pytest.raises(RequestRefused, match="response_format") as refused:
         await run(engine, "json", "x", {"response_format": "json_object"})
     assert refused.value.code == "unsupported_parameter"
-    assert "json" not in fake.seen, "nothing reached vLLM"
+    with pytest.raises(RequestRefused, match="tools") as refused:
+        await run(engine, "tools", "x", {"tools": ['{"name": "f"}']})
+    assert refused.value.code == "unsupported_parameter"
+    assert "json" not in fake.seen and "tools" not in fake.seen, "nothing reached vLLM"
     await engine.close()
 
 

@@ -1,0 +1,193 @@
+"""Function calling between the front door and a text stage, for any model that can be held
+to a JSON schema (llama.cpp's grammars): the model answers with one JSON object, either
+`{"content": "<text>"}` or `{"tool_calls": [{"name": ..., "arguments": {...}}]}`, the schema
+built from the request's tools admitting only those shapes (only calls, when a call is
+required). The same shape is how the conversation's earlier calls are written back.
+
+Pure: the front door builds the stage's parameters and the history with it, the stage
+its schema, its instructions and its reading of the answer as it is written, so that the
+text of an answer is spoken while it is written and a call never is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALLS = "tool_calls"
+"""The key of a text stage's output that carries calls (and of the answer's JSON)."""
+CONTENT = "content"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str
+    """The arguments, a JSON object's text (as OpenAI's API gives them)."""
+
+
+def answer_schema(
+    tools: list[dict[str, Any]], required: bool, only: str | None, parallel: bool
+) -> dict[str, Any]:
+    """The JSON schema of an answer: calls of `tools` (each `{"name", "parameters", ...}`;
+    only the one named `only`, if given), or text too unless a call is `required`."""
+    chosen = [t for t in tools if only is None or t["name"] == only]
+    call_shapes = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["name"]},
+                "arguments": t.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_shapes}, "minItems": 1}
+    if not parallel:
+        calls["maxItems"] = 1
+    calling = _one_key(TOOL_CALLS, calls)
+    if required or only is not None:
+        return calling
+    return {"anyOf": [_one_key(CONTENT, {"type": "string"}), calling]}
+
+
+def _one_key(key: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {key: value},
+        "required": [key],
+        "additionalProperties": False,
+    }
+
+
+def tools_instructions(tools: list[dict[str, Any]], required: bool) -> str:
+    """What the model is told of its tools and of the shape of its answer."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    shapes = '{"tool_calls": [{"name": "<a tool\'s name>", "arguments": {<its arguments>}}]}'
+    if not required:
+        shapes = '{"content": "<your answer>"} or ' + shapes
+    return f"You can call these tools:\n{listed}\nAnswer with JSON: {shapes}"
+
+
+def written_calls(calls: list[ToolCall]) -> str:
+    """Earlier calls, as the model wrote them (an assistant message of the history)."""
+    written = [{"name": c.name, "arguments": _as_object(c.arguments)} for c in calls]
+    return json.dumps({TOOL_CALLS: written}, ensure_ascii=False)
+
+
+def written_result(name: str | None, content: str) -> str:
+    """A tool's result, as the model reads it (a user message of the history)."""
+    return f"The tool {name} returned: {content}" if name else f"A tool returned: {content}"
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # a client's own history: written back as it was given
+
+
+def calls_output(calls: list[ToolCall]) -> dict[str, Any]:
+    """A text stage's output carrying calls."""
+    return {TOOL_CALLS: [{"name": c.name, "arguments": c.arguments} for c in calls]}
+
+
+def calls_in(data: Any) -> list[ToolCall] | None:
+    """The calls a text stage's output carries, or None if it is not calls."""
+    if not isinstance(data, dict) or not isinstance(found := data.get(TOOL_CALLS), list):
+        return None
+    if not found:
+        return None
+    calls = []
+    for call in found:
+        if not isinstance(call, dict):
+            return None
+        name, arguments = call.get("name"), call.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            return None
+        calls.append(ToolCall(name, arguments))
+    return calls
+
+
+_OPENING = re.compile(r'\s*\{\s*"(content|tool_calls)"\s*:\s*')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+class AnswerReader:
+    """Reads an answer in the shape above as it is written: its text as it comes, its
+    calls once it is whole."""
+
+    def __init__(self) -> None:
+        self._raw = ""
+        self._kind: str | None = None
+        self._at = 0
+        """Where the text not yet given starts (in content)."""
+        self._text_done = False
+
+    def feed(self, piece: str) -> str:
+        """The text the answer's content gained with `piece` ("" for calls)."""
+        self._raw += piece
+        if self._kind is None:
+            opened = _OPENING.match(self._raw)
+            if opened is None:
+                return ""
+            self._kind, self._at = opened.group(1), opened.end()
+            if self._kind == CONTENT:
+                if self._raw[self._at : self._at + 1] != '"':
+                    self._kind = None  # the string's quote is yet to come
+                    return ""
+                self._at += 1
+        if self._kind != CONTENT or self._text_done:
+            return ""
+        return self._decode()
+
+    def _decode(self) -> str:
+        out: list[str] = []
+        raw, i = self._raw, self._at
+        while i < len(raw):
+            ch = raw[i]
+            if ch == '"':
+                self._text_done = True
+                i += 1
+                break
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            if i + 1 >= len(raw):
+                break  # the escape's next character is yet to come
+            kind = raw[i + 1]
+            if kind == "u":
+                if i + 6 > len(raw):
+                    break
+                code = int(raw[i + 2 : i + 6], 16)
+                if 0xD800 <= code < 0xDC00:  # a surrogate pair: its second half follows
+                    if i + 12 > len(raw):
+                        break
+                    low = int(raw[i + 8 : i + 12], 16)
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                    i += 12
+                    continue
+                out.append(chr(code))
+                i += 6
+                continue
+            out.append(_ESCAPES.get(kind, kind))
+            i += 2
+        self._at = i
+        return "".join(out)
+
+    def calls(self) -> list[ToolCall] | None:
+        """Once the answer is whole: its calls, or None if it is text (or was cut short)."""
+        if self._kind != TOOL_CALLS:
+            return None
+        try:
+            found = json.loads(self._raw)[TOOL_CALLS]
+            return [
+                ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in found
+            ]
+        except (ValueError, LookupError, TypeError):
+            return None  # cut at the token limit (no call is whole), or not the shape asked

@@ -1,0 +1,123 @@
+"""Function calling's shape between the front door and a text stage (`core/tool_calls.py`):
+the schema an answer is held to, and its reading as it is written."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from omni_runtime.core.tool_calls import (
+    AnswerReader,
+    ToolCall,
+    answer_schema,
+    calls_in,
+    calls_output,
+    tools_instructions,
+    written_calls,
+    written_result,
+)
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+ADD = {"name": "add", "description": "Add two numbers"}
+
+
+def read_in_pieces(answer: str, size: int) -> tuple[str, AnswerReader]:
+    """Feeds `answer` `size` characters at a time; the text it gave, and the reader."""
+    reader = AnswerReader()
+    text = "".join(reader.feed(answer[i : i + size]) for i in range(0, len(answer), size))
+    return text, reader
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
+def test_the_text_of_an_answer_comes_as_it_is_written_whatever_its_pieces(size: int) -> None:
+    said = 'Say "hi"\\\\ then\nleave: caf\u00e9 \u2603 \U0001f600 \t/ end'
+    answer = json.dumps({"content": said}, indent=1)  # escapes, \\u pairs, newlines
+    text, reader = read_in_pieces(answer, size)
+    assert text == said
+    assert reader.calls() is None
+    ascii_answer = json.dumps({"content": said}, ensure_ascii=True)
+    assert read_in_pieces(ascii_answer, size)[0] == said
+
+
+def test_text_waits_for_its_opening_and_stops_at_its_closing_quote() -> None:
+    reader = AnswerReader()
+    assert reader.feed('{ "content"') == ""
+    assert reader.feed(" : ") == ""
+    assert reader.feed('"Hel') == "Hel"
+    assert reader.feed('lo"') == "lo"
+    assert reader.feed(" }") == ""
+    assert reader.calls() is None
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_calls_say_nothing_and_are_read_once_whole(size: int) -> None:
+    answer = '{\n "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": "x\\"y"}}]}'
+    text, reader = read_in_pieces(answer, size)
+    assert text == ""
+    assert reader.calls() == [ToolCall("add", json.dumps({"a": 2, "b": 'x"y'}))]
+
+
+def test_an_answer_cut_short_has_no_calls_and_the_text_it_had() -> None:
+    cut, reader = read_in_pieces('{"tool_calls": [{"name": "add", "argu', 3)
+    assert cut == "" and reader.calls() is None
+    text, reader = read_in_pieces('{"content": "It is sun', 3)
+    assert text == "It is sun" and reader.calls() is None
+    assert read_in_pieces("", 1)[1].calls() is None
+
+
+def test_a_required_call_admits_only_calls_of_the_tools() -> None:
+    schema = answer_schema([WEATHER, ADD], required=True, only=None, parallel=True)
+    calls = schema["properties"]["tool_calls"]
+    assert schema["required"] == ["tool_calls"] and calls["minItems"] == 1
+    assert "maxItems" not in calls
+    shapes = calls["items"]["anyOf"]
+    assert [s["properties"]["name"] for s in shapes] == [{"const": "get_weather"}, {"const": "add"}]
+    assert shapes[0]["properties"]["arguments"] == WEATHER["parameters"]
+    assert shapes[1]["properties"]["arguments"] == {"type": "object"}  # none given
+
+
+def test_auto_admits_text_or_calls_a_named_tool_only_it_and_one_call_if_not_parallel() -> None:
+    auto = answer_schema([WEATHER, ADD], required=False, only=None, parallel=False)
+    text, calls = auto["anyOf"]
+    assert text["properties"] == {"content": {"type": "string"}}
+    assert calls["properties"]["tool_calls"]["maxItems"] == 1
+    named = answer_schema([WEATHER, ADD], required=False, only="add", parallel=True)
+    shapes = named["properties"]["tool_calls"]["items"]["anyOf"]
+    assert [s["properties"]["name"]["const"] for s in shapes] == ["add"]
+
+
+def test_the_instructions_list_every_tool_and_the_shapes_allowed() -> None:
+    told = tools_instructions([WEATHER, ADD], required=False)
+    assert json.dumps(WEATHER) in told and json.dumps(ADD) in told
+    assert '{"content":' in told and '{"tool_calls":' in told
+    assert '{"content":' not in tools_instructions([WEATHER], required=True)
+
+
+def test_calls_travel_as_an_output_and_are_written_back_as_they_were_made() -> None:
+    calls = [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", '{"city": "Oslo"}')]
+    assert calls_in(calls_output(calls)) == calls
+    written = json.loads(written_calls(calls))
+    assert written == {"tool_calls": [
+        {"name": "add", "arguments": {"a": 1}},
+        {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    ]}  # fmt: skip
+    assert json.loads(written_calls([ToolCall("f", "not json")]))["tool_calls"][0] == {
+        "name": "f",
+        "arguments": "not json",
+    }
+    assert written_result("add", "3") == "The tool add returned: 3"
+    assert written_result(None, "3") == "A tool returned: 3"
+
+
+@pytest.mark.parametrize(
+    "data",
+    ["text", None, {"text": "timed"}, {"tool_calls": "x"}, {"tool_calls": [{"name": 1}]},
+     {"tool_calls": [{"name": "f", "arguments": {}}]}, {"tool_calls": ["f"]}, {"tool_calls": []}],
+)  # fmt: skip
+def test_what_is_not_calls_is_not_read_as_calls(data: Any) -> None:
+    assert calls_in(data) is None
