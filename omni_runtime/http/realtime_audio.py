@@ -7,7 +7,7 @@ pipeline's audio goes out resampled to the output format's rate."""
 from __future__ import annotations
 
 import io
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,11 @@ _SUBTYPES = {"audio/pcmu": "ULAW", "audio/pcma": "ALAW"}
 
 def rate_of(kind: AudioType) -> int:
     return PCM16_RATE if kind == "audio/pcm" else G711_RATE
+
+
+def described(kind: AudioType) -> dict[str, Any]:
+    """A format as a session describes it: its type and rate."""
+    return {"type": kind, "rate": rate_of(kind)}
 
 
 def uncodable(kind: AudioType) -> str | None:

@@ -3,9 +3,8 @@
 Client events are validated here, at the boundary, by pydantic: a known `type` with a
 body that does not fit, or an unknown `type`, becomes one `error` event (`EventError`)
 and the session goes on. Fields this server has no use for (noise reduction,
-transcription models, ...) are ignored, as the chat endpoint ignores its own; tools are
-dropped, the session saying `"tools": []` (a pipeline calls none); what it uses is
-checked and bounded. Server events are plain dicts with a fresh `event_id`.
+transcription models, ...) are ignored, as the chat endpoint ignores its own; what it
+uses is checked and bounded. Server events are plain dicts with a fresh `event_id`.
 """
 
 from __future__ import annotations
@@ -17,9 +16,18 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
 
 from omni_runtime.http.errors import field_path
+from omni_runtime.http.tools import FunctionDef, ToolName
 
 MAX_TEXT_CHARS = 32_768
 MAX_PARTS = 16
@@ -97,6 +105,22 @@ class AudioConfig(_Body):
     output: AudioOutput | None = None
 
 
+class RealtimeTool(FunctionDef):
+    """A function as a Realtime session takes it: flat (`name`, `parameters`, ... beside
+    `type`), where the chat endpoint nests it under `function`."""
+
+    type: Literal["function"] = "function"
+
+
+class NamedTool(_Body):
+    type: Literal["function"]
+    name: ToolName
+
+
+RealtimeToolChoice = Literal["auto", "none", "required"] | NamedTool
+Tools = Annotated[list[RealtimeTool], Field(max_length=128)]
+
+
 class SessionFields(_Body):
     type: Literal["realtime"] | None = None
     instructions: Text | None = None
@@ -104,6 +128,8 @@ class SessionFields(_Body):
     audio: AudioConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    tools: Tools | None = None
+    tool_choice: RealtimeToolChoice | None = None
 
 
 class ContentPart(_Body):
@@ -121,8 +147,50 @@ class MessageItem(_Body):
     content: Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_PARTS)]
 
 
+class CallItem(_Body):
+    """A call the assistant made (a client may put one in the conversation)."""
+
+    type: Literal["function_call"]
+    id: Id | None = None
+    call_id: Id
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class CallOutputItem(_Body):
+    """What a call returned: the client's answer to a `function_call` item."""
+
+    type: Literal["function_call_output"]
+    id: Id | None = None
+    call_id: Id
+    output: Text
+
+
+def _item_class(item: Any) -> str | None:
+    """An item's model, by its `type` (named so in errors' paths, which drop it)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return _ITEM_CLASSES.get(kind) if isinstance(kind, str) else None
+
+
+_ITEM_CLASSES = {"message": "MessageItem", "function_call": "CallItem",
+                 "function_call_output": "CallOutputItem"}  # fmt: skip
+ClientItem = Annotated[
+    Annotated[MessageItem, Tag("MessageItem")]
+    | Annotated[CallItem, Tag("CallItem")]
+    | Annotated[CallOutputItem, Tag("CallOutputItem")],
+    Discriminator(
+        _item_class,
+        custom_error_type="invalid_item",
+        custom_error_message="an item's type must be 'message', 'function_call' or "
+        "'function_call_output'",
+    ),
+]
+
+
 class ResponseFields(_Body):
     instructions: Text | None = None
+    tools: Tools | None = None
+    tool_choice: RealtimeToolChoice | None = None
     output_modalities: Modalities | None = None
     audio: AudioConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
@@ -153,7 +221,7 @@ class BufferClear(_Event):
 
 class ItemCreate(_Event):
     type: Literal["conversation.item.create"]
-    item: MessageItem
+    item: ClientItem
     previous_item_id: Id | None = None
 
 
@@ -188,6 +256,25 @@ KNOWN_TYPES = frozenset(
         "response.cancel",
     }
 )
+
+
+def checked_tools(
+    tools: list[RealtimeTool], choice: RealtimeToolChoice, where: str, model: str, calls: bool
+) -> None:
+    """EventError for tools `where` ("session", "response") cannot call: the model's
+    pipeline `calls` none, or the choice names none of them or needs them."""
+    if tools and choice != "none" and not calls:
+        raise EventError(f"the model {model!r} calls no tools (its pipeline's outputs.tools "
+                         "is false)", code="unsupported_parameter", param=f"{where}.tools")  # fmt: skip
+    if isinstance(choice, NamedTool) and choice.name not in {t.name for t in tools}:
+        raise EventError(f"tool_choice names {choice.name!r}, which is none of the tools",
+                         param=f"{where}.tool_choice")  # fmt: skip
+    if choice == "required" and not tools:
+        raise EventError("tool_choice 'required' needs tools", param=f"{where}.tool_choice")
+
+
+def shown_choice(choice: RealtimeToolChoice) -> Any:
+    return choice if isinstance(choice, str) else choice.model_dump()
 
 
 def parse_client_event(raw: str | bytes) -> ClientEvent:

@@ -3,7 +3,8 @@
 The pipeline's text stage becomes `response.output_text.delta` (text modality) and
 `response.output_audio_transcript.delta` (audio modality); its audio stage becomes
 `response.output_audio.delta`, resampled with soxr to 24 kHz PCM16 as the protocol
-requires; an audio-input pipeline's speech-to-text stage (stage 0, when it is final
+requires; calls of the session's tools become `function_call` items after the message
+(each whole: one `response.function_call_arguments.delta`, then its `.done`); an audio-input pipeline's speech-to-text stage (stage 0, when it is final
 and neither the text nor the audio stage) becomes the user item's transcript.
 A cancel (barge-in, `response.cancel`, disconnect) ends the response at once with
 `status: cancelled` and aborts the request at every stage.
@@ -20,6 +21,7 @@ from typing import Any, Literal, cast
 
 from omni_runtime.client.client import RequestTimeoutError
 from omni_runtime.client.playback import Playback
+from omni_runtime.core.tool_calls import ToolCall, calls_in, written_calls, written_result
 from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.audio import AudioFormatError, as_pcm
 from omni_runtime.http.errors import ApiError
@@ -29,6 +31,7 @@ from omni_runtime.http.realtime_audio import AudioType, OutputEncoder, rate_of
 from omni_runtime.http.realtime_events import b64, event, new_id
 from omni_runtime.http.schemas import ErrorBody
 from omni_runtime.http.sockets import open_shielded
+from omni_runtime.http.tools import call_id
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +47,33 @@ class Item:
     text: str = ""
     audio: bytes | None = None
     """Input audio (24 kHz PCM16) not yet heard by a pipeline: only the latest is kept."""
-    kind: Literal["text", "audio"] = "text"
+    kind: Literal["text", "audio", "function_call", "function_call_output"] = "text"
     status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    call_id: str = ""
+    name: str = ""
+    said: str = ""
+    """A call's arguments, or the output a call returned."""
+
+    @classmethod
+    def call(cls, item_id: str, call_id: str, made: ToolCall) -> Item:
+        """A call the assistant made; the thinker reads it as its own JSON."""
+        return cls(item_id, "assistant", written_calls([made]), kind="function_call",
+                   call_id=call_id, name=made.name, said=made.arguments)  # fmt: skip
+
+    @classmethod
+    def result(cls, item_id: str, call_id: str, name: str | None, output: str) -> Item:
+        """What a call returned, as the client gave it; the thinker reads it as a user turn."""
+        return cls(item_id, "user", written_result(name, output),
+                   kind="function_call_output", call_id=call_id, said=output)  # fmt: skip
 
     def as_dict(self, modalities: list[str] | None = None) -> dict[str, Any]:
         """The item as Realtime events show it (audio is never echoed back)."""
+        shown = {"id": self.id, "object": "realtime.item", "type": self.kind,
+                 "status": self.status, "call_id": self.call_id}  # fmt: skip
+        if self.kind == "function_call":
+            return shown | {"name": self.name, "arguments": self.said}
+        if self.kind == "function_call_output":
+            return shown | {"output": self.said}
         if self.role == "assistant":
             mods = modalities or ["audio"]
             parts: list[dict[str, Any]] = []
@@ -101,6 +126,8 @@ class Response:
     """A stage after the speech-to-text one has output (its transcript is due once heard)."""
     output_format: AudioType = "audio/pcm"
     """The session's, when the response started: what its audio deltas carry."""
+    calls: list[Item] = field(default_factory=list)
+    """The calls of tools it answered with, after its message item."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
@@ -127,6 +154,7 @@ class Response:
         }  # fmt: skip
         if status != "in_progress":
             body["output"] = [self.item.as_dict(self.modalities)]
+            body["output"] += [call.as_dict() for call in self.calls]
             words = len(str(self.prompt).split()) if not isinstance(self.prompt, dict) else 0
             for m in self.prompt.get("messages", []) if isinstance(self.prompt, dict) else []:
                 words += len(m["content"].split())
@@ -187,7 +215,10 @@ class Response:
                             self._heard_done()
                     elif out.stage_id == outs.text_stage:
                         self._heard_done()
-                        self._text(str(out.data))
+                        if calls := calls_in(out.data):
+                            self._calls(run.request_id, calls)
+                        else:
+                            self._text(str(out.data))
                     elif out.stage_id == outs.audio_stage and audio:
                         self._heard_done()
                         self._audio(*encode(as_pcm(out.data)))
@@ -227,6 +258,24 @@ class Response:
         if "audio" in self.modalities:
             self.emit(event("response.output_audio_transcript.delta", **self._at(audio_index),
                             delta=piece))  # fmt: skip
+
+    def _calls(self, request_id: str, calls: list[ToolCall]) -> None:
+        """Each call as a `function_call` item of its own, sent whole."""
+        for made in calls:
+            if self.status is not None:
+                return
+            item = Item.call(new_id("item"), call_id(request_id, len(self.calls)), made)
+            self.calls.append(item)
+            at = {"response_id": self.id, "output_index": len(self.calls)}
+            started = item.as_dict() | {"status": "in_progress", "arguments": ""}
+            self.emit(event("response.output_item.added", **at, item=started))
+            self.emit(event("conversation.item.added", item=started))
+            ids = {**at, "item_id": item.id, "call_id": item.call_id}
+            self.emit(event("response.function_call_arguments.delta", **ids, delta=made.arguments))
+            self.emit(event("response.function_call_arguments.done", **ids, name=made.name,
+                            arguments=made.arguments))  # fmt: skip
+            self.emit(event("response.output_item.done", **at, item=item.as_dict()))
+            self.emit(event("conversation.item.done", item=item.as_dict()))
 
     def _audio(self, coded: bytes, samples: int) -> None:
         """One audio delta: `samples` of audio, coded in the output format."""

@@ -5,7 +5,9 @@ a pipeline whose `outputs.input` is `chat` gets the message list (the instructio
 as its system message); an `audio` one gets the latest spoken turn as a WAV file with
 the messages before it (`{"wav", "messages"}`); a `text` one gets the last user
 message alone. Server VAD turns appended audio into committed turns and responses,
-and speech that starts while a response plays cancels it (barge-in).
+and speech that starts while a response plays cancels it (barge-in). A pipeline whose
+text stage calls tools (`outputs.tools`) gets the session's tools with every response;
+the calls it makes, and the outputs the client adds for them, join the conversation.
 """
 
 from __future__ import annotations
@@ -15,28 +17,37 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from omni_runtime.client.playback import Playback
+from omni_runtime.core.tool_calls import ToolCall
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.http.gateway import Gateway, Served
-from omni_runtime.http.realtime_audio import AudioType, InputDecoder, rate_of, uncodable
+from omni_runtime.http.realtime_audio import AudioType, InputDecoder, described, uncodable
 from omni_runtime.http.realtime_events import (
     SAMPLE_RATE,
     AudioConfig,
     BufferAppend,
     BufferClear,
     BufferCommit,
+    CallItem,
+    CallOutputItem,
     ClientEvent,
     EventError,
     ItemCreate,
+    NamedTool,
+    RealtimeTool,
+    RealtimeToolChoice,
     ResponseCancel,
     ResponseCreate,
     ServerVad,
     SessionUpdate,
+    checked_tools,
     decode_audio,
     event,
     new_id,
+    shown_choice,
 )
 from omni_runtime.http.realtime_response import Item, Response, Status
 from omni_runtime.http.sockets import RealtimeSettings
+from omni_runtime.http.tools import tool_params
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
 
 MAX_ITEMS = 200
@@ -68,6 +79,8 @@ class Session:
         self.speed: float | None = None
         self.max_tokens: int | None = None
         self.truncation: Literal["auto", "disabled"] = "auto"
+        self.tools: list[RealtimeTool] = []
+        self.tool_choice: RealtimeToolChoice = "auto"
         """`auto`: a thinker whose context the conversation outgrows drops its oldest turns."""
         self.input_format: AudioType = "audio/pcm"
         self.output_format: AudioType = "audio/pcm"
@@ -86,12 +99,14 @@ class Session:
     # --- what the client sees of the session ------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        heard, said = (_format(f) for f in (self.input_format, self.output_format))
+        heard, said = (described(f) for f in (self.input_format, self.output_format))
         vad = None if self.vad_config is None else self.vad_config.model_dump(exclude_none=True)
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id,
             "model": self.served.name, "output_modalities": self.modalities,
-            "instructions": self.instructions, "tools": [], "tool_choice": "auto",
+            "instructions": self.instructions,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+            "tool_choice": shown_choice(self.tool_choice),
             "max_output_tokens": self.max_tokens or self.served.default_max_tokens or "inf",
             "truncation": self.truncation,
             "audio": {"input": {"format": heard, "turn_detection": vad, "transcription": None},
@@ -144,6 +159,15 @@ class Session:
                              param="output_modalities")  # fmt: skip
         return mods
 
+    def _tools(
+        self, tools: list[RealtimeTool] | None, choice: RealtimeToolChoice | None, where: str
+    ) -> tuple[list[RealtimeTool], RealtimeToolChoice]:
+        """The tools and choice `where` ("session", "response") asks for, checked."""
+        tools = self.tools if tools is None else tools
+        choice = self.tool_choice if choice is None else choice
+        checked_tools(tools, choice, where, self.served.name, self.served.outputs.tools)
+        return tools, choice
+
     def _update(self, ev: SessionUpdate) -> None:
         s = ev.session
         modalities = self._modalities(s.output_modalities)
@@ -155,6 +179,8 @@ class Session:
             self.max_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
         if s.truncation is not None:
             self.truncation = s.truncation
+        if s.tools is not None or s.tool_choice is not None:
+            self.tools, self.tool_choice = self._tools(s.tools, s.tool_choice, "session")
         self.emit(event("session.updated", session=self.describe()))
 
     def _apply_audio(self, audio: AudioConfig | None) -> None:
@@ -244,6 +270,17 @@ class Session:
 
     def _create_item(self, ev: ItemCreate) -> None:
         given = ev.item
+        previous = self.items[-1].id if self.items else None
+        if isinstance(given, CallItem):
+            made = ToolCall(given.name, given.arguments)
+            self._add(Item.call(given.id or new_id("item"), given.call_id, made), previous)
+            return
+        if isinstance(given, CallOutputItem):
+            name = next((i.name for i in self.items if i.call_id == given.call_id
+                         and i.kind == "function_call"), None)  # fmt: skip
+            result = Item.result(given.id or new_id("item"), given.call_id, name, given.output)
+            self._add(result, previous)
+            return
         texts: list[str] = []
         audio = bytearray()
         for i, part in enumerate(given.content):
@@ -260,7 +297,6 @@ class Session:
                     bytes(audio) or None, kind)  # fmt: skip
         if kind == "text" and not item.text.strip():
             raise EventError("the item has no text and no audio", param="item.content")
-        previous = self.items[-1].id if self.items else None
         self._add(item, previous)
 
     # --- responses ------------------------------------------------------------------------
@@ -278,6 +314,10 @@ class Session:
                                   "truncation": self.truncation}  # fmt: skip
         if fields is not None and fields.max_output_tokens not in (None, "inf"):
             params["max_tokens"] = fields.max_output_tokens
+        tools, choice = self._tools(fields.tools if fields else None,
+                                    fields.tool_choice if fields else None, "response")  # fmt: skip
+        named = choice.name if isinstance(choice, NamedTool) else None
+        params |= tool_params(tools, choice if isinstance(choice, str) else None, named)
         if fields is not None and fields.audio is not None and fields.audio.output is not None:
             voice = fields.audio.output.voice
             params["voice"] = voice if isinstance(voice, str) or voice is None else voice.id
@@ -295,6 +335,8 @@ class Session:
         response.start()
 
     def _response_done(self, response: Response, status: Status) -> None:
+        self.items.extend(response.calls)
+        del self.items[:-MAX_ITEMS]
         if self.active is response:
             self.active = None
             self.on_idle()
@@ -344,8 +386,3 @@ class Session:
         if self.active is not None:
             self.active.cancel("client_cancelled")
         self.gateway.metrics.observe("omni_realtime_session_worst_gap_seconds", self.worst_gap_s)
-
-
-def _format(kind: AudioType) -> dict[str, Any]:
-    """A format as the session describes it: its type and rate."""
-    return {"type": kind, "rate": rate_of(kind)}

@@ -30,8 +30,8 @@ from omni_runtime.http.tools import (
     FunctionTool,
     ToolChoice,
     calls_written,
+    chat_tool_params,
     result_written,
-    tool_params,
     unknown_choice,
 )
 
@@ -240,7 +240,7 @@ class ChatCompletionRequest(RequestModel):
         return bool(self.tool_params())
 
     def tool_params(self) -> dict[str, Any]:
-        return tool_params(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return chat_tool_params(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def params(self) -> dict[str, Any]:
         """The request's parameters for the stages: only what the client set."""

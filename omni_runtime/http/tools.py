@@ -5,6 +5,7 @@ format of `core/tool_calls.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -72,19 +73,31 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def tool_params(
-    tools: list[FunctionTool] | None, choice: ToolChoice | None, parallel: bool | None
+    functions: Sequence[FunctionDef],
+    choice: str | None,
+    named: str | None = None,
+    parallel: bool | None = None,
 ) -> dict[str, Any]:
-    """The text stage's parameters for a chat's tools (none when it may call none)."""
-    if not tools or choice == "none":
+    """The text stage's parameters for the functions a request offers (none when it may call
+    none: `choice` "none"): `choice` "required", or the one function `named`."""
+    if not functions or choice == "none":
         return {}
-    given: dict[str, Any] = {"tools": [t.function.stage_form() for t in tools]}
-    if isinstance(choice, NamedToolChoice):
-        given["tool_name"] = choice.function.name
+    given: dict[str, Any] = {"tools": [f.stage_form() for f in functions]}
+    if named is not None:
+        given["tool_name"] = named
     elif choice == "required":
         given["tool_choice"] = "required"
     if parallel is False:
         given["parallel_tool_calls"] = False
     return given
+
+
+def chat_tool_params(
+    tools: list[FunctionTool] | None, choice: ToolChoice | None, parallel: bool | None
+) -> dict[str, Any]:
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    plain = choice if isinstance(choice, str) else None
+    return tool_params([t.function for t in tools or ()], plain, named, parallel)
 
 
 def unknown_choice(tools: list[FunctionTool] | None, choice: ToolChoice | None) -> str | None:

@@ -29,7 +29,7 @@ from openai.types.chat import (
 from omni_runtime.engines.wer import wer
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.local.launcher import redis_server_binary
-from tests.e2e.realtime_client import RATE, speech
+from tests.e2e.realtime_client import RATE, Heard, speech, take, until_done
 from tests.e2e.serving import ROOT, ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable
@@ -198,6 +198,56 @@ def test_a_voice_chat_calls_a_tool_says_nothing_of_it_and_speaks_the_answer_afte
     assert after.choices[0].finish_reason in ("stop", "length") and not message.tool_calls
     assert message.content and message.audio is not None
     assert wav_frames(base64.b64decode(message.audio.data))[1] > 8000, message.content
+
+
+async def test_a_realtime_session_calls_a_tool_and_speaks_the_answer_to_its_output(
+    server: ServeProcess,
+) -> None:
+    """OpenAI's Realtime function calling with its own client: a session's tool called as a
+    `function_call` item (its arguments in one delta, then done; no speech), the output
+    the client adds for it read with the next response, which is spoken."""
+    weather: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                              "required": ["city"]}}  # fmt: skip
+    api = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    async with api.realtime.connect(model="voice") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={
+            "type": "realtime", "tools": [weather], "tool_choice": "required",
+            "audio": {"input": {"turn_detection": None}},
+        })  # fmt: skip
+        updated: Any = await conn.recv()
+        assert updated.type == "session.updated", updated
+        assert [t.name for t in updated.session.tools] == ["get_weather"]
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "What is the weather in Paris?"}],
+        })  # fmt: skip
+        await conn.response.create()
+        calls: list[Any] = []
+        heard = Heard()
+        async with asyncio.timeout(120):
+            while heard.done is None:
+                ev = await conn.recv()
+                take(heard, ev)
+                if ev.type == "response.function_call_arguments.done":
+                    calls.append(ev)
+        assert heard.errors == [] and heard.status == "completed", heard.kinds
+        assert calls and calls[0].name == "get_weather", heard.kinds
+        assert json.loads(calls[0].arguments)["city"].strip()
+        assert not heard.audio  # a call says nothing
+        output = [o for o in heard.done.response.output if o.type == "function_call"]
+        assert [o.call_id for o in output] == [c.call_id for c in calls]
+
+        await conn.conversation.item.create(item={
+            "type": "function_call_output", "call_id": calls[0].call_id,
+            "output": '{"sky": "sunny", "celsius": 18}',
+        })  # fmt: skip
+        await conn.response.create(response={"tool_choice": "none"})
+        answer = await until_done(conn)
+    assert answer.errors == [] and answer.status == "completed", answer.kinds
+    assert "response.function_call_arguments.done" not in answer.kinds
+    assert answer.transcript.strip() and len(answer.audio) > 2 * RATE // 2, answer.transcript
 
 
 async def test_a_models_tokens_written_into_a_speech_stream_are_heard_back(

@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 from omni_runtime.http.realtime_audio import AudioType, InputDecoder, OutputEncoder
-from omni_runtime.http.realtime_events import EventError, parse_client_event
+from omni_runtime.http.realtime_events import (
+    CallItem,
+    CallOutputItem,
+    EventError,
+    ItemCreate,
+    NamedTool,
+    RealtimeTool,
+    SessionUpdate,
+    checked_tools,
+    parse_client_event,
+)
 
 
 @pytest.mark.parametrize(
@@ -21,6 +31,10 @@ from omni_runtime.http.realtime_events import EventError, parse_client_event
         ({"max_output_tokens": -5}, "session.max_output_tokens"),
         ({"output_modalities": ["video"]}, "session.output_modalities.0"),
         ({"truncation": "sometimes"}, "session.truncation"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "session.tools.0.name"),
+        ({"tools": [{"type": "web_search", "name": "f"}]}, "session.tools.0.type"),
+        ({"tool_choice": {"type": "function"}}, "session.tool_choice"),
+        ({"tool_choice": "sometimes"}, "session.tool_choice"),
     ],
 )
 def test_a_bad_session_update_names_the_field(session: dict[str, Any], param: str) -> None:
@@ -61,3 +75,40 @@ def test_pcm_in_is_taken_as_it_is_whole_samples_only() -> None:
     assert decode(b"\x01\x02\x03\x04") == b"\x01\x02\x03\x04"
     with pytest.raises(ValueError, match="odd byte count"):
         decode(b"\x01\x02\x03")
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+
+
+def test_tools_are_flat_functions_and_calls_and_their_outputs_are_items() -> None:
+    update = parse_client_event(json.dumps({"type": "session.update", "session": {
+        "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}}))  # fmt: skip
+    assert isinstance(update, SessionUpdate) and update.session.tools is not None
+    (tool,) = update.session.tools
+    assert json.loads(tool.stage_form()) == {k: v for k, v in WEATHER.items() if k != "type"}
+    assert update.session.tool_choice == NamedTool(type="function", name="get_weather")
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    made = parse_client_event(json.dumps({"type": "conversation.item.create", "item": call}))
+    assert isinstance(made, ItemCreate) and isinstance(made.item, CallItem)
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    given = parse_client_event(json.dumps({"type": "conversation.item.create", "item": output}))
+    assert isinstance(given, ItemCreate) and isinstance(given.item, CallOutputItem)
+    with pytest.raises(EventError) as caught:
+        bad = {"type": "function_call_output", "output": "no call"}
+        parse_client_event(json.dumps({"type": "conversation.item.create", "item": bad}))
+    assert caught.value.param == "item.call_id"
+
+
+def test_tools_a_model_cannot_call_or_a_choice_among_none_are_refused() -> None:
+    tools = [RealtimeTool.model_validate(WEATHER)]
+    checked_tools(tools, "auto", "session", "voice", calls=True)
+    checked_tools(tools, "none", "session", "omni", calls=False)  # none: nothing is called
+    checked_tools([], "auto", "session", "omni", calls=False)
+    with pytest.raises(EventError, match="calls no tools") as caught:
+        checked_tools(tools, "auto", "response", "omni", calls=False)
+    assert (caught.value.param, caught.value.code) == ("response.tools", "unsupported_parameter")
+    with pytest.raises(EventError, match="none of the tools"):
+        checked_tools(tools, NamedTool(type="function", name="clock"), "session", "voice", True)
+    with pytest.raises(EventError, match="needs tools"):
+        checked_tools([], "required", "session", "voice", calls=True)
