@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_runtime.core.tool_calls import ToolCall, written_calls, written_result
 from omni_runtime.core.types import MAX_PARAM_STR_CHARS, param_json
@@ -51,6 +51,15 @@ class FunctionDef(_In):
                 "characters of JSON"
             )
         return schema
+
+    @model_validator(mode="after")
+    def _fits_a_param(self) -> FunctionDef:
+        if len(self.stage_form()) > MAX_PARAM_STR_CHARS:
+            raise ValueError(
+                f"a function must be at most {MAX_PARAM_STR_CHARS} characters of JSON "
+                "(its name, description and parameters)"
+            )
+        return self
 
 
 class FunctionTool(_In):

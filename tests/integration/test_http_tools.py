@@ -148,6 +148,8 @@ async def test_the_history_of_calls_and_results_reaches_the_stage_as_text(
          "tools.0.function.parameters"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
           {"type": "object", "description": "x" * 3000}}}]}, "tools.0.function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 3000,
+          "parameters": {"type": "object", "description": "x" * 1500}}}]}, "tools.0.function"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )  # fmt: skip
