@@ -50,6 +50,7 @@ SCENARIOS = (
     "real_pipeline",
     "realtime",
     "speech_stream",
+    "tool_calls",
 )
 PEERS = "peers"
 """Only with --peers: Ray Serve is an optional extra, not installed by default."""

@@ -68,9 +68,11 @@ def tools_instructions(tools: list[dict[str, Any]], required: bool) -> str:
     """What the model is told of its tools and of the shape of its answer."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     shapes = '{"tool_calls": [{"name": "<a tool\'s name>", "arguments": {<its arguments>}}]}'
+    when = ""
     if not required:
         shapes = '{"content": "<your answer>"} or ' + shapes
-    return f"You can call these tools:\n{listed}\nAnswer with JSON: {shapes}"
+        when = "Call a tool only when the user's question needs what it returns; otherwise answer yourself.\n"
+    return f"You can call these tools:\n{listed}\n{when}Answer with JSON: {shapes}"
 
 
 def written_calls(calls: list[ToolCall]) -> str:
@@ -118,15 +120,23 @@ _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r"
 
 
 class AnswerReader:
-    """Reads an answer in the shape above as it is written: its text as it comes, its
-    calls once it is whole."""
+    """Reads an answer in the shape above as it is written: its text as it comes, each of
+    its calls as soon as that call's object is whole (so a call cut off by the token
+    limit loses only itself)."""
 
     def __init__(self) -> None:
         self._raw = ""
         self._kind: str | None = None
         self._at = 0
-        """Where the text not yet given starts (in content)."""
+        """Where what is not yet read starts: in the text, or in the list of calls."""
         self._text_done = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._call_start = 0
+        self._calls: list[ToolCall] = []
+        self._given = 0
+        """Calls already taken (`take_calls`)."""
 
     def feed(self, piece: str) -> str:
         """The text the answer's content gained with `piece` ("" for calls)."""
@@ -135,15 +145,50 @@ class AnswerReader:
             opened = _OPENING.match(self._raw)
             if opened is None:
                 return ""
-            self._kind, self._at = opened.group(1), opened.end()
-            if self._kind == CONTENT:
-                if self._raw[self._at : self._at + 1] != '"':
-                    self._kind = None  # the string's quote is yet to come
-                    return ""
-                self._at += 1
-        if self._kind != CONTENT or self._text_done:
+            kind, at = opened.group(1), opened.end()
+            opening = '"' if kind == CONTENT else "["
+            if self._raw[at : at + 1] != opening:
+                return ""  # its string's quote, or its list's bracket, is yet to come
+            self._kind, self._at = kind, at + 1
+        if self._kind == TOOL_CALLS:
+            self._scan_calls()
+            return ""
+        if self._text_done:
             return ""
         return self._decode()
+
+    def _scan_calls(self) -> None:
+        """Each call object closed since the last scan, parsed."""
+        raw = self._raw
+        for i in range(self._at, len(raw)):
+            ch = raw[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == "{":
+                if self._depth == 0:
+                    self._call_start = i
+                self._depth += 1
+            elif ch == "}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._read_call(raw[self._call_start : i + 1])
+        self._at = len(raw)
+
+    def _read_call(self, text: str) -> None:
+        try:
+            call = json.loads(text)
+            made = ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+        except (ValueError, LookupError, TypeError):
+            return  # not the shape asked (the grammar allows no other): nothing to call
+        if isinstance(made.name, str):
+            self._calls.append(made)
 
     def _decode(self) -> str:
         out: list[str] = []
@@ -180,14 +225,13 @@ class AnswerReader:
         self._at = i
         return "".join(out)
 
-    def calls(self) -> list[ToolCall] | None:
-        """Once the answer is whole: its calls, or None if it is text (or was cut short)."""
-        if self._kind != TOOL_CALLS:
-            return None
-        try:
-            found = json.loads(self._raw)[TOOL_CALLS]
-            return [
-                ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in found
-            ]
-        except (ValueError, LookupError, TypeError):
-            return None  # cut at the token limit (no call is whole), or not the shape asked
+    def take_calls(self) -> list[ToolCall]:
+        """The calls made whole since the last take."""
+        taken = self._calls[self._given :]
+        self._given = len(self._calls)
+        return taken
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer has made a whole call."""
+        return bool(self._calls)

@@ -204,17 +204,20 @@ def told(messages: list[dict[str, str]], instructions: str) -> list[dict[str, st
 
 
 async def read_calls(answer: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """An answer asked with tools, read in its shape: its text as it is written, then a
-    `Final` with either the rest of the text or its calls (`finish_reason` "tool_calls")."""
+    """An answer asked with tools, read in its shape: its text as it is written, each call
+    as soon as it is whole (an output `{"tool_calls": [...]}`), then a `Final` with the rest
+    (`finish_reason` "tool_calls" once a call was made, unless the answer was cut)."""
     reader = AnswerReader()
     async for piece in answer:
         if not isinstance(piece, Final):
             if text := reader.feed(piece):
                 yield text
+            if calls := reader.take_calls():
+                yield calls_output(calls)
             continue
         rest = reader.feed(piece.data) if isinstance(piece.data, str) else ""
-        calls = reader.calls()
-        if calls:
-            yield Final(calls_output(calls), "tool_calls", piece.usage)
-        else:
-            yield Final(rest, piece.finish_reason, piece.usage)
+        calls = reader.take_calls()
+        reason = piece.finish_reason
+        if reader.called and reason != "length":
+            reason = "tool_calls"
+        yield Final(calls_output(calls) if calls else rest, reason, piece.usage)

@@ -22,9 +22,11 @@ class TextEvent:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEvent:
-    """The answer is calls of the request's tools (its text stage's last output)."""
+    """Calls of the request's tools the answer made (each whole), `first` the index of the
+    first of them among all its calls."""
 
     calls: list[ToolCall]
+    first: int = 0
 
 
 @dataclass(frozen=True, slots=True)

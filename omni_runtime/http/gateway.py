@@ -321,6 +321,8 @@ class Run:
     async def events(self) -> AsyncGenerator[Event, None]:
         out_cfg = self.served.outputs
         first_text = True
+        made = 0
+        """Calls so far: the next one's index."""
         timer = self.gateway.timer
         timeout_s = self.served.settings.request_timeout_s  # OMNI_REQUEST_TIMEOUT_S
         try:
@@ -333,8 +335,9 @@ class Run:
                     return
                 self.note_end(out)
                 if out.stage_id == out_cfg.text_stage and (calls := calls_in(out.data)):
-                    self.finish_reason = "tool_calls"  # whatever the stage said of its end
-                    yield ToolCallEvent(calls)
+                    self.finish_reason = "tool_calls"  # unless its end says otherwise
+                    yield ToolCallEvent(calls, made)
+                    made += len(calls)
                 elif out.stage_id == out_cfg.text_stage and out.data is not None:
                     text, timing = text_of(out.data)
                     if text:

@@ -217,7 +217,7 @@ async def _chat_sse(
                 spoken = AudioDelta(id=audio_id, transcript=ev.text) if run.audio else None
                 yield chunk(Delta(content=ev.text, audio=spoken))
             elif isinstance(ev, ToolCallEvent):
-                yield chunk(Delta(tool_calls=call_deltas(run.request_id, ev.calls)))
+                yield chunk(Delta(tool_calls=call_deltas(run.request_id, ev.calls, ev.first)))
             elif isinstance(ev, AudioEvent):
                 pcm = resample(ev.pcm)
                 if pcm.size:
@@ -249,7 +249,8 @@ async def _chat_whole(
             if isinstance(ev, TextEvent):
                 text.append(ev.text)
             elif isinstance(ev, ToolCallEvent):
-                message.tool_calls = calls_out(run.request_id, ev.calls)
+                made = calls_out(run.request_id, ev.calls, ev.first)
+                message.tool_calls = [*(message.tool_calls or []), *made]
             elif isinstance(ev, AudioEvent):
                 audio.append(ev.pcm)
             else:

@@ -176,17 +176,18 @@ def call_id(request_id: str, k: int) -> str:
     return f"call_{request_id}_{k}"
 
 
-def calls_out(request_id: str, calls: list[ToolCall]) -> list[CallOut]:
+def calls_out(request_id: str, calls: list[ToolCall], first: int = 0) -> list[CallOut]:
+    """The calls as an answer's, `first` the index of the first among all of them."""
     return [
         CallOut(
             id=call_id(request_id, k), function=FunctionCalled(name=c.name, arguments=c.arguments)
         )
-        for k, c in enumerate(calls)
+        for k, c in enumerate(calls, first)
     ]
 
 
-def call_deltas(request_id: str, calls: list[ToolCall]) -> list[CallDelta]:
+def call_deltas(request_id: str, calls: list[ToolCall], first: int = 0) -> list[CallDelta]:
     return [
-        CallDelta(index=k, id=out.id, function=out.function)
-        for k, out in enumerate(calls_out(request_id, calls))
+        CallDelta(index=first + k, id=out.id, function=out.function)
+        for k, out in enumerate(calls_out(request_id, calls, first))
     ]

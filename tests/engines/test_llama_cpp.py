@@ -178,6 +178,12 @@ ADD = {
 TOOLS = [json.dumps(WEATHER), json.dumps(ADD)]
 
 
+def calls_of(outs: list[Any]) -> list[dict[str, Any]]:
+    """Every call an answer made, from its outputs (each call's, and its `Final`'s)."""
+    datas = [o.data if isinstance(o, Final) else o for o in outs]
+    return [c for d in datas if isinstance(d, dict) for c in d["tool_calls"]]
+
+
 async def test_a_required_call_is_a_call_of_a_tool_with_its_arguments_shape(
     engine: LlamaCppEngine,
 ) -> None:
@@ -186,9 +192,9 @@ async def test_a_required_call_is_a_call_of_a_tool_with_its_arguments_shape(
     not parallel, one call."""
     q = "What is the weather in Paris?"
     outs = await answer(engine, "call", q, tools=TOOLS, tool_choice="required", max_tokens=120)
-    assert len(outs) == 1 and isinstance(outs[0], Final)  # no text before the calls
-    assert outs[0].finish_reason == "tool_calls"
-    calls = outs[0].data["tool_calls"]
+    assert not any(isinstance(o, str) for o in outs)  # no text: calls, each when whole
+    assert isinstance(outs[-1], Final) and outs[-1].finish_reason in ("tool_calls", "length")
+    calls = calls_of(outs)
     assert calls and all(c["name"] in ("get_weather", "add") for c in calls)
     for call in calls:
         arguments = json.loads(call["arguments"])
@@ -198,7 +204,8 @@ async def test_a_required_call_is_a_call_of_a_tool_with_its_arguments_shape(
         engine, "named", "What is 2 plus 3?", tools=TOOLS, tool_name="add",
         parallel_tool_calls=False, max_tokens=120,
     )  # fmt: skip
-    ((call,),) = [o.data["tool_calls"] for o in outs if isinstance(o, Final)]
+    (call,) = calls_of(outs)
+    assert outs[-1].finish_reason == "tool_calls"
     assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}
 
 

@@ -39,7 +39,7 @@ def test_the_text_of_an_answer_comes_as_it_is_written_whatever_its_pieces(size: 
     answer = json.dumps({"content": said}, indent=1)  # escapes, \\u pairs, newlines
     text, reader = read_in_pieces(answer, size)
     assert text == said
-    assert reader.calls() is None
+    assert reader.take_calls() == [] and not reader.called
     ascii_answer = json.dumps({"content": said}, ensure_ascii=True)
     assert read_in_pieces(ascii_answer, size)[0] == said
 
@@ -51,23 +51,39 @@ def test_text_waits_for_its_opening_and_stops_at_its_closing_quote() -> None:
     assert reader.feed('"Hel') == "Hel"
     assert reader.feed('lo"') == "lo"
     assert reader.feed(" }") == ""
-    assert reader.calls() is None
+    assert not reader.called
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
-def test_calls_say_nothing_and_are_read_once_whole(size: int) -> None:
-    answer = '{\n "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": "x\\"y"}}]}'
-    text, reader = read_in_pieces(answer, size)
+def test_calls_say_nothing_and_each_is_read_once_whole(size: int) -> None:
+    first = '{"name": "add", "arguments": {"a": 2, "b": "x\\"y}{"}}'
+    second = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    answer = f'{{\n "tool_calls": [{first}, {second}]}}'
+    reader, text, taken = AnswerReader(), "", []
+    for i in range(0, len(answer), size):
+        text += reader.feed(answer[i : i + size])
+        taken.append((i + size, reader.take_calls()))
     assert text == ""
-    assert reader.calls() == [ToolCall("add", json.dumps({"a": 2, "b": 'x"y'}))]
+    made = [(at, calls) for at, calls in taken if calls]
+    add = ToolCall("add", json.dumps({"a": 2, "b": 'x"y}{'}))
+    assert [c for _at, calls in made for c in calls] == [
+        add,
+        ToolCall("get_weather", '{"city": "Oslo"}'),
+    ]
+    if size == 1:  # each as soon as its object closed, not with the answer's end
+        assert made[0][0] == answer.index(first) + len(first)
+    assert reader.called and reader.take_calls() == []
 
 
-def test_an_answer_cut_short_has_no_calls_and_the_text_it_had() -> None:
+def test_an_answer_cut_short_keeps_its_whole_calls_and_the_text_it_had() -> None:
     cut, reader = read_in_pieces('{"tool_calls": [{"name": "add", "argu', 3)
-    assert cut == "" and reader.calls() is None
+    assert cut == "" and not reader.called
+    whole = '{"name": "add", "arguments": {"a": 1}}'
+    _cut, reader = read_in_pieces(f'{{"tool_calls": [{whole}, {{"name": "add", "argu', 3)
+    assert reader.take_calls() == [ToolCall("add", '{"a": 1}')]
     text, reader = read_in_pieces('{"content": "It is sun', 3)
-    assert text == "It is sun" and reader.calls() is None
-    assert read_in_pieces("", 1)[1].calls() is None
+    assert text == "It is sun" and not reader.called
+    assert not read_in_pieces("", 1)[1].called
 
 
 def test_a_required_call_admits_only_calls_of_the_tools() -> None:
