@@ -217,7 +217,7 @@ async def test_an_answer_that_may_call_tools_may_be_text_said_as_it_is_written(
         engine, "text", "Hello! Who are you?", tools=[json.dumps(WEATHER)], temperature=0.0,
         max_tokens=120,
     )  # fmt: skip
-    assert isinstance(outs[-1], Final) and outs[-1].finish_reason == "stop"
+    assert isinstance(outs[-1], Final) and outs[-1].finish_reason in ("stop", "length")
     assert len(outs) > 3 and all(isinstance(o, str) for o in outs[:-1])
     said = text(outs)
     assert said.strip() and not said.lstrip().startswith("{") and '\\"' not in said

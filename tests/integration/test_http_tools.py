@@ -131,7 +131,7 @@ async def test_the_history_of_calls_and_results_reaches_the_stage_as_text(
     prompt = json.loads(resp.json()["choices"][0]["message"]["content"])["prompt"]
     assert prompt["messages"][1:] == [
         {"role": "assistant", "content":
-         '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'},
+         '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'},
         {"role": "user", "content": 'The tool get_weather returned: {"sky": "clear"}'},
         {"role": "user", "content": "A tool returned: unasked"},
     ]  # fmt: skip

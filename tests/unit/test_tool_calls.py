@@ -36,21 +36,20 @@ def read_in_pieces(answer: str, size: int) -> tuple[str, AnswerReader]:
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
 def test_the_text_of_an_answer_comes_as_it_is_written_whatever_its_pieces(size: int) -> None:
     said = 'Say "hi"\\\\ then\nleave: caf\u00e9 \u2603 \U0001f600 \t/ end'
-    answer = json.dumps({"content": said}, indent=1)  # escapes, \\u pairs, newlines
+    answer = " " + json.dumps(said)  # escapes, \\u pairs
     text, reader = read_in_pieces(answer, size)
     assert text == said
     assert reader.take_calls() == [] and not reader.called
-    ascii_answer = json.dumps({"content": said}, ensure_ascii=True)
+    ascii_answer = json.dumps(said, ensure_ascii=True)
     assert read_in_pieces(ascii_answer, size)[0] == said
 
 
 def test_text_waits_for_its_opening_and_stops_at_its_closing_quote() -> None:
     reader = AnswerReader()
-    assert reader.feed('{ "content"') == ""
-    assert reader.feed(" : ") == ""
+    assert reader.feed(" \n") == ""
     assert reader.feed('"Hel') == "Hel"
     assert reader.feed('lo"') == "lo"
-    assert reader.feed(" }") == ""
+    assert reader.feed(" ") == ""
     assert not reader.called
 
 
@@ -58,7 +57,7 @@ def test_text_waits_for_its_opening_and_stops_at_its_closing_quote() -> None:
 def test_calls_say_nothing_and_each_is_read_once_whole(size: int) -> None:
     first = '{"name": "add", "arguments": {"a": 2, "b": "x\\"y}{"}}'
     second = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-    answer = f'{{\n "tool_calls": [{first}, {second}]}}'
+    answer = f"\n [{first}, {second}]"
     reader, text, taken = AnswerReader(), "", []
     for i in range(0, len(answer), size):
         text += reader.feed(answer[i : i + size])
@@ -76,22 +75,21 @@ def test_calls_say_nothing_and_each_is_read_once_whole(size: int) -> None:
 
 
 def test_an_answer_cut_short_keeps_its_whole_calls_and_the_text_it_had() -> None:
-    cut, reader = read_in_pieces('{"tool_calls": [{"name": "add", "argu', 3)
+    cut, reader = read_in_pieces('[{"name": "add", "argu', 3)
     assert cut == "" and not reader.called
     whole = '{"name": "add", "arguments": {"a": 1}}'
-    _cut, reader = read_in_pieces(f'{{"tool_calls": [{whole}, {{"name": "add", "argu', 3)
+    _cut, reader = read_in_pieces(f'[{whole}, {{"name": "add", "argu', 3)
     assert reader.take_calls() == [ToolCall("add", '{"a": 1}')]
-    text, reader = read_in_pieces('{"content": "It is sun', 3)
+    text, reader = read_in_pieces('"It is sun', 3)
     assert text == "It is sun" and not reader.called
     assert not read_in_pieces("", 1)[1].called
 
 
 def test_a_required_call_admits_only_calls_of_the_tools() -> None:
     schema = answer_schema([WEATHER, ADD], required=True, only=None, parallel=True)
-    calls = schema["properties"]["tool_calls"]
-    assert schema["required"] == ["tool_calls"] and calls["minItems"] == 1
-    assert "maxItems" not in calls
-    shapes = calls["items"]["anyOf"]
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert "maxItems" not in schema
+    shapes = schema["items"]["anyOf"]
     assert [s["properties"]["name"] for s in shapes] == [{"const": "get_weather"}, {"const": "add"}]
     assert shapes[0]["properties"]["arguments"] == WEATHER["parameters"]
     assert shapes[1]["properties"]["arguments"] == {"type": "object"}  # none given
@@ -100,29 +98,29 @@ def test_a_required_call_admits_only_calls_of_the_tools() -> None:
 def test_auto_admits_text_or_calls_a_named_tool_only_it_and_one_call_if_not_parallel() -> None:
     auto = answer_schema([WEATHER, ADD], required=False, only=None, parallel=False)
     text, calls = auto["anyOf"]
-    assert text["properties"] == {"content": {"type": "string"}}
-    assert calls["properties"]["tool_calls"]["maxItems"] == 1
+    assert text == {"type": "string"}
+    assert calls["type"] == "array" and calls["maxItems"] == 1
     named = answer_schema([WEATHER, ADD], required=False, only="add", parallel=True)
-    shapes = named["properties"]["tool_calls"]["items"]["anyOf"]
+    shapes = named["items"]["anyOf"]
     assert [s["properties"]["name"]["const"] for s in shapes] == ["add"]
 
 
 def test_the_instructions_list_every_tool_and_the_shapes_allowed() -> None:
     told = tools_instructions([WEATHER, ADD], required=False)
     assert json.dumps(WEATHER) in told and json.dumps(ADD) in told
-    assert '{"content":' in told and '{"tool_calls":' in told
-    assert '{"content":' not in tools_instructions([WEATHER], required=True)
+    assert '"<your answer>"' in told and '[{"name":' in told
+    assert "a string" not in tools_instructions([WEATHER], required=True)
 
 
 def test_calls_travel_as_an_output_and_are_written_back_as_they_were_made() -> None:
     calls = [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", '{"city": "Oslo"}')]
     assert calls_in(calls_output(calls)) == calls
     written = json.loads(written_calls(calls))
-    assert written == {"tool_calls": [
+    assert written == [
         {"name": "add", "arguments": {"a": 1}},
         {"name": "get_weather", "arguments": {"city": "Oslo"}},
-    ]}  # fmt: skip
-    assert json.loads(written_calls([ToolCall("f", "not json")]))["tool_calls"][0] == {
+    ]
+    assert json.loads(written_calls([ToolCall("f", "not json")]))[0] == {
         "name": "f",
         "arguments": "not json",
     }
