@@ -2,8 +2,9 @@
 to a JSON schema (llama.cpp's grammars): the model answers with one JSON value, either a
 string, its text (`"<text>"`), or a list of calls (`[{"name": ..., "arguments": {...}}]`),
 the schema built from the request's tools admitting only those shapes (only calls, when a
-call is required). The same shape is how the conversation's earlier calls are written
-back. A string's opening is one token: the text's first words are not held up by a
+call is required). The conversation's earlier calls and their results are written back
+as plain sentences (a small model given its calls back as JSON repeats that JSON as its
+next answer, spoken). A string's opening is one token: the text's first words are not held up by a
 wrapper (`{"content": "` was five, and 2.8x the first words' wait, `docs/engines.md`).
 
 Pure: the front door builds the stage's parameters and the history with it, the stage
@@ -67,21 +68,13 @@ def tools_instructions(tools: list[dict[str, Any]], required: bool) -> str:
 
 
 def written_calls(calls: list[ToolCall]) -> str:
-    """Earlier calls, as the model wrote them (an assistant message of the history)."""
-    written = [{"name": c.name, "arguments": _as_object(c.arguments)} for c in calls]
-    return json.dumps(written, ensure_ascii=False)
+    """Earlier calls, as the model reads them back (an assistant message of the history)."""
+    return "Let me call " + " and ".join(f"{c.name} with {c.arguments}" for c in calls) + "."
 
 
 def written_result(name: str | None, content: str) -> str:
     """A tool's result, as the model reads it (a user message of the history)."""
-    return f"The tool {name} returned: {content}" if name else f"A tool returned: {content}"
-
-
-def _as_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments  # a client's own history: written back as it was given
+    return f"Result of {name or 'a tool'}: {content}"
 
 
 def calls_output(calls: list[ToolCall]) -> dict[str, Any]:

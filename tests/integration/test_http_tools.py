@@ -130,10 +130,9 @@ async def test_the_history_of_calls_and_results_reaches_the_stage_as_text(
     assert resp.status_code == 200, resp.text
     prompt = json.loads(resp.json()["choices"][0]["message"]["content"])["prompt"]
     assert prompt["messages"][1:] == [
-        {"role": "assistant", "content":
-         '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'},
-        {"role": "user", "content": 'The tool get_weather returned: {"sky": "clear"}'},
-        {"role": "user", "content": "A tool returned: unasked"},
+        {"role": "assistant", "content": 'Let me call get_weather with {"city": "Oslo"}.'},
+        {"role": "user", "content": 'Result of get_weather: {"sky": "clear"}'},
+        {"role": "user", "content": "Result of a tool: unasked"},
     ]  # fmt: skip
 
 
