@@ -171,16 +171,16 @@ class Session:
     def _update(self, ev: SessionUpdate) -> None:
         s = ev.session
         modalities = self._modalities(s.output_modalities)
+        tools = self._tools(s.tools, s.tool_choice, "session")  # checked before any change
         self._apply_audio(s.audio)
         self.modalities = modalities
+        self.tools, self.tool_choice = tools
         if s.instructions is not None:
             self.instructions = s.instructions
         if s.max_output_tokens is not None:
             self.max_tokens = None if s.max_output_tokens == "inf" else s.max_output_tokens
         if s.truncation is not None:
             self.truncation = s.truncation
-        if s.tools is not None or s.tool_choice is not None:
-            self.tools, self.tool_choice = self._tools(s.tools, s.tool_choice, "session")
         self.emit(event("session.updated", session=self.describe()))
 
     def _apply_audio(self, audio: AudioConfig | None) -> None:
