@@ -199,6 +199,17 @@ async def test_bad_events_each_get_an_error_and_the_session_still_works(demo: De
         await ws.send("x" * (64 * 1024 + 1))  # over OMNI_REALTIME_MAX_EVENT_BYTES
         too_large: Any = await conn.recv()
         assert too_large.error.code == "event_too_large"
+        tool: Any = {"type": "function", "name": "clock", "parameters": {"type": "object"}}
+        await conn.session.update(session={"type": "realtime", "instructions": "Be loud.",
+                                           "tools": [tool]})  # fmt: skip
+        refused: Any = await conn.recv()  # the demo's pipeline calls no tools
+        assert (refused.error.code, refused.error.param) == (
+            "unsupported_parameter",
+            "session.tools",
+        )
+        await conn.session.update(session={"type": "realtime", "tool_choice": "none"})
+        updated: Any = await conn.recv()
+        assert updated.session.instructions == "" and updated.session.tools == []  # none applied
         await conn.conversation.item.create(item={
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Still here?"}]
         })  # fmt: skip
