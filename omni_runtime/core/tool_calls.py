@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""What a function's name may be (OpenAI's rule)."""
 TOOL_CALLS = "tool_calls"
 """The key of a text stage's output that carries calls."""
 

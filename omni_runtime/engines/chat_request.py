@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omni_runtime.core.tool_calls import (
+    TOOL_NAME,
     AnswerReader,
     answer_schema,
     calls_output,
@@ -26,7 +27,6 @@ from omni_runtime.stage_api import Final, RequestRefused
 MAX_PROMPT_CHARS = 32_000
 MAX_MESSAGES = 256
 MAX_TOOLS = 128
-TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class ChatMessage(BaseModel):

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from omni_runtime.http.errors import field_path
-from omni_runtime.http.tools import FunctionDef, ToolName
+from omni_runtime.http.tools import FunctionDef, ToolName, choice_problem
 
 MAX_TEXT_CHARS = 32_768
 MAX_PARTS = 16
@@ -266,11 +266,10 @@ def checked_tools(
     if tools and choice != "none" and not calls:
         raise EventError(f"the model {model!r} calls no tools (its pipeline's outputs.tools "
                          "is false)", code="unsupported_parameter", param=f"{where}.tools")  # fmt: skip
-    if isinstance(choice, NamedTool) and choice.name not in {t.name for t in tools}:
-        raise EventError(f"tool_choice names {choice.name!r}, which is none of the tools",
-                         param=f"{where}.tool_choice")  # fmt: skip
-    if choice == "required" and not tools:
-        raise EventError("tool_choice 'required' needs tools", param=f"{where}.tool_choice")
+    named = choice.name if isinstance(choice, NamedTool) else None
+    plain = choice if isinstance(choice, str) else None
+    if (why := choice_problem({t.name for t in tools}, plain, named)) is not None:
+        raise EventError(why, param=f"{where}.tool_choice")
 
 
 def shown_choice(choice: RealtimeToolChoice) -> Any:

@@ -10,10 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omni_runtime.core.tool_calls import ToolCall, written_calls, written_result
+from omni_runtime.core.tool_calls import TOOL_NAME, ToolCall, written_calls, written_result
 from omni_runtime.core.types import MAX_PARAM_STR_CHARS, param_json
 
-TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_ARGUMENTS_CHARS = 65_536
 ToolName = Annotated[str, Field(pattern=TOOL_NAME)]
 
@@ -111,14 +110,20 @@ def chat_tool_params(
 
 def unknown_choice(tools: list[FunctionTool] | None, choice: ToolChoice | None) -> str | None:
     """Why a chat's `tool_choice` cannot be honoured with its tools, if it cannot."""
-    if choice is None or choice == "none":
-        return None
-    if not tools:
+    if choice not in (None, "none") and not tools:
+        return "tool_choice needs tools"  # even `auto`, as OpenAI's chat endpoint says
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    plain = choice if isinstance(choice, str) else None
+    return choice_problem({t.function.name for t in tools or ()}, plain, named)
+
+
+def choice_problem(names: set[str], choice: str | None, named: str | None) -> str | None:
+    """Why a choice (`choice`, or the function `named`) cannot be made among the functions
+    `names`, if it cannot (the chat's and the Realtime session's rule)."""
+    if named is not None and named not in names:
+        return f"tool_choice names {named!r}, which is none of the tools"
+    if (named is not None or choice not in (None, "none", "auto")) and not names:
         return "tool_choice needs tools"
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in {
-        t.function.name for t in tools
-    }:
-        return f"tool_choice names {choice.function.name!r}, which is none of the tools"
     return None
 
 
