@@ -264,7 +264,8 @@ class ControlThread(_Loop):
 
     def start(self) -> None:
         """Delivers the stream's recent aborts before its thread starts (and so before the
-        input thread, which the worker starts next, delivers anything they abort)."""
+        takeover and the input thread, which the worker starts next, deliver anything they
+        abort)."""
         # Entries of bytes: our clients never use decode_responses (redis-py's stub allows str).
         last = cast("list[Entry]", self.client.xrevrange(self.stream, count=1))
         if last:

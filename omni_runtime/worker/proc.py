@@ -206,10 +206,12 @@ class StageWorker:
             )
         self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
         self._takeover.redelivery.remember_previous_life(self.worker_id)  # before any claim
+        # the recent aborts before any input, the dead replica's taken over included: an
+        # abort is never older than what it aborts (a pass may run at once, `turn.py`)
+        self._control.start()
         self._takeover.replace()
         self._heartbeat.start()
         self._output.start()
-        self._control.start()  # before inputs: an abort is never older than what it aborts
         self._input.start()
         self._start_watchdog()
         self._serving = True

@@ -20,6 +20,7 @@ import pytest
 from omni_runtime.client.client import OmniClient
 from omni_runtime.keys import HEARTBEAT_TTL_S, ORCHESTRATOR_LEASE_TTL_S, WORKERS_GROUP
 from omni_runtime.local.stalls import STALL_TTLS
+from omni_runtime.worker.takeover import REPLACED_MIN_IDLE_MS
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.waiting import wait_for
 
@@ -106,6 +107,12 @@ async def test_a_request_that_kills_each_replacement_fails_alone(
     assert len(restarted) == 3, restarted
 
 
+def idle_ms(d: FaultDeployment, stream: str) -> int:
+    """How long the stage's one pending input has waited since it was last delivered."""
+    (row,) = d.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=2)
+    return int(row["time_since_delivered"])
+
+
 async def test_a_request_aborted_while_its_worker_was_down_is_not_run_by_the_next(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -116,14 +123,21 @@ async def test_a_request_aborted_while_its_worker_was_down_is_not_run_by_the_nex
         async with OmniClient(d.settings) as client:
             await client.wait_ready([0, 1, 2], timeout_s=60)
             name, worker = next((n, p) for n, p, _f in d.group.procs if n.startswith("stage1"))
+            stage_1 = d.settings.names.stage_in(1)
+            beating = d.settings.names.heartbeat_pattern(1)
+            dead_key = set(d.redis.scan_iter(beating))
             await client.submit("please die", request_id="gave-up")
             assert await asyncio.to_thread(worker.wait, 30) == 3
             await client.abort("gave-up")
             await wait_for(lambda: d.redis.xlen(d.settings.names.control) == 1)
+            # idle past the replacement's claim fence: it takes the input over as it starts
+            await wait_for(lambda: idle_ms(d, stage_1) > REPLACED_MIN_IDLE_MS)
             assert d.group.restart_dead() == [name]
+            # the dead worker's heartbeat may outlive it, or lapse before its successor
+            # beats (the stage then down for a moment): "next" goes to the successor
+            await wait_for(lambda: bool(set(d.redis.scan_iter(beating)) - dead_key), 60)
             await client.submit("a b", request_id="next")
             outs = [out async for out in client.stream("next", timeout_s=30)]
-            stage_1 = d.settings.names.stage_in(1)
             assert outs[-1].finished and outs[-1].error is None, outs[-1]
             await wait_for(lambda: d.redis.xpending(stage_1, WORKERS_GROUP)["pending"] == 0)
             assert d.group.restart_dead() == []  # it lives: it never ran the input
