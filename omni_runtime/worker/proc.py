@@ -206,9 +206,7 @@ class StageWorker:
             )
         self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
         self._takeover.redelivery.remember_previous_life(self.worker_id)  # before any claim
-        # the recent aborts before any input, the dead replica's taken over included: an
-        # abort is never older than what it aborts (a pass may run at once, `turn.py`)
-        self._control.start()
+        self._control.start()  # before any input, taken over or read: aborts come first
         self._takeover.replace()
         self._heartbeat.start()
         self._output.start()
