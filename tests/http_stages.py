@@ -28,10 +28,17 @@ TONE_S = 0.1
 """A tone lasts this long at speed 1."""
 
 
+def _sized(value: Any) -> str:
+    """Bytes (a spoken turn's WAV) as their size: JSON has no bytes."""
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def echo_request(data: Any, params: dict[str, Any] | None = None) -> str | dict[str, Any]:
     """Stage 0 (text): its prompt and parameters, as one JSON text; when a call of a tool
     is required, a call of the tool named (or of the first) whose arguments are those."""
-    said = json.dumps({"prompt": data, "params": params or {}}, sort_keys=True)
+    said = json.dumps({"prompt": data, "params": params or {}}, sort_keys=True, default=_sized)
     params = params or {}
     if "tools" not in params or not ("tool_name" in params or params.get("tool_choice")):
         return said

@@ -6,7 +6,8 @@ synthesised speech is intelligible (TTS → 16 kHz → recognise → word error 
 Input: WAV bytes (PCM, any rate, mono or averaged channels), or `{"pcm": array or
 bytes, "sample_rate": N}` (a float array in [-1, 1], an int16 array, or int16
 little-endian bytes), or a list (or streamed `ChunkStream`) of those. Audio is
-resampled to the model's 16 kHz (soxr).
+resampled to the model's 16 kHz (soxr). A conversation's turn with nothing to hear
+(`{"wav": None, ...}`, `spoken_turn.py`) is heard as no words.
 Output: the recognised text, one string (`transcribe`), or each segment's as it is
 decoded (`transcribe_segments`, a generator stage: what `workers/transcribe.yaml` streams).
 
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from omni_runtime.engines.spoken_turn import unspoken
 from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import ChunkStream, RequestRefused, marks_final
 from omni_runtime.wav import MAX_RATE, MIN_RATE, wav_error
@@ -195,6 +197,8 @@ def transcribe(
     `language` (`params`) other than that is refused: the model would hear another
     language's speech as wrong words of its own."""
     check_language(params, language)
+    if unspoken(data):  # a conversation's turn with nothing to hear (`spoken_turn.py`)
+        return ""
     model = (hmm, lm, dictionary)
     heard = _segments(data, model, max_seconds, max_decoders)
     return " ".join(h.text for h in heard if h.text)
@@ -220,6 +224,8 @@ def transcribe_segments(
     "end"}` (seconds from the recording's start, of its first and last word), with
     `"words": [{"word", "start", "end"}, ...]` if asked."""
     check_language(params, language)
+    if unspoken(data):
+        return
     asked = (params or {}).get("timestamps")
     timed = isinstance(asked, list) and bool(asked)
     said = False

@@ -66,8 +66,10 @@ def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) ->
 
 def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
     """The last user message's speech (one `input_audio` file: WAV, MP3, FLAC or Ogg) as a spoken turn, with the
-    messages before it (and its own text, as a user message before the speech): what
-    `/v1/realtime` sends such a pipeline. Earlier turns are text: none is heard again."""
+    messages before it (and its own text, as a user message before the speech) and those
+    after it (the assistant's tool calls, their results: `after`, read after what was
+    heard): what `/v1/realtime` sends such a pipeline. Earlier turns are text: none is
+    heard again."""
     last = max(i for i, m in enumerate(req.messages) if m.role == "user")
     param = f"messages.{last}.content"
     spoken = [i for i, m in enumerate(req.messages) if m.audio()]
@@ -87,10 +89,12 @@ def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -
         why = e if isinstance(e, WavError) else "not base64"
         raise ApiError(400, f"input_audio: {why}", param=param, code="invalid_audio") from None
     try:
-        before = req.conversation(before=last + 1)["messages"]
+        whole = req.conversation()["messages"]
     except ValueError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-    history = [m for m in before if m["content"].strip()]
-    if history:
-        check_prompt(gateway, "".join(m["content"] for m in history), "messages")
-    return {"wav": wav, "messages": history} if history else {"wav": wav}
+    history = [m for m in whole[: last + 1] if m["content"].strip()]
+    after = [m for m in whole[last + 1 :] if m["content"].strip()]
+    if history or after:
+        check_prompt(gateway, "".join(m["content"] for m in history + after), "messages")
+    turn: dict[str, Any] = {"wav": wav}
+    return turn | ({"messages": history} if history else {}) | ({"after": after} if after else {})

@@ -165,6 +165,43 @@ async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProces
     assert "banana" not in alone.transcript.lower(), turns  # nothing else made it say it
 
 
+WEATHER: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}  # fmt: skip
+
+
+async def test_a_spoken_question_is_answered_aloud_from_a_tools_output(
+    server: ServeProcess,
+) -> None:
+    """A voice agent's turn: the question spoken, the tool called, its output added by the
+    client; the next response has nothing new to hear (the speech-to-text stage passes it
+    by) and answers the conversation, the output read with it, aloud."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        await conn.session.update(
+            session={"type": "realtime", "tools": [WEATHER], "tool_choice": "required"}
+        )
+        assert (await conn.recv()).type == "session.updated"
+        asked = await spoken_turn(conn, speech("What is the weather like in Paris today?"))
+        calls = [o for o in asked.done.response.output if o.type == "function_call"]
+        print(f"heard {asked.input_transcript!r}; called {[c.arguments for c in calls]}")
+        assert asked.errors == [] and calls, asked.kinds
+        await conn.conversation.item.create(item={
+            "type": "function_call_output", "call_id": calls[0].call_id,
+            "output": '{"forecast": "purple hail", "celsius": -40}',
+        })  # fmt: skip
+        await conn.response.create(response={"tool_choice": "none"})
+        answer = await until_done(conn)
+    print(f"answered {answer.transcript!r}")
+    assert answer.errors == [] and answer.status in ("completed", "incomplete"), answer.kinds
+    assert "conversation.item.input_audio_transcription.completed" not in answer.kinds
+    assert not [o for o in answer.done.response.output if o.type == "function_call"]
+    samples = np.frombuffer(bytes(answer.audio), "<i2")
+    assert samples.size > RATE // 2 and np.abs(samples).max() > 1000, answer.transcript
+    said = answer.transcript.lower()
+    assert "purple" in said or "hail" in said or "-40" in said, said  # it read the output
+
+
 async def long_history(conn: Any, exchanges: int) -> None:
     """`exchanges` text turns before the spoken one: far more than SmolLM2's context holds."""
     for i in range(exchanges):

@@ -162,6 +162,15 @@ def test_a_quiet_room_says_nothing(needs_pocketsphinx: None) -> None:
     assert transcribe({"pcm": hiss, "sample_rate": 16_000}) == ""
 
 
+def test_a_turn_with_nothing_to_hear_is_no_words(needs_pocketsphinx: None) -> None:
+    """A conversation's turn without speech (the answer to a tool's result, `spoken_turn`)."""
+    turn = {"wav": None, "messages": [{"role": "user", "content": "Result of clock: noon"}]}
+    assert transcribe(turn) == ""
+    assert list(transcribe_segments(turn)) == []
+    with pytest.raises(TypeError, match="expected WAV bytes"):  # no turn: still refused
+        transcribe({"wav": None})
+
+
 @pytest.mark.parametrize(
     ("data", "error", "match"),
     [

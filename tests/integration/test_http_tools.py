@@ -5,6 +5,7 @@ the echo stage calls the tool named, its arguments what it was given)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from tests.integration.http_support import (
     pipeline_of,
     serving,
     sse_events,
+    wav_file,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,6 +136,34 @@ async def test_the_history_of_calls_and_results_reaches_the_stage_as_text(
         {"role": "user", "content": 'Result of get_weather: {"sky": "clear"}'},
         {"role": "user", "content": "Result of a tool: unasked"},
     ]  # fmt: skip
+
+
+async def test_a_spoken_questions_calls_and_results_follow_what_is_heard() -> None:
+    """On a pipeline that hears, the messages after the spoken question (its calls, their
+    results) come `after` it: its speech-to-text stage's words go in its place, not last."""
+    spoken = {"type": "input_audio", "input_audio": {"data": base64.b64encode(
+        wav_file(0.5)).decode(), "format": "wav"}}  # fmt: skip
+    made = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    history = [
+        {"role": "user", "content": "Be brief."},
+        {"role": "user", "content": [spoken]},
+        {"role": "assistant", "content": None, "tool_calls": [made]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    hears = pipeline_of("echo", input="audio", tools=True)
+    async with serving([hears], fake_redis_clients(), fast_settings()) as (client, _g):
+        resp = await client.post(CHAT, json=chat(messages=history))
+    assert resp.status_code == 200, resp.text
+    prompt = json.loads(resp.json()["choices"][0]["message"]["content"])["prompt"]
+    assert prompt == {
+        "wav": f"<{len(wav_file(0.5))} bytes>",
+        "messages": [{"role": "user", "content": "Be brief."}],
+        "after": [
+            {"role": "assistant", "content": 'Let me call get_weather with {"city": "Oslo"}.'},
+            {"role": "user", "content": 'Result of get_weather: {"sky": "clear"}'},
+        ],
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

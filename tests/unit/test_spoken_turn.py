@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.engines.spoken_turn import forward, heard_turn, upstream_text
+from omni_runtime.engines.spoken_turn import forward, heard_turn, unspoken, upstream_text
 from omni_runtime.stage_api import ChunkStream
 from tests.unit.test_worker_core import ListEngine, inp, make
 
@@ -25,6 +25,25 @@ def test_the_transcript_follows_the_messages_sent_with_the_speech() -> None:
     assert heard_turn({"wav": b"RIFF..."}, "what word") == "what word"
     assert heard_turn(b"RIFF...", "what word") == "what word"  # a bare WAV
     assert heard_turn({"wav": b"", "messages": []}, "hi") == "hi"
+
+
+def test_the_messages_after_the_spoken_turn_follow_its_transcript() -> None:
+    """A tool's call and result after the question: the question is heard in its place."""
+    after = [{"role": "assistant", "content": "Let me call time with {}."},
+             {"role": "user", "content": "Result of time: noon"}]  # fmt: skip
+    heard = heard_turn({**TURN, "after": after}, "what time is it")
+    assert heard == {"messages": [*HISTORY, {"role": "user", "content": "what time is it"}, *after]}
+    assert heard_turn({"wav": b"RIFF...", "after": after}, "hi") == {
+        "messages": [{"role": "user", "content": "hi"}, *after]
+    }
+
+
+def test_an_unspoken_turn_is_its_messages_alone() -> None:
+    """`wav: None`: nothing to hear (the answer to a tool's result); no empty user turn."""
+    turn = {"wav": None, "messages": HISTORY}
+    assert unspoken(turn) and not unspoken(TURN) and not unspoken(b"RIFF...")
+    assert heard_turn(turn, "") == {"messages": HISTORY}
+    assert forward(1, turn, [""]) == {"messages": HISTORY}
 
 
 def test_sequential_forward_builds_the_thinkers_input_and_passes_later_stages_by() -> None:
