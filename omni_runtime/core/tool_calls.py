@@ -108,9 +108,16 @@ _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r"
 class AnswerReader:
     """Reads an answer in the shape above as it is written: its text as it comes, each of
     its calls as soon as that call's object is whole (so a call cut off by the token
-    limit loses only itself)."""
+    limit loses only itself).
 
-    def __init__(self) -> None:
+    A call the same as one the answer made already (its name and arguments) is a small
+    model looping (SmolLM2 repeats its call until its token limit): unless `keep_repeats`,
+    it is not taken, and `repeated` says the answer is worth no more decoding."""
+
+    def __init__(self, keep_repeats: bool = False) -> None:
+        self.keep_repeats = keep_repeats
+        self.repeated = False
+        self._made: set[tuple[str, str]] = set()
         self._raw = ""
         self._kind: str | None = None
         """`"`: the answer is text; `[`: calls."""
@@ -170,8 +177,15 @@ class AnswerReader:
             made = ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
         except (ValueError, LookupError, TypeError):
             return  # not the shape asked (the grammar allows no other): nothing to call
-        if isinstance(made.name, str):
-            self._calls.append(made)
+        if not isinstance(made.name, str):
+            return
+        same = (made.name, json.dumps(call["arguments"], sort_keys=True))
+        if same in self._made:
+            self.repeated = True
+            if not self.keep_repeats:
+                return
+        self._made.add(same)
+        self._calls.append(made)
 
     def _decode(self) -> str:
         out: list[str] = []

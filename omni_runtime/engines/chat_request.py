@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -203,18 +203,30 @@ def told(messages: list[dict[str, str]], instructions: str) -> list[dict[str, st
     return [{"role": "system", "content": instructions}, *messages]
 
 
-async def read_calls(answer: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def read_calls(
+    answer: AsyncIterator[Any], halt: Callable[[], None] | None = None
+) -> AsyncIterator[Any]:
     """An answer asked with tools, read in its shape: its text as it is written, each call
     as soon as it is whole (an output `{"tool_calls": [...]}`), then a `Final` with the rest
-    (`finish_reason` "tool_calls" once a call was made, unless the answer was cut)."""
-    reader = AnswerReader()
+    (`finish_reason` "tool_calls" once a call was made, unless the answer was cut).
+
+    With `halt`, a call the answer made already ends it: `halt` stops the decoding, and
+    what comes after is dropped (`AnswerReader`); without, repeats are calls like others."""
+    reader = AnswerReader(keep_repeats=halt is None)
     async for piece in answer:
         if not isinstance(piece, Final):
+            if reader.repeated and halt is not None:
+                continue  # decoded before the halt took hold: the answer has ended
             if text := reader.feed(piece):
                 yield text
             if calls := reader.take_calls():
                 yield calls_output(calls)
+            if reader.repeated and halt is not None:
+                halt()
             continue
+        if reader.repeated and halt is not None:  # its calls all went out as they closed
+            yield Final("", "tool_calls", piece.usage)
+            return
         rest = reader.feed(piece.data) if isinstance(piece.data, str) else ""
         calls = reader.take_calls()
         reason = piece.finish_reason

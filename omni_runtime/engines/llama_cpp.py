@@ -15,6 +15,7 @@ sent when llama.cpp reports the finish, so no token waits for the next one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import logging
 import threading
@@ -79,7 +80,9 @@ class LlamaCppEngine:
 
     Options (the stage's `options` in the pipeline file): `model` (a GGUF path; default the
     bundled SmolLM2), `n_parallel` (batch slots), `n_ctx_per_slot`, `n_threads`,
-    `system_prompt`, and the sampling defaults `max_tokens`, `temperature`, `top_p`.
+    `system_prompt`, the sampling defaults `max_tokens`, `temperature`, `top_p`, and
+    `repeated_calls`: `end` (an answer that makes a call it made already ends there, the
+    repeat dropped: a small model loops on its call) or `keep`.
     A request's `seed` defaults to one derived from its id, so a replica that re-runs a
     request taken over from a dead one decodes the same tokens.
     """
@@ -95,11 +98,15 @@ class LlamaCppEngine:
         max_tokens: int = 96,
         temperature: float = 0.7,
         top_p: float = 0.95,
+        repeated_calls: str = "end",
     ) -> None:
         if not 1 <= n_parallel <= 64 or not 128 <= n_ctx_per_slot <= 32768:
             raise ConfigError("llama.cpp: n_parallel must be 1-64, n_ctx_per_slot 128-32768")
         if not 1 <= n_threads <= 256 or not 0 <= poll <= 100:
             raise ConfigError("llama.cpp: n_threads must be 1-256, poll 0-100")
+        if repeated_calls not in ("end", "keep"):
+            raise ConfigError("llama.cpp: repeated_calls must be 'end' or 'keep'")
+        self.ends_repeats = repeated_calls == "end"
         self.model_path = Path(model) if model else None
         self.n_parallel = n_parallel
         self.n_ctx_per_slot = n_ctx_per_slot
@@ -154,7 +161,8 @@ class LlamaCppEngine:
         for fits in range(MAX_FITS + 1):
             try:
                 answer = self._answer(request_id, body)
-                async for piece in read_calls(answer) if calls else answer:
+                halt = functools.partial(self._halt, request_id) if self.ends_repeats else None
+                async for piece in read_calls(answer, halt) if calls else answer:
                     yield piece
                 return
             except ContextExceeded as refused:  # comes before any piece: nothing was sent
@@ -231,6 +239,10 @@ class LlamaCppEngine:
         pieces.put_nowait(error)
 
     async def abort(self, request_id: str) -> None:
+        self._halt(request_id)
+
+    def _halt(self, request_id: str) -> None:
+        """Its decoding stops at the next token (its slot is then free)."""
         stop = self._stops.get(request_id)
         if stop is not None:
             stop.set()

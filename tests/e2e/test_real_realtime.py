@@ -11,6 +11,7 @@ in a fresh session does not.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,7 +176,9 @@ async def test_a_spoken_question_is_answered_aloud_from_a_tools_output(
 ) -> None:
     """A voice agent's turn: the question spoken, the tool called, its output added by the
     client; the next response has nothing new to hear (the speech-to-text stage passes it
-    by) and answers the conversation, the output read with it, aloud."""
+    by) and answers the conversation, the output read with it, aloud. (Whether SmolLM2-135M
+    then says what the output says is its own judgement, 14 of 24 in a probe: the output's
+    200 words show in the answer's input tokens instead.)"""
     async with client(server).realtime.connect(model="listen") as conn:
         await open_session(conn)
         await conn.session.update(
@@ -188,18 +191,17 @@ async def test_a_spoken_question_is_answered_aloud_from_a_tools_output(
         assert asked.errors == [] and calls, asked.kinds
         await conn.conversation.item.create(item={
             "type": "function_call_output", "call_id": calls[0].call_id,
-            "output": '{"forecast": "purple hail", "celsius": -40}',
+            "output": json.dumps({"forecast": "hail", "details": " ".join(["hail"] * 200)}),
         })  # fmt: skip
-        await conn.response.create(response={"tool_choice": "none"})
+        await conn.response.create(response={"tool_choice": "none", "max_output_tokens": 40})
         answer = await until_done(conn)
-    print(f"answered {answer.transcript!r}")
+    print(f"answered {answer.transcript!r}; {answer.done.response.usage}")
     assert answer.errors == [] and answer.status in ("completed", "incomplete"), answer.kinds
+    assert answer.done.response.usage.input_tokens > 200, answer.done.response.usage
     assert "conversation.item.input_audio_transcription.completed" not in answer.kinds
     assert not [o for o in answer.done.response.output if o.type == "function_call"]
     samples = np.frombuffer(bytes(answer.audio), "<i2")
     assert samples.size > RATE // 2 and np.abs(samples).max() > 1000, answer.transcript
-    said = answer.transcript.lower()
-    assert "purple" in said or "hail" in said or "-40" in said, said  # it read the output
 
 
 async def long_history(conn: Any, exchanges: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from omni_runtime.engines.chat_request import chat_messages
 from omni_runtime.engines.context_fit import ContextExceeded
 from omni_runtime.engines.llama_cpp import LlamaCppEngine
+from omni_runtime.errors import ConfigError
 from omni_runtime.stage_api import Final, RequestRefused
 from tests.services import unavailable
 from tests.waiting import wait_for
@@ -207,6 +208,32 @@ async def test_a_required_call_is_a_call_of_a_tool_with_its_arguments_shape(
     (call,) = calls_of(outs)
     assert outs[-1].finish_reason == "tool_calls"
     assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}
+
+
+async def test_a_call_made_again_ends_the_answer_unless_repeats_are_kept(
+    needs_llama: None,
+) -> None:
+    """SmolLM2, free to make several calls, makes the same one again and again (until its
+    token limit, or a few times): by default the first repeat ends the answer (its decoding stopped, not
+    sent), `repeated_calls: keep` sends them all."""
+    q = "What is the weather in Paris?"
+    asked = {"tools": [json.dumps(WEATHER)], "tool_choice": "required", "max_tokens": 120,
+             "temperature": 0.0}  # fmt: skip
+    for option in ("keep", "end"):
+        e = LlamaCppEngine(n_parallel=1, repeated_calls=option)
+        await e.start()
+        try:
+            outs = await answer(e, option, q, **asked)
+        finally:
+            await e.close()
+        calls = [(c["name"], c["arguments"]) for c in calls_of(outs)]
+        if option == "keep":
+            assert len(calls) > len(set(calls)), calls  # the loop, as the model decodes it
+        else:
+            assert calls and len(calls) == len(set(calls)), calls
+            assert outs[-1].finish_reason == "tool_calls"
+    with pytest.raises(ConfigError, match="repeated_calls"):
+        LlamaCppEngine(repeated_calls="sometimes")
 
 
 async def test_an_answer_that_may_call_tools_may_be_text_said_as_it_is_written(

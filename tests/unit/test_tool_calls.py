@@ -4,6 +4,7 @@ the schema an answer is held to, and its reading as it is written."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ from omni_runtime.core.tool_calls import (
     written_calls,
     written_result,
 )
+from omni_runtime.engines.chat_request import read_calls
+from omni_runtime.stage_api import Final, TokenUsage
 
 WEATHER = {
     "name": "get_weather",
@@ -83,6 +86,45 @@ def test_an_answer_cut_short_keeps_its_whole_calls_and_the_text_it_had() -> None
     text, reader = read_in_pieces('"It is sun', 3)
     assert text == "It is sun" and not reader.called
     assert not read_in_pieces("", 1)[1].called
+
+
+def test_a_call_made_again_is_not_taken_and_says_the_answer_loops() -> None:
+    """The same name and arguments (their keys in any order): a small model looping; a
+    call of other arguments is a call."""
+    oslo = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}'
+    again = '{"name": "get_weather", "arguments": {"days": 1, "city": "Oslo"}}'
+    bergen = '{"name": "get_weather", "arguments": {"city": "Bergen", "days": 1}}'
+    _text, reader = read_in_pieces(f"[{oslo}, {bergen}]", 4)
+    assert len(reader.take_calls()) == 2 and not reader.repeated
+    _text, reader = read_in_pieces(f"[{oslo}, {again}, {oslo}", 4)
+    assert reader.take_calls() == [ToolCall("get_weather", '{"city": "Oslo", "days": 1}')]
+    assert reader.repeated
+    kept = AnswerReader(keep_repeats=True)
+    kept.feed(f"[{oslo}, {again}]")
+    assert len(kept.take_calls()) == 2 and kept.repeated
+
+
+async def pieces_of(answer: list[Any]) -> AsyncIterator[Any]:
+    for piece in answer:
+        yield piece
+
+
+async def test_a_repeated_call_halts_the_answer_and_ends_it_with_its_calls_made() -> None:
+    """`read_calls` with a halt: the decoding is stopped at the first repeat, what was
+    decoded after it is dropped, and the answer ends as a call's does, with its counts."""
+    oslo = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    halted: list[bool] = []
+    answer = ["[", oslo, ", ", oslo, ", ", oslo, "]", Final("", "length", TokenUsage(9, 60))]
+    outs = [o async for o in read_calls(pieces_of(answer), lambda: halted.append(True))]
+    assert halted == [True]
+    assert outs == [
+        calls_output([ToolCall("get_weather", '{"city": "Oslo"}')]),
+        Final("", "tool_calls", TokenUsage(9, 60)),
+    ]
+    outs = [o async for o in read_calls(pieces_of(answer))]  # no halt: every call kept
+    assert [o for o in outs if not isinstance(o, Final)] == [calls_output(
+        [ToolCall("get_weather", '{"city": "Oslo"}')])] * 3  # fmt: skip
+    assert outs[-1] == Final("", "length", TokenUsage(9, 60))
 
 
 def test_a_required_call_admits_only_calls_of_the_tools() -> None:
