@@ -65,7 +65,9 @@ class OutputsConfig(BaseModel):
     tools: bool = False
     """Whether the text stage calls a request's `tools` (params `tools`, `tool_choice`,
     `tool_name`, `parallel_tool_calls`: `core/tool_calls.py`), as the llama.cpp engine
-    does; a request with tools to a pipeline that does not is refused, not answered."""
+    does; a request with tools to a pipeline that does not is refused, not answered. With
+    `input: audio`, stage 0 also takes a turn with nothing to hear (`"wav": None`, the
+    answer to a tool's output: `engines/spoken_turn.py`)."""
     speaks_input: bool = True
     """Whether the audio is the input spoken as written, so `/v1/audio/speech` may serve
     the pipeline; false where a thinker answers the input instead (speech of the answer is
