@@ -7,10 +7,10 @@ transcript as the last user turn, so it answers in context; without `messages`, 
 transcript alone. `"after": [...]` are messages that came after the spoken turn (the
 assistant's tool calls, their results): read after the transcript. `"wav": None` is a
 turn with nothing to hear (the answer to a tool's result): the speech-to-text stage
-hears nothing, and the thinker reads the messages alone. The same rule in both modes: in sequential mode `forward` (listen.yaml's
-`forward:`) builds the thinker's input; in streaming mode no forward runs, and the thinker
-(`llama_cpp.LlamaCppEngine`) applies `heard_turn` to its upstream's `ChunkStream`, which
-carries the request's prompt.
+hears nothing, and the thinker reads the messages alone. The same rule in both modes:
+in sequential mode `forward` (listen.yaml's `forward:`) builds the thinker's input; in
+streaming mode no forward runs, and the thinker (`llama_cpp.LlamaCppEngine`) applies
+`heard_turn` to its upstream's `ChunkStream`, which carries the request's prompt.
 """
 
 from __future__ import annotations
