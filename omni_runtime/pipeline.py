@@ -65,9 +65,11 @@ class OutputsConfig(BaseModel):
     tools: bool = False
     """Whether the text stage calls a request's `tools` (params `tools`, `tool_choice`,
     `tool_name`, `parallel_tool_calls`: `core/tool_calls.py`), as the llama.cpp engine
-    does; a request with tools to a pipeline that does not is refused, not answered. With
-    `input: audio`, stage 0 also takes a turn with nothing to hear (`"wav": None`, the
-    answer to a tool's output: `engines/spoken_turn.py`)."""
+    does; a request with tools to a pipeline that does not is refused, not answered."""
+    text_turns: bool = False
+    """With `input: audio`: stage 0 also takes a turn with nothing to hear, `{"wav": None,
+    "messages": [...]}` (`engines/spoken_turn.py`: pocketsphinx hears no words, the thinker
+    reads the conversation), so a typed message, or a tool's output, is answered."""
     speaks_input: bool = True
     """Whether the audio is the input spoken as written, so `/v1/audio/speech` may serve
     the pipeline; false where a thinker answers the input instead (speech of the answer is
@@ -83,6 +85,8 @@ class OutputsConfig(BaseModel):
             raise ValueError("structured (JSON) output needs a text_stage")
         if self.tools and (self.text_stage is None or self.input == "text"):
             raise ValueError("tools need a text_stage taking a conversation (input chat or audio)")
+        if self.text_turns and self.input != "audio":
+            raise ValueError("text_turns is for a pipeline whose input is audio")
         return self
 
 

@@ -56,12 +56,17 @@ def chat_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) ->
     check_prompt(gateway, req.prompt, "messages")
     if served.outputs.input == "text":
         return req.prompt
+    return {"messages": _conversation(gateway, req)}
+
+
+def _conversation(gateway: Gateway, req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as a text stage reads them, checked."""
     try:
-        conversation = req.conversation()
+        messages: list[dict[str, str]] = req.conversation()["messages"]
     except ValueError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-    check_prompt(gateway, "".join(m["content"] for m in conversation["messages"]), "messages")
-    return conversation
+    check_prompt(gateway, "".join(m["content"] for m in messages), "messages")
+    return messages
 
 
 def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
@@ -73,6 +78,8 @@ def heard_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -
     last = max(i for i, m in enumerate(req.messages) if m.role == "user")
     param = f"messages.{last}.content"
     spoken = [i for i, m in enumerate(req.messages) if m.audio()]
+    if not spoken and served.outputs.text_turns:  # typed: nothing to hear (`text_turns`)
+        return {"wav": None, "messages": _conversation(gateway, req)}
     if last not in spoken:
         raise ApiError(400, f"the model {served.name!r} takes speech: send it in the last user "
                        "message as an input_audio part (a WAV or MP3 file), or to "

@@ -351,8 +351,8 @@ class Session:
         if user is None:
             raise EventError("the conversation has no user item to answer")
         if mode == "audio":
-            if user.kind == "function_call_output" and self.served.outputs.tools:
-                # the answer to a tool's result: nothing new to hear (`spoken_turn.py`)
+            if user.audio is None and self.served.outputs.text_turns:
+                # a typed turn, a tool's output: nothing new to hear (`spoken_turn.py`)
                 return {"wav": None, "messages": self._messages(instructions)}, None
             if user.audio is None:
                 raise EventError(f"the model {self.served.name!r} takes speech: append and "

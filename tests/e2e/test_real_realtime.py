@@ -166,6 +166,24 @@ async def test_the_second_turn_is_answered_knowing_the_first(server: ServeProces
     assert "banana" not in alone.transcript.lower(), turns  # nothing else made it say it
 
 
+async def test_a_typed_message_in_a_voice_session_is_answered_aloud(server: ServeProcess) -> None:
+    """`outputs.text_turns`: a text item (what an agent framework sends to make the bot
+    speak first) has nothing to hear; the thinker answers it, piper speaks."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Say hello to the caller."}],
+        })  # fmt: skip
+        await conn.response.create(response={"max_output_tokens": 32})
+        answer = await until_done(conn)
+    print(f"answered {answer.transcript!r}")
+    assert answer.errors == [] and answer.status in ("completed", "incomplete"), answer.kinds
+    assert "conversation.item.input_audio_transcription.completed" not in answer.kinds
+    samples = np.frombuffer(bytes(answer.audio), "<i2")
+    assert samples.size > RATE // 2 and np.abs(samples).max() > 1000, answer.transcript
+
+
 WEATHER: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}  # fmt: skip

@@ -159,6 +159,24 @@ async def test_a_text_pipeline_gets_the_last_user_message(
     assert said["prompt"] == "How are you?"
 
 
+async def test_a_typed_chat_to_a_pipeline_that_hears_is_a_turn_with_nothing_to_hear(
+    fake_clients: RedisClients, settings: Settings
+) -> None:
+    """`outputs.text_turns`: a chat without audio goes as `{"wav": None, "messages"}` (its
+    speech-to-text stage hears no words); without it, the 400 asking for speech."""
+    hears = pipeline_of("echo", input="audio", text_turns=True)
+    async with serving([hears], fake_clients, settings) as (api, _g):
+        said = echoed(await api.post(CHAT, json={"model": "echo", "messages": CONVERSATION}))
+    assert said["prompt"] == {"wav": None, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"},
+    ]}  # fmt: skip
+    deaf = pipeline_of("echo", input="audio")
+    async with serving([deaf], fake_clients, settings) as (api, _g):
+        resp = await api.post(CHAT, json={"model": "echo", "messages": CONVERSATION})
+    assert "takes speech" in assert_error(resp, 400, "messages.3.content")["message"]
+
+
 async def test_speech_voice_and_speed_reach_the_audio_stage(
     api: tuple[httpx.AsyncClient, Gateway],
 ) -> None:

@@ -151,6 +151,10 @@ def test_outputs_say_what_stage_0_takes() -> None:
         assert config.outputs is not None and config.outputs.input == taken
     with pytest.raises(ValidationError, match="input"):
         PipelineConfig.model_validate(pipeline(text_stage=0, input="video"))
+    hears = PipelineConfig.model_validate(pipeline(text_stage=0, input="audio", text_turns=True))
+    assert hears.outputs is not None and hears.outputs.text_turns
+    with pytest.raises(ValidationError, match="text_turns is for a pipeline whose input is audio"):
+        PipelineConfig.model_validate(pipeline(text_stage=0, input="chat", text_turns=True))
 
 
 def test_serve_takes_pipelines_repeated_or_as_a_comma_list() -> None:
