@@ -58,7 +58,8 @@ class OutputPrinter:
             self.first_audio_s = self.first_audio_s if self.first_audio_s is not None else elapsed_s
             desc = f"audio chunk {data.shape[0]} samples ({data.dtype})"
         else:
-            self.first_token_s = self.first_token_s if self.first_token_s is not None else elapsed_s
+            if self.first_token_s is None and data not in ("", None):  # "": heard no words
+                self.first_token_s = elapsed_s
             desc = repr(data)
         if out.finish_reason == "length":
             self.cut.append(out.stage_id)
@@ -139,10 +140,13 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def read_input(pipeline: PipelineConfig, prompt: str | None, prompt_file: str | None) -> Any:
     """What stage 0 is sent: the prompt's text (`read_prompt`), or for a pipeline that hears
     (`outputs.input: audio`) the recording `--prompt-file` names, as a WAV (MP3, FLAC and
-    Ogg are decoded) in `{"wav": bytes}` (what `/v1/audio/transcriptions` sends it); a
-    `ConfigError` before anything starts."""
+    Ogg are decoded) in `{"wav": bytes}` (what `/v1/audio/transcriptions` sends it), or,
+    if it takes text turns too (`outputs.text_turns`), the prompt's text as a turn with
+    nothing to hear; a `ConfigError` before anything starts."""
     if pipeline.outputs is None or pipeline.outputs.input != "audio":
         return read_prompt(prompt, prompt_file)
+    if prompt_file is None and prompt is not None and pipeline.outputs.text_turns:
+        return {"wav": None, "messages": [{"role": "user", "content": read_prompt(prompt, None)}]}
     if prompt_file is None:
         raise ConfigError(
             f"pipeline {pipeline.name!r} takes speech: give a WAV or MP3 file with --prompt-file "

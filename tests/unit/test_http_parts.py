@@ -17,6 +17,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from omni_runtime.cli import parse_args
+from omni_runtime.cli.console import read_input
 from omni_runtime.errors import ConfigError
 from omni_runtime.http.audio import (
     AudioFormatError,
@@ -155,6 +156,15 @@ def test_outputs_say_what_stage_0_takes() -> None:
     assert hears.outputs is not None and hears.outputs.text_turns
     with pytest.raises(ValidationError, match="text_turns is for a pipeline whose input is audio"):
         PipelineConfig.model_validate(pipeline(text_stage=0, input="chat", text_turns=True))
+
+
+def test_run_sends_text_to_a_pipeline_that_hears_only_if_it_takes_text_turns() -> None:
+    hears = PipelineConfig.model_validate(pipeline(text_stage=0, input="audio", text_turns=True))
+    turn = {"wav": None, "messages": [{"role": "user", "content": "Hello"}]}
+    assert read_input(hears, "Hello", None) == turn
+    deaf = PipelineConfig.model_validate(pipeline(text_stage=0, input="audio"))
+    with pytest.raises(ConfigError, match="takes speech"):
+        read_input(deaf, "Hello", None)
 
 
 def test_serve_takes_pipelines_repeated_or_as_a_comma_list() -> None:
