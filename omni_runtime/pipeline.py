@@ -75,6 +75,11 @@ class OutputsConfig(BaseModel):
     the pipeline; false where a thinker answers the input instead (speech of the answer is
     not what that endpoint promises)."""
 
+    @property
+    def takes_text(self) -> bool:
+        """Whether a typed turn is answered: text or chat input, or `text_turns`."""
+        return self.input != "audio" or self.text_turns
+
     @model_validator(mode="after")
     def _names_something(self) -> OutputsConfig:
         if self.text_stage is None and self.audio_stage is None:

@@ -119,9 +119,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     started = int(time.time())
     page = _static("playground.html")
     scripts = {name: _static(name) for name in PLAYGROUND_SCRIPTS}
-    talks = [s for s in gateway.served.values() if s.outputs.input != "audio"]
+    talks = [s for s in gateway.served.values() if s.outputs.takes_text]
     shown = talks[0] if talks else gateway.first
-    """The playground's pipeline: the first that takes text."""
+    """The playground's pipeline: the first that takes text (typed turns on one that hears)."""
     listens = [
         s for s in gateway.served.values()
         if s.outputs.input == "audio" and s.outputs.audio_stage is not None
@@ -139,7 +139,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             "model": shown.name,
             "sample_rate": PCM16_RATE,  # streamed pcm16, whatever rate the pipeline makes
             "audio": shown.outputs.audio_stage is not None,
-            "takes_text": shown.outputs.input != "audio",
+            "takes_text": shown.outputs.takes_text,
             "auth_required": bool(gateway.serve.api_keys),
             "talk_model": listens[0].name if listens else None,
         }

@@ -167,6 +167,7 @@ async def test_a_typed_chat_to_a_pipeline_that_hears_is_a_turn_with_nothing_to_h
     hears = pipeline_of("echo", input="audio", text_turns=True)
     async with serving([hears], fake_clients, settings) as (api, _g):
         said = echoed(await api.post(CHAT, json={"model": "echo", "messages": CONVERSATION}))
+        assert (await api.get("/playground/config")).json()["takes_text"]  # its text box
     assert said["prompt"] == {"wav": None, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"},
@@ -174,6 +175,7 @@ async def test_a_typed_chat_to_a_pipeline_that_hears_is_a_turn_with_nothing_to_h
     deaf = pipeline_of("echo", input="audio")
     async with serving([deaf], fake_clients, settings) as (api, _g):
         resp = await api.post(CHAT, json={"model": "echo", "messages": CONVERSATION})
+        assert not (await api.get("/playground/config")).json()["takes_text"]
     assert "takes speech" in assert_error(resp, 400, "messages.3.content")["message"]
 
 
