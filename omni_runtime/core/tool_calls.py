@@ -112,7 +112,7 @@ class AnswerReader:
 
     A call the same as one the answer made already (its name and arguments) is a small
     model looping (SmolLM2 repeats its call until its token limit): unless `keep_repeats`,
-    it is not taken, and `repeated` says the answer is worth no more decoding."""
+    it is not taken, and `looping` says the answer is worth no more decoding."""
 
     def __init__(self, keep_repeats: bool = False) -> None:
         self.keep_repeats = keep_repeats
@@ -227,6 +227,11 @@ class AnswerReader:
         taken = self._calls[self._given :]
         self._given = len(self._calls)
         return taken
+
+    @property
+    def looping(self) -> bool:
+        """A call was repeated, and repeats are not kept: the answer has ended."""
+        return self.repeated and not self.keep_repeats
 
     @property
     def called(self) -> bool:

@@ -215,16 +215,16 @@ async def read_calls(
     reader = AnswerReader(keep_repeats=halt is None)
     async for piece in answer:
         if not isinstance(piece, Final):
-            if reader.repeated and halt is not None:
+            if reader.looping:
                 continue  # decoded before the halt took hold: the answer has ended
             if text := reader.feed(piece):
                 yield text
             if calls := reader.take_calls():
                 yield calls_output(calls)
-            if reader.repeated and halt is not None:
+            if reader.looping and halt is not None:
                 halt()
             continue
-        if reader.repeated and halt is not None:  # its calls all went out as they closed
+        if reader.looping:  # its calls all went out as they closed
             yield Final("", "tool_calls", piece.usage)
             return
         rest = reader.feed(piece.data) if isinstance(piece.data, str) else ""
