@@ -138,6 +138,12 @@ class PipelineConfig(BaseModel):
     def last_stage(self) -> int:
         return max(self.final_stage_ids)
 
+    @property
+    def audio_stage(self) -> int | None:
+        """The final stage that speaks, if the file says (`outputs`): a request that wants
+        no audio (`modalities` without "audio") is not run through it, nor past it."""
+        return None if self.outputs is None else self.outputs.audio_stage
+
     def stage(self, stage_id: int) -> StageConfig:
         if not 0 <= stage_id < len(self.stages):
             raise ConfigError(f"pipeline {self.name!r} has no stage {stage_id}")

@@ -33,6 +33,7 @@ from omni_runtime.core.types import (
     Stage,
     StageOutput,
     forward_previous_data,
+    request_finals,
 )
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class OrchestratorLoops:
         default_deadline_s: float | None = None,
         metrics: CounterSink | None = None,
         hooks: Hooks | None = None,
+        audio_stage: int | None = None,
     ) -> None:
         self.stages: list[Stage] = list(stages)
         self._managed: list[ManagedStage | None] = [
@@ -82,6 +84,8 @@ class OrchestratorLoops:
         if bad:
             raise ValueError(f"final stage ids {bad} outside 0..{len(self.stages) - 1}")
         self.last_stage: int = max(self.final_stage_ids)
+        self.audio_stage = audio_stage
+        """The final stage that speaks: a request that wants no audio ends before it."""
         self.forward_fn = forward_fn
         self.default_deadline_s = default_deadline_s
         self.request_states: dict[str, ReqState] = {}
@@ -160,6 +164,8 @@ class OrchestratorLoops:
         is left of its deadline (≤ 0: it ends at once). False if the id is live already."""
         if request_id in self.request_states:
             return False
+        state.finals = request_finals(self.final_stage_ids, self.audio_stage, state.params)
+        state.last_stage = max(state.finals)
         self.request_states[request_id] = state
         if deadline_s is not None:
             self._deadlines.add(request_id, asyncio.get_running_loop().time() + deadline_s)

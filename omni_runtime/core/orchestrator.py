@@ -7,7 +7,8 @@ state changes in the handler (add, abort), the deadline task (abort) and the dis
 in-process (`InMemoryStage`) and in the orchestrator process (Redis stage clients).
 
 `Orchestrator` is sequential mode: a stage starts once the one before it finished, on its
-data. `StreamingOrchestrator` ("async chunk" mode) starts every stage at once, each reading
+data. A request runs the stages up to the last of its final stages (`ReqState.finals`):
+one that wants no audio stops before the pipeline's audio stage. `StreamingOrchestrator` ("async chunk" mode) starts every stage at once, each reading
 its input as chunks: it still sees every stage's outputs, to emit the final stages' and to
 know when a request is done, but forwards nothing (stage n+1 consumes stage n's chunks
 straight from the data plane, the ChunkAdapter). Only `_handle_add` and `_handle_output`
@@ -121,9 +122,9 @@ class Orchestrator(OrchestratorLoops):
         state = await self._record(stage_id, out)
         if state is None:
             return
-        if stage_id in self.final_stage_ids and await self._emit_final(rid, stage_id, state, out):
+        if stage_id in state.finals and await self._emit_final(rid, stage_id, state, out):
             return
-        if out.finished and stage_id < self.last_stage:
+        if out.finished and stage_id < state.last_stage:
             nxt = stage_id + 1
             next_input = self.forward_fn(nxt, state.prompt, state.stage_data[stage_id])
             state.submitted.add(nxt)
@@ -131,7 +132,7 @@ class Orchestrator(OrchestratorLoops):
 
     async def _emit_final(self, rid: str, stage_id: int, state: ReqState, out: StageOutput) -> bool:
         """Step 4: emit a final stage's output; True if that ended the request (cleaned up)."""
-        done = self.final_stage_ids <= state.finished
+        done = state.finals <= state.finished
         if done:
             self._cleanup(rid)
         reason, usage = out.finish_reason, out.usage  # the stage's, on its finished output
@@ -200,7 +201,7 @@ class StreamingOrchestrator(Orchestrator):
         if state is None:
             return
         # Downstream first: a receiver is listening before its upstream's first chunk.
-        for sid in reversed(range(self.last_stage + 1)):
+        for sid in reversed(range(state.last_stage + 1)):
             state.submitted.add(sid)
             await self._submit(request_id, sid, prompt)
             if request_id not in self.request_states:
@@ -209,5 +210,5 @@ class StreamingOrchestrator(Orchestrator):
     async def _handle_output(self, stage_id: int, out: StageOutput) -> None:
         """Steps 1-4 of the base class; step 5 (forwarding) is the workers' job here."""
         state = await self._record(stage_id, out)
-        if state is not None and stage_id in self.final_stage_ids:
+        if state is not None and stage_id in state.finals:
             await self._emit_final(out.request_id, stage_id, state, out)

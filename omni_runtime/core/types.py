@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -46,6 +46,23 @@ class TokenUsage:
         if prompt_tokens is None or completion_tokens is None:
             return None
         return cls(prompt_tokens, completion_tokens)
+
+
+def wants_audio(params: Mapping[str, Any] | None) -> bool:
+    """Whether a request wants speech: not when its `modalities` leave audio out (what the
+    front door adds for a client that wants only text from a pipeline that speaks)."""
+    modalities = (params or {}).get("modalities")
+    return not isinstance(modalities, list) or "audio" in modalities
+
+
+def request_finals(
+    final_stage_ids: frozenset[int], audio_stage: int | None, params: Mapping[str, Any] | None
+) -> frozenset[int]:
+    """The final stages one request needs: all of the pipeline's, but the audio stage for a
+    request that wants no audio, so the stages that would speak for nobody are not run."""
+    if audio_stage is None or wants_audio(params):
+        return final_stage_ids
+    return final_stage_ids - {audio_stage} or final_stage_ids
 
 
 ForwardFn = Callable[[int, Any, list[Any]], Any]
@@ -94,6 +111,10 @@ class ReqState:
     prompt: Any
     params: dict[str, Any] | None = None
     """Per-request parameters, sent with the request's input to every stage."""
+    finals: frozenset[int] = frozenset()
+    """The final stages this request needs (`request_finals`), set when it is registered."""
+    last_stage: int = 0
+    """The last of them: the stages after it are not run for this request."""
     submitted: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     stage_data: dict[int, list[Any]] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from omni_runtime.core.clauses import (
 )
 from omni_runtime.core.clauses import ClauseCutter
 from omni_runtime.core.tool_calls import calls_in
-from omni_runtime.engines.voice_params import wants_audio
+from omni_runtime.core.types import wants_audio
 from omni_runtime.stage_api import ChunkStream, RequestRefused, with_last
 
 
@@ -85,7 +85,7 @@ def request_clauses(
     first_clause_chars: int | None,
 ) -> Iterator[tuple[str, bool]]:
     """`clauses_with_last` for one request of a TTS stage: its `first_clause_chars` param
-    wins over the stage's; one that wants no audio (`voice_params.wants_audio`) has its
+    wins over the stage's; one that wants no audio (`core.types.wants_audio`) has its
     input read to the end (the upstream's chunks taken) and gets only `("", True)`."""
     first = first_clause_chars_of(params, first_clause_chars)
     clauses = clauses_with_last(data, min_clause_chars, max_clause_chars, first)

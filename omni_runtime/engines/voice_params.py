@@ -1,5 +1,5 @@
-"""The per-request voice parameters every TTS stage honours: `voice`, `speed` and
-`modalities` (no speech when they leave audio out).
+"""The per-request voice parameters every TTS stage honours: `voice` and `speed` (and
+`modalities`, `core.types.wants_audio`: no speech when they leave audio out).
 
 A request's `params` win over the stage's options; keys meant for other stages
 (`max_tokens`, `temperature`, ...) pass by. Bad values fail the request with a clear
@@ -53,10 +53,3 @@ def voice_params(
         return VoiceParams.model_validate(merged)
     except ValidationError as e:
         raise RequestRefused(f"bad voice parameters: {in_words(e)}", "invalid_value") from None
-
-
-def wants_audio(params: dict[str, Any] | None) -> bool:
-    """Whether the request wants speech: not when its `modalities` leave audio out (a text
-    chat of a pipeline that speaks: its TTS stages then pass the text by, unspoken)."""
-    modalities = (params or {}).get("modalities")
-    return not isinstance(modalities, list) or "audio" in modalities

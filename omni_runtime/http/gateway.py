@@ -244,7 +244,7 @@ class Gateway:
             )
         client = served.client
         assert client is not None
-        if not audio and served.outputs.audio_stage is not None:  # its TTS stages make none
+        if not audio and served.outputs.audio_stage is not None:  # its TTS stages are not run
             params = {**(params or {}), "modalities": ["text"]}
         self.inflight += 1
         try:

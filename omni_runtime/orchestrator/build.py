@@ -25,4 +25,12 @@ def build_orchestrator(
         else forward_previous_data
     )
     cls = StreamingOrchestrator if pipeline.mode == "streaming" else Orchestrator
-    return cls(stages, pipeline.final_stage_ids, forward, default_deadline_s, metrics, hooks)
+    return cls(
+        stages,
+        pipeline.final_stage_ids,
+        forward,
+        default_deadline_s,
+        metrics,
+        hooks,
+        audio_stage=pipeline.audio_stage,
+    )

@@ -65,6 +65,8 @@ class ActiveRequest:
     last_input_at: float
     stream: ChunkStream | None = None
     seq: int = 0
+    sends_chunks: bool = False
+    """Its outputs go to the next stage as chunks (streaming, and it goes on past here)."""
 
 
 def stream_id(entry_id: bytes) -> tuple[int, int]:

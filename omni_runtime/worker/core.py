@@ -17,6 +17,7 @@ from typing import Any
 
 from omni_runtime.core import foreign
 from omni_runtime.core.foreign import Raised
+from omni_runtime.core.types import request_finals
 from omni_runtime.errors import CodecError
 from omni_runtime.logs import for_request as _rid
 from omni_runtime.observe.metrics import Metrics
@@ -56,6 +57,8 @@ class WorkerCore:
         abort_memory_max: int = ABORT_MEMORY_MAX,
         rebuild: Callable[[], StageEngine] | None = None,
         poison_strikes: int = POISON_STRIKES,
+        final_stage_ids: frozenset[int] = frozenset(),
+        audio_stage: int | None = None,
     ) -> None:
         self.driver = EngineDriver(
             engine, stage_id, stage_name, metrics, rebuild=rebuild, poison_strikes=poison_strikes
@@ -63,6 +66,8 @@ class WorkerCore:
         self.stage_id = stage_id
         self.stage_name = stage_name
         self.sends_chunks = sends_chunks
+        self._finals = final_stage_ids
+        self._audio_stage = audio_stage
         self.receives_chunks = receives_chunks
         self.max_message_bytes = max_message_bytes
         self.input_timeout_s = input_timeout_s
@@ -149,7 +154,7 @@ class WorkerCore:
                 self._actions.acks.append(inp.entry_id)
             self._actions.freed_slots += 1
             return
-        req = ActiveRequest(inp.entry_id, now)
+        req = ActiveRequest(inp.entry_id, now, sends_chunks=self._sends_chunks_for(inp.msg.params))
         data = inp.msg.data
         if inp.msg.streaming and self.receives_chunks:
             req.stream = data = ChunkStream(prompt=data)  # streaming sends every stage the prompt
@@ -158,6 +163,14 @@ class WorkerCore:
         error = self.driver.add(rid, data, inp.msg.params)
         if error is not None:
             self._fail(rid, error)
+
+    def _sends_chunks_for(self, params: Mapping[str, Any] | None) -> bool:
+        """A sending stage sends nothing for a request that ends here: one that wants no
+        audio ends before the audio stage (`core.types.request_finals`), as the
+        orchestrator runs it."""
+        if not self.sends_chunks or self._audio_stage is None:
+            return self.sends_chunks
+        return self.stage_id < max(request_finals(self._finals, self._audio_stage, params))
 
     def on_abort(self, request_id: str, now: float) -> None:
         """Drop the request: engine, chunk sender and receiver, its input entry. A receiving
@@ -287,7 +300,7 @@ class WorkerCore:
             return
         if is_error:
             self._actions.discards.append(rid)
-        elif self.sends_chunks:
+        elif req.sends_chunks:
             self._actions.chunk_saves.append((rid, data, out.finished))
         if not reported:
             if not ends:

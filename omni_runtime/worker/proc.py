@@ -129,6 +129,8 @@ class StageWorker:
             stage_id,
             self.stage.name,
             sends_chunks=self.sends_chunks,
+            final_stage_ids=frozenset(pipeline.final_stage_ids),
+            audio_stage=pipeline.audio_stage,
             receives_chunks=self.receives_chunks,
             max_message_bytes=s.max_message_bytes,
             input_timeout_s=s.input_timeout_s,
@@ -233,8 +235,7 @@ class StageWorker:
         self._watchdog.start()
 
     def _give_back(self, _stuck: list[Stuck]) -> None:
-        """The watchdog's last act: the heartbeat goes at once, so that a live replica
-        claims this worker's inputs now rather than once the heartbeat's TTL ran out."""
+        """The watchdog's last act: the heartbeat goes now, so a live replica takes over."""
         self._heartbeat.request_stop()
         self._heartbeat.forget()
 
@@ -247,9 +248,8 @@ class StageWorker:
         return None if self._serving else "starting"
 
     def stop(self) -> None:
-        """Stop reading inputs and drain for `OMNI_DRAIN_S` (what is left then is handed
-        back); called again, stop without draining (a second Ctrl-C, a SIGTERM after it).
-        Safe from any thread (`worker/signals.py` calls it)."""
+        """Stop reading inputs and drain for `OMNI_DRAIN_S` (what is left is then handed back);
+        again, stop without draining (a second Ctrl-C). Any thread may call it (`signals.py`)."""
         self._serving = False
         self._stop_now = self._stop.is_set()
         self._stop.set()

@@ -12,6 +12,7 @@ from omni_runtime.core.orchestrator import Orchestrator, StreamingOrchestrator
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
+from omni_runtime.worker.proc import StageWorker
 from tests.cluster import InProcessCluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,3 +65,80 @@ async def test_the_orchestrator_submits_params_with_every_stage_input(
         out = await orch.next_output(timeout=5)
     assert out.finished and out.error is None
     assert [s.params for s in stages] == [{"r": {"voice": "joe"}}] * 2
+
+
+TEXT_ONLY = {"modalities": ["text"]}
+
+
+@pytest.mark.parametrize("orchestrator", [Orchestrator, StreamingOrchestrator])
+async def test_a_request_that_wants_no_audio_ends_before_the_audio_stage(
+    orchestrator: type[Orchestrator],
+) -> None:
+    def echo(_rid: str, data: Any) -> list[tuple[Any, bool]]:
+        return [(data, True)]
+
+    stages = [InMemoryStage(echo) for _ in range(3)]
+    async with orchestrator(stages, final_stage_ids={0, 2}, audio_stage=2) as orch:
+        await orch.add_request("text", "p", params=TEXT_ONLY)
+        text = await orch.next_output(timeout=5)
+        await orch.add_request("both", "p", params={"modalities": ["text", "audio"]})
+        both = [await orch.next_output(timeout=5) for _ in range(2)]
+    assert (text.request_id, text.stage_id, text.finished, text.error) == ("text", 0, True, None)
+    assert [s.params.keys() for s in stages] == [{"text", "both"}, {"both"}, {"both"}]
+    assert sorted(o.stage_id for o in both) == [0, 2] and [o.finished for o in both] == [0, 1]
+    assert not orch.request_states and orch.dropped_outputs == 0
+
+
+def speaking_pipeline(mode: str) -> PipelineConfig:
+    """Text (stage 0) and a later final stage the file calls its audio."""
+    return PipelineConfig.model_validate(
+        {
+            "name": "speaks",
+            "mode": mode,
+            "final_stage_ids": [0, 2],
+            "stages": [
+                {"id": 0, "name": "tag", "entry": "tests.param_stages:tag_words"},
+                {"id": 1, "name": "suffix", "entry": "tests.param_stages:SuffixEngine"},
+                {"id": 2, "name": "voice", "entry": "tests.param_stages:SuffixEngine"},
+            ],
+            "outputs": {"text_stage": 0, "audio_stage": 2},
+        }
+    )
+
+
+@pytest.mark.parametrize("mode", ["sequential", "streaming"])
+async def test_stages_past_the_text_are_not_run_for_a_text_only_request(mode: str) -> None:
+    """Over Redis, with the real workers: a text-only request never reaches the stages
+    after its text (no input, no chunk sent them), and a spoken one still does."""
+    server = fakeredis.FakeServer()
+    clients = RedisClients(
+        sync=lambda: fakeredis.FakeRedis(server=server),
+        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
+    )
+    settings = Settings(
+        redis_url="redis://unused", block_ms=20, orchestrator_idle_block_ms=20,
+        heartbeat_interval_s=0.2,
+    )  # fmt: skip
+    async with InProcessCluster(speaking_pipeline(mode), settings, clients) as cluster:
+        text = await cluster.run("one two", params={**TEXT_ONLY, "tag": "A"})
+        inputs = [completed(w) for w in cluster.workers]
+        sent = chunks_sent(cluster.workers[0])
+        spoken = await cluster.run("three", params={"tag": "B", "suffix": "!"})
+        spoken_inputs = [completed(w) for w in cluster.workers]
+    assert [(o.stage_id, o.data, o.finished, o.error) for o in text][-1][2:] == (True, None)
+    assert "".join(str(o.data or "") for o in text) == "one/Atwo/A"
+    assert {o.stage_id for o in text} == {0}
+    assert inputs == [1, 0, 0] and sent == 0
+    assert (spoken[-1].stage_id, spoken[-1].error) == (2, None) and "three/B!" in str(
+        spoken[-1].data
+    )
+    assert spoken_inputs == [2, 1, 1]
+    assert chunks_sent(cluster.workers[0]) == (1 if mode == "streaming" else 0)
+
+
+def chunks_sent(worker: StageWorker) -> float:
+    return worker.metrics.value("omni_chunks_sent_total", stage=worker.stage_id)
+
+
+def completed(worker: StageWorker) -> float:
+    return worker.metrics.value("omni_requests_completed_total", stage=str(worker.stage_id))
