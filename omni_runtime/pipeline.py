@@ -144,6 +144,15 @@ class PipelineConfig(BaseModel):
         no audio (`modalities` without "audio") is not run through it, nor past it."""
         return None if self.outputs is None else self.outputs.audio_stage
 
+    @property
+    def transcript_stage(self) -> int | None:
+        """Stage 0 of a pipeline that hears (`input: audio`) when it is a final stage of its
+        own, neither the text nor the audio one: what the user said, beside the answer."""
+        out = self.outputs
+        if out is None or out.input != "audio" or 0 not in self.final_stage_ids:
+            return None
+        return None if 0 in (out.text_stage, out.audio_stage) else 0
+
     def stage(self, stage_id: int) -> StageConfig:
         if not 0 <= stage_id < len(self.stages):
             raise ConfigError(f"pipeline {self.name!r} has no stage {stage_id}")

@@ -55,14 +55,39 @@ def wants_audio(params: Mapping[str, Any] | None) -> bool:
     return not isinstance(modalities, list) or "audio" in modalities
 
 
+FINAL_STAGES_PARAM = "final_stages"
+"""The `params` key of a request that wants fewer final stages than its pipeline has: a
+list of some of them (the transcript alone of a pipeline that hears and answers)."""
+
+
+def asked_finals(final_stage_ids: frozenset[int], params: Mapping[str, Any] | None) -> str | None:
+    """Why a request's `final_stages` cannot be served, or None (not given, or sound)."""
+    asked = (params or {}).get(FINAL_STAGES_PARAM)
+    if asked is None:
+        return None
+    if (
+        isinstance(asked, list)
+        and asked
+        and all(type(s) is int and s in final_stage_ids for s in asked)
+    ):
+        return None
+    finals = sorted(final_stage_ids)
+    return f"{FINAL_STAGES_PARAM} must list some of the pipeline's final stages {finals}, not {asked!r}"
+
+
 def request_finals(
     final_stage_ids: frozenset[int], audio_stage: int | None, params: Mapping[str, Any] | None
 ) -> frozenset[int]:
-    """The final stages one request needs: all of the pipeline's, but the audio stage for a
+    """The final stages one request needs: those it asks for (`FINAL_STAGES_PARAM`, checked
+    at intake: `asked_finals`), else all of the pipeline's; but the audio stage for a
     request that wants no audio, so the stages that would speak for nobody are not run."""
+    finals = final_stage_ids
+    asked = (params or {}).get(FINAL_STAGES_PARAM)
+    if isinstance(asked, list):
+        finals = final_stage_ids & {s for s in asked if type(s) is int} or final_stage_ids
     if audio_stage is None or wants_audio(params):
-        return final_stage_ids
-    return final_stage_ids - {audio_stage} or final_stage_ids
+        return finals
+    return finals - {audio_stage} or finals
 
 
 ForwardFn = Callable[[int, Any, list[Any]], Any]

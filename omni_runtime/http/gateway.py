@@ -224,12 +224,14 @@ class Gateway:
         audio: bool,
         trace: bool = False,
         params: dict[str, Any] | None = None,
+        text_stage: int | None = None,
     ) -> Run:
         """Admit and submit one request; 503 when not ready or Redis is out of memory (with
         `Retry-After`), 429 when at `max_inflight`.
         `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`;
         `params`: the request's parameters, which every stage receives; with `modalities:
-        ["text"]` added when the pipeline speaks but the client wants no audio."""
+        ["text"]` added when the pipeline speaks but the client wants no audio; `text_stage`:
+        the stage whose text the run yields, when not the pipeline's text stage."""
         if self.stopping:
             self.metrics.inc("omni_requests_refused_total", reason="shutting down")
             raise shutting_down()
@@ -259,7 +261,7 @@ class Gateway:
             self.inflight -= 1
             raise ApiError(503, f"could not submit: {e}", code="unavailable") from e
         self.timer.started(request_id)
-        return Run(self, served, client, request_id, audio)
+        return Run(self, served, client, request_id, audio, text_stage)
 
     def stop(self) -> None:
         """The drain begins: refuse what is new (503 `shutting_down`), let what runs finish,
@@ -297,10 +299,17 @@ class Run:
     """One admitted request: iterate `events()`, and always `close()` it."""
 
     def __init__(
-        self, gateway: Gateway, served: Served, client: OmniClient, request_id: str, audio: bool
+        self,
+        gateway: Gateway,
+        served: Served,
+        client: OmniClient,
+        request_id: str,
+        audio: bool,
+        text_stage: int | None = None,
     ) -> None:
         self.gateway = gateway
         self.served = served
+        self.text_stage = served.outputs.text_stage if text_stage is None else text_stage
         self.client = client
         self.request_id = request_id
         self.audio = audio
@@ -314,7 +323,7 @@ class Run:
 
     def note_end(self, out: OrchOutput) -> None:
         """What the text stage's finished output says of it: why it ended, its counts."""
-        if out.stage_id == self.served.outputs.text_stage:
+        if out.stage_id == self.text_stage:
             self.finish_reason = out.finish_reason or self.finish_reason
             self.usage = out.usage or self.usage
 
@@ -334,11 +343,11 @@ class Run:
                     yield FailureEvent.of(out.stage_id, out.error, out.error_code)
                     return
                 self.note_end(out)
-                if out.stage_id == out_cfg.text_stage and (calls := calls_in(out.data)):
+                if out.stage_id == self.text_stage and (calls := calls_in(out.data)):
                     self.finish_reason = "tool_calls"  # unless its end says otherwise
                     yield ToolCallEvent(calls, made)
                     made += len(calls)
-                elif out.stage_id == out_cfg.text_stage and out.data is not None:
+                elif out.stage_id == self.text_stage and out.data is not None:
                     text, timing = text_of(out.data)
                     if text:
                         sep = "" if first_text else out_cfg.text_separator

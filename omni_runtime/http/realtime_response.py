@@ -89,14 +89,6 @@ class Item:
                 "role": self.role, "status": self.status, "content": parts}  # fmt: skip
 
 
-def transcript_stage(served: Served) -> int | None:
-    """The speech-to-text stage whose text is the user's transcript, if the pipeline has one."""
-    out = served.outputs
-    if out.input != "audio" or 0 not in served.pipeline.final_stage_ids:
-        return None
-    return None if 0 in (out.text_stage, out.audio_stage) else 0
-
-
 @dataclass
 class Response:
     """Runs in a task of its own; `cancel` ends it from the session's side at once."""
@@ -192,7 +184,7 @@ class Response:
     async def _stream(self, run: Run) -> FailureEvent | None:
         """Emit the request's outputs as they come; the failure, if one ends it."""
         outs, timer = self.served.outputs, self.gateway.timer
-        stt, audio = transcript_stage(self.served), "audio" in self.modalities
+        stt, audio = self.served.pipeline.transcript_stage, "audio" in self.modalities
         encode = OutputEncoder(self.output_format, outs.sample_rate)
         stream = cast(
             AsyncGenerator[OrchOutput, None],

@@ -5,7 +5,9 @@ The form is the one the official `openai` client sends (`file`, `model`, `langua
 `response_format`, `timestamp_granularities[]`, `stream`, …); fields this server has no
 use for (`prompt`, `temperature`, …) are ignored. The pipeline is one whose `outputs.input`
 is `audio`: its stage 0 gets `{"wav": <bytes>}` and its text stage's pieces are the answer;
-`verbose_json`, `srt` and `vtt` ask it for their times (`transcripts`).
+`verbose_json`, `srt` and `vtt` ask it for their times (`transcripts`). One that also
+answers what it heard (`workers/listen.yaml`) gives its speech-to-text stage's words
+(`transcript_stage`), and runs no stage after it for the request (`final_stages`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, File, Form, Response, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from omni_runtime.core.types import FINAL_STAGES_PARAM
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.events import Event, FailureEvent, TextEvent
 from omni_runtime.http.gateway import Gateway, Run
@@ -90,7 +93,10 @@ def transcriptions_router(gateway: Gateway) -> APIRouter:
             params["timestamps"] = (
                 granularities if response_format == "verbose_json" else ["segment", "word"]
             )
-        run = await gateway.open(served, {"wav": wav}, False, wants(x_omni_trace), params or None)
+        if (heard := served.pipeline.transcript_stage) is not None:  # it answers too: not here
+            params[FINAL_STAGES_PARAM] = [heard]
+        trace = wants(x_omni_trace)
+        run = await gateway.open(served, {"wav": wav}, False, trace, params or None, heard)
         if stream:
             events = run.events()
             first = await first_event(run, events)

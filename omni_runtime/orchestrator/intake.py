@@ -16,7 +16,7 @@ import msgspec
 from pydantic import TypeAdapter, ValidationError
 
 from omni_runtime import keys
-from omni_runtime.core.types import ReqState
+from omni_runtime.core.types import ReqState, asked_finals
 from omni_runtime.errors import CodecError
 from omni_runtime.wire import codec
 from omni_runtime.wire.messages import ClientId, RequestId, clip_error
@@ -31,7 +31,9 @@ INVALID_REQUEST: Final = "invalid request"
 """The `reason` labels of `omni_requests_refused_total` (few: never the error's text)."""
 
 
-def refusal(cmd: RequestView, max_deadline_s: float) -> tuple[str, str] | None:
+def refusal(
+    cmd: RequestView, max_deadline_s: float, final_stage_ids: frozenset[int]
+) -> tuple[str, str] | None:
     """(reason, error) for a valid request this deployment will not run, else None."""
     if cmd.deadline_s is not None and cmd.deadline_s > max_deadline_s:
         error = (
@@ -39,6 +41,8 @@ def refusal(cmd: RequestView, max_deadline_s: float) -> tuple[str, str] | None:
             f"{max_deadline_s:g} s (OMNI_MAX_DEADLINE_S)"
         )
         return DEADLINE_TOO_LONG, error
+    if (unserved := asked_finals(final_stage_ids, cmd.params)) is not None:
+        return INVALID_REQUEST, f"{INVALID_REQUEST}: {unserved}"
     return None
 
 

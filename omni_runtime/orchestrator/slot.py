@@ -314,7 +314,7 @@ class SlotService:
                 self._refuse(cmd, intake.DUPLICATE_ID, intake.duplicate(rid))
             self._ack(entry_id)
             return
-        refused = intake.refusal(cmd, shared.settings.max_deadline_s)
+        refused = intake.refusal(cmd, shared.settings.max_deadline_s, self.core.final_stage_ids)
         if refused is None and shared.stage_watch.down:
             error = no_live_worker(min(shared.stage_watch.down))
             refused = (error, error)

@@ -9,12 +9,20 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from omni_runtime.http.app import create_app
+from omni_runtime.http.audio import b64
 from omni_runtime.http.gateway import Gateway
+from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.redis_io.clients import RedisClients
+from omni_runtime.worker.proc import StageWorker
+from tests.cluster import InProcessCluster
 from tests.integration.http_support import (
+    CHAT,
     assert_error,
     fake_redis_clients,
     fast_settings,
+    gateway_for,
+    http,
     pipeline_of,
     serving,
     wav_file,
@@ -124,3 +132,49 @@ async def test_timed_forms_asked_wrongly_are_openai_errors(
     )
     assert_error(resp, 400, param)
     assert gateway.inflight == 0
+
+
+def hears_and_answers(mode: str) -> PipelineConfig:
+    """Stage 0 hears (final: the user's words), stage 1 answers them (the text stage)."""
+    return PipelineConfig.model_validate({
+        "name": "hears", "mode": mode, "final_stage_ids": [0, 1],
+        "stages": [{"id": 0, "name": "speech_to_text", "entry": "tests.http_stages:wav_duration"},
+                   {"id": 1, "name": "parrot", "entry": "tests.http_stages:parrot"}],
+        "outputs": {"input": "audio", "text_stage": 1},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sequential", "streaming"])
+async def test_a_pipeline_that_also_answers_transcribes_with_its_first_stage_alone(
+    mode: str,
+) -> None:
+    """The transcript is what stage 0 heard, not the answer; the answering stage never runs
+    for it (`final_stages`), and still answers a chat."""
+    async with (
+        InProcessCluster(hears_and_answers(mode), fast_settings(), fake_redis_clients()) as c,
+        http(create_app(gateway_for(c))) as client,
+    ):
+        files = {"file": ("a.wav", wav_file(1.25))}
+        heard = await client.post(TRANSCRIBE, data={"model": "hears"}, files=files)
+        ran = [completed(w) for w in c.workers]
+        streamed = await client.post(
+            TRANSCRIBE, data={"model": "hears", "stream": "true"}, files=files
+        )
+        spoken = {
+            "type": "input_audio",
+            "input_audio": {"data": b64(wav_file(0.5)), "format": "wav"},
+        }
+        messages = [{"role": "user", "content": [spoken]}]
+        answer = await client.post(CHAT, json={"model": "hears", "messages": messages})
+    assert heard.status_code == 200, heard.text
+    assert heard.json() == {"text": "1.2500 s, 16000 Hz, 1 ch, language -"}
+    assert ran == [1, 0]
+    assert streamed.status_code == 200 and '"delta":"1.2500 s, 16000 Hz' in streamed.text
+    assert answer.status_code == 200, answer.text
+    said = answer.json()["choices"][0]["message"]["content"]
+    assert said.startswith("You said: 0.5000 s, 16000 Hz"), said
+    assert [completed(w) for w in c.workers] == [3, 1]
+
+
+def completed(worker: StageWorker) -> float:
+    return worker.metrics.value("omni_requests_completed_total", stage=str(worker.stage_id))

@@ -125,6 +125,9 @@ async def test_stages_past_the_text_are_not_run_for_a_text_only_request(mode: st
         sent = chunks_sent(cluster.workers[0])
         spoken = await cluster.run("three", params={"tag": "B", "suffix": "!"})
         spoken_inputs = [completed(w) for w in cluster.workers]
+        first_only = await cluster.run("four", params={"final_stages": [0]})
+        refused = await cluster.run("five", params={"final_stages": [1]})
+        last_inputs = [completed(w) for w in cluster.workers]
     assert [(o.stage_id, o.data, o.finished, o.error) for o in text][-1][2:] == (True, None)
     assert "".join(str(o.data or "") for o in text) == "one/Atwo/A"
     assert {o.stage_id for o in text} == {0}
@@ -134,6 +137,12 @@ async def test_stages_past_the_text_are_not_run_for_a_text_only_request(mode: st
     )
     assert spoken_inputs == [2, 1, 1]
     assert chunks_sent(cluster.workers[0]) == (1 if mode == "streaming" else 0)
+    assert [(o.stage_id, o.data, o.finished) for o in first_only][-1][::2] == (0, True)
+    assert [o.error for o in refused] == [
+        "invalid request: final_stages must list some of the pipeline's final stages [0, 2], "
+        "not [1]"
+    ]
+    assert last_inputs == [3, 1, 1]
 
 
 def chunks_sent(worker: StageWorker) -> float:
