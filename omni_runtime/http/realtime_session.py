@@ -351,15 +351,20 @@ class Session:
         if user is None:
             raise EventError("the conversation has no user item to answer")
         if mode == "audio":
-            if user.audio is None and self.served.outputs.text_turns:
+            spoken = next((i for i in reversed(self.items) if i.audio), None)
+            if spoken is None and self.served.outputs.text_turns:
                 # a typed turn, a tool's output: nothing new to hear (`spoken_turn.py`)
                 return {"wav": None, "messages": self._messages(instructions)}, None
-            if user.audio is None:
+            if spoken is None:
                 raise EventError(f"the model {self.served.name!r} takes speech: append and "
                                  "commit audio (or create an input_audio item)")  # fmt: skip
-            history = self._messages(instructions, before=user)
-            wav = wav_bytes(user.audio, SAMPLE_RATE)
-            return ({"wav": wav, "messages": history} if history else {"wav": wav}), user
+            # what came after the unheard turn (calls, a tool's output) is read after it
+            prompt: dict[str, Any] = {"wav": wav_bytes(spoken.audio or b"", SAMPLE_RATE)}
+            if history := self._messages(instructions, before=spoken):
+                prompt["messages"] = history
+            if after := self._messages("", after=spoken):
+                prompt["after"] = after
+            return prompt, spoken
         unheard = [i for i in self.items if i.kind == "audio" and not i.text]
         if unheard and unheard[-1] is user:
             raise EventError(f"the model {self.served.name!r} has no speech-to-text stage: "
@@ -368,11 +373,15 @@ class Session:
             return user.text, None
         return {"messages": self._messages(instructions)}, None
 
-    def _messages(self, instructions: str, before: Item | None = None) -> list[dict[str, str]]:
+    def _messages(
+        self, instructions: str, before: Item | None = None, after: Item | None = None
+    ) -> list[dict[str, str]]:
+        """The text of the items `before` or `after` one (else all), the latest that fit."""
         limit = self.gateway.serve.max_prompt_chars
         messages: list[dict[str, str]] = []
         used = len(instructions)
-        for item in reversed(self.items[: self.items.index(before)] if before else self.items):
+        items = self.items[self.items.index(after) + 1 :] if after else self.items
+        for item in reversed(items[: items.index(before)] if before else items):
             if not item.text.strip():
                 continue
             used += len(item.text)

@@ -184,6 +184,28 @@ async def test_a_typed_message_in_a_voice_session_is_answered_aloud(server: Serv
     assert samples.size > RATE // 2 and np.abs(samples).max() > 1000, answer.transcript
 
 
+async def test_a_spoken_turn_left_unanswered_is_heard_before_the_typed_one_after_it(
+    server: ServeProcess,
+) -> None:
+    """A turn committed without a response (no turn detection, nothing asked) and then a
+    typed message: the next response hears the speech first, the typed turn read after it."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        await open_session(conn)
+        await send_speech(conn, speech(REMEMBER))
+        await conn.input_audio_buffer.commit()
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": RECALL}],
+        })  # fmt: skip
+        await conn.response.create()
+        answer = await until_done(conn)
+    print(f"heard {answer.input_transcript!r}; answered {answer.transcript!r}")
+    assert answer.errors == [] and answer.status in ("completed", "incomplete"), answer.kinds
+    assert "banana" in answer.input_transcript.lower(), answer.kinds
+    samples = np.frombuffer(bytes(answer.audio), "<i2")
+    assert samples.size > RATE // 2 and np.abs(samples).max() > 1000, answer.transcript
+
+
 WEATHER: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}  # fmt: skip
