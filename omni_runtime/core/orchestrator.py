@@ -7,12 +7,12 @@ state changes in the handler (add, abort), the deadline task (abort) and the dis
 in-process (`InMemoryStage`) and in the orchestrator process (Redis stage clients).
 
 `Orchestrator` is sequential mode: a stage starts once the one before it finished, on its
-data. A request runs the stages up to the last of its final stages (`ReqState.finals`):
-one that wants no audio stops before the pipeline's audio stage. `StreamingOrchestrator` ("async chunk" mode) starts every stage at once, each reading
+data. `StreamingOrchestrator` ("async chunk" mode) starts every stage at once, each reading
 its input as chunks: it still sees every stage's outputs, to emit the final stages' and to
 know when a request is done, but forwards nothing (stage n+1 consumes stage n's chunks
 straight from the data plane, the ChunkAdapter). Only `_handle_add` and `_handle_output`
-differ.
+differ. In both, a request runs the stages up to the last of its own final stages
+(`ReqState.finals`): one that wants no audio stops before the pipeline's audio stage.
 """
 
 from __future__ import annotations

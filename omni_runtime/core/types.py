@@ -63,16 +63,11 @@ list of some of them (the transcript alone of a pipeline that hears and answers)
 def asked_finals(final_stage_ids: frozenset[int], params: Mapping[str, Any] | None) -> str | None:
     """Why a request's `final_stages` cannot be served, or None (not given, or sound)."""
     asked = (params or {}).get(FINAL_STAGES_PARAM)
-    if asked is None:
-        return None
-    if (
-        isinstance(asked, list)
-        and asked
-        and all(type(s) is int and s in final_stage_ids for s in asked)
-    ):
+    sound = isinstance(asked, list) and all(type(s) is int and s in final_stage_ids for s in asked)
+    if asked is None or (sound and asked):
         return None
     finals = sorted(final_stage_ids)
-    return f"{FINAL_STAGES_PARAM} must list some of the pipeline's final stages {finals}, not {asked!r}"
+    return f"{FINAL_STAGES_PARAM} must list some of the final stages {finals}, not {asked!r}"
 
 
 def request_finals(
