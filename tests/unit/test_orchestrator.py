@@ -10,6 +10,7 @@ import pytest
 
 from omni_runtime import Orchestrator, OrchOutput, StageOutput
 from omni_runtime.core.in_memory import InMemoryStage
+from omni_runtime.core.types import asked_finals, request_finals
 from omni_runtime.observe.metrics import Metrics
 from tests.fakes import identity_forward, seed_stages
 from tests.waiting import wait_for
@@ -236,3 +237,31 @@ async def test_second_finished_of_a_stage_is_dropped_and_counted() -> None:
         assert orch.stages[1].submitted == [("r1", ["a"])]  # type: ignore[attr-defined]
         assert orch.request_states["r1"].stage_data[0] == ["a"]
         assert metrics.value("omni_dropped_outputs_total", stage=0) == 1
+
+
+FINALS = frozenset({0, 1, 3})  # workers/listen.yaml: heard, answered, spoken
+
+
+@pytest.mark.parametrize(
+    ("params", "finals"),
+    [
+        (None, {0, 1, 3}),
+        ({"modalities": ["text", "audio"]}, {0, 1, 3}),
+        ({"modalities": ["text"]}, {0, 1}),
+        ({"modalities": "text"}, {0, 1, 3}),  # not a list: not the front door's, spoken
+        ({"final_stages": [0]}, {0}),
+        ({"final_stages": [3], "modalities": ["text"]}, {3}),  # nothing left but the audio
+        ({"final_stages": [1, 3], "modalities": ["text"]}, {1}),
+        ({"final_stages": [True]}, {0, 1, 3}),  # refused at intake; here, all of them
+    ],
+)
+def test_a_requests_final_stages(params: dict[str, Any] | None, finals: set[int]) -> None:
+    assert request_finals(FINALS, 3, params) == finals
+
+
+def test_final_stages_that_are_not_the_pipelines_are_refused() -> None:
+    assert asked_finals(FINALS, None) is None
+    assert asked_finals(FINALS, {"final_stages": [0, 1]}) is None
+    for bad in ([], [2], [True], ["0"], 0, [0, 0.0]):
+        error = asked_finals(FINALS, {"final_stages": bad})
+        assert error == f"final_stages must list some of the final stages [0, 1, 3], not {bad!r}"
