@@ -118,7 +118,8 @@ def test_serve_passes_metrics_port_and_trace_to_every_process_it_starts() -> Non
         ]
         assert {r for found in roles for r in found} == {"orchestrator", "stage"}, roles
         assert set(roles[0]) == {"orchestrator"} and all(set(r) == {"stage"} for r in roles[1:])
-        body = {"model": "omni", "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": "omni", "messages": [{"role": "user", "content": "hi"}],
+                "modalities": ["text", "audio"], "audio": {"format": "wav", "voice": "x"}}  # fmt: skip
         response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         request_id = response.headers["X-Omni-Request-Id"]

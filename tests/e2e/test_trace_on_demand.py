@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import httpx
 import pytest
@@ -49,7 +49,7 @@ class Deployment:
     def stamps(self, request_id: str) -> list[Stamp]:
         return read_redis_trace(self.redis, self.settings.names, request_id)
 
-    def complete(self, request_id: str) -> bool:
+    def complete(self, request_id: str, stages: Iterable[int] = STAGES) -> bool:
         """Client, orchestrator (read to finished) and a worker of every stage stamped it."""
         seen = {(event, stage) for event, _rid, stage, _t in self.stamps(request_id)}
         wanted: set[tuple[str, int | None]] = {
@@ -57,13 +57,13 @@ class Deployment:
             ("request_read", None),
             ("request_finished", None),
         }
-        wanted |= {("input_submitted", k) for k in STAGES}  # orchestrator, per stage
-        wanted |= {("input_read", k) for k in STAGES}  # the workers
+        wanted |= {("input_submitted", k) for k in stages}  # orchestrator, per stage
+        wanted |= {("input_read", k) for k in stages}  # the workers
         return wanted <= seen
 
-    def wait_traced(self, request_id: str) -> None:
+    def wait_traced(self, request_id: str, stages: Iterable[int] = STAGES) -> None:
         end = time.monotonic() + DEADLINE_S
-        while not self.complete(request_id):
+        while not self.complete(request_id, stages):
             assert time.monotonic() < end, f"incomplete trace: {self.stamps(request_id)}"
             time.sleep(0.02)
 
@@ -139,23 +139,29 @@ def test_the_trace_header_traces_one_http_request(
     args = ("--pipeline", str(OMNI), "--redis-url", d.redis_url, "--namespace", d.namespace)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with ServeProcess(log, *args) as serve:
-        body = {"model": "omni", "messages": [{"role": "user", "content": "hi"}]}
+        text = {"model": "omni", "messages": [{"role": "user", "content": "hi"}]}
+        body = {**text, "modalities": ["text", "audio"], "audio": {"format": "wav", "voice": "x"}}
         url = f"{serve.url}/v1/chat/completions"
         plain = httpx.post(url, json=body, timeout=60)
         traced = httpx.post(url, json=body, headers={"X-Omni-Trace": "1"}, timeout=60)
+        text_only = httpx.post(url, json=text, headers={"X-Omni-Trace": "1"}, timeout=60)
         speech = httpx.post(
             f"{serve.url}/v1/audio/speech",
             json={"model": "omni", "input": "hi", "response_format": "pcm"},
             headers={"X-Omni-Trace": "true"},
             timeout=60,
         )
-    for response in (plain, traced, speech):
+    for response in (plain, traced, speech, text_only):
         assert response.status_code == 200, response.text
     plain_id, traced_id = plain.headers["X-Omni-Request-Id"], traced.headers["X-Omni-Request-Id"]
     assert traced.json()["id"] == f"chatcmpl-{traced_id}"
     d.wait_traced(traced_id)
     d.wait_traced(speech.headers["X-Omni-Request-Id"])
     assert d.stamps(plain_id) == []
+    # a text chat runs the thinker alone: the talker and the vocoder are never given it
+    text_id = text_only.headers["X-Omni-Request-Id"]
+    d.wait_traced(text_id, stages=[0])
+    assert {s for event, _rid, s, _t in d.stamps(text_id) if event == "input_submitted"} == {0}
 
 
 @pytest.fixture
