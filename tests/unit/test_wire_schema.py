@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from omni_runtime.core.types import request_finals
 from omni_runtime.errors import CodecError
 from omni_runtime.orchestrator import intake
 from omni_runtime.orchestrator.request_store import expiry_ms
@@ -40,6 +41,7 @@ from omni_runtime.wire.views import (
 )
 from tests.hostile import KINDS, Deep, any_docs, hostile_docs, raw, valid_docs
 
+FINALS = frozenset({0, 2})
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODEL: dict[str, type[BaseModel]] = {
     "request": RequestMsg,
@@ -161,12 +163,14 @@ def test_nothing_accepted_in_a_request_can_raise_later(doc: dict[str, Any], now:
         return
     cmd = got[0]
     for limits in (Settings(), Settings(deadline_s=60, max_deadline_s=messages.MAX_DEADLINE_S)):
-        refused = intake.refusal(cmd, limits.max_deadline_s)
+        refused = intake.refusal(cmd, limits.max_deadline_s, FINALS)
         deadline_at = now + (cmd.deadline_s or limits.deadline_s)
         assert 0 < expiry_ms(deadline_at) <= INT64_MAX
         if refused is not None:
-            assert refused[0] == intake.DEADLINE_TOO_LONG
+            assert refused[0] in (intake.DEADLINE_TOO_LONG, intake.INVALID_REQUEST)
             assert_error_final_is_readable(refused[1])
+    assert request_finals(FINALS, 2, cmd.params) <= FINALS  # never raises, never empty
+    assert request_finals(FINALS, 2, cmd.params)
     stage_input = {"type": "stage_input", "request_id": cmd.request_id, "data": cmd.prompt}
     if cmd.params:
         stage_input["params"] = cmd.params
