@@ -17,6 +17,7 @@ from omni_runtime.core.types import OrchOutput
 from omni_runtime.http.events import FailureEvent
 from omni_runtime.http.gateway import Run
 from omni_runtime.http.realtime_response import Item, Response, Status
+from omni_runtime.pipeline import PipelineConfig
 
 TRANSCRIBED = "conversation.item.input_audio_transcription.completed"
 
@@ -35,12 +36,12 @@ class Stream:
 
 
 def response(stream: Stream, emitted: list[dict[str, Any]]) -> tuple[Response, Any]:
-    served: Any = SimpleNamespace(
-        outputs=SimpleNamespace(
-            input="audio", text_stage=1, audio_stage=None, sample_rate=24_000, text_separator=" "
-        ),
-        pipeline=SimpleNamespace(final_stage_ids=[0, 1]),
-    )
+    pipeline = PipelineConfig.model_validate({
+        "name": "hears", "final_stage_ids": [0, 1],
+        "stages": [{"id": 0, "name": "stt", "entry": "m:f"}, {"id": 1, "name": "llm", "entry": "m:f"}],
+        "outputs": {"input": "audio", "text_stage": 1, "sample_rate": 24_000, "text_separator": " "},
+    })  # fmt: skip
+    served: Any = SimpleNamespace(outputs=pipeline.outputs, pipeline=pipeline)
     gateway: Any = SimpleNamespace(timer=SimpleNamespace(output=lambda *_a: None))
     done: list[Status] = []
     r = Response(
