@@ -27,6 +27,7 @@ from omni_runtime.http.errors import (
 )
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.realtime import realtime_router
+from omni_runtime.http.responses import responses_router
 from omni_runtime.http.routes import REQUEST_ID_HEADER, chat_router
 from omni_runtime.http.schemas import ModelCard, ModelList
 from omni_runtime.http.sockets import OriginCheck, RealtimeSettings
@@ -196,6 +197,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return card(gateway.model(model_id).name)
 
     v1.include_router(chat_router(gateway))
+    v1.include_router(responses_router(gateway))
     v1.include_router(speech_router(gateway))
     v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)

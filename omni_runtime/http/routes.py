@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Header, Response
@@ -25,7 +25,7 @@ from omni_runtime.http.audio import (
 )
 from omni_runtime.http.errors import ApiError, error_json
 from omni_runtime.http.events import AudioEvent, Event, FailureEvent, TextEvent, ToolCallEvent
-from omni_runtime.http.gateway import Gateway, Run
+from omni_runtime.http.gateway import Gateway, Run, Served
 from omni_runtime.http.prompts import chat_prompt, count_tokens
 from omni_runtime.http.schemas import (
     AssistantMessage,
@@ -88,32 +88,7 @@ def chat_router(gateway: Gateway) -> APIRouter:
         req: ChatCompletionRequest, response: Response, x_omni_trace: TraceHeader = None
     ) -> ChatCompletion | StreamingResponse:
         served = gateway.model(req.model)
-        refused = req.refused()
-        if refused is not None:
-            param, why = refused
-            raise ApiError(400, why, param=param, code="unsupported_parameter")
-        shaped = req.response_format is not None and req.response_format.type != "text"
-        if shaped and not served.outputs.structured:
-            raise ApiError(
-                400, f"pipeline {served.name!r} does not shape its answers as JSON "
-                "(its outputs.structured is false): response_format must be 'text'",
-                param="response_format", code="unsupported_parameter",
-            )  # fmt: skip
-        if req.calls_tools and not served.outputs.tools:
-            raise ApiError(
-                400, f"pipeline {served.name!r} calls no tools (its outputs.tools is false): "
-                "send no tools, or tool_choice 'none'",
-                param="tools", code="unsupported_parameter",
-            )  # fmt: skip
-        if req.calls_tools and shaped:
-            raise ApiError(
-                400, "an answer shaped by response_format calls no tools: send one or the other",
-                param="response_format", code="unsupported_parameter",
-            )  # fmt: skip
-        if served.outputs.input == "audio":  # decoding a recording takes a while: not here
-            prompt = await asyncio.to_thread(chat_prompt, gateway, served, req)
-        else:
-            prompt = chat_prompt(gateway, served, req)
+        prompt = await checked_prompt(gateway, served, req)
         prompt_tokens = count_tokens(prompt)
         if req.wants_audio and served.outputs.audio_stage is None:
             raise ApiError(400, "this pipeline has no audio output", param="modalities")
@@ -142,6 +117,37 @@ def chat_router(gateway: Gateway) -> APIRouter:
             run.close()
 
     return router
+
+
+async def checked_prompt(gateway: Gateway, served: Served, req: ChatCompletionRequest) -> Any:
+    """What stage 0 takes for the chat, once what it asks was checked against what the
+    pipeline does (a 400 naming the field if not): no JSON answers, or no tools, from a
+    pipeline that makes none; not both at once."""
+    refused = req.refused()
+    if refused is not None:
+        param, why = refused
+        raise ApiError(400, why, param=param, code="unsupported_parameter")
+    shaped = req.response_format is not None and req.response_format.type != "text"
+    if shaped and not served.outputs.structured:
+        raise ApiError(
+            400, f"pipeline {served.name!r} does not shape its answers as JSON "
+            "(its outputs.structured is false): response_format must be 'text'",
+            param="response_format", code="unsupported_parameter",
+        )  # fmt: skip
+    if req.calls_tools and not served.outputs.tools:
+        raise ApiError(
+            400, f"pipeline {served.name!r} calls no tools (its outputs.tools is false): "
+            "send no tools, or tool_choice 'none'",
+            param="tools", code="unsupported_parameter",
+        )  # fmt: skip
+    if req.calls_tools and shaped:
+        raise ApiError(
+            400, "an answer shaped by response_format calls no tools: send one or the other",
+            param="response_format", code="unsupported_parameter",
+        )  # fmt: skip
+    if served.outputs.input == "audio":  # decoding a recording takes a while: not here
+        return await asyncio.to_thread(chat_prompt, gateway, served, req)
+    return chat_prompt(gateway, served, req)
 
 
 async def first_event(

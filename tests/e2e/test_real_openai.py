@@ -509,3 +509,35 @@ def test_a_conversation_longer_than_the_context_is_the_clients_error(client: ope
     with pytest.raises(openai.BadRequestError) as refused:  # more turns than llama.cpp takes
         client.chat.completions.create(model="voice", messages=many, max_tokens=8)
     assert "at most 256 items" in str(refused.value)
+
+
+def test_the_responses_api_answers_streams_parses_and_calls(client: openai.OpenAI) -> None:
+    """`/v1/responses` with the client's own helpers: a streamed answer gathered by its
+    `stream()` (which checks the events' order and items), an answer parsed into a pydantic
+    model (`text_format`, a strict schema), and a required call of a strict function."""
+    with client.responses.stream(
+        model="voice", input="Why is the sky blue?", max_output_tokens=32, temperature=0
+    ) as stream:
+        events = list(stream)
+    deltas = [ev.delta for ev in events if ev.type == "response.output_text.delta"]
+    ended = events[-1]  # `response.incomplete` at the token limit, as OpenAI's
+    assert ended.type in ("response.completed", "response.incomplete"), ended.type
+    final = ended.response
+    print(f"streamed {final.output_text!r} ({final.status}, {final.usage})")
+    assert final.status == ended.type.removeprefix("response.") and len(deltas) > 3
+    assert final.output_text == "".join(deltas) and final.output_text.strip()
+    assert final.usage is not None and final.usage.output_tokens == len(deltas)
+    parsed = client.responses.parse(
+        model="voice", input="Describe a person named Ada who is 36.", text_format=Person,
+        max_output_tokens=128, temperature=0,
+    )  # fmt: skip
+    assert isinstance(parsed.output_parsed, Person), parsed.output_text
+    tool: Any = {"type": "function", **openai.pydantic_function_tool(GetWeather)["function"]}
+    asked = client.responses.create(
+        model="voice", input="What is the weather like in Paris today?", tools=[tool],
+        tool_choice="required",
+    )  # fmt: skip
+    calls = [item for item in asked.output if item.type == "function_call"]
+    print(f"called {[(c.name, c.arguments) for c in calls]}")
+    assert calls and calls[0].name == "GetWeather"
+    assert GetWeather.model_validate_json(calls[0].arguments).city.strip()

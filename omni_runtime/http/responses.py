@@ -1,0 +1,232 @@
+"""POST /v1/responses: OpenAI's Responses API (the default of its newer clients and of its
+Agents SDK), stateless, text out.
+
+The request is read as the chat completion it amounts to (`responses_request`), checked
+and run as that chat is (`routes.checked_prompt`); the pipeline's speech is not asked for,
+so its TTS stages are not run (`core/types.request_finals`). The answer is one `message`
+item of `output_text`, or `function_call` items (each call whole); `status` is
+`incomplete` (`incomplete_details.reason: max_output_tokens`) for an answer cut at its
+token limit. Streamed (`stream: true`), OpenAI's server-sent events, each with its
+`sequence_number`: `response.created`, `response.in_progress`, per item
+`response.output_item.added`, its text's `response.content_part.added`,
+`response.output_text.delta` per piece, `.output_text.done`, `.content_part.done`, or a
+call's `response.function_call_arguments.delta` and `.done`, then
+`response.output_item.done`; last `response.completed` (or `response.incomplete`), or
+`response.failed` with the error that cut it short.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+
+from omni_runtime.core.tool_calls import ToolCall
+from omni_runtime.http.errors import ApiError
+from omni_runtime.http.events import Event, FailureEvent, TextEvent, ToolCallEvent
+from omni_runtime.http.gateway import Gateway, Run
+from omni_runtime.http.prompts import count_tokens
+from omni_runtime.http.responses_request import ResponsesRequest
+from omni_runtime.http.routes import (
+    REQUEST_ID_HEADER,
+    SSE_HEADERS,
+    GuardedStream,
+    TraceHeader,
+    checked_prompt,
+    events_after,
+    first_event,
+    wants,
+)
+from omni_runtime.http.tools import call_id
+
+
+def responses_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/responses", response_model=None)
+    async def responses(
+        req: ResponsesRequest, response: Response, x_omni_trace: TraceHeader = None
+    ) -> dict[str, Any] | StreamingResponse:
+        if (refused := req.refused()) is not None:
+            param, why = refused
+            raise ApiError(400, why, param=param, code="unsupported_parameter")
+        served = gateway.model(req.model)
+        if served.outputs.text_stage is None:
+            raise ApiError(400, "this pipeline has no text output", param="model")
+        chat = req.as_chat()
+        prompt = await checked_prompt(gateway, served, chat)
+        run = await gateway.open(served, prompt, False, wants(x_omni_trace), chat.params())
+        answer = Answer(req, run, count_tokens(prompt))
+        if req.stream:
+            events = run.events()
+            first = await first_event(run, events)
+            return GuardedStream(
+                answer.streamed(events_after(first, events)),
+                run.close,
+                media_type="text/event-stream",
+                headers={**SSE_HEADERS, REQUEST_ID_HEADER: run.request_id},
+            )
+        response.headers[REQUEST_ID_HEADER] = run.request_id
+        try:
+            async with aclosing(run.events()) as events:
+                async for ev in events:
+                    if isinstance(ev, FailureEvent):
+                        raise ev.api_error()
+                    answer.take(ev)
+        finally:
+            run.close()
+        return answer.body(answer.ended_status())
+
+    return router
+
+
+class Answer:
+    """One response: its output items as they are made, and the body that says them."""
+
+    def __init__(self, req: ResponsesRequest, run: Run, prompt_tokens: int) -> None:
+        self.req, self.run, self.prompt_tokens = req, run, prompt_tokens
+        self.id = f"resp_{run.request_id}"
+        self.created_at = int(time.time())
+        self.text: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.items: list[dict[str, Any]] = []
+        """The calls' output items, in order (the message joins them when it ends)."""
+        self.text_at: int | None = None
+        """The message's output index, once its text began."""
+        self.seq = 0
+
+    def take(self, ev: Event) -> None:
+        """A run's event, whole: its text joins the message, a call is an item."""
+        if isinstance(ev, TextEvent):
+            self.text_at = len(self.items) if self.text_at is None else self.text_at
+            self.text.append(ev.text)
+        elif isinstance(ev, ToolCallEvent):
+            for call in ev.calls:
+                self.items.append(self._call_item(call, "completed"))
+                self.calls.append(call)
+
+    def ended_status(self) -> str:
+        """The answer ended: its message joins the items (an empty one for an answer of
+        nothing); completed, or incomplete at the token limit."""
+        if self.text_at is not None or not self.calls:
+            at = self.text_at or 0
+            self.items.insert(at, self._message(self._message_id(), "".join(self.text)))
+        return "incomplete" if self.run.finish_reason == "length" else "completed"
+
+    def body(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+        """The response object, as OpenAI's clients read it."""
+        req, done = self.req, status not in ("in_progress", "failed")
+        fmt = (
+            req.text.format.model_dump(by_alias=True, exclude_none=True)
+            if (req.text and req.text.format)
+            else {"type": "text"}
+        )
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "error": error, "model": req.model,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "output": self.items if done else [],
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "tool_choice": _dumped(req.tool_choice) or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "text": {"format": fmt}, "truncation": "disabled", "store": False,
+            "metadata": req.metadata, "usage": self._usage() if done else None,
+        }  # fmt: skip
+
+    def _usage(self) -> dict[str, Any]:
+        """The model's counts when its engine gave them, else the estimates (`routes._usage`)."""
+        used = self.run.usage
+        given = used.prompt_tokens if used else self.prompt_tokens
+        made = used.completion_tokens if used else len(self.text) + len(self.calls)
+        return {"input_tokens": given, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": made, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": given + made}  # fmt: skip
+
+    def _message_id(self) -> str:
+        return f"msg_{self.run.request_id}"
+
+    def _message(self, item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [_part(text)] if status == "completed" else []
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": content}  # fmt: skip
+
+    def _call_item(
+        self, call: ToolCall, status: str, arguments: str | None = None
+    ) -> dict[str, Any]:
+        k = len(self.calls)
+        return {"type": "function_call", "id": f"fc_{self.run.request_id}_{k}",
+                "call_id": call_id(self.run.request_id, k), "name": call.name,
+                "arguments": call.arguments if arguments is None else arguments,
+                "status": status}  # fmt: skip
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        return f"event: {kind}\ndata: {body}\n\n".encode()
+
+    async def streamed(self, events: AsyncGenerator[Event, None]) -> AsyncIterator[bytes]:
+        """OpenAI's events as the pipeline makes the answer (see the module docstring)."""
+        yield self._event("response.created", response=self.body("in_progress"))
+        yield self._event("response.in_progress", response=self.body("in_progress"))
+        msg = self._message_id()
+        place = {"item_id": msg, "content_index": 0}
+        async with aclosing(events):
+            async for ev in events:
+                if isinstance(ev, FailureEvent):
+                    error = {"code": ev.code, "message": ev.message}
+                    yield self._event("response.failed", response=self.body("failed", error))
+                    return
+                if isinstance(ev, TextEvent):
+                    if (text_at := self.text_at) is None:
+                        self.text_at = text_at = len(self.items)
+                        item = self._message(msg, "", "in_progress")
+                        yield self._event(
+                            "response.output_item.added", output_index=text_at, item=item
+                        )
+                        yield self._event("response.content_part.added", output_index=text_at,
+                                          part=_part(""), **place)  # fmt: skip
+                    self.text.append(ev.text)
+                    yield self._event("response.output_text.delta", output_index=text_at,
+                                      delta=ev.text, logprobs=[], **place)  # fmt: skip
+                elif isinstance(ev, ToolCallEvent):
+                    for call in ev.calls:
+                        at = len(self.items) + (self.text_at is not None)
+                        item = self._call_item(call, "in_progress", "")
+                        yield self._event("response.output_item.added", output_index=at, item=item)
+                        yield self._event("response.function_call_arguments.delta",
+                                          item_id=item["id"], output_index=at,
+                                          delta=call.arguments)  # fmt: skip
+                        yield self._event("response.function_call_arguments.done",
+                                          item_id=item["id"], output_index=at, name=call.name,
+                                          arguments=call.arguments)  # fmt: skip
+                        done = self._call_item(call, "completed")
+                        self.items.append(done)
+                        self.calls.append(call)
+                        yield self._event("response.output_item.done", output_index=at, item=done)
+        if (text_at := self.text_at) is not None:
+            whole = "".join(self.text)
+            yield self._event("response.output_text.done", output_index=text_at, text=whole,
+                              logprobs=[], **place)  # fmt: skip
+            yield self._event("response.content_part.done", output_index=text_at,
+                              part=_part(whole), **place)  # fmt: skip
+            item = self._message(msg, whole)
+            yield self._event("response.output_item.done", output_index=text_at, item=item)
+        status = self.ended_status()
+        ended = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield self._event(ended, response=self.body(status))
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _dumped(choice: Any) -> Any:
+    return choice.model_dump() if hasattr(choice, "model_dump") else choice

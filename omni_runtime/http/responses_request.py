@@ -1,0 +1,182 @@
+"""A Responses API request (`POST /v1/responses`), read as the chat completion it amounts to.
+
+OpenAI's Responses API says the same things as its chat endpoint in other words:
+`instructions` is a system message; `input` is the messages (a string: one user turn;
+items: `message`s, the `function_call`s an answer made and the `function_call_output`s
+the client ran); `tools` are functions, flat; `text.format` is the `response_format`;
+`max_output_tokens` the `max_completion_tokens`. `as_chat` writes it as that chat, so it
+is checked and run as one (the same prompt, parameters and 400s). This server keeps no
+responses, so what only a stored response could answer is refused: `previous_response_id`,
+`conversation`, `background`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
+
+from omni_runtime.errors import in_words
+from omni_runtime.http.errors import ApiError
+from omni_runtime.http.realtime_events import NamedTool, RealtimeTool
+from omni_runtime.http.schemas import (
+    MAX_MESSAGES,
+    MAX_PARTS,
+    MAX_TEXT_CHARS,
+    MAX_TOKENS,
+    ChatCompletionRequest,
+    RequestModel,
+    ShortStr,
+)
+from omni_runtime.http.tools import MAX_ARGUMENTS_CHARS, ToolName
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+CallId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ContentPart(RequestModel):
+    """Text: what a user said (`input_text`) or an earlier answer (`output_text`)."""
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class MessageItem(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)]
+
+    def text(self) -> str:
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+
+
+class FunctionCallItem(RequestModel):
+    type: Literal["function_call"]
+    call_id: CallId
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENTS_CHARS)]
+
+
+class FunctionCallOutputItem(RequestModel):
+    type: Literal["function_call_output"]
+    call_id: CallId
+    output: Text
+
+
+def _item_type(item: Any) -> Any:
+    """An item's `type`; a message may leave it out (`{"role", "content"}`)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class TextFormat(RequestModel):
+    """`text.format`: plain text, any JSON object, or JSON a schema describes (its `name`,
+    `schema`, `strict` beside `type`, where the chat endpoint nests them)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        described = {"name": self.name, "description": self.description,
+                     "schema": self.schema_ or {}, "strict": self.strict}  # fmt: skip
+        return {
+            "type": self.type,
+            "json_schema": {k: v for k, v in described.items() if v is not None},
+        }
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestModel):
+    model: ShortStr
+    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    tools: Annotated[list[RealtimeTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] = (
+        Field(default_factory=dict)
+    )
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    """Parsed to be refused (`refused()`): they ask for responses kept by the server."""
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ResponsesRequest:
+        if isinstance(self.input, str) and not self.input.strip():
+            raise ValueError("input is empty")
+        return self
+
+    def refused(self) -> tuple[str, str] | None:
+        """(param, why) of the first field set that this server, which keeps no responses,
+        cannot honour."""
+        for param in ("previous_response_id", "conversation"):
+            if getattr(self, param) is not None:
+                return param, f"{param} is not supported: this server keeps no responses; " + (
+                    "send the whole conversation as input"
+                )
+        if self.background:
+            return "background", "background responses are not supported: ask without it"
+        return None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion this request amounts to; a 400 naming `input` if the items
+        do not make one (no user turn, a call's output before any call)."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = (
+            [MessageItem(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                if not (messages and messages[-1]["role"] == "assistant"):
+                    messages.append({"role": "assistant", "content": None, "tool_calls": []})
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+        chat: dict[str, Any] = {
+            "model": self.model, "messages": messages, "stream": self.stream,
+            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
+            "tools": [{"type": "function", "function": t.model_dump(exclude={"type"})}
+                      for t in self.tools] if self.tools else None,
+            "tool_choice": {"type": "function", "function": {"name": self.tool_choice.name}}
+            if isinstance(self.tool_choice, NamedTool) else self.tool_choice,
+            "response_format": self.text.format.response_format()
+            if self.text and self.text.format else None,
+        }  # fmt: skip
+        try:
+            return ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:
+            raise ApiError(400, in_words(e), param="input", code="invalid_value") from None
