@@ -51,6 +51,7 @@ SCENARIOS = (
     "realtime",
     "speech_stream",
     "tool_calls",
+    "text_only",
 )
 PEERS = "peers"
 """Only with --peers: Ray Serve is an optional extra, not installed by default."""
