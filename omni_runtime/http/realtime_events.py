@@ -24,6 +24,7 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    field_validator,
 )
 
 from omni_runtime.http.errors import field_path
@@ -195,6 +196,15 @@ class ResponseFields(_Body):
     audio: AudioConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
     conversation: Literal["auto", "none"] | None = None
+    """`none`: out of band, the answer joins no conversation (`Response.apart`)."""
+    input: list[Any] | None = None
+    """Refused: a response reads the session's conversation, not a context of its own."""
+
+    @field_validator("input")
+    @classmethod
+    def _no_context_of_its_own(cls, given: list[Any] | None) -> None:
+        if given is not None:
+            raise ValueError("not supported: a response reads the session's conversation")
 
 
 class _Event(_Body):

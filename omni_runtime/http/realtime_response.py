@@ -120,16 +120,24 @@ class Response:
     """The session's, when the response started: what its audio deltas carry."""
     calls: list[Item] = field(default_factory=list)
     """The calls of tools it answered with, after its message item."""
+    apart: bool = False
+    """Out of band (`response.conversation: "none"`): its answer and calls join no
+    conversation, and no `conversation.item.*` event says them."""
 
     def start(self) -> None:
         self.item.status = "in_progress"
         self.emit(event("response.created", response=self._body("in_progress")))
         self.emit(event("response.output_item.added", response_id=self.id, output_index=0,
                         item=self.item.as_dict(self.modalities)))  # fmt: skip
-        self.emit(event("conversation.item.added", item=self.item.as_dict(self.modalities)))
+        self._in_conversation("added", self.item.as_dict(self.modalities))
         for index, part in enumerate(self.item.as_dict(self.modalities)["content"]):
             self.emit(event("response.content_part.added", **self._at(index), part=part))
         self.task = asyncio.get_running_loop().create_task(self._run(), name=self.id)
+
+    def _in_conversation(self, kind: str, item: dict[str, Any]) -> None:
+        """`conversation.item.added` or `.done`, for a response that joins the conversation."""
+        if not self.apart:
+            self.emit(event(f"conversation.item.{kind}", item=item))
 
     def _at(self, content_index: int) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0,
@@ -261,13 +269,13 @@ class Response:
             at = {"response_id": self.id, "output_index": len(self.calls)}
             started = item.as_dict() | {"status": "in_progress", "arguments": ""}
             self.emit(event("response.output_item.added", **at, item=started))
-            self.emit(event("conversation.item.added", item=started))
+            self._in_conversation("added", started)
             ids = {**at, "item_id": item.id, "call_id": item.call_id}
             self.emit(event("response.function_call_arguments.delta", **ids, delta=made.arguments))
             self.emit(event("response.function_call_arguments.done", **ids, name=made.name,
                             arguments=made.arguments))  # fmt: skip
             self.emit(event("response.output_item.done", **at, item=item.as_dict()))
-            self.emit(event("conversation.item.done", item=item.as_dict()))
+            self._in_conversation("done", item.as_dict())
 
     def _audio(self, coded: bytes, samples: int) -> None:
         """One audio delta: `samples` of audio, coded in the output format."""
@@ -313,7 +321,7 @@ class Response:
             self.emit(event("response.content_part.done", **self._at(i), part=part))
         self.emit(event("response.output_item.done", response_id=self.id, output_index=0,
                         item=item))  # fmt: skip
-        self.emit(event("conversation.item.done", item=item))
+        self._in_conversation("done", item)
         details: dict[str, Any] = {"type": status}
         if reason is not None:
             details["reason"] = reason

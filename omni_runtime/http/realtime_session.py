@@ -325,17 +325,17 @@ class Session:
             self.gateway, self.served, self.emit, prompt,
             {k: v for k, v in params.items() if v is not None}, modalities, heard,
             self.speech_end, Playback(), self._response_done, self.timeout_s,
-            output_format=self.output_format,
+            output_format=self.output_format, apart=bool(fields and fields.conversation == "none"),
         )  # fmt: skip
         self.speech_end = None
         self.active = response
-        self.items.append(response.item)
+        self.items += [] if response.apart else [response.item]  # out of band: in none
         del self.items[:-MAX_ITEMS]
         self.gateway.metrics.inc("omni_realtime_turns_total")
         response.start()
 
     def _response_done(self, response: Response, status: Status) -> None:
-        self.items.extend(response.calls)
+        self.items.extend([] if response.apart else response.calls)
         del self.items[:-MAX_ITEMS]
         if self.active is response:
             self.active = None

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import openai
@@ -74,6 +74,41 @@ async def test_a_text_turn_streams_text_and_24khz_audio(demo: Deployment) -> Non
     assert np.abs(samples).max() > 1000  # a tone, not silence
     usage = heard.done.response.usage
     assert usage.output_tokens == 5 and usage.total_tokens >= usage.output_tokens
+
+
+async def test_an_out_of_band_response_joins_no_conversation(demo: Deployment) -> None:
+    """`response.conversation: "none"` (what agents use to ask a side question): answered
+    as any response, but no `conversation.item.*` event says its item, and the next
+    response's items do; a context of its own (`response.input`) is refused."""
+    async with demo.client().realtime.connect(model="omni") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello there"}],
+        })  # fmt: skip
+        assert (await conn.recv()).type == "conversation.item.added"
+        assert (await conn.recv()).type == "conversation.item.done"
+        await conn.response.create(response={"conversation": "none", "output_modalities": ["text"]})
+        apart = await until_done(conn)
+        await conn.send(cast(Any, {"type": "response.create", "response": {"input": []}}))
+        refused = await until_error(conn)
+        await conn.response.create(response={"output_modalities": ["text"]})
+        joined = await until_done(conn)
+    assert apart.errors == [] and apart.status == "completed" and apart.text == "Hello there"
+    assert "response.output_item.done" in apart.kinds
+    assert not [k for k in apart.kinds if k.startswith("conversation.item.")], apart.kinds
+    assert refused.param == "response.input" and "not supported" in refused.message
+    assert joined.errors == [] and joined.text == "Hello there"
+    assert joined.kinds.count("conversation.item.added") == 1, joined.kinds
+    assert joined.kinds.count("conversation.item.done") == 1, joined.kinds
+
+
+async def until_error(conn: Any) -> Any:
+    """The next `error` event's error (within the turn's time)."""
+    async with asyncio.timeout(30):
+        while (ev := await conn.recv()).type != "error":
+            pass
+    return ev.error
 
 
 async def test_a_wrong_key_gets_an_error_and_the_socket_closes(demo: Deployment) -> None:
