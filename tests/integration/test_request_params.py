@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import fakeredis
 import pytest
 
 from omni_runtime.core.in_memory import InMemoryStage
 from omni_runtime.core.orchestrator import Orchestrator, StreamingOrchestrator
 from omni_runtime.pipeline import PipelineConfig
-from omni_runtime.redis_io.clients import RedisClients
-from omni_runtime.settings import Settings
 from omni_runtime.worker.proc import StageWorker
 from tests.cluster import InProcessCluster
+from tests.integration.http_support import fake_redis_clients, fast_settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,15 +32,7 @@ def pipeline(mode: str) -> PipelineConfig:
 
 @pytest.mark.parametrize("mode", ["sequential", "streaming"])
 async def test_each_stage_gets_its_requests_params(mode: str) -> None:
-    server = fakeredis.FakeServer()
-    clients = RedisClients(
-        sync=lambda: fakeredis.FakeRedis(server=server),
-        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
-    )
-    settings = Settings(
-        redis_url="redis://unused", block_ms=20, orchestrator_idle_block_ms=20,
-        heartbeat_interval_s=0.2,
-    )  # fmt: skip
+    clients, settings = fake_redis_clients(), fast_settings()
     async with InProcessCluster(pipeline(mode), settings, clients) as cluster:
         a = await cluster.run("one two", params={"tag": "A", "suffix": "!"})
         b = await cluster.run("three", params={"tag": "B", "suffix": "?"})
@@ -110,15 +100,7 @@ def speaking_pipeline(mode: str) -> PipelineConfig:
 async def test_stages_past_the_text_are_not_run_for_a_text_only_request(mode: str) -> None:
     """Over Redis, with the real workers: a text-only request never reaches the stages
     after its text (no input, no chunk sent them), and a spoken one still does."""
-    server = fakeredis.FakeServer()
-    clients = RedisClients(
-        sync=lambda: fakeredis.FakeRedis(server=server),
-        aio=lambda: fakeredis.FakeAsyncRedis(server=server),
-    )
-    settings = Settings(
-        redis_url="redis://unused", block_ms=20, orchestrator_idle_block_ms=20,
-        heartbeat_interval_s=0.2,
-    )  # fmt: skip
+    clients, settings = fake_redis_clients(), fast_settings()
     async with InProcessCluster(speaking_pipeline(mode), settings, clients) as cluster:
         text = await cluster.run("one two", params={**TEXT_ONLY, "tag": "A"})
         inputs = [completed(w) for w in cluster.workers]
