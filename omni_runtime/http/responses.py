@@ -60,7 +60,7 @@ def responses_router(gateway: Gateway) -> APIRouter:
             raise ApiError(400, "this pipeline has no text output", param="model")
         chat = req.as_chat()
         prompt = await checked_prompt(gateway, served, chat)
-        run = await gateway.open(served, prompt, False, wants(x_omni_trace), chat.params())
+        run = await gateway.open(served, prompt, False, wants(x_omni_trace), req.params(chat))
         answer = Answer(req, run, count_tokens(prompt))
         if req.stream:
             events = run.events()
@@ -137,7 +137,7 @@ class Answer:
             "temperature": req.temperature, "top_p": req.top_p,
             "tool_choice": _dumped(req.tool_choice) or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "text": {"format": fmt}, "truncation": "disabled", "store": False,
+            "text": {"format": fmt}, "truncation": req.truncation or "disabled", "store": False,
             "metadata": req.metadata, "usage": self._usage() if done else None,
         }  # fmt: skip
 

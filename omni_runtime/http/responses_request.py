@@ -114,6 +114,9 @@ class ResponsesRequest(RequestModel):
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    """`auto`: a conversation longer than the thinker's context loses its oldest turns
+    (the thinker's `truncation` parameter, as a Realtime session's); else it is a 400."""
     stream: bool = False
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] = (
         Field(default_factory=dict)
@@ -122,6 +125,8 @@ class ResponsesRequest(RequestModel):
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     """Parsed to be refused (`refused()`): they ask for responses kept by the server."""
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Refused above 0, as the chat's: no pipeline reports log probabilities."""
 
     @model_validator(mode="after")
     def _says_something(self) -> ResponsesRequest:
@@ -139,7 +144,13 @@ class ResponsesRequest(RequestModel):
                 )
         if self.background:
             return "background", "background responses are not supported: ask without it"
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not supported"
         return None
+
+    def params(self, chat: ChatCompletionRequest) -> dict[str, Any]:
+        """The stages' parameters: the chat's, and the thinker's `truncation`."""
+        return chat.params() | ({"truncation": self.truncation} if self.truncation else {})
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion this request amounts to; a 400 naming `input` if the items

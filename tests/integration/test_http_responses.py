@@ -62,7 +62,7 @@ async def test_a_response_reaches_the_stage_as_the_chat_it_amounts_to(
     ]  # fmt: skip
     got = await sdk(client).responses.create(
         model="echo", instructions="Be brief.", input=conversation,
-        max_output_tokens=40, temperature=0.5, metadata={"turn": "3"},
+        max_output_tokens=40, temperature=0.5, metadata={"turn": "3"}, truncation="auto",
     )  # fmt: skip
     assert got.status == "completed" and got.object == "response"
     assert got.id.startswith("resp_") and got.metadata == {"turn": "3"}
@@ -76,7 +76,10 @@ async def test_a_response_reaches_the_stage_as_the_chat_it_amounts_to(
         {"role": "user", "content": "How are you?"},
     ]
     # no audio asked: the pipeline's tone stage is not run (`modalities`)
-    assert stage["params"] == {"max_tokens": 40, "temperature": 0.5, "modalities": ["text"]}
+    assert stage["params"] == {
+        "max_tokens": 40, "temperature": 0.5, "truncation": "auto", "modalities": ["text"]
+    }  # fmt: skip
+    assert got.truncation == "auto"
     assert got.usage is not None and got.usage.input_tokens > 0
     assert got.usage.total_tokens == got.usage.input_tokens + got.usage.output_tokens
     assert gateway.inflight == 0
@@ -139,6 +142,7 @@ async def test_what_only_a_stored_response_could_answer_is_400(
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
+        ({"top_logprobs": 2}, "top_logprobs"),
     ]
     for extra, param in refused:
         body = {"model": "echo", "input": "Hi", **extra}
