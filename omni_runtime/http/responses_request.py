@@ -154,7 +154,7 @@ class ResponsesRequest(RequestModel):
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion this request amounts to; a 400 naming `input` if the items
-        do not make one (no user turn, a call's output before any call)."""
+        do not make one (no user turn among them, a value the chat refuses)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
