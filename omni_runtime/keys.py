@@ -137,6 +137,8 @@ RECENT_ABORTS_S = 60.0
 DEAD_LETTER_MAXLEN = 10_000
 TRACE_MAX_EVENTS = 10_000
 """A request's trace list is trimmed to this many stamps: a runaway stream stays bounded."""
+RESPONSE_TTL_S = 3600
+"""How long `serve` keeps a response for `previous_response_id` (`OMNI_RESPONSES_TTL_S`)."""
 STATS_TTL_S = 30
 """A stats key outlives its writer by this long."""
 PAYLOAD_FIELD = "m"
@@ -254,6 +256,10 @@ class Names:
     def trace(self, request_id: str) -> str:
         """A request's event stamps (a list of `event stage t_wall_ns`), with a TTL."""
         return f"{self.prefix}trace:{request_id}"
+
+    def kept_response(self, response_id: str) -> str:
+        """A response kept for `previous_response_id` (`http/response_store.py`), with a TTL."""
+        return f"{self.prefix}response:{response_id}"
 
     def stats(self, role: str) -> str:
         """A process's latest metrics summary (JSON), for `omni-runtime status`; with a TTL."""

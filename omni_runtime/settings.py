@@ -122,6 +122,9 @@ class Settings(BaseSettings):
     """Record every request's event stamps in Redis (`<ns>:trace:<id>`) for `omni-runtime trace`."""
     trace_ttl_s: PositiveInt = 3600
     """How long a request's trace stays in Redis after its last stamp."""
+    responses_ttl_s: Annotated[int, Field(ge=0, le=30 * 24 * 3600)] = keys.RESPONSE_TTL_S
+    """`serve`: how long a response asked with `store` (OpenAI's default) is kept for
+    `previous_response_id` and `GET /v1/responses/{id}`; 0: none is kept."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """Serve Prometheus metrics on this port at /metrics; 0: off."""
     drain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0

@@ -36,6 +36,7 @@ NON_DEFAULT: dict[str, Any] = {
     "trace_file": "/tmp/every-setting.trace",
     "trace": True,
     "trace_ttl_s": 3601,
+    "responses_ttl_s": 3599,
     "metrics_port": 9399,
     "watchdog_s": 29.5,
     "max_deadline_s": 3599.5,

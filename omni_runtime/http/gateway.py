@@ -33,6 +33,7 @@ from omni_runtime.http.events import (
     TextEvent,
     ToolCallEvent,
 )
+from omni_runtime.http.response_store import ResponseStore
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.http.transcripts import text_of
 from omni_runtime.observe.metrics import Metrics
@@ -144,6 +145,8 @@ class Gateway:
         self.stopping = False
         """Set by `stop`: new requests are refused, what runs goes on."""
         self.sessions: set[Drainable] = set()
+        self.kept: ResponseStore | None = None
+        """The responses this server keeps (`store`), once started."""
         """Realtime connections open: `stop` asks each to close once its response is done."""
 
     @property
@@ -167,6 +170,8 @@ class Gateway:
             await client.__aenter__()
             served.client = client
         self._probe = self.clients.aio()
+        names, ttl_s = self.settings.names, self.settings.responses_ttl_s
+        self.kept = ResponseStore(self._probe, names.kept_response, ttl_s, self.metrics)
 
     async def close(self) -> None:
         if self._aborts:

@@ -1,5 +1,5 @@
 """POST /v1/responses: OpenAI's Responses API (the default of its newer clients and of its
-Agents SDK), stateless, text out.
+Agents SDK), text out; `GET` and `DELETE /v1/responses/{id}` for the responses kept.
 
 The request is read as the chat completion it amounts to (`responses_request`), checked
 and run as that chat is (`routes.checked_prompt`); the pipeline's speech is not asked for,
@@ -13,6 +13,10 @@ token limit. Streamed (`stream: true`), OpenAI's server-sent events, each with i
 call's `response.function_call_arguments.delta` and `.done`, then
 `response.output_item.done`; last `response.completed` (or `response.incomplete`), or
 `response.failed` with the error that cut it short.
+
+A response asked with `store` (the default) that completes is kept (`response_store`):
+`previous_response_id` continues its conversation, on any replica of the server; one that
+failed is not kept.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 
 from omni_runtime.core.tool_calls import ToolCall
@@ -31,7 +35,8 @@ from omni_runtime.http.errors import ApiError
 from omni_runtime.http.events import Event, FailureEvent, TextEvent, ToolCallEvent
 from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.prompts import count_tokens
-from omni_runtime.http.responses_request import ResponsesRequest
+from omni_runtime.http.response_store import Kept, ResponseStore, as_input
+from omni_runtime.http.responses_request import InputItem, ResponsesRequest
 from omni_runtime.http.routes import (
     REQUEST_ID_HEADER,
     SSE_HEADERS,
@@ -58,10 +63,12 @@ def responses_router(gateway: Gateway) -> APIRouter:
         served = gateway.model(req.model)
         if served.outputs.text_stage is None:
             raise ApiError(400, "this pipeline has no text output", param="model")
-        chat = req.as_chat()
+        store = kept_responses(gateway)
+        history = await _history(store, req.previous_response_id)
+        chat = req.as_chat(history)
         prompt = await checked_prompt(gateway, served, chat)
         run = await gateway.open(served, prompt, False, wants(x_omni_trace), req.params(chat))
-        answer = Answer(req, run, count_tokens(prompt))
+        answer = Answer(req, run, count_tokens(prompt), store if req.store else None, history)
         if req.stream:
             events = run.events()
             first = await first_event(run, events)
@@ -80,16 +87,70 @@ def responses_router(gateway: Gateway) -> APIRouter:
                     answer.take(ev)
         finally:
             run.close()
-        return answer.body(answer.ended_status())
+        status = answer.ended_status()
+        await answer.keep(status)
+        return answer.body(status)
+
+    @router.get("/responses/{response_id}", response_model=None)
+    async def retrieve(response_id: ResponseId) -> dict[str, Any]:
+        kept = await kept_responses(gateway).get(response_id)
+        if kept is None:
+            raise _not_found(response_id)
+        return kept.response
+
+    @router.delete("/responses/{response_id}", response_model=None)
+    async def delete(response_id: ResponseId) -> dict[str, Any]:
+        if not await kept_responses(gateway).delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return router
+
+
+ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
+
+
+def kept_responses(gateway: Gateway) -> ResponseStore:
+    if gateway.kept is None:
+        raise ApiError(503, "not ready: the server is starting", code="not_ready")
+    return gateway.kept
+
+
+async def _history(store: ResponseStore, previous_response_id: str | None) -> list[InputItem]:
+    """The conversation the response `previous_response_id` holds; a 400 if none is kept."""
+    if previous_response_id is None:
+        return []
+    before = await store.get(previous_response_id)
+    if before is None:
+        raise ApiError(
+            400,
+            f"Previous response with id '{previous_response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return before.history
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", code="not_found")
 
 
 class Answer:
     """One response: its output items as they are made, and the body that says them."""
 
-    def __init__(self, req: ResponsesRequest, run: Run, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        run: Run,
+        prompt_tokens: int,
+        store: ResponseStore | None = None,
+        history: list[InputItem] | None = None,
+    ) -> None:
         self.req, self.run, self.prompt_tokens = req, run, prompt_tokens
+        self.store, self.history = store, history or []
+        """Where it is kept (None: it is not), and the conversation before its input."""
+        self.kept = store is not None and store.keeps
+        """What its body says as `store`: whether it is kept, once it ended."""
         self.id = f"resp_{run.request_id}"
         self.created_at = int(time.time())
         self.text: list[str] = []
@@ -118,6 +179,13 @@ class Answer:
             self.items.insert(at, self._message(self._message_id(), "".join(self.text)))
         return "incomplete" if self.run.finish_reason == "length" else "completed"
 
+    async def keep(self, status: str) -> None:
+        """Keep the ended response with its conversation, if asked and it can be."""
+        if self.store is not None and self.kept:
+            history = [*self.history, *self.req.own_items(), *as_input(self.items)]
+            kept = Kept(response=self.body(status), history=history)
+            self.kept = await self.store.keep(self.id, kept)
+
     def body(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
         """The response object, as OpenAI's clients read it."""
         req, done = self.req, status not in ("in_progress", "failed")
@@ -137,7 +205,8 @@ class Answer:
             "temperature": req.temperature, "top_p": req.top_p,
             "tool_choice": _dumped(req.tool_choice) or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "text": {"format": fmt}, "truncation": req.truncation or "disabled", "store": False,
+            "text": {"format": fmt}, "truncation": req.truncation or "disabled",
+            "store": self.kept, "previous_response_id": req.previous_response_id,
             "metadata": req.metadata, "usage": self._usage() if done else None,
         }  # fmt: skip
 
@@ -220,6 +289,7 @@ class Answer:
             item = self._message(msg, whole)
             yield self._event("response.output_item.done", output_index=text_at, item=item)
         status = self.ended_status()
+        await self.keep(status)
         ended = "response.incomplete" if status == "incomplete" else "response.completed"
         yield self._event(ended, response=self.body(status))
 

@@ -4,14 +4,15 @@ OpenAI's Responses API says the same things as its chat endpoint in other words:
 `instructions` is a system message; `input` is the messages (a string: one user turn;
 items: `message`s, the `function_call`s an answer made and the `function_call_output`s
 the client ran); `tools` are functions, flat; `text.format` is the `response_format`;
-`max_output_tokens` the `max_completion_tokens`. `as_chat` writes it as that chat, so it
-is checked and run as one (the same prompt, parameters and 400s). This server keeps no
-responses, so what only a stored response could answer is refused: `previous_response_id`,
-`conversation`, `background`.
+`max_output_tokens` the `max_completion_tokens`; `previous_response_id`, the conversation
+a kept response holds before `input` (`response_store`). `as_chat` writes it as that
+chat, so it is checked and run as one (the same prompt, parameters and 400s).
+Conversations (`conversation`) and background responses are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
@@ -121,10 +122,12 @@ class ResponsesRequest(RequestModel):
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] = (
         Field(default_factory=dict)
     )
-    previous_response_id: str | None = None
+    store: bool = True
+    """Keep the response for `previous_response_id` (as OpenAI, by default)."""
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
-    """Parsed to be refused (`refused()`): they ask for responses kept by the server."""
+    """Parsed to be refused (`refused()`): conversation objects and background runs."""
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Refused above 0, as the chat's: no pipeline reports log probabilities."""
 
@@ -135,13 +138,12 @@ class ResponsesRequest(RequestModel):
         return self
 
     def refused(self) -> tuple[str, str] | None:
-        """(param, why) of the first field set that this server, which keeps no responses,
-        cannot honour."""
-        for param in ("previous_response_id", "conversation"):
-            if getattr(self, param) is not None:
-                return param, f"{param} is not supported: this server keeps no responses; " + (
-                    "send the whole conversation as input"
-                )
+        """(param, why) of the first field set that this server cannot honour."""
+        if self.conversation is not None:
+            return "conversation", (
+                "conversation is not supported: continue a conversation with "
+                "previous_response_id, or send it whole as input"
+            )
         if self.background:
             return "background", "background responses are not supported: ask without it"
         if self.top_logprobs:
@@ -152,17 +154,28 @@ class ResponsesRequest(RequestModel):
         """The stages' parameters: the chat's, and the thinker's `truncation`."""
         return chat.params() | ({"truncation": self.truncation} if self.truncation else {})
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat completion this request amounts to; a 400 naming `input` if the items
-        do not make one (no user turn among them, a value the chat refuses)."""
+    def own_items(self) -> list[InputItem]:
+        """`input` as items (a string is one user turn)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def as_chat(self, history: Sequence[InputItem] = ()) -> ChatCompletionRequest:
+        """The chat completion this request amounts to, after the `history` of the response
+        it follows; a 400 naming `input` if the items do not make one (no user turn among
+        them, a value the chat refuses)."""
+        items = [*history, *self.own_items()]
+        if len(items) > MAX_MESSAGES:
+            raise ApiError(
+                400,
+                f"the conversation holds {len(items)} items with the responses before this "
+                f"one, more than {MAX_MESSAGES}: begin another",
+                param="previous_response_id",
+                code="invalid_value",
+            )
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = (
-            [MessageItem(role="user", content=self.input)]
-            if isinstance(self.input, str)
-            else self.input
-        )
         for item in items:
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})

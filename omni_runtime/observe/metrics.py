@@ -26,7 +26,7 @@ LabelKey = tuple[tuple[str, str], ...]
 COUNTERS: Mapping[str, str] = {
     "omni_dropped_outputs_total": "Stage outputs dropped: their request had ended or was unknown.",
     "omni_duplicate_outputs_total": "Stage outputs dropped as repeats (sequence number seen).",
-    "omni_malformed_entries_total": "Stream entries that failed validation.",
+    "omni_malformed_entries_total": "Stream entries (and kept responses) that failed validation.",
     "omni_dead_letters_total": "Entries moved to the dead-letter stream.",
     "omni_retries_total": "Redis operations retried after an error.",
     "omni_dropped_writes_total": "Writes given up: after bounded retries, or left when a writer stopped.",
@@ -65,6 +65,9 @@ COUNTERS: Mapping[str, str] = {
     ),
     "omni_redis_oom_refusals_total": (
         "Commands Redis refused for memory (maxmemory, noeviction), by source."
+    ),
+    "omni_responses_unkept_total": (
+        "Responses asked to be kept (`store`) that were not: too large, or Redis refused."
     ),
     "omni_realtime_turns_total": "Realtime responses started (one runtime request each).",
     "omni_realtime_barge_ins_total": "Realtime responses the user's speech interrupted.",

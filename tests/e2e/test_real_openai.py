@@ -541,3 +541,25 @@ def test_the_responses_api_answers_streams_parses_and_calls(client: openai.OpenA
     print(f"called {[(c.name, c.arguments) for c in calls]}")
     assert calls and calls[0].name == "GetWeather"
     assert GetWeather.model_validate_json(calls[0].arguments).city.strip()
+
+
+def test_a_response_goes_on_from_the_one_before_it(client: openai.OpenAI) -> None:
+    """`previous_response_id` on the real models: the second answer knows what only the
+    first turn said, which the same question alone does not (greedy sampling: one outcome
+    each), streamed by the client's helper."""
+    first = client.responses.create(
+        model="voice", input="Remember the word banana.", max_output_tokens=32, temperature=0
+    )
+    with client.responses.stream(
+        model="voice", input="What word did I ask you to remember?", max_output_tokens=32,
+        temperature=0, previous_response_id=first.id,
+    ) as stream:  # fmt: skip
+        second = stream.get_final_response()
+    alone = client.responses.create(
+        model="voice", input="What word did I ask you to remember?", max_output_tokens=32,
+        temperature=0, store=False,
+    )  # fmt: skip
+    print(f"{first.output_text!r} → {second.output_text!r}; alone: {alone.output_text!r}")
+    assert "banana" in second.output_text.lower(), second.output_text
+    assert "banana" not in alone.output_text.lower(), alone.output_text  # it came from before
+    assert client.responses.retrieve(second.id).output_text == second.output_text

@@ -134,12 +134,11 @@ async def test_a_streamed_response_is_openais_events_in_order(
     assert gateway.inflight == 0
 
 
-async def test_what_only_a_stored_response_could_answer_is_400(
+async def test_what_the_server_cannot_honour_is_400(
     api: tuple[httpx.AsyncClient, Gateway],
 ) -> None:
     client, gateway = api
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"top_logprobs": 2}, "top_logprobs"),
