@@ -235,6 +235,23 @@ class ItemCreate(_Event):
     previous_item_id: Id | None = None
 
 
+class ItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: Id
+
+
+class ItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: Id
+
+
+class ItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: Id
+    content_index: Annotated[int, Field(ge=0, le=1)]
+    audio_end_ms: Annotated[int, Field(ge=0)]
+
+
 class ResponseCreate(_Event):
     type: Literal["response.create"]
     response: ResponseFields | None = None
@@ -251,6 +268,9 @@ ClientEvent = (
     | BufferCommit
     | BufferClear
     | ItemCreate
+    | ItemRetrieve
+    | ItemDelete
+    | ItemTruncate
     | ResponseCreate
     | ResponseCancel
 )
@@ -262,6 +282,9 @@ KNOWN_TYPES = frozenset(
         "input_audio_buffer.commit",
         "input_audio_buffer.clear",
         "conversation.item.create",
+        "conversation.item.retrieve",
+        "conversation.item.delete",
+        "conversation.item.truncate",
         "response.create",
         "response.cancel",
     }

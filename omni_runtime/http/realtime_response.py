@@ -53,6 +53,10 @@ class Item:
     name: str = ""
     said: str = ""
     """A call's arguments, or the output a call returned."""
+    modalities: tuple[str, ...] = ("audio",)
+    """An answer's: its parts (text, then audio), as its response made them."""
+    audio_ms: float = 0.0
+    """An answer's audio sent, in ms (to `conversation.item.truncate` it)."""
 
     @classmethod
     def call(cls, item_id: str, call_id: str, made: ToolCall) -> Item:
@@ -75,7 +79,7 @@ class Item:
         if self.kind == "function_call_output":
             return shown | {"output": self.said}
         if self.role == "assistant":
-            mods = modalities or ["audio"]
+            mods = modalities or self.modalities
             parts: list[dict[str, Any]] = []
             if "text" in mods:
                 parts.append({"type": "output_text", "text": self.text})
@@ -125,7 +129,7 @@ class Response:
     conversation, and no `conversation.item.*` event says them."""
 
     def start(self) -> None:
-        self.item.status = "in_progress"
+        self.item.status, self.item.modalities = "in_progress", tuple(self.modalities)
         self.emit(event("response.created", response=self._body("in_progress")))
         self.emit(event("response.output_item.added", response_id=self.id, output_index=0,
                         item=self.item.as_dict(self.modalities)))  # fmt: skip
@@ -287,6 +291,7 @@ class Response:
                                          now - self.speech_end)  # fmt: skip
             self.speech_end = None
         self.playback.add(now, samples / rate_of(self.output_format))
+        self.item.audio_ms += samples * 1000 / rate_of(self.output_format)
         index = 1 if "text" in self.modalities else 0
         self.emit(event("response.output_audio.delta", **self._at(index), delta=b64(coded)))
 

@@ -1,6 +1,7 @@
 """One `/v1/realtime` session's state: its settings, its conversation, its input audio.
 
-The session holds the conversation and hands it to the thinker with every response:
+The session holds the conversation (`realtime_conversation`) and hands it to the thinker
+with every response:
 a pipeline whose `outputs.input` is `chat` gets the message list (the instructions
 as its system message); an `audio` one gets the latest spoken turn as a WAV file with
 the messages before it (`{"wav", "messages"}`); a `text` one gets the last user
@@ -21,6 +22,7 @@ from omni_runtime.core.tool_calls import ToolCall
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_audio import AudioType, InputDecoder, described, uncodable
+from omni_runtime.http.realtime_conversation import Conversation
 from omni_runtime.http.realtime_events import (
     SAMPLE_RATE,
     AudioConfig,
@@ -32,6 +34,9 @@ from omni_runtime.http.realtime_events import (
     ClientEvent,
     EventError,
     ItemCreate,
+    ItemDelete,
+    ItemRetrieve,
+    ItemTruncate,
     NamedTool,
     RealtimeTool,
     RealtimeToolChoice,
@@ -50,8 +55,6 @@ from omni_runtime.http.sockets import RealtimeSettings
 from omni_runtime.http.tools import tool_params
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
 
-MAX_ITEMS = 200
-"""Conversation items a session keeps (oldest dropped): the thinker takes 256 messages."""
 MIN_COMMIT_MS = 100
 BYTES_PER_MS = SAMPLE_RATE * 2 // 1000
 
@@ -87,7 +90,7 @@ class Session:
         self.decode = InputDecoder(self.input_format)
         self.vad_config: ServerVad | None = ServerVad(type="server_vad")
         self.vad = self._new_vad()
-        self.items: list[Item] = []
+        self.conversation = Conversation(emit, gateway.serve.max_prompt_chars)
         self.buffer = bytearray()
         self.max_buffer_bytes = int(settings.realtime_max_buffer_s * 1000) * BYTES_PER_MS
         self.active: Response | None = None
@@ -138,6 +141,15 @@ class Session:
             self.emit(event("input_audio_buffer.cleared"))
         elif isinstance(ev, ItemCreate):
             self._create_item(ev)
+        elif isinstance(ev, ItemRetrieve):
+            self.conversation.retrieve(ev.item_id)
+        elif isinstance(ev, ItemDelete):
+            self._delete(ev.item_id)
+        elif isinstance(ev, ItemTruncate):
+            item = self.conversation.truncatable(ev.item_id, ev.content_index, ev.audio_end_ms)
+            if self.active is not None and self.active.item is item:  # the user stopped it
+                self.active.cancel("client_cancelled")
+            self.conversation.truncate(item, ev.content_index, ev.audio_end_ms)
         elif isinstance(ev, ResponseCreate):
             self._respond(ev)
         elif isinstance(ev, ResponseCancel):
@@ -252,34 +264,22 @@ class Session:
         if self.vad is not None:
             self.vad.reset()
         self.speech_end = asyncio.get_running_loop().time()
-        previous = self.items[-1].id if self.items else None
         self.emit(event("input_audio_buffer.committed", item_id=item.id,
-                        previous_item_id=previous))  # fmt: skip
-        self._add(item, previous)
-
-    def _add(self, item: Item, previous: str | None) -> None:
-        for old in self.items:  # only the latest spoken turn waits to be heard
-            if item.audio is not None:
-                old.audio = None
-        self.items.append(item)
-        del self.items[:-MAX_ITEMS]
-        self.emit(event("conversation.item.added", previous_item_id=previous,
-                        item=item.as_dict()))  # fmt: skip
-        self.emit(event("conversation.item.done", previous_item_id=previous,
-                        item=item.as_dict()))  # fmt: skip
+                        previous_item_id=self.conversation.last_id))  # fmt: skip
+        self.conversation.add(item)
 
     def _create_item(self, ev: ItemCreate) -> None:
-        given = ev.item
-        previous = self.items[-1].id if self.items else None
+        given, previous, items = ev.item, ev.previous_item_id, self.conversation.items
         if isinstance(given, CallItem):
             made = ToolCall(given.name, given.arguments)
-            self._add(Item.call(given.id or new_id("item"), given.call_id, made), previous)
+            call = Item.call(given.id or new_id("item"), given.call_id, made)
+            self.conversation.add(call, previous)
             return
         if isinstance(given, CallOutputItem):
-            name = next((i.name for i in self.items if i.call_id == given.call_id
+            name = next((i.name for i in items if i.call_id == given.call_id
                          and i.kind == "function_call"), None)  # fmt: skip
             result = Item.result(given.id or new_id("item"), given.call_id, name, given.output)
-            self._add(result, previous)
+            self.conversation.add(result, previous)
             return
         texts: list[str] = []
         audio = bytearray()
@@ -297,7 +297,13 @@ class Session:
                     bytes(audio) or None, kind)  # fmt: skip
         if kind == "text" and not item.text.strip():
             raise EventError("the item has no text and no audio", param="item.content")
-        self._add(item, previous)
+        self.conversation.add(item, previous)
+
+    def _delete(self, item_id: str) -> None:
+        if self.active is not None and self.active.item.id == item_id:
+            raise EventError(f"item {item_id!r} is being answered: cancel its response first",
+                             param="item_id")  # fmt: skip
+        self.conversation.delete(item_id)
 
     # --- responses ------------------------------------------------------------------------
 
@@ -329,14 +335,12 @@ class Session:
         )  # fmt: skip
         self.speech_end = None
         self.active = response
-        self.items += [] if response.apart else [response.item]  # out of band: in none
-        del self.items[:-MAX_ITEMS]
+        self.conversation.join([] if response.apart else [response.item])  # out of band: none
         self.gateway.metrics.inc("omni_realtime_turns_total")
         response.start()
 
     def _response_done(self, response: Response, status: Status) -> None:
-        self.items.extend([] if response.apart else response.calls)
-        del self.items[:-MAX_ITEMS]
+        self.conversation.join([] if response.apart else response.calls)
         if self.active is response:
             self.active = None
             self.on_idle()
@@ -346,52 +350,33 @@ class Session:
 
     def _prompt(self, instructions: str) -> tuple[Any, Item | None]:
         """What stage 0 takes for the next response, and the spoken item it will hear."""
-        mode = self.served.outputs.input
-        user = next((i for i in reversed(self.items) if i.role == "user"), None)
+        mode, items = self.served.outputs.input, self.conversation.items
+        messages = self.conversation.messages
+        user = next((i for i in reversed(items) if i.role == "user"), None)
         if user is None:
             raise EventError("the conversation has no user item to answer")
         if mode == "audio":
-            spoken = next((i for i in reversed(self.items) if i.audio), None)
+            spoken = next((i for i in reversed(items) if i.audio), None)
             if spoken is None and self.served.outputs.text_turns:
                 # a typed turn, a tool's output: nothing new to hear (`spoken_turn.py`)
-                return {"wav": None, "messages": self._messages(instructions)}, None
+                return {"wav": None, "messages": messages(instructions)}, None
             if spoken is None:
                 raise EventError(f"the model {self.served.name!r} takes speech: append and "
                                  "commit audio (or create an input_audio item)")  # fmt: skip
             # what came after the unheard turn (calls, a tool's output) is read after it
             prompt: dict[str, Any] = {"wav": wav_bytes(spoken.audio or b"", SAMPLE_RATE)}
-            if history := self._messages(instructions, before=spoken):
+            if history := messages(instructions, before=spoken):
                 prompt["messages"] = history
-            if after := self._messages("", after=spoken):
+            if after := messages("", after=spoken):
                 prompt["after"] = after
             return prompt, spoken
-        unheard = [i for i in self.items if i.kind == "audio" and not i.text]
+        unheard = [i for i in items if i.kind == "audio" and not i.text]
         if unheard and unheard[-1] is user:
             raise EventError(f"the model {self.served.name!r} has no speech-to-text stage: "
                              "send text items")  # fmt: skip
         if mode == "text":
             return user.text, None
-        return {"messages": self._messages(instructions)}, None
-
-    def _messages(
-        self, instructions: str, before: Item | None = None, after: Item | None = None
-    ) -> list[dict[str, str]]:
-        """The text of the items `before` or `after` one (else all), the latest that fit."""
-        limit = self.gateway.serve.max_prompt_chars
-        messages: list[dict[str, str]] = []
-        used = len(instructions)
-        items = self.items[self.items.index(after) + 1 :] if after else self.items
-        for item in reversed(items[: items.index(before)] if before else items):
-            if not item.text.strip():
-                continue
-            used += len(item.text)
-            if used > limit:
-                break
-            messages.append({"role": item.role, "content": item.text})
-        messages.reverse()
-        if instructions.strip():
-            messages.insert(0, {"role": "system", "content": instructions})
-        return messages
+        return {"messages": messages(instructions)}, None
 
     def close(self) -> None:
         """The socket went away: abort what is in flight."""

@@ -351,3 +351,57 @@ def never_reading_client(port: int, events: list[str], ended: Callable[[], bool]
         wait_until(ended, 30)
     finally:
         client.close()
+
+
+async def test_items_are_put_read_deleted_and_an_answer_truncated(demo: Deployment) -> None:
+    """The client's own item calls: an item put first (`root`), read back, deleted; an
+    answer truncated while it plays (as OpenAI's clients do when the user interrupts):
+    its response is cancelled, its audio ends where the user stopped hearing it and its
+    transcript is gone; a truncation past the audio sent is an error."""
+    async with demo.client().realtime.connect(model="omni") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={
+            "type": "realtime", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
+        assert (await conn.recv()).type == "session.updated"
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
+        })  # fmt: skip
+        asked: Any = await conn.recv()
+        assert (await conn.recv()).type == "conversation.item.done"
+        await conn.conversation.item.create(previous_item_id="root", item={
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Aside"}]
+        })  # fmt: skip
+        aside: Any = await conn.recv()
+        assert aside.type == "conversation.item.added" and aside.previous_item_id is None
+        assert (await conn.recv()).type == "conversation.item.done"
+        await conn.conversation.item.retrieve(item_id=asked.item.id)
+        got: Any = await conn.recv()
+        assert got.type == "conversation.item.retrieved", got
+        assert got.item.content[0].text == LONG_TEXT
+        await conn.conversation.item.delete(item_id=aside.item.id)
+        deleted: Any = await conn.recv()
+        assert (deleted.type, deleted.item_id) == ("conversation.item.deleted", aside.item.id)
+
+        await conn.response.create()
+        heard, item_id = Heard(), None
+        while item_id is None:
+            ev: Any = await asyncio.wait_for(conn.recv(), 10)
+            take(heard, ev)
+            item_id = ev.item_id if ev.type == "response.output_audio.delta" else None
+        await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=10)
+        heard = await until_done(conn, heard)
+        truncated: Any = await asyncio.wait_for(conn.recv(), 10)
+        await conn.conversation.item.truncate(
+            item_id=item_id, content_index=0, audio_end_ms=3_600_000
+        )
+        past: Any = await until_error(conn)
+        await conn.conversation.item.retrieve(item_id=item_id)
+        after: Any = await conn.recv()
+    assert heard.status == "cancelled", heard.kinds
+    assert heard.done.response.status_details.reason == "client_cancelled"
+    assert len(heard.transcript) > 0  # words had come before the truncation
+    assert (truncated.type, truncated.item_id, truncated.audio_end_ms) == (
+        "conversation.item.truncated", item_id, 10
+    )  # fmt: skip
+    assert past.param == "audio_end_ms" and "past the end" in past.message
+    assert after.item.content[0].transcript == "" and after.item.status == "incomplete"

@@ -1,0 +1,127 @@
+"""A Realtime session's conversation: its items in order, as the client shapes it, and the
+messages the thinker reads of it.
+
+A client adds items where it says (`previous_item_id`: after that item, `root` first, none
+last), reads one back (`conversation.item.retrieve`), deletes one, or truncates the audio
+of an answer the user did not hear to its end (`conversation.item.truncate`, sent on an
+interruption by OpenAI's clients): as on OpenAI, the answer's transcript is then
+deleted, so that the conversation holds no words the user did not hear. The thinker
+reads text, so it reads nothing of that answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from omni_runtime.http.realtime_events import EventError, event
+from omni_runtime.http.realtime_response import Item
+
+MAX_ITEMS = 200
+"""Conversation items a session keeps (oldest dropped): the thinker takes 256 messages."""
+ROOT = "root"
+"""`previous_item_id` of an item put first."""
+
+
+class Conversation:
+    """The items, oldest first; each change is said to the client through `emit`."""
+
+    def __init__(self, emit: Callable[[Any], None], max_prompt_chars: int) -> None:
+        self.emit, self.max_prompt_chars = emit, max_prompt_chars
+        self.items: list[Item] = []
+
+    @property
+    def last_id(self) -> str | None:
+        return self.items[-1].id if self.items else None
+
+    def add(self, item: Item, previous_id: str | None = None) -> None:
+        """Put `item` after the item `previous_id` (`root`: first; None: last), and say it.
+        A spoken item is the one the next response hears: older ones are not heard."""
+        at = self._after(previous_id)
+        if item.audio is not None:
+            for old in self.items:
+                old.audio = None
+        self.items.insert(at, item)
+        previous = self.items[at - 1].id if at else None
+        self._trim()
+        for state in ("added", "done"):
+            self.emit(event(f"conversation.item.{state}", previous_item_id=previous,
+                            item=item.as_dict()))  # fmt: skip
+
+    def join(self, items: list[Item]) -> None:
+        """A response's own items, at the end (its events say them)."""
+        self.items += items
+        self._trim()
+
+    def find(self, item_id: str) -> Item:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found",
+                         param="item_id")  # fmt: skip
+
+    def retrieve(self, item_id: str) -> None:
+        self.emit(event("conversation.item.retrieved", item=self.find(item_id).as_dict()))
+
+    def delete(self, item_id: str) -> None:
+        self.items.remove(self.find(item_id))
+        self.emit(event("conversation.item.deleted", item_id=item_id))
+
+    def truncatable(self, item_id: str, content_index: int, audio_end_ms: int) -> Item:
+        """The assistant's item whose audio part `content_index` lasted at least
+        `audio_end_ms`; else the EventError that says why not."""
+        item = self.find(item_id)
+        if item.role != "assistant" or item.kind != "text" or "audio" not in item.modalities:
+            raise EventError("only an assistant's message with audio can be truncated",
+                             param="item_id")  # fmt: skip
+        audio_at = 1 if "text" in item.modalities else 0
+        if content_index != audio_at:
+            raise EventError(f"part {content_index} of item {item_id!r} is not its audio "
+                             f"(part {audio_at})", param="content_index")  # fmt: skip
+        sent_ms = math.ceil(item.audio_ms)
+        if audio_end_ms > sent_ms:
+            raise EventError(f"audio_end_ms {audio_end_ms} is past the end of the item's "
+                             f"audio, {sent_ms} ms", param="audio_end_ms")  # fmt: skip
+        return item
+
+    def truncate(self, item: Item, content_index: int, audio_end_ms: int) -> None:
+        """Its audio ends at `audio_end_ms`, and its words, which may not all have been
+        heard, are gone (`truncatable` first)."""
+        item.text, item.audio_ms = "", float(audio_end_ms)
+        self.emit(event("conversation.item.truncated", item_id=item.id,
+                        content_index=content_index, audio_end_ms=audio_end_ms))  # fmt: skip
+
+    def messages(
+        self, instructions: str, before: Item | None = None, after: Item | None = None
+    ) -> list[dict[str, str]]:
+        """The text of the items `before` or `after` one (else all), the latest that fit."""
+        messages: list[dict[str, str]] = []
+        used = len(instructions)
+        items = self.items[self.items.index(after) + 1 :] if after else self.items
+        for item in reversed(items[: items.index(before)] if before else items):
+            if not item.text.strip():
+                continue
+            used += len(item.text)
+            if used > self.max_prompt_chars:
+                break
+            messages.append({"role": item.role, "content": item.text})
+        messages.reverse()
+        if instructions.strip():
+            messages.insert(0, {"role": "system", "content": instructions})
+        return messages
+
+    def _after(self, previous_id: str | None) -> int:
+        """Where an item put after `previous_id` goes."""
+        if previous_id is None:
+            return len(self.items)
+        if previous_id == ROOT:
+            return 0
+        for at, item in enumerate(self.items):
+            if item.id == previous_id:
+                return at + 1
+        raise EventError(f"no item {previous_id!r} in the conversation to put the item after",
+                         code="item_not_found", param="previous_item_id")  # fmt: skip
+
+    def _trim(self) -> None:
+        del self.items[:-MAX_ITEMS]
