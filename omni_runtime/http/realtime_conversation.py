@@ -6,16 +6,30 @@ last), reads one back (`conversation.item.retrieve`), deletes one, or truncates 
 of an answer the user did not hear to its end (`conversation.item.truncate`, sent on an
 interruption by OpenAI's clients): as on OpenAI, the answer's transcript is then
 deleted, so that the conversation holds no words the user did not hear. The thinker
-reads text, so it reads nothing of that answer.
+reads text, so it reads nothing of that answer. A response may read a context of its own
+instead (`response.input`: items given whole, and the conversation's by reference).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
-from omni_runtime.http.realtime_events import EventError, event
+from omni_runtime.core.tool_calls import ToolCall
+from omni_runtime.http.realtime_audio import AudioType, InputDecoder
+from omni_runtime.http.realtime_events import (
+    CallItem,
+    CallOutputItem,
+    ClientItem,
+    ContextItem,
+    EventError,
+    ItemReference,
+    decode_audio,
+    event,
+    new_id,
+)
 from omni_runtime.http.realtime_response import Item
 
 MAX_ITEMS = 200
@@ -111,6 +125,23 @@ class Conversation:
             messages.insert(0, {"role": "system", "content": instructions})
         return messages
 
+    def context(self, given: list[ContextItem], input_format: AudioType) -> Conversation:
+        """A response's own context (`response.input`): the items given, and copies of
+        this conversation's it names (hearing one does not hear this one's)."""
+        context = Conversation(lambda _event: None, self.max_prompt_chars)
+        for i, item in enumerate(given):
+            where = f"response.input.{i}"
+            if isinstance(item, ItemReference):
+                named = next((it for it in self.items if it.id == item.id), None)
+                if named is None:
+                    raise EventError(f"no item {item.id!r} in the conversation",
+                                     code="item_not_found", param=f"{where}.id")  # fmt: skip
+                context.join([replace(named)])
+            else:
+                earlier = [*self.items, *context.items]
+                context.join([item_of(item, earlier, input_format, where)])
+        return context
+
     def _after(self, previous_id: str | None) -> int:
         """Where an item put after `previous_id` goes."""
         if previous_id is None:
@@ -125,3 +156,32 @@ class Conversation:
 
     def _trim(self) -> None:
         del self.items[:-MAX_ITEMS]
+
+
+def item_of(given: ClientItem, earlier: list[Item], input_format: AudioType, where: str) -> Item:
+    """The item a client gives (`where` it is given, for errors), as a conversation keeps
+    it; `earlier`: the items a call's output may answer."""
+    if isinstance(given, CallItem):
+        made = ToolCall(given.name, given.arguments)
+        return Item.call(given.id or new_id("item"), given.call_id, made)
+    if isinstance(given, CallOutputItem):
+        name = next((i.name for i in earlier if i.call_id == given.call_id
+                     and i.kind == "function_call"), None)  # fmt: skip
+        return Item.result(given.id or new_id("item"), given.call_id, name, given.output)
+    texts: list[str] = []
+    audio = bytearray()
+    for i, part in enumerate(given.content):
+        if part.type == "input_audio":
+            if part.audio:
+                decode = InputDecoder(input_format)  # a whole recording of its own
+                audio += decode_audio(part.audio, f"{where}.content.{i}.audio", decode)
+            if part.transcript:
+                texts.append(part.transcript)
+        else:
+            texts.append(part.text or part.transcript or "")
+    kind: Literal["text", "audio"] = "audio" if audio else "text"
+    item = Item(given.id or new_id("item"), given.role, " ".join(t for t in texts if t),
+                bytes(audio) or None, kind)  # fmt: skip
+    if kind == "text" and not item.text.strip():
+        raise EventError("the item has no text and no audio", param=f"{where}.content")
+    return item

@@ -24,7 +24,6 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
-    field_validator,
 )
 
 from omni_runtime.http.errors import field_path
@@ -167,6 +166,13 @@ class CallOutputItem(_Body):
     output: Text
 
 
+class ItemReference(_Body):
+    """An item of the session's conversation, by its id (in a response's `input`)."""
+
+    type: Literal["item_reference"]
+    id: Id
+
+
 def _item_class(item: Any) -> str | None:
     """An item's model, by its `type` (named so in errors' paths, which drop it)."""
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
@@ -174,7 +180,8 @@ def _item_class(item: Any) -> str | None:
 
 
 _ITEM_CLASSES = {"message": "MessageItem", "function_call": "CallItem",
-                 "function_call_output": "CallOutputItem"}  # fmt: skip
+                 "function_call_output": "CallOutputItem",
+                 "item_reference": "ItemReference"}  # fmt: skip
 ClientItem = Annotated[
     Annotated[MessageItem, Tag("MessageItem")]
     | Annotated[CallItem, Tag("CallItem")]
@@ -186,6 +193,19 @@ ClientItem = Annotated[
         "'function_call_output'",
     ),
 ]
+ContextItem = Annotated[
+    Annotated[MessageItem, Tag("MessageItem")]
+    | Annotated[CallItem, Tag("CallItem")]
+    | Annotated[CallOutputItem, Tag("CallOutputItem")]
+    | Annotated[ItemReference, Tag("ItemReference")],
+    Discriminator(
+        _item_class,
+        custom_error_type="invalid_item",
+        custom_error_message="an item's type must be 'message', 'function_call', "
+        "'function_call_output' or 'item_reference'",
+    ),
+]
+"""An item of a response's own context: one given whole, or one of the conversation's."""
 
 
 class ResponseFields(_Body):
@@ -197,14 +217,8 @@ class ResponseFields(_Body):
     max_output_tokens: Annotated[int, Field(ge=1, le=4096)] | Literal["inf"] | None = None
     conversation: Literal["auto", "none"] | None = None
     """`none`: out of band, the answer joins no conversation (`Response.apart`)."""
-    input: list[Any] | None = None
-    """Refused: a response reads the session's conversation, not a context of its own."""
-
-    @field_validator("input")
-    @classmethod
-    def _no_context_of_its_own(cls, given: list[Any] | None) -> None:
-        if given is not None:
-            raise ValueError("not supported: a response reads the session's conversation")
+    input: Annotated[list[ContextItem], Field(max_length=256)] | None = None
+    """The response's own context instead of the conversation (`[]`: none)."""
 
 
 class _Event(_Body):

@@ -18,19 +18,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from omni_runtime.client.playback import Playback
-from omni_runtime.core.tool_calls import ToolCall
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_audio import AudioType, InputDecoder, described, uncodable
-from omni_runtime.http.realtime_conversation import Conversation
+from omni_runtime.http.realtime_conversation import Conversation, item_of
 from omni_runtime.http.realtime_events import (
     SAMPLE_RATE,
     AudioConfig,
     BufferAppend,
     BufferClear,
     BufferCommit,
-    CallItem,
-    CallOutputItem,
     ClientEvent,
     EventError,
     ItemCreate,
@@ -269,35 +266,8 @@ class Session:
         self.conversation.add(item)
 
     def _create_item(self, ev: ItemCreate) -> None:
-        given, previous, items = ev.item, ev.previous_item_id, self.conversation.items
-        if isinstance(given, CallItem):
-            made = ToolCall(given.name, given.arguments)
-            call = Item.call(given.id or new_id("item"), given.call_id, made)
-            self.conversation.add(call, previous)
-            return
-        if isinstance(given, CallOutputItem):
-            name = next((i.name for i in items if i.call_id == given.call_id
-                         and i.kind == "function_call"), None)  # fmt: skip
-            result = Item.result(given.id or new_id("item"), given.call_id, name, given.output)
-            self.conversation.add(result, previous)
-            return
-        texts: list[str] = []
-        audio = bytearray()
-        for i, part in enumerate(given.content):
-            if part.type == "input_audio":
-                if part.audio:
-                    decode = InputDecoder(self.input_format)  # a whole recording of its own
-                    audio += decode_audio(part.audio, f"item.content.{i}.audio", decode)
-                if part.transcript:
-                    texts.append(part.transcript)
-            else:
-                texts.append(part.text or part.transcript or "")
-        kind: Literal["text", "audio"] = "audio" if audio else "text"
-        item = Item(given.id or new_id("item"), given.role, " ".join(t for t in texts if t),
-                    bytes(audio) or None, kind)  # fmt: skip
-        if kind == "text" and not item.text.strip():
-            raise EventError("the item has no text and no audio", param="item.content")
-        self.conversation.add(item, previous)
+        item = item_of(ev.item, self.conversation.items, self.input_format, "item")
+        self.conversation.add(item, ev.previous_item_id)
 
     def _delete(self, item_id: str) -> None:
         if self.active is not None and self.active.item.id == item_id:
@@ -314,7 +284,11 @@ class Session:
         fields = ev.response if ev is not None else None
         modalities = self._modalities(fields.output_modalities if fields else None)
         instructions = fields.instructions if fields and fields.instructions else None
-        prompt, heard = self._prompt(instructions or self.instructions)
+        given = fields.input if fields is not None else None
+        context = self.conversation
+        if given is not None:
+            context = self.conversation.context(given, self.input_format)
+        prompt, heard = self._prompt(instructions or self.instructions, context)
         params: dict[str, Any] = {"voice": self.voice, "speed": self.speed,
                                   "max_tokens": self.max_tokens,
                                   "truncation": self.truncation}  # fmt: skip
@@ -348,10 +322,9 @@ class Session:
             self.gateway.metrics.inc("omni_realtime_responses_cancelled_total")
         self.worst_gap_s = max(self.worst_gap_s, response.playback.worst_gap_s)
 
-    def _prompt(self, instructions: str) -> tuple[Any, Item | None]:
+    def _prompt(self, instructions: str, context: Conversation) -> tuple[Any, Item | None]:
         """What stage 0 takes for the next response, and the spoken item it will hear."""
-        mode, items = self.served.outputs.input, self.conversation.items
-        messages = self.conversation.messages
+        mode, items, messages = self.served.outputs.input, context.items, context.messages
         user = next((i for i in reversed(items) if i.role == "user"), None)
         if user is None:
             raise EventError("the conversation has no user item to answer")

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import openai
@@ -79,25 +79,39 @@ async def test_a_text_turn_streams_text_and_24khz_audio(demo: Deployment) -> Non
 async def test_an_out_of_band_response_joins_no_conversation(demo: Deployment) -> None:
     """`response.conversation: "none"` (what agents use to ask a side question): answered
     as any response, but no `conversation.item.*` event says its item, and the next
-    response's items do; a context of its own (`response.input`) is refused."""
+    response's items do; a context of its own (`response.input`: items given whole, or the
+    conversation's by reference) is read instead of the conversation."""
+    aside: Any = {"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": "Something else"}]}  # fmt: skip
     async with demo.client().realtime.connect(model="omni") as conn:
         assert (await conn.recv()).type == "session.created"
         await conn.conversation.item.create(item={
             "type": "message", "role": "user",
             "content": [{"type": "input_text", "text": "Hello there"}],
         })  # fmt: skip
-        assert (await conn.recv()).type == "conversation.item.added"
+        first: Any = await conn.recv()
+        assert first.type == "conversation.item.added"
         assert (await conn.recv()).type == "conversation.item.done"
         await conn.response.create(response={"conversation": "none", "output_modalities": ["text"]})
         apart = await until_done(conn)
-        await conn.send(cast(Any, {"type": "response.create", "response": {"input": []}}))
+        await conn.response.create(response={
+            "conversation": "none", "output_modalities": ["text"], "input": [aside]})  # fmt: skip
+        own = await until_done(conn)
+        reference: Any = [aside, {"type": "item_reference", "id": first.item.id}]
+        await conn.response.create(response={
+            "conversation": "none", "output_modalities": ["text"], "input": reference})  # fmt: skip
+        referred = await until_done(conn)
+        unknown: Any = [{"type": "item_reference", "id": "item_nope"}]
+        await conn.response.create(response={"input": unknown})
         refused = await until_error(conn)
         await conn.response.create(response={"output_modalities": ["text"]})
         joined = await until_done(conn)
     assert apart.errors == [] and apart.status == "completed" and apart.text == "Hello there"
     assert "response.output_item.done" in apart.kinds
     assert not [k for k in apart.kinds if k.startswith("conversation.item.")], apart.kinds
-    assert refused.param == "response.input" and "not supported" in refused.message
+    assert own.errors == [] and own.text == "Something else"  # the demo says the last turn
+    assert referred.errors == [] and referred.text == "Hello there"
+    assert refused.param == "response.input.0.id" and refused.code == "item_not_found"
     assert joined.errors == [] and joined.text == "Hello there"
     assert joined.kinds.count("conversation.item.added") == 1, joined.kinds
     assert joined.kinds.count("conversation.item.done") == 1, joined.kinds

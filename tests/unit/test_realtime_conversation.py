@@ -3,12 +3,14 @@ read back, deleted, an answer's audio truncated; and what the thinker then reads
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from omni_runtime.core.tool_calls import written_result
 from omni_runtime.http.realtime_conversation import MAX_ITEMS, Conversation
-from omni_runtime.http.realtime_events import EventError
+from omni_runtime.http.realtime_events import EventError, parse_client_event
 from omni_runtime.http.realtime_response import Item
 
 
@@ -103,3 +105,23 @@ def test_the_oldest_items_go_past_the_cap() -> None:
     for k in range(MAX_ITEMS + 5):
         talk.add(Item(f"i{k}", "user", f"turn {k}"))
     assert len(talk.items) == MAX_ITEMS and talk.items[0].id == "i5"
+
+
+def test_a_response_reads_a_context_of_its_own() -> None:
+    talk, _said = conversation()
+    talk.add(Item("a", "user", kind="audio", audio=b"\0\0"))
+    given: Any = parse_client_event(json.dumps({"type": "response.create", "response": {"input": [
+        {"type": "item_reference", "id": "a"},
+        {"type": "function_call", "call_id": "c1", "name": "clock", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "noon"},
+    ]}}))  # fmt: skip
+    context = talk.context(given.response.input, "audio/pcm")
+    assert [i.kind for i in context.items] == ["audio", "function_call", "function_call_output"]
+    assert context.items[2].text == written_result("clock", "noon")  # the call, named
+    context.items[0].text, context.items[0].audio = "heard", None  # a response heard it
+    assert (talk.items[0].text, talk.items[0].audio) == ("", b"\0\0")  # not the conversation's
+    missing: Any = parse_client_event(json.dumps({"type": "response.create", "response": {
+        "input": [{"type": "item_reference", "id": "gone"}]}}))  # fmt: skip
+    with pytest.raises(EventError) as refused:
+        talk.context(missing.response.input, "audio/pcm")
+    assert (refused.value.code, refused.value.param) == ("item_not_found", "response.input.0.id")
