@@ -135,7 +135,7 @@ class Response:
                         item=self.item.as_dict(self.modalities)))  # fmt: skip
         self._in_conversation("added", self.item.as_dict(self.modalities))
         for index, part in enumerate(self.item.as_dict(self.modalities)["content"]):
-            self.emit(event("response.content_part.added", **self._at(index), part=part))
+            self.emit(event("response.content_part.added", **self._at(index), part=as_part(part)))
         self.task = asyncio.get_running_loop().create_task(self._run(), name=self.id)
 
     def _in_conversation(self, kind: str, item: dict[str, Any]) -> None:
@@ -323,7 +323,7 @@ class Response:
                             transcript=self.item.text))  # fmt: skip
         item = self.item.as_dict(self.modalities)
         for i, part in enumerate(item["content"]):
-            self.emit(event("response.content_part.done", **self._at(i), part=part))
+            self.emit(event("response.content_part.done", **self._at(i), part=as_part(part)))
         self.emit(event("response.output_item.done", response_id=self.id, output_index=0,
                         item=item))  # fmt: skip
         self._in_conversation("done", item)
@@ -335,3 +335,9 @@ class Response:
             log.warning("realtime response %s failed: %s", self.id, error.message)
         self.emit(event("response.done", response=self._body(status, details)))
         self.on_done(self, status)
+
+
+def as_part(content: dict[str, Any]) -> dict[str, Any]:
+    """An item's content as a `response.content_part.*` event says it: its `type` is
+    `text` or `audio` there, where the item's is `output_text` or `output_audio`."""
+    return content | {"type": content["type"].removeprefix("output_")}

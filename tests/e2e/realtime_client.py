@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import soxr
+from openai.types.realtime import RealtimeServerEvent
+from pydantic import BaseModel
 
 from tests.engines.speech import audio, unwrap
 from tests.services import unavailable
@@ -65,8 +68,40 @@ async def until_done(conn: Any, heard: Heard | None = None) -> Heard:
     heard = heard or Heard()
     async with asyncio.timeout(TURN_TIMEOUT_S):
         while heard.done is None:
-            take(heard, await conn.recv())
+            take(heard, await recv(conn))
     return heard
+
+
+def _official_events() -> dict[str, type[BaseModel]]:
+    """Each server event type of OpenAI's Realtime API, and the client's model of it."""
+    found: dict[str, type[BaseModel]] = {}
+
+    def walk(t: Any) -> None:
+        for arg in typing.get_args(t):
+            walk(arg)
+        if isinstance(t, type) and issubclass(t, BaseModel) and "type" in t.model_fields:
+            found.update(dict.fromkeys(typing.get_args(t.model_fields["type"].annotation), t))
+
+    walk(RealtimeServerEvent)
+    return found
+
+
+OFFICIAL = _official_events()
+
+
+def official(ev: Any) -> None:
+    """An event as the official client's models say it must be, checked strictly, as
+    OpenAI's Agents SDK checks every event (the client itself reads them leniently)."""
+    raw = ev.to_dict()
+    assert raw["type"] in OFFICIAL, f"not an event of the Realtime API: {raw['type']}"
+    OFFICIAL[raw["type"]].model_validate(raw)
+
+
+async def recv(conn: Any) -> Any:
+    """The next server event, checked against the official models (`official`)."""
+    ev = await conn.recv()
+    official(ev)
+    return ev
 
 
 def take(heard: Heard, ev: Any) -> None:

@@ -29,7 +29,7 @@ from openai.types.chat import (
 from omni_runtime.engines.wer import wer
 from omni_runtime.http.audio import wav_bytes
 from omni_runtime.local.launcher import redis_server_binary
-from tests.e2e.realtime_client import RATE, Heard, speech, take, until_done
+from tests.e2e.realtime_client import RATE, Heard, recv, speech, take, until_done
 from tests.e2e.serving import ROOT, ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable
@@ -214,12 +214,12 @@ async def test_a_realtime_session_calls_a_tool_and_speaks_the_answer_to_its_outp
                               "required": ["city"]}}  # fmt: skip
     api = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     async with api.realtime.connect(model="voice") as conn:
-        assert (await conn.recv()).type == "session.created"
+        assert (await recv(conn)).type == "session.created"
         await conn.session.update(session={
             "type": "realtime", "tools": [weather], "tool_choice": "required",
             "audio": {"input": {"turn_detection": None}},
         })  # fmt: skip
-        updated: Any = await conn.recv()
+        updated: Any = await recv(conn)
         assert updated.type == "session.updated", updated
         assert [t.name for t in updated.session.tools] == ["get_weather"]
         await conn.conversation.item.create(item={
@@ -231,7 +231,7 @@ async def test_a_realtime_session_calls_a_tool_and_speaks_the_answer_to_its_outp
         heard = Heard()
         async with asyncio.timeout(120):
             while heard.done is None:
-                ev = await conn.recv()
+                ev = await recv(conn)
                 take(heard, ev)
                 if ev.type == "response.function_call_arguments.done":
                     calls.append(ev)

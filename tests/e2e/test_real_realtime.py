@@ -24,7 +24,7 @@ import yaml
 
 from omni_runtime.engines.wer import wer
 from omni_runtime.local.launcher import redis_server_binary
-from tests.e2e.realtime_client import RATE, Heard, send_speech, speech, until_done
+from tests.e2e.realtime_client import RATE, Heard, recv, send_speech, speech, until_done
 from tests.e2e.serving import ROOT, ServeProcess
 from tests.e2e.test_real_voice import needs_engines  # noqa: F401 (a module-wide fixture)
 from tests.services import unavailable
@@ -65,7 +65,7 @@ async def spoken_turn(conn: Any, pcm: bytes) -> Heard:
 
 
 async def open_session(conn: Any) -> None:
-    created = await conn.recv()
+    created = await recv(conn)
     assert created.type == "session.created"
     # no cap asked for: the thinker's own (workers/listen.yaml), which ends such an answer
     assert created.session.max_output_tokens == 128, created
@@ -73,7 +73,7 @@ async def open_session(conn: Any) -> None:
         "type": "realtime", "output_modalities": ["audio"],
         "audio": {"input": {"turn_detection": None}, "output": {"voice": "alloy"}},
     })  # fmt: skip
-    assert (await conn.recv()).type == "session.updated"
+    assert (await recv(conn)).type == "session.updated"
 
 
 async def test_a_spoken_question_is_transcribed_and_answered_aloud(server: ServeProcess) -> None:
@@ -106,13 +106,13 @@ async def test_a_phone_call_in_g711_is_heard_and_answered_in_g711(server: ServeP
     """`audio/pcmu` both ways: the door decodes the call's μ-law, and the answer comes back
     as 8 kHz μ-law, speech a phone line can play."""
     async with client(server).realtime.connect(model="listen") as conn:
-        assert (await conn.recv()).type == "session.created"
+        assert (await recv(conn)).type == "session.created"
         await conn.session.update(session={
             "type": "realtime", "output_modalities": ["audio"],
             "audio": {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
                       "output": {"format": {"type": "audio/pcmu"}}},
         })  # fmt: skip
-        updated = (await conn.recv()).model_dump()
+        updated = (await recv(conn)).model_dump()
         assert updated["session"]["audio"]["input"]["format"]["type"] == "audio/pcmu", updated
         heard = await spoken_turn(conn, telephone(speech(SENTENCE)))
     print(f"heard {heard.input_transcript!r}; answered {heard.transcript!r}")
@@ -224,7 +224,7 @@ async def test_a_spoken_question_is_answered_aloud_from_a_tools_output(
         await conn.session.update(
             session={"type": "realtime", "tools": [WEATHER], "tool_choice": "required"}
         )
-        assert (await conn.recv()).type == "session.updated"
+        assert (await recv(conn)).type == "session.updated"
         asked = await spoken_turn(conn, speech("What is the weather like in Paris today?"))
         calls = [o for o in asked.done.response.output if o.type == "function_call"]
         print(f"heard {asked.input_transcript!r}; called {[c.arguments for c in calls]}")
@@ -255,7 +255,7 @@ async def long_history(conn: Any, exchanges: int) -> None:
             await conn.conversation.item.create(
                 item={"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
             )
-            while (await conn.recv()).type != "conversation.item.done":
+            while (await recv(conn)).type != "conversation.item.done":
                 pass
 
 
@@ -269,7 +269,7 @@ async def test_a_conversation_longer_than_the_context_loses_its_oldest_turns(
         await long_history(conn, 40)
         cut = await spoken_turn(conn, speech(SENTENCE))
         await conn.session.update(session={"type": "realtime", "truncation": "disabled"})
-        while (await conn.recv()).type != "session.updated":
+        while (await recv(conn)).type != "session.updated":
             pass
         whole = await spoken_turn(conn, speech(SENTENCE))
     print(f"cut: answered {cut.transcript!r}; whole: {whole.done.response.status_details}")

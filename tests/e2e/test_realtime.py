@@ -22,6 +22,7 @@ from tests.e2e.raw_realtime import RawClient
 from tests.e2e.realtime_client import (
     CHUNK_BYTES,
     Heard,
+    recv,
     send_speech,
     silence,
     speech,
@@ -46,14 +47,14 @@ def expected_audio_s(text: str) -> float:
 
 async def test_a_text_turn_streams_text_and_24khz_audio(demo: Deployment) -> None:
     async with demo.client().realtime.connect(model="omni") as conn:
-        created = await conn.recv()
+        created = await recv(conn)
         assert created.type == "session.created"
         await conn.session.update(session={
             "type": "realtime", "instructions": "Answer briefly.",
             "output_modalities": ["text", "audio"],
             "audio": {"input": {"turn_detection": None}, "output": {"voice": "alloy"}},
         })  # fmt: skip
-        updated: Any = await conn.recv()
+        updated: Any = await recv(conn)
         assert updated.type == "session.updated"
         assert updated.session.instructions == "Answer briefly."
         assert updated.session.audio.output.voice == "alloy"
@@ -84,14 +85,14 @@ async def test_an_out_of_band_response_joins_no_conversation(demo: Deployment) -
     aside: Any = {"type": "message", "role": "user",
                   "content": [{"type": "input_text", "text": "Something else"}]}  # fmt: skip
     async with demo.client().realtime.connect(model="omni") as conn:
-        assert (await conn.recv()).type == "session.created"
+        assert (await recv(conn)).type == "session.created"
         await conn.conversation.item.create(item={
             "type": "message", "role": "user",
             "content": [{"type": "input_text", "text": "Hello there"}],
         })  # fmt: skip
-        first: Any = await conn.recv()
+        first: Any = await recv(conn)
         assert first.type == "conversation.item.added"
-        assert (await conn.recv()).type == "conversation.item.done"
+        assert (await recv(conn)).type == "conversation.item.done"
         await conn.response.create(response={"conversation": "none", "output_modalities": ["text"]})
         apart = await until_done(conn)
         await conn.response.create(response={
@@ -120,7 +121,7 @@ async def test_an_out_of_band_response_joins_no_conversation(demo: Deployment) -
 async def until_error(conn: Any) -> Any:
     """The next `error` event's error (within the turn's time)."""
     async with asyncio.timeout(30):
-        while (ev := await conn.recv()).type != "error":
+        while (ev := await recv(conn)).type != "error":
             pass
     return ev.error
 
@@ -129,9 +130,9 @@ async def test_a_wrong_key_gets_an_error_and_the_socket_closes(demo: Deployment)
     client = openai.AsyncOpenAI(base_url=f"{demo.serve.url}/v1", api_key="wrong-key-123")
     with pytest.raises(Exception) as raised:
         async with client.realtime.connect(model="omni") as conn:
-            ev = await conn.recv()
+            ev = await recv(conn)
             assert ev.type == "error" and ev.error.code == "invalid_api_key"
-            await conn.recv()  # the server closes
+            await recv(conn)  # the server closes
     assert isinstance(raised.value, websockets.ConnectionClosed | websockets.InvalidStatus)
 
 
@@ -196,7 +197,7 @@ async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Depl
         await conn.response.create()
         heard = Heard()
         while "response.output_audio.delta" not in heard.kinds:
-            take(heard, await asyncio.wait_for(conn.recv(), 10))
+            take(heard, await asyncio.wait_for(recv(conn), 10))
         await send_speech(conn, silence(200) + words, CHUNK_BYTES)
         spoke_at = time.monotonic()
         heard = await until_done(conn, heard)
@@ -233,31 +234,31 @@ async def test_bad_events_each_get_an_error_and_the_session_still_works(demo: De
     ]
     rss_before = rss_kib(demo.serve.proc.pid)
     async with demo.client().realtime.connect(model="omni") as conn:
-        assert (await conn.recv()).type == "session.created"
+        assert (await recv(conn)).type == "session.created"
         ws = conn._connection  # raw frames: the client's own types would refuse these
         errors: list[Any] = []
         for i in range(1000):
             await ws.send(bad[i % len(bad)])
         async with asyncio.timeout(30):
             while len(errors) < 1000:
-                ev = await conn.recv()
+                ev = await recv(conn)
                 assert ev.type == "error", ev.type
                 errors.append(ev.error)
         codes = {e.code for e in errors}
         assert codes == {"invalid_json", "unknown_event_type", "invalid_value"}, codes
         await ws.send("x" * (64 * 1024 + 1))  # over OMNI_REALTIME_MAX_EVENT_BYTES
-        too_large: Any = await conn.recv()
+        too_large: Any = await recv(conn)
         assert too_large.error.code == "event_too_large"
         tool: Any = {"type": "function", "name": "clock", "parameters": {"type": "object"}}
         await conn.session.update(session={"type": "realtime", "instructions": "Be loud.",
                                            "tools": [tool]})  # fmt: skip
-        refused: Any = await conn.recv()  # the demo's pipeline calls no tools
+        refused: Any = await recv(conn)  # the demo's pipeline calls no tools
         assert (refused.error.code, refused.error.param) == (
             "unsupported_parameter",
             "session.tools",
         )
         await conn.session.update(session={"type": "realtime", "tool_choice": "none"})
-        updated: Any = await conn.recv()
+        updated: Any = await recv(conn)
         assert updated.session.instructions == "" and updated.session.tools == []  # none applied
         await conn.conversation.item.create(item={
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Still here?"}]
@@ -294,11 +295,11 @@ async def test_the_input_buffer_is_bounded(tight: Deployment) -> None:
         )
         await send_speech(conn, silence(400))
         await send_speech(conn, silence(200))  # 0.6 s > OMNI_REALTIME_MAX_BUFFER_S
-        kinds: list[Any] = [await conn.recv() for _ in range(3)]
+        kinds: list[Any] = [await recv(conn) for _ in range(3)]
         assert [e.type for e in kinds] == ["session.created", "session.updated", "error"]
         assert kinds[2].error.code == "input_audio_buffer_full"
         await conn.input_audio_buffer.commit()  # the 0.4 s taken is still there
-        committed: Any = await conn.recv()
+        committed: Any = await recv(conn)
         assert committed.type == "input_audio_buffer.committed"
 
 
@@ -306,7 +307,7 @@ async def test_idle_and_long_sessions_end(tight: Deployment) -> None:
     for busy in (False, True):
         started = time.monotonic()  # the server's clocks start after this
         async with tight.client().realtime.connect(model="omni") as conn:
-            assert (await conn.recv()).type == "session.created"
+            assert (await recv(conn)).type == "session.created"
             ended: Any = None
             sending = busy
             with pytest.raises(websockets.ConnectionClosed):
@@ -318,7 +319,7 @@ async def test_idle_and_long_sessions_end(tight: Deployment) -> None:
                             except websockets.ConnectionClosed:
                                 sending = False  # closing: what it sent before is still to read
                         try:
-                            ev: Any = await asyncio.wait_for(conn.recv(), 0.3)
+                            ev: Any = await asyncio.wait_for(recv(conn), 0.3)
                         except TimeoutError:
                             continue
                         if ev.type == "error":
@@ -373,44 +374,44 @@ async def test_items_are_put_read_deleted_and_an_answer_truncated(demo: Deployme
     its response is cancelled, its audio ends where the user stopped hearing it and its
     transcript is gone; a truncation past the audio sent is an error."""
     async with demo.client().realtime.connect(model="omni") as conn:
-        assert (await conn.recv()).type == "session.created"
+        assert (await recv(conn)).type == "session.created"
         await conn.session.update(session={
             "type": "realtime", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
-        assert (await conn.recv()).type == "session.updated"
+        assert (await recv(conn)).type == "session.updated"
         await conn.conversation.item.create(item={
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
         })  # fmt: skip
-        asked: Any = await conn.recv()
-        assert (await conn.recv()).type == "conversation.item.done"
+        asked: Any = await recv(conn)
+        assert (await recv(conn)).type == "conversation.item.done"
         await conn.conversation.item.create(previous_item_id="root", item={
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Aside"}]
         })  # fmt: skip
-        aside: Any = await conn.recv()
+        aside: Any = await recv(conn)
         assert aside.type == "conversation.item.added" and aside.previous_item_id is None
-        assert (await conn.recv()).type == "conversation.item.done"
+        assert (await recv(conn)).type == "conversation.item.done"
         await conn.conversation.item.retrieve(item_id=asked.item.id)
-        got: Any = await conn.recv()
+        got: Any = await recv(conn)
         assert got.type == "conversation.item.retrieved", got
         assert got.item.content[0].text == LONG_TEXT
         await conn.conversation.item.delete(item_id=aside.item.id)
-        deleted: Any = await conn.recv()
+        deleted: Any = await recv(conn)
         assert (deleted.type, deleted.item_id) == ("conversation.item.deleted", aside.item.id)
 
         await conn.response.create()
         heard, item_id = Heard(), None
         while item_id is None:
-            ev: Any = await asyncio.wait_for(conn.recv(), 10)
+            ev: Any = await asyncio.wait_for(recv(conn), 10)
             take(heard, ev)
             item_id = ev.item_id if ev.type == "response.output_audio.delta" else None
         await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=10)
         heard = await until_done(conn, heard)
-        truncated: Any = await asyncio.wait_for(conn.recv(), 10)
+        truncated: Any = await asyncio.wait_for(recv(conn), 10)
         await conn.conversation.item.truncate(
             item_id=item_id, content_index=0, audio_end_ms=3_600_000
         )
         past: Any = await until_error(conn)
         await conn.conversation.item.retrieve(item_id=item_id)
-        after: Any = await conn.recv()
+        after: Any = await recv(conn)
     assert heard.status == "cancelled", heard.kinds
     assert heard.done.response.status_details.reason == "client_cancelled"
     assert len(heard.transcript) > 0  # words had come before the truncation

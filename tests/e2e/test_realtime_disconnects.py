@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.raw_realtime import RawClient
-from tests.e2e.realtime_client import Heard, take
+from tests.e2e.realtime_client import Heard, recv, take
 from tests.e2e.realtime_deployment import (
     KEY,
     LONG_TEXT,
@@ -35,7 +35,7 @@ async def test_a_disconnect_aborts_the_response_at_every_stage(demo: Deployment)
     await conn.response.create()
     heard = Heard()
     while "response.output_audio.delta" not in heard.kinds:
-        take(heard, await asyncio.wait_for(conn.recv(), 10))
+        take(heard, await asyncio.wait_for(recv(conn), 10))
     await conn.close()
 
     wait_until(lambda: demo.dropped_since(before), 20, demo.explain_stages)
@@ -107,7 +107,7 @@ async def test_a_close_from_a_client_that_stopped_reading_ends_the_session_at_on
     await conn.response.create()
     heard = Heard()
     while "response.output_audio.delta" not in heard.kinds:
-        take(heard, await asyncio.wait_for(conn.recv(), 10))
+        take(heard, await asyncio.wait_for(recv(conn), 10))
     client_port = conn._connection.transport.get_extra_info("sockname")[1]
     await wait_for(lambda: server_send_queue(demo.serve.port, client_port) > 32 * 1024, 20)
     closing = asyncio.ensure_future(conn.close())
