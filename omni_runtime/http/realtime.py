@@ -18,6 +18,7 @@ from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway, Served
 from omni_runtime.http.realtime_events import EventError, error_event, event, parse_client_event
 from omni_runtime.http.realtime_session import Session
+from omni_runtime.http.realtime_transcription import check_transcribes
 from omni_runtime.http.sockets import (
     Connection,
     KeyCheck,
@@ -38,7 +39,10 @@ def realtime_router(
     router = APIRouter()
 
     @router.websocket(PATH)
-    async def realtime(websocket: WebSocket, model: str | None = None) -> None:
+    async def realtime(
+        websocket: WebSocket, model: str | None = None, intent: str | None = None
+    ) -> None:
+        """`?intent=transcription`: a transcription session from the start."""
         offered, authorization = offered_key(websocket)
         subprotocol = "realtime" if "realtime" in offered else None
         if (cross_site := check_origin(websocket.headers)) is not None:
@@ -47,13 +51,18 @@ def realtime_router(
         try:
             await check_key(authorization)
             served = _served(gateway, model)
+            if intent == "transcription" and (why := check_transcribes(served)) is not None:
+                raise ApiError(400, why, param="model", code="invalid_value")
             admit(gateway, settings)
         except ApiError as e:
             await refuse(websocket, e, realtime_error, subprotocol)
             return
 
         def session(emit: Callable[[Message], None], wake: Callable[[], None]) -> RealtimeSession:
-            return RealtimeSession(gateway, served, settings, emit, wake)
+            made = RealtimeSession(gateway, served, settings, emit, wake)
+            if intent == "transcription":
+                made.transcribing = "transcription"
+            return made
 
         await Connection(gateway, websocket, settings, session).serve(subprotocol)
 
@@ -78,7 +87,7 @@ class RealtimeSession(Session):
 
     @property
     def busy(self) -> bool:
-        return self.active is not None
+        return self.active is not None or bool(self.transcriptions)
 
     @property
     def finished(self) -> bool:

@@ -84,10 +84,18 @@ class ServerVad(_Body):
     interrupt_response: bool | None = None
 
 
+class InputTranscription(_Body):
+    """How a transcription session hears: `language` reaches the stage (`model` is the
+    session's pipeline, named when connecting)."""
+
+    language: Annotated[str, Field(min_length=1, max_length=32)] | None = None
+
+
 class AudioInput(_Body):
     format: AudioFormat | None = None
     turn_detection: ServerVad | None = None
     """Given as null: turn detection off (the client commits and asks for responses)."""
+    transcription: InputTranscription | None = None
 
 
 class VoiceRef(_Body):
@@ -122,7 +130,7 @@ Tools = Annotated[list[RealtimeTool], Field(max_length=128)]
 
 
 class SessionFields(_Body):
-    type: Literal["realtime"] | None = None
+    type: Literal["realtime", "transcription"] | None = None
     instructions: Text | None = None
     output_modalities: Modalities | None = None
     audio: AudioConfig | None = None

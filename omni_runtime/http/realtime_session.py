@@ -48,6 +48,7 @@ from omni_runtime.http.realtime_events import (
     shown_choice,
 )
 from omni_runtime.http.realtime_response import Item, Response, Status
+from omni_runtime.http.realtime_transcription import Transcription, check_transcribes
 from omni_runtime.http.sockets import RealtimeSettings
 from omni_runtime.http.tools import tool_params
 from omni_runtime.http.vad import DEFAULT_PADDING_MS, DEFAULT_SILENCE_MS, VoiceActivity
@@ -95,12 +96,21 @@ class Session:
         """The id the user item speaking now will have (VAD started, not stopped)."""
         self.speech_end: float | None = None
         self.worst_gap_s = 0.0
+        self.transcribing: Literal["realtime", "transcription"] = "realtime"
+        """`transcription`: each committed turn is transcribed, and no response is made."""
+        self.language: str | None = None
+        self.transcriptions: set[Transcription] = set()
 
     # --- what the client sees of the session ------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         heard, said = (described(f) for f in (self.input_format, self.output_format))
         vad = None if self.vad_config is None else self.vad_config.model_dump(exclude_none=True)
+        if self.transcribing == "transcription":
+            hearing = {"model": self.served.name, "language": self.language}
+            return {"type": "transcription", "object": "realtime.transcription_session",
+                    "id": self.id, "audio": {"input": {"format": heard, "turn_detection": vad,
+                                                       "transcription": hearing}}}  # fmt: skip
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id,
             "model": self.served.name, "output_modalities": self.modalities,
@@ -181,7 +191,15 @@ class Session:
         s = ev.session
         modalities = self._modalities(s.output_modalities)
         tools = self._tools(s.tools, s.tool_choice, "session")  # checked before any change
+        if s.type == "transcription" and (why := check_transcribes(self.served)) is not None:
+            raise EventError(why, param="session.type")
+        if s.type not in (None, self.transcribing) and self.active is not None:
+            raise EventError(f"response {self.active.id} is in progress: cancel it first",
+                             code="conversation_already_has_active_response")  # fmt: skip
         self._apply_audio(s.audio)
+        self.transcribing = s.type or self.transcribing
+        if s.audio is not None and s.audio.input is not None and s.audio.input.transcription:
+            self.language = s.audio.input.transcription.language
         self.modalities = modalities
         self.tools, self.tool_choice = tools
         if s.instructions is not None:
@@ -249,6 +267,8 @@ class Session:
         item_id, self.pending_item = self.pending_item or new_id("item"), None
         self.emit(event("input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=at_ms))
         self._commit(item_id)
+        if self.transcribing == "transcription":
+            return
         if self.vad_config is not None and self.vad_config.create_response is not False:
             self._respond(None)
 
@@ -264,6 +284,17 @@ class Session:
         self.emit(event("input_audio_buffer.committed", item_id=item.id,
                         previous_item_id=self.conversation.last_id))  # fmt: skip
         self.conversation.add(item)
+        if self.transcribing == "transcription":
+            wav = wav_bytes(item.audio or b"", SAMPLE_RATE)
+            turn = Transcription(self.gateway, self.served, self.emit, item, wav, self.language,
+                                 self._transcribed)  # fmt: skip
+            self.transcriptions.add(turn)
+            turn.start()
+
+    def _transcribed(self, turn: Transcription) -> None:
+        self.transcriptions.discard(turn)
+        if self.active is None and not self.transcriptions:
+            self.on_idle()
 
     def _create_item(self, ev: ItemCreate) -> None:
         item = item_of(ev.item, self.conversation.items, self.input_format, "item")
@@ -278,6 +309,8 @@ class Session:
     # --- responses ------------------------------------------------------------------------
 
     def _respond(self, ev: ResponseCreate | None) -> None:
+        if self.transcribing == "transcription":
+            raise EventError("a transcription session makes no responses", param="type")
         if self.active is not None:
             raise EventError(f"response {self.active.id} is in progress: cancel it first",
                              code="conversation_already_has_active_response")  # fmt: skip
@@ -355,4 +388,6 @@ class Session:
         """The socket went away: abort what is in flight."""
         if self.active is not None:
             self.active.cancel("client_cancelled")
+        for turn in list(self.transcriptions):
+            turn.cancel()
         self.gateway.metrics.observe("omni_realtime_session_worst_gap_seconds", self.worst_gap_s)

@@ -350,11 +350,18 @@ def _close_code(why: str) -> int:
 
 
 async def open_shielded(
-    gateway: Gateway, served: Served, prompt: Any, audio: bool, params: dict[str, Any] | None
+    gateway: Gateway,
+    served: Served,
+    prompt: Any,
+    audio: bool,
+    params: dict[str, Any] | None,
+    text_stage: int | None = None,
 ) -> Run:
     """`gateway.open` for a session's task, which its closing may cancel meanwhile: the
     submission finishes, and the request is aborted at once, not left running."""
-    opening = asyncio.ensure_future(gateway.open(served, prompt, audio, params=params))
+    opening = asyncio.ensure_future(
+        gateway.open(served, prompt, audio, params=params, text_stage=text_stage)
+    )
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:

@@ -563,3 +563,34 @@ def test_a_response_goes_on_from_the_one_before_it(client: openai.OpenAI) -> Non
     assert "banana" in second.output_text.lower(), second.output_text
     assert "banana" not in alone.output_text.lower(), alone.output_text  # it came from before
     assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+async def test_a_transcription_session_asked_for_when_connecting_transcribes_each_turn(
+    server: ServeProcess,
+) -> None:
+    """`?intent=transcription`, as OpenAI's clients open one: committed turns, each
+    transcribed by the `transcribe` pipeline; a pipeline that cannot is refused."""
+    oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    intent: Any = {"intent": "transcription"}
+    async with oai.realtime.connect(model="transcribe", extra_query=intent) as conn:
+        created: Any = await recv(conn)
+        assert created.session.type == "transcription", created
+        await conn.session.update(session={
+            "type": "transcription", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
+        assert (await recv(conn)).type == "session.updated"
+        heard = []
+        for words in (SENTENCE, "Please call me back tomorrow morning."):
+            pcm = speech(words)
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+            await conn.input_audio_buffer.commit()
+            while (ev := await asyncio.wait_for(recv(conn), 60)).type != (
+                "conversation.item.input_audio_transcription.completed"
+            ):
+                pass
+            heard.append((words, ev.transcript))
+    print(heard)
+    assert all(wer(said, got) <= 0.35 for said, got in heard), heard
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with oai.realtime.connect(model="voice", extra_query=intent):
+            pass
+    assert refused.value.response.status_code == 400

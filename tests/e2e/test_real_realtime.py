@@ -10,6 +10,7 @@ in a fresh session does not.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import Iterator
@@ -279,3 +280,34 @@ async def test_a_conversation_longer_than_the_context_loses_its_oldest_turns(
     error = whole.done.response.status_details.error
     assert "more than the model's context of 1024 tokens" in error.message, error
     assert (error.type, error.code) == ("invalid_request_error", "context_length_exceeded")
+
+
+async def test_a_transcription_session_gives_the_words_of_each_turn_and_no_answer(
+    server: ServeProcess,
+) -> None:
+    """Live captions on a pipeline that also answers: only its speech-to-text stage runs,
+    each turn server VAD ends is transcribed as it is heard, and no response is made."""
+    async with client(server).realtime.connect(model="listen") as conn:
+        assert (await recv(conn)).type == "session.created"
+        await conn.session.update(session={"type": "transcription", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": 400},
+            "transcription": {"model": "listen", "language": "en"}}}})  # fmt: skip
+        updated: Any = await recv(conn)
+        assert updated.session.type == "transcription", updated
+        await send_speech(conn, speech(SENTENCE) + bytes(RATE * 2))  # then a second of silence
+        kinds, deltas = [], []
+        while True:
+            ev: Any = await asyncio.wait_for(recv(conn), 60)
+            kinds.append(ev.type)
+            if ev.type == "conversation.item.input_audio_transcription.delta":
+                deltas.append(ev.delta)
+            if ev.type == "conversation.item.input_audio_transcription.completed":
+                break
+        await conn.response.create()
+        refused: Any = await asyncio.wait_for(recv(conn), 10)
+    print(f"heard {ev.transcript!r}")
+    assert wer(SENTENCE, ev.transcript) <= 0.35, ev.transcript
+    assert "".join(deltas).strip() == ev.transcript and ev.usage.seconds > 2
+    assert "input_audio_buffer.committed" in kinds and "conversation.item.added" in kinds
+    assert not [k for k in kinds if k.startswith("response.")], kinds
+    assert refused.type == "error" and "no responses" in refused.error.message
