@@ -45,6 +45,9 @@ given up on."""
 DRAINED = "the server is shutting down (OMNI_DRAIN_S)"
 CLOSED = "closed by the client"
 FINISHED = "finished"
+FAILED = "an internal error, which the server's log tells"
+"""A session's handling of an event raised what it does not expect: its state may be half
+changed, so it ends (1011), and the other sessions go on."""
 """The session said all it had to and asked to close (a speech stream's `session.close`)."""
 
 KEY_PROTOCOL = "openai-insecure-api-key."
@@ -296,9 +299,11 @@ class Connection:
             if message["type"] == "websocket.disconnect":
                 return CLOSED
             idle_since = loop.time()
-            self._take(message)
+            if not self._take(message):
+                return FAILED
 
-    def _take(self, message: dict[str, Any]) -> None:
+    def _take(self, message: dict[str, Any]) -> bool:
+        """Hand one client message to the session; False if it failed unexpectedly."""
         raw = message.get("text")
         if raw is None:
             raw = message.get("bytes") or b""
@@ -306,8 +311,14 @@ class Connection:
         if len(raw) > limit:  # characters or bytes: either bounds the work
             message_too_large = f"the event exceeds {limit} bytes (OMNI_REALTIME_MAX_EVENT_BYTES)"
             self.outbox.put(self.session.error(message_too_large, "event_too_large"))
-            return
-        self.session.take(raw)
+            return True
+        try:
+            self.session.take(raw)
+        except Exception:  # a bug, not the client's doing: this session alone ends
+            log.exception("%s session failed handling an event", self.websocket.url.path)
+            self.gateway.metrics.inc("omni_contained_errors_total", where="a session's event")
+            return False
+        return True
 
     async def _write(self) -> bool:
         """Send queued messages until the outbox overflows (False) or a send is not taken
@@ -331,8 +342,9 @@ class Connection:
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 if not self.outbox.overflowed and why != FINISHED:
-                    if why == DRAINED:  # not the client's doing
-                        err = self.session.error(f"session ended: {why}", "shutting_down", True)
+                    if why in (DRAINED, FAILED):  # not the client's doing
+                        code = "shutting_down" if why == DRAINED else "server_error"
+                        err = self.session.error(f"session ended: {why}", code, True)
                     else:
                         err = self.session.error(f"session ended: {why}", "session_ended")
                     await self.websocket.send_text(json.dumps(err))
@@ -342,10 +354,13 @@ class Connection:
 
 
 def _close_code(why: str) -> int:
-    """1012 (service restart: connect again) for the drain, 1000 for a limit reached or a
-    session finished, 1008 for a client that broke the rules."""
+    """1012 (service restart: connect again) for the drain, 1011 for an internal error,
+    1000 for a limit reached or a session finished, 1008 for a client that broke the
+    rules."""
     if why == DRAINED:
         return 1012
+    if why == FAILED:
+        return 1011
     return 1000 if why == FINISHED or "limit" in why or "idle" in why else 1008
 
 
