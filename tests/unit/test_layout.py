@@ -232,9 +232,10 @@ def broad_handlers(package: Path = PACKAGE) -> list[tuple[str, int, bool]]:
     return found
 
 
-MAX_BROAD_EXCEPTS = 15
+MAX_BROAD_EXCEPTS = 16
 """Places that catch everything: where foreign code runs (`core/foreign.py`), where one
-request's failure is contained, and a few thread and process shells."""
+request's (or one WebSocket session's) failure is contained, and a few thread and process
+shells."""
 
 
 def test_broad_excepts_are_few_and_each_says_why_it_must_be_broad() -> None:
