@@ -2,8 +2,9 @@
 `GET /v1/responses/{id}`.
 
 Each is kept in the deployment's Redis under its id, with a TTL (`OMNI_RESPONSES_TTL_S`),
-so any replica of the server continues a conversation another one began, and a restart of
-the server forgets nothing. A kept response holds the body it was answered with and its
+so any replica of the server continues a conversation another one began, and a server
+restarted goes on with them (not one that started a private Redis of its own, which
+goes with it). A kept response holds the body it was answered with and its
 conversation as input items: the items of the responses before it, its own input, then
 its output as an assistant's turn. So a response that follows it is one read, whatever
 the length of the chain; `instructions` are not among them (OpenAI's rule: each response
