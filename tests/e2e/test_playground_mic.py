@@ -116,6 +116,10 @@ def test_a_spoken_question_gets_a_spoken_transcribed_answer(
         assert "interrupted" in (first.get_attribute("class") or "").split()
         assert first.get_attribute("data-status") in {"completed", "cancelled"}
         assert int(first.get_attribute("data-audio-ms") or 0) > 0
+        # and truncated where its playback stopped: the server took what the page heard
+        truncated = first.get_attribute("data-truncated-ms")
+        assert truncated is not None, f"no conversation.item.truncated\n{events()}"
+        assert 0 <= int(truncated) <= int(first.get_attribute("data-audio-ms") or 0)
         # the free turn: the question (what of it the VAD took in) answered aloud
         free = answered_freely()[0]
         assert said_in(free)["model"].startswith("You said:"), events()

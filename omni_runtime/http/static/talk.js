@@ -6,8 +6,9 @@
 //   talk freely:  append all the time; the server's VAD commits each turn and answers it.
 // The answer's audio is scheduled back to back on the same context as it streams. Speaking
 // over it interrupts: pressing the button (or the server hearing speech start) stops the
-// playback, and a response still running is cancelled (by the server with VAD, by
-// `response.cancel` when holding).
+// playback, a response still running is cancelled (by the server with VAD, by
+// `response.cancel` when holding), and the answer is truncated where its playback stopped
+// (`conversation.item.truncate`), so the conversation holds no words the user did not hear.
 "use strict";
 
 const TALK_RATE = 24000;
@@ -120,6 +121,8 @@ function initTalk(config) {
 
   // --- the answer's audio ------------------------------------------------------------------
 
+  let lastStart = 0;  // the context time the latest piece starts
+
   function play(b64) {
     const bin = atob(b64), n = bin.length >> 1, samples = new Float32Array(n);
     for (let i = 0; i < n; i++) {
@@ -133,6 +136,7 @@ function initTalk(config) {
     src.buffer = buf;
     src.connect(ctx.destination);
     playAt = Math.max(playAt, ctx.currentTime + 0.05);
+    lastStart = playAt;
     src.start(playAt);
     playAt += buf.duration;
     sources.push(src);
@@ -152,7 +156,14 @@ function initTalk(config) {
     // Speech over the answer: silence it now; a response still running is cancelled.
     const wasPlaying = playing();
     if (!wasPlaying && !active) return;
-    if (wasPlaying && heardRow) heardRow.row.classList.add("interrupted");
+    if (wasPlaying && heardRow) {
+      heardRow.row.classList.add("interrupted");
+      if (heardRow.itemId && heardRow.startsAt !== null) {  // what of it was heard
+        const heardMs = Math.min(heardRow.audioMs, 1000 * (ctx.currentTime - heardRow.startsAt));
+        send({ type: "conversation.item.truncate", item_id: heardRow.itemId,
+               content_index: heardRow.audioPart, audio_end_ms: Math.max(0, Math.floor(heardMs)) });
+      }
+    }
     stopPlayback();  // a running response is marked when its cancelled response.done comes
     if (cancel && active) send({ type: "response.cancel" });
     bargeIns++;
@@ -226,7 +237,8 @@ function initTalk(config) {
       + '<div class="model"><b>Model</b> <span class="said"></span> <span class="badge"></span></div>';
     $("dialogue").appendChild(el);
     const r = { row: el, you: el.querySelector(".you .said"), model: el.querySelector(".model .said"),
-                badge: el.querySelector(".badge"), audioMs: 0 };
+                badge: el.querySelector(".badge"), audioMs: 0,
+                itemId: null, audioPart: 0, startsAt: null };  // the answer's audio
     if (itemId) rows.set(itemId, r);
     return r;
   }
@@ -272,10 +284,21 @@ function initTalk(config) {
         set("state", "speaking");
         say("answering…");
         if (current) {
-          current.audioMs += (1000 * play(ev.delta)) / TALK_RATE;
+          const n = play(ev.delta);
+          current.audioMs += (1000 * n) / TALK_RATE;
           current.row.dataset.audioMs = String(Math.round(current.audioMs));
+          if (current.startsAt === null && ctx && n > 0) {
+            current.itemId = ev.item_id;
+            current.audioPart = ev.content_index;
+            current.startsAt = lastStart;
+          }
         } else play(ev.delta);
         break;
+      case "conversation.item.truncated": {
+        const r = [...rows.values(), current, heardRow].find((t) => t && t.itemId === ev.item_id);
+        if (r) r.row.dataset.truncatedMs = String(ev.audio_end_ms);
+        break;
+      }
       case "response.output_audio_transcript.delta":
       case "response.output_text.delta":
         if (current) current.model.textContent += ev.delta;
