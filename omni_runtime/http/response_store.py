@@ -36,6 +36,16 @@ class Kept(BaseModel):
     """The response object as it was answered."""
     history: list[InputItem]
     """The conversation up to and including this response's output, as input items."""
+    inputs: int | None = None
+    """How many of them were its input (the conversation before it and its own `input`)."""
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        """Its input items, oldest first, as `GET /v1/responses/{id}/input_items` lists
+        them: each with an id of its own (`<kind>_<response>_<index>`)."""
+        given = self.history[: self.inputs]
+        return [
+            _shown(item, f"{response_id.removeprefix('resp_')}_{k}") for k, item in enumerate(given)
+        ]
 
 
 def as_input(output: list[dict[str, Any]]) -> list[InputItem]:
@@ -55,6 +65,23 @@ def as_input(output: list[dict[str, Any]]) -> list[InputItem]:
                 )
             )
     return items
+
+
+def _shown(item: InputItem, suffix: str) -> dict[str, Any]:
+    if isinstance(item, FunctionCallItem):
+        return {"id": f"fc_{suffix}", "type": "function_call", "status": "completed",
+                "call_id": item.call_id, "name": item.name, "arguments": item.arguments}  # fmt: skip
+    if isinstance(item, MessageItem):
+        said = item.role == "assistant"
+        part = (
+            {"type": "output_text", "text": item.text(), "annotations": []}
+            if said
+            else ({"type": "input_text", "text": item.text()})
+        )
+        return {"id": f"msg_{suffix}", "type": "message", "status": "completed",
+                "role": item.role, "content": [part]}  # fmt: skip
+    return {"id": f"fco_{suffix}", "type": "function_call_output", "status": "completed",
+            "call_id": item.call_id, "output": item.output}  # fmt: skip
 
 
 class ResponseStore:

@@ -1,5 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API (the default of its newer clients and of its
-Agents SDK), text out; `GET` and `DELETE /v1/responses/{id}` for the responses kept.
+Agents SDK), text out; `GET` and `DELETE /v1/responses/{id}` and
+`GET /v1/responses/{id}/input_items` for the responses kept.
 
 The request is read as the chat completion it amounts to (`responses_request`), checked
 and run as that chat is (`routes.checked_prompt`); the pipeline's speech is not asked for,
@@ -25,9 +26,9 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from omni_runtime.core.tool_calls import ToolCall
@@ -97,6 +98,29 @@ def responses_router(gateway: Gateway) -> APIRouter:
         if kept is None:
             raise _not_found(response_id)
         return kept.response
+
+    @router.get("/responses/{response_id}/input_items", response_model=None)
+    async def input_items(
+        response_id: ResponseId,
+        after: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        kept = await kept_responses(gateway).get(response_id)
+        if kept is None:
+            raise _not_found(response_id)
+        items = kept.input_items(response_id)
+        items = items[::-1] if order == "desc" else items
+        if after is not None:
+            at = next((k for k, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise ApiError(400, f"no input item {after!r} in response {response_id!r}",
+                               param="after", code="invalid_value")  # fmt: skip
+            items = items[at + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "has_more": len(items) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}  # fmt: skip
 
     @router.delete("/responses/{response_id}", response_model=None)
     async def delete(response_id: ResponseId) -> dict[str, Any]:
@@ -182,8 +206,9 @@ class Answer:
     async def keep(self, status: str) -> None:
         """Keep the ended response with its conversation, if asked and it can be."""
         if self.store is not None and self.kept:
-            history = [*self.history, *self.req.own_items(), *as_input(self.items)]
-            kept = Kept(response=self.body(status), history=history)
+            given = [*self.history, *self.req.own_items()]
+            history = [*given, *as_input(self.items)]
+            kept = Kept(response=self.body(status), history=history, inputs=len(given))
             self.kept = await self.store.keep(self.id, kept)
 
     def body(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:

@@ -164,3 +164,33 @@ async def test_a_server_told_to_keep_nothing_says_so() -> None:
         events = [ev async for ev in stream]
         assert kept(events[-1].response) is False  # type: ignore[union-attr]
         assert json.loads(events[-1].response.output_text)  # type: ignore[union-attr]
+
+
+async def test_a_kept_responses_input_items_are_listed_and_paged(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    """What it read: the conversation before it and its own input, not its output."""
+    client, _gateway = api
+    oai = sdk(client)
+    asked = await oai.responses.create(
+        model="echo", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required"
+    )
+    (call,) = asked.output
+    assert call.type == "function_call"
+    output: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "clear"}]
+    answer = await oai.responses.create(
+        model="echo", input=output, tools=[WEATHER], previous_response_id=asked.id
+    )
+    listed = [item async for item in oai.responses.input_items.list(answer.id, order="asc")]
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    first: Any = listed[0].to_dict()
+    assert first["content"] == [{"type": "input_text", "text": "Weather in Oslo?"}]
+    assert listed[1].call_id == listed[2].call_id == call.call_id  # type: ignore[union-attr]
+    assert len({item.id for item in listed}) == 3
+    newest = await oai.responses.input_items.list(answer.id, limit=2)  # desc: newest first
+    assert [item.type for item in newest.data] == ["function_call_output", "function_call"]
+    assert newest.has_more and newest.data[-1].id == listed[1].id
+    rest = await oai.responses.input_items.list(answer.id, limit=2, after=listed[1].id)
+    assert [item.id for item in rest.data] == [listed[0].id] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.input_items.list("resp_gone")
