@@ -569,7 +569,8 @@ async def test_a_transcription_session_asked_for_when_connecting_transcribes_eac
     server: ServeProcess,
 ) -> None:
     """`?intent=transcription`, as OpenAI's clients open one: committed turns, each
-    transcribed by the `transcribe` pipeline; a pipeline that cannot is refused."""
+    transcribed by the `transcribe` pipeline, or failed with the stage's error; a pipeline
+    that cannot transcribe is refused."""
     oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     intent: Any = {"intent": "transcription"}
     async with oai.realtime.connect(model="transcribe", extra_query=intent) as conn:
@@ -588,8 +589,18 @@ async def test_a_transcription_session_asked_for_when_connecting_transcribes_eac
             ):
                 pass
             heard.append((words, ev.transcript))
+        # a language the stage does not hear: that turn's transcription fails, and says why
+        await conn.session.update(session={"type": "transcription", "audio": {"input": {
+            "transcription": {"language": "fr"}}}})  # fmt: skip
+        assert (await recv(conn)).type == "session.updated"
+        await conn.input_audio_buffer.append(audio=base64.b64encode(speech("Bonjour.")).decode())
+        await conn.input_audio_buffer.commit()
+        while not (ev := await asyncio.wait_for(recv(conn), 60)).type.endswith("failed"):
+            pass
     print(heard)
     assert all(wer(said, got) <= 0.35 for said, got in heard), heard
+    assert ev.type == "conversation.item.input_audio_transcription.failed", ev
+    assert ev.error.code == "unsupported_language", ev.error
     with pytest.raises(websockets.InvalidStatus) as refused:
         async with oai.realtime.connect(model="voice", extra_query=intent):
             pass
