@@ -72,12 +72,9 @@ def _shown(item: InputItem, suffix: str) -> dict[str, Any]:
         return {"id": f"fc_{suffix}", "type": "function_call", "status": "completed",
                 "call_id": item.call_id, "name": item.name, "arguments": item.arguments}  # fmt: skip
     if isinstance(item, MessageItem):
-        said = item.role == "assistant"
-        part = (
-            {"type": "output_text", "text": item.text(), "annotations": []}
-            if said
-            else ({"type": "input_text", "text": item.text()})
-        )
+        part: dict[str, Any] = {"type": "input_text", "text": item.text()}
+        if item.role == "assistant":  # an answer before this response: OpenAI's output text
+            part = {"type": "output_text", "text": item.text(), "annotations": []}
         return {"id": f"msg_{suffix}", "type": "message", "status": "completed",
                 "role": item.role, "content": [part]}  # fmt: skip
     return {"id": f"fco_{suffix}", "type": "function_call_output", "status": "completed",

@@ -81,11 +81,9 @@ async def test_previous_response_id_continues_the_conversation_it_kept(
     assert (got.id, got.status, got.output_text) == (third.id, "completed", third.output_text)
 
 
-async def test_a_call_is_answered_after_the_response_that_made_it(
-    api: tuple[httpx.AsyncClient, Gateway],
-) -> None:
-    client, _gateway = api
-    oai = sdk(client)
+async def called_and_answered(oai: openai.AsyncOpenAI) -> tuple[Any, Any]:
+    """A response that calls get_weather, and the one after it given the call's output
+    by `previous_response_id` alone: (the call, that answer)."""
     asked = await oai.responses.create(
         model="echo", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required"
     )
@@ -95,6 +93,15 @@ async def test_a_call_is_answered_after_the_response_that_made_it(
     answer = await oai.responses.create(
         model="echo", input=output, tools=[WEATHER], previous_response_id=asked.id
     )
+    return call, answer
+
+
+async def test_a_call_is_answered_after_the_response_that_made_it(
+    api: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    client, _gateway = api
+    oai = sdk(client)
+    call, answer = await called_and_answered(oai)
     assert turns(answer.output_text)[1:] == [
         {"role": "assistant", "content": f"Let me call get_weather with {call.arguments}."},
         {"role": "user", "content": "Result of get_weather: clear"},
@@ -172,15 +179,7 @@ async def test_a_kept_responses_input_items_are_listed_and_paged(
     """What it read: the conversation before it and its own input, not its output."""
     client, _gateway = api
     oai = sdk(client)
-    asked = await oai.responses.create(
-        model="echo", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required"
-    )
-    (call,) = asked.output
-    assert call.type == "function_call"
-    output: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "clear"}]
-    answer = await oai.responses.create(
-        model="echo", input=output, tools=[WEATHER], previous_response_id=asked.id
-    )
+    call, answer = await called_and_answered(oai)
     listed = [item async for item in oai.responses.input_items.list(answer.id, order="asc")]
     assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
     first: Any = listed[0].to_dict()
