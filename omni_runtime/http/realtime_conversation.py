@@ -51,7 +51,11 @@ class Conversation:
 
     def add(self, item: Item, previous_id: str | None = None) -> None:
         """Put `item` after the item `previous_id` (`root`: first; None: last), and say it.
-        A spoken item is the one the next response hears: older ones are not heard."""
+        A spoken item is the one the next response hears: older ones are not heard. An id
+        the conversation holds already is refused: retrieve, delete and truncate name one."""
+        if any(old.id == item.id for old in self.items):
+            raise EventError(f"the conversation already has an item {item.id!r}",
+                             code="item_id_taken", param="item.id")  # fmt: skip
         at = self._after(previous_id)
         if item.audio is not None:
             for old in self.items:

@@ -35,6 +35,9 @@ def test_items_go_where_the_client_puts_them() -> None:
     with pytest.raises(EventError) as missing:
         talk.add(Item("x", "user", "lost"), previous_id="nope")
     assert (missing.value.code, missing.value.param) == ("item_not_found", "previous_item_id")
+    with pytest.raises(EventError) as taken:
+        talk.add(Item("b", "user", "again"))
+    assert (taken.value.code, taken.value.param) == ("item_id_taken", "item.id")
     assert [i.id for i in talk.items] == ["z", "a", "b", "c"]
     assert [m["content"] for m in talk.messages("")] == ["zeroth", "first", "second", "third"]
 
