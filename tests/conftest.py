@@ -31,6 +31,7 @@ from omni_runtime.errors import OmniError
 from omni_runtime.local.launcher import RedisCluster, RedisServer, ping, redis_server_binary
 from omni_runtime.local.redis_sentinel import RedisSentinelSet
 from omni_runtime.redis_io.clients import probe, sync_client
+from omni_runtime.worker import io_threads
 from tests.backends import REAL_REDIS_FIXTURES
 from tests.redis_full import FullableRedis
 from tests.services import unavailable
@@ -217,6 +218,14 @@ def full_redis(tmp_path: Path) -> Iterator[FullableRedis]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(autouse=True)
+def quick_idle_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fakeredis cannot end a blocking read (no CLIENT UNBLOCK): a stopping worker thread
+    waits its read out, `IDLE_READ_BLOCK_MS`. The tests' in-process workers stop dozens of
+    times a module; a shorter read only costs idle CPU, which no test measures."""
+    monkeypatch.setattr(io_threads, "IDLE_READ_BLOCK_MS", 20)
 
 
 @pytest.fixture(scope="module", autouse=True)
