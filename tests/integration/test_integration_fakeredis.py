@@ -242,6 +242,7 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
 
     pipeline = omni_fast("sequential")
     pipeline.stages[0].options["token_delay_ms"] = 100
+    settings = settings.model_copy(update={"heartbeat_ttl_s": 2.0})
     async with InProcessCluster(pipeline, settings, fake_clients) as c:
         ghost = OmniClient(settings, fake_clients)
         async with asyncio.timeout(20):
@@ -253,8 +254,8 @@ async def test_requests_of_a_client_that_vanished_are_aborted(
         tasks = [ghost._reader, ghost._writer_task]
         assert not await cancel_and_wait([t for t in tasks if t is not None], timeout_s=10)
         orch = c.service.orchestrator
-        # its key expires one TTL (5 s) after its last beat; it is gone one TTL after that
-        # (~10 s; the deadline leaves room for a 2-core machine under load)
+        # its key expires one TTL (2 s) after its last beat; it is gone one TTL after that
+        # (~4 s; the deadline leaves room for a 2-core machine under load)
         await wait_for(lambda: rid not in orch.request_states, deadline_s=40)
         await wait_for(lambda: not c.workers[0].active)
         assert c.workers[0].status()["aborted"] == 1
