@@ -22,7 +22,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 
 from omni_runtime import cli, keys
 from omni_runtime.core.types import ReqState
@@ -95,7 +97,7 @@ def test_the_command_line_tells_a_redis_error_in_one_line_and_raises_anything_el
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def refused(_args: argparse.Namespace) -> int:
-        redis.Redis(port=_free_port(), socket_connect_timeout=1).ping()
+        _nobody_listening().ping()
         return 0
 
     def broken(_args: argparse.Namespace) -> int:
@@ -115,6 +117,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _nobody_listening() -> redis.Redis:
+    """A client of a port nobody listens on, refused at once (redis-py's default retries
+    back off for seconds before they say so)."""
+    return redis.Redis(port=_free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
 
 
 async def test_a_cluster_error_gives_up_one_batch_and_the_writer_goes_on(
@@ -151,7 +159,7 @@ async def test_a_cluster_error_gives_up_one_batch_and_the_writer_goes_on(
 
 def test_a_tracer_whose_redis_is_gone_drops_its_stamps_and_keeps_writing() -> None:
     tracer = RedisTracer(
-        redis.Redis(port=_free_port(), socket_connect_timeout=1), keys.Names("t")
+        _nobody_listening(), keys.Names("t")
     ).start()
     try:
         tracer.stamp("request_read", "r1")
