@@ -12,6 +12,8 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rich.console import Console
 
 from omni_runtime import keys
@@ -89,7 +91,7 @@ def test_a_full_queue_drops_instead_of_blocking() -> None:
 
 
 def test_redis_down_counts_dropped_stamps() -> None:
-    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     tracer = RedisTracer(dead, N, flush_interval_s=0.01).start()
     try:
         tracer.stamp("input_read", "r", 0)

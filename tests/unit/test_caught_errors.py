@@ -158,9 +158,7 @@ async def test_a_cluster_error_gives_up_one_batch_and_the_writer_goes_on(
 
 
 def test_a_tracer_whose_redis_is_gone_drops_its_stamps_and_keeps_writing() -> None:
-    tracer = RedisTracer(
-        _nobody_listening(), keys.Names("t")
-    ).start()
+    tracer = RedisTracer(_nobody_listening(), keys.Names("t")).start()
     try:
         tracer.stamp("request_read", "r1")
         assert tracer.flush(10)
