@@ -101,10 +101,8 @@ async def test_a_close_from_a_client_that_stopped_reading_ends_the_session_at_on
     here, 10 s by default)."""
     cancelled = demo.metric("omni_realtime_responses_cancelled_total")
     before = demo.stage_counts()
-    client = demo.client().realtime
-    conn = await client.connect(
-        model="omni", websocket_connection_options={"close_timeout": 2}
-    ).enter()
+    conn = await demo.client().realtime.connect(model="omni").enter()
+    conn._connection.close_timeout = 2  # websockets' own (openai's options do not list it)
     await conn.conversation.item.create(item={
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
     })  # fmt: skip
