@@ -4,15 +4,17 @@ messages the thinker reads of it.
 A client adds items where it says (`previous_item_id`: after that item, `root` first, none
 last), reads one back (`conversation.item.retrieve`), deletes one, or truncates the audio
 of an answer the user did not hear to its end (`conversation.item.truncate`, sent on an
-interruption by OpenAI's clients): as on OpenAI, the answer's transcript is then
-deleted, so that the conversation holds no words the user did not hear. The thinker
-reads text, so it reads nothing of that answer. A response may read a context of its own
+interruption by OpenAI's clients). The conversation then holds no words the user did not
+hear: OpenAI deletes the answer's transcript and its model hears the audio played; the
+thinker here reads text, so the answer keeps the words heard (estimated, `words_heard`),
+or none if it was still being made. A response may read a context of its own
 instead (`response.input`: items given whole, and the conversation's by reference).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
@@ -103,10 +105,15 @@ class Conversation:
                              f"audio, {sent_ms} ms", param="audio_end_ms")  # fmt: skip
         return item
 
-    def truncate(self, item: Item, content_index: int, audio_end_ms: int) -> None:
-        """Its audio ends at `audio_end_ms`, and its words, which may not all have been
-        heard, are gone (`truncatable` first)."""
-        item.text, item.audio_ms = "", float(audio_end_ms)
+    def truncate(self, item: Item, content_index: int, audio_end_ms: int, whole: bool) -> None:
+        """Its audio ends at `audio_end_ms` (`truncatable` first), and it keeps the words the
+        user heard. Those are known only of an answer whose audio is `whole` (it ended
+        completed): its text and audio then say the same words, and the words heard are
+        estimated from the share of the audio played. Of an answer still being spoken, or
+        cut short, the text ran ahead of the audio: none are kept, as on OpenAI."""
+        share = audio_end_ms / item.audio_ms if item.audio_ms > 0 else 0.0
+        heard = words_heard(item.text, share) if whole and item.status == "completed" else ""
+        item.text, item.audio_ms = heard, float(audio_end_ms)
         self.emit(event("conversation.item.truncated", item_id=item.id,
                         content_index=content_index, audio_end_ms=audio_end_ms))  # fmt: skip
 
@@ -160,6 +167,17 @@ class Conversation:
 
     def _trim(self) -> None:
         del self.items[:-MAX_ITEMS]
+
+
+def words_heard(text: str, share: float) -> str:
+    """The words of `text` said within the first `share` of its audio: speech lasts about
+    in proportion to its letters (piper's clauses: within 4 % of their audio), so a word is
+    kept if it ends within that share of the text (`docs/realtime.md`)."""
+    if share >= 1.0:
+        return text
+    spoken = share * len(text)
+    ends = [m.end() for m in re.finditer(r"\S+", text) if m.end() <= spoken]
+    return text[: ends[-1]] if ends else ""
 
 
 def item_of(given: ClientItem, earlier: list[Item], input_format: AudioType, where: str) -> Item:

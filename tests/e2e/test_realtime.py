@@ -420,3 +420,28 @@ async def test_items_are_put_read_deleted_and_an_answer_truncated(demo: Deployme
     )  # fmt: skip
     assert past.param == "audio_end_ms" and "past the end" in past.message
     assert after.item.content[0].transcript == "" and after.item.status == "incomplete"
+
+
+async def test_an_answer_heard_in_part_keeps_the_words_heard(demo: Deployment) -> None:
+    """An answer made whole, then truncated where the user stopped listening: it keeps the
+    words said within the audio played (the demo speaks 20 ms per letter)."""
+    async with demo.client().realtime.connect(model="omni") as conn:
+        assert (await recv(conn)).type == "session.created"
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello, realtime world!"}],
+        })  # fmt: skip
+        await conn.response.create()
+        heard = await until_done(conn)
+        item_id = heard.done.response.output[0].id
+        played_ms = round(expected_audio_s("Hello, realtime world!") * 1000 / 2)
+        await conn.conversation.item.truncate(
+            item_id=item_id, content_index=0, audio_end_ms=played_ms
+        )
+        truncated: Any = await recv(conn)
+        await conn.conversation.item.retrieve(item_id=item_id)
+        after: Any = await recv(conn)
+    assert heard.status == "completed" and heard.transcript == "Hello , realtime world !"
+    assert (truncated.type, truncated.audio_end_ms) == ("conversation.item.truncated", 200)
+    # half its audio, half its 24 letters: "Hello ," ends at the 7th, "realtime" at the 16th
+    assert after.item.content[0].transcript == "Hello ,"

@@ -4,7 +4,7 @@ read back, deleted, an answer's audio truncated; and what the thinker then reads
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -67,22 +67,47 @@ def test_an_item_is_read_back_and_deleted() -> None:
         assert missing.value.code == "item_not_found"
 
 
-def test_a_truncated_answer_keeps_no_words_the_user_may_not_have_heard() -> None:
+def test_a_truncated_answer_keeps_the_words_the_user_heard() -> None:
     talk, said = conversation()
     talk.add(Item("q", "user", "Tell me a story."))
     spoken = answer("s", "Once upon a time there was a fox.", ("text", "audio"), 2400.2)
     talk.join([spoken])
     item = talk.truncatable("s", content_index=1, audio_end_ms=2401)  # the last ms, rounded up
-    talk.truncate(item, 1, 900)
+    talk.truncate(item, 1, 900, whole=True)
     assert said[-1]["type"] == "conversation.item.truncated"
     assert (said[-1]["item_id"], said[-1]["content_index"], said[-1]["audio_end_ms"]) == (
         "s", 1, 900
     )  # fmt: skip
-    assert spoken.text == "" and spoken.audio_ms == 900
-    assert talk.messages("") == [{"role": "user", "content": "Tell me a story."}]
+    # 900 of 2400 ms: 37.5 % of its 33 letters is 12.4, and "a" ends at the 11th
+    assert spoken.text == "Once upon a" and spoken.audio_ms == 900
+    assert talk.messages("") == [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": "Once upon a"},
+    ]
     assert spoken.as_dict()["content"] == [
-        {"type": "output_text", "text": ""}, {"type": "output_audio", "transcript": ""}
-    ]  # fmt: skip
+        {"type": "output_text", "text": "Once upon a"},
+        {"type": "output_audio", "transcript": "Once upon a"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("status", "whole", "end_ms", "kept"),
+    [
+        ("completed", True, 1000, "Once upon a time there was a fox."),  # heard to its end
+        ("completed", True, 10, ""),  # not one word
+        ("completed", False, 900, ""),  # still being made: its text ran ahead of its audio
+        ("incomplete", True, 900, ""),  # cut short before its audio caught up
+    ],
+)
+def test_a_truncated_answer_keeps_no_word_the_user_may_not_have_heard(
+    status: Literal["completed", "incomplete"], whole: bool, end_ms: int, kept: str
+) -> None:
+    talk, _said = conversation()
+    spoken = answer("s", "Once upon a time there was a fox.", ("audio",), 1000)
+    spoken.status = status
+    talk.join([spoken])
+    talk.truncate(talk.truncatable("s", 0, end_ms), 0, end_ms, whole=whole)
+    assert spoken.text == kept and spoken.audio_ms == end_ms
 
 
 def test_what_cannot_be_truncated_is_refused_and_left_as_it_was() -> None:
