@@ -171,8 +171,8 @@ class Conversation:
 
 def words_heard(text: str, share: float) -> str:
     """The words of `text` said within the first `share` of its audio: speech lasts about
-    in proportion to its letters (piper's clauses: within 4 % of their audio), so a word is
-    kept if it ends within that share of the text (`docs/realtime.md`)."""
+    in proportion to its letters, so a word is kept if it ends within that share of the
+    text (how close that is: `docs/realtime.md`)."""
     if share >= 1.0:
         return text
     spoken = share * len(text)
