@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import pytest_asyncio
 import soundfile
 
-from omni_runtime.errors import ConfigError
 from omni_runtime.http.audio import STREAMING_SIZE, wav_header
-from omni_runtime.http.gateway import Gateway, check_served
+from omni_runtime.http.gateway import Gateway
 from omni_runtime.redis_io.clients import RedisClients
 from omni_runtime.settings import Settings
 from tests.integration.http_support import (
@@ -31,7 +31,7 @@ from tests.integration.http_support import (
     wav_file,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
 
 TRANSCRIBE = "/v1/audio/transcriptions"
 SPEECH = "/v1/audio/speech"
@@ -53,12 +53,13 @@ def settings() -> Settings:
     return fast_settings()
 
 
-@pytest.fixture
-async def api(
-    fake_clients: RedisClients, settings: Settings
-) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api() -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    """One server for the module's requests (its setup and stop cost more than most of
+    them): each test's requests end before the test does, so none sees another's."""
     pipelines = [pipeline_of("echo"), pipeline_of("transcribe"), omni()]
-    async with serving(pipelines, fake_clients, settings, max_upload_bytes=64_000) as served:
+    clients = fake_redis_clients()
+    async with serving(pipelines, clients, fast_settings(), max_upload_bytes=64_000) as served:
         yield served
 
 
@@ -442,20 +443,6 @@ async def test_a_chat_message_may_carry_speech_for_a_pipeline_that_hears(
     error = assert_error(await client.post(CHAT, json=body), 400, "model")
     assert "takes text, not audio" in error["message"]
     assert gateway.inflight == 0
-
-
-def test_pipelines_served_together_need_names_that_fit_a_namespace() -> None:
-    echo = pipeline_of("echo")
-    assert check_served([echo], "omni") == ["omni"]
-    assert check_served([echo, pipeline_of("transcribe")], "ns") == ["ns.echo", "ns.transcribe"]
-    with pytest.raises(ConfigError, match="different names"):
-        check_served([echo, pipeline_of("echo", input="text")], "ns")
-    spaced = echo.model_copy(update={"name": "my echo"})
-    with pytest.raises(ConfigError, match=r"namespace 'ns\.my echo'"):
-        check_served([spaced, pipeline_of("transcribe")], "ns")
-    bare = echo.model_copy(update={"outputs": None})
-    with pytest.raises(ConfigError, match="no `outputs` field"):
-        check_served([bare], "ns")
 
 
 async def test_max_tokens_reaches_the_thinker_and_usage_counts_the_prompt(

@@ -30,11 +30,13 @@ from omni_runtime.http.audio import (
     wav_bytes,
     wav_header,
 )
+from omni_runtime.http.gateway import check_served
 from omni_runtime.http.schemas import ChatCompletionRequest
 from omni_runtime.http.serve import DrainingServer, pipeline_paths
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.pipeline import PipelineConfig
 from omni_runtime.wav import WavError, recording, whole_wav
+from tests.integration.http_support import pipeline_of
 
 
 def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,3 +320,17 @@ async def test_speech_events_end_with_the_error_that_cut_the_audio() -> None:
     assert len(b"".join(raw)) == 2 * 2400 and len(failed) == 1  # 0.1 s at 24 kHz
     failed.clear()
     assert await collect(_audio_bytes(events(), 16000, "wav", failed)) == []  # type: ignore[arg-type]
+
+
+def test_pipelines_served_together_need_names_that_fit_a_namespace() -> None:
+    echo = pipeline_of("echo")
+    assert check_served([echo], "omni") == ["omni"]
+    assert check_served([echo, pipeline_of("transcribe")], "ns") == ["ns.echo", "ns.transcribe"]
+    with pytest.raises(ConfigError, match="different names"):
+        check_served([echo, pipeline_of("echo", input="text")], "ns")
+    spaced = echo.model_copy(update={"name": "my echo"})
+    with pytest.raises(ConfigError, match=r"namespace 'ns\.my echo'"):
+        check_served([spaced, pipeline_of("transcribe")], "ns")
+    bare = echo.model_copy(update={"outputs": None})
+    with pytest.raises(ConfigError, match="no `outputs` field"):
+        check_served([bare], "ns")
