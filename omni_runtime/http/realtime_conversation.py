@@ -105,14 +105,14 @@ class Conversation:
                              f"audio, {sent_ms} ms", param="audio_end_ms")  # fmt: skip
         return item
 
-    def truncate(self, item: Item, content_index: int, audio_end_ms: int, whole: bool) -> None:
+    def truncate(self, item: Item, content_index: int, audio_end_ms: int) -> None:
         """Its audio ends at `audio_end_ms` (`truncatable` first), and it keeps the words the
-        user heard. Those are known only of an answer whose audio is `whole` (it ended
-        completed): its text and audio then say the same words, and the words heard are
-        estimated from the share of the audio played. Of an answer still being spoken, or
-        cut short, the text ran ahead of the audio: none are kept, as on OpenAI."""
+        user heard. Those are known only of an answer whose audio says all its text (its
+        response ran to its end): they are estimated from the share of the audio played.
+        Of an answer still being made, or cut short, the text ran ahead of the audio: none
+        are kept, as on OpenAI (a response still running is cancelled first)."""
         share = audio_end_ms / item.audio_ms if item.audio_ms > 0 else 0.0
-        heard = words_heard(item.text, share) if whole and item.status == "completed" else ""
+        heard = words_heard(item.text, share) if item.speaks_all else ""
         item.text, item.audio_ms = heard, float(audio_end_ms)
         self.emit(event("conversation.item.truncated", item_id=item.id,
                         content_index=content_index, audio_end_ms=audio_end_ms))  # fmt: skip

@@ -57,6 +57,9 @@ class Item:
     """An answer's: its parts (text, then audio), as its response made them."""
     audio_ms: float = 0.0
     """An answer's audio sent, in ms (to `conversation.item.truncate` it)."""
+    speaks_all: bool = False
+    """An answer's audio says all its text: its response ran to its end (completed, or
+    stopped at `max_output_tokens`), not cut short while its text ran ahead."""
 
     @classmethod
     def call(cls, item_id: str, call_id: str, made: ToolCall) -> Item:
@@ -313,6 +316,7 @@ class Response:
             return
         self.status = status
         self.item.status = "completed" if status == "completed" else "incomplete"
+        self.item.speaks_all = status == "completed" or reason == "max_output_tokens"
         index = 0
         if "text" in self.modalities:
             self.emit(event("response.output_text.done", **self._at(0), text=self.item.text))

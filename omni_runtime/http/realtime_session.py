@@ -154,10 +154,9 @@ class Session:
             self._delete(ev.item_id)
         elif isinstance(ev, ItemTruncate):
             item = self.conversation.truncatable(ev.item_id, ev.content_index, ev.audio_end_ms)
-            stopped = self.active if self.active and self.active.item is item else None
-            if stopped is not None:  # the user spoke over it while it was being made
-                stopped.cancel("client_cancelled")
-            self.conversation.truncate(item, ev.content_index, ev.audio_end_ms, stopped is None)
+            if self.active is not None and self.active.item is item:  # the user stopped it
+                self.active.cancel("client_cancelled")
+            self.conversation.truncate(item, ev.content_index, ev.audio_end_ms)
         elif isinstance(ev, ResponseCreate):
             self._respond(ev)
         elif isinstance(ev, ResponseCancel):

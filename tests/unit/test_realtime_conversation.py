@@ -4,7 +4,7 @@ read back, deleted, an answer's audio truncated; and what the thinker then reads
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
@@ -71,9 +71,10 @@ def test_a_truncated_answer_keeps_the_words_the_user_heard() -> None:
     talk, said = conversation()
     talk.add(Item("q", "user", "Tell me a story."))
     spoken = answer("s", "Once upon a time there was a fox.", ("text", "audio"), 2400.2)
+    spoken.speaks_all = True
     talk.join([spoken])
     item = talk.truncatable("s", content_index=1, audio_end_ms=2401)  # the last ms, rounded up
-    talk.truncate(item, 1, 900, whole=True)
+    talk.truncate(item, 1, 900)
     assert said[-1]["type"] == "conversation.item.truncated"
     assert (said[-1]["item_id"], said[-1]["content_index"], said[-1]["audio_end_ms"]) == (
         "s", 1, 900
@@ -91,22 +92,21 @@ def test_a_truncated_answer_keeps_the_words_the_user_heard() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "whole", "end_ms", "kept"),
+    ("speaks_all", "end_ms", "kept"),
     [
-        ("completed", True, 1000, "Once upon a time there was a fox."),  # heard to its end
-        ("completed", True, 10, ""),  # not one word
-        ("completed", False, 900, ""),  # still being made: its text ran ahead of its audio
-        ("incomplete", True, 900, ""),  # cut short before its audio caught up
+        (True, 1000, "Once upon a time there was a fox."),  # heard to its end
+        (True, 10, ""),  # not one word
+        (False, 900, ""),  # still being made, or cut short: its text ran ahead of its audio
     ],
 )
 def test_a_truncated_answer_keeps_no_word_the_user_may_not_have_heard(
-    status: Literal["completed", "incomplete"], whole: bool, end_ms: int, kept: str
+    speaks_all: bool, end_ms: int, kept: str
 ) -> None:
     talk, _said = conversation()
     spoken = answer("s", "Once upon a time there was a fox.", ("audio",), 1000)
-    spoken.status = status
+    spoken.speaks_all = speaks_all
     talk.join([spoken])
-    talk.truncate(talk.truncatable("s", 0, end_ms), 0, end_ms, whole=whole)
+    talk.truncate(talk.truncatable("s", 0, end_ms), 0, end_ms)
     assert spoken.text == kept and spoken.audio_ms == end_ms
 
 
