@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import soxr
-from openai.types.realtime import RealtimeServerEvent
+from openai.types.realtime import RealtimeConversationItemUserMessageParam, RealtimeServerEvent
 from pydantic import BaseModel
 
 from tests.engines.speech import audio, unwrap
@@ -118,6 +118,11 @@ def take(heard: Heard, ev: Any) -> None:
         heard.errors.append(ev.error)
     elif ev.type == "response.done":
         heard.done = ev
+
+
+def user_text(text: str) -> RealtimeConversationItemUserMessageParam:
+    """A user's typed message, as `conversation.item.create` gives it."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
 async def send_speech(conn: Any, pcm: bytes, chunk_bytes: int = CHUNK_BYTES * 10) -> None:

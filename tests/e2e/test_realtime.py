@@ -28,6 +28,7 @@ from tests.e2e.realtime_client import (
     speech,
     take,
     until_done,
+    user_text,
 )
 from tests.e2e.realtime_deployment import (
     KEY,
@@ -58,10 +59,7 @@ async def test_a_text_turn_streams_text_and_24khz_audio(demo: Deployment) -> Non
         assert updated.type == "session.updated"
         assert updated.session.instructions == "Answer briefly."
         assert updated.session.audio.output.voice == "alloy"
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "Hello, realtime world!"}],
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text("Hello, realtime world!"))
         await conn.response.create()
         heard = await until_done(conn)
     assert heard.errors == [] and heard.status == "completed", heard.kinds
@@ -82,14 +80,10 @@ async def test_an_out_of_band_response_joins_no_conversation(demo: Deployment) -
     as any response, but no `conversation.item.*` event says its item, and the next
     response's items do; a context of its own (`response.input`: items given whole, or the
     conversation's by reference) is read instead of the conversation."""
-    aside: Any = {"type": "message", "role": "user",
-                  "content": [{"type": "input_text", "text": "Something else"}]}  # fmt: skip
+    aside: Any = user_text("Something else")
     async with demo.client().realtime.connect(model="omni") as conn:
         assert (await recv(conn)).type == "session.created"
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "Hello there"}],
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text("Hello there"))
         first: Any = await recv(conn)
         assert first.type == "conversation.item.added"
         assert (await recv(conn)).type == "conversation.item.done"
@@ -190,9 +184,7 @@ async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Depl
     async with demo.client().realtime.connect(model="omni") as conn:
         await conn.session.update(session={"type": "realtime", "audio": {"input": {
             "turn_detection": {"type": "server_vad", "create_response": False}}}})  # fmt: skip
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text(LONG_TEXT))
         before = demo.stage_counts()
         await conn.response.create()
         heard = Heard()
@@ -210,9 +202,7 @@ async def test_barge_in_cancels_the_response_and_every_stage_drops_it(demo: Depl
         wait_until(lambda: demo.dropped_since(before), 10, demo.explain_stages)
         print(f"dropped by every stage within {time.monotonic() - spoke_at:.3f} s of the speech")
         # the next turn starts at once and completes
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text("Go on."))
         await conn.response.create()
         after = await until_done(conn)
         assert after.status == "completed" and after.transcript == "Go on .", after.kinds
@@ -260,9 +250,7 @@ async def test_bad_events_each_get_an_error_and_the_session_still_works(demo: De
         await conn.session.update(session={"type": "realtime", "tool_choice": "none"})
         updated: Any = await recv(conn)
         assert updated.session.instructions == "" and updated.session.tools == []  # none applied
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Still here?"}]
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text("Still here?"))
         await conn.response.create()
         heard = await until_done(conn)
     assert heard.status == "completed" and heard.transcript == "Still here ?"
@@ -334,12 +322,7 @@ async def test_a_client_that_stops_reading_ends_its_session(tight: Deployment) -
     socket buffers take a few MiB first), before the session limit, and the server's memory
     stays put. The client is a socket that never reads (websockets' client reads ahead)."""
     rss_before = rss_kib(tight.serve.proc.pid)
-    item = {
-        "type": "message",
-        "role": "user",
-        "content": [{"type": "input_text", "text": "y" * 30_000}],
-    }
-    create = json.dumps({"type": "conversation.item.create", "item": item})
+    create = json.dumps({"type": "conversation.item.create", "item": user_text("y" * 30_000)})
 
     def ended() -> bool:
         return tight.metric("omni_realtime_sessions_open") == 0
@@ -378,14 +361,10 @@ async def test_items_are_put_read_deleted_and_an_answer_truncated(demo: Deployme
         await conn.session.update(session={
             "type": "realtime", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
         assert (await recv(conn)).type == "session.updated"
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text(LONG_TEXT))
         asked: Any = await recv(conn)
         assert (await recv(conn)).type == "conversation.item.done"
-        await conn.conversation.item.create(previous_item_id="root", item={
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Aside"}]
-        })  # fmt: skip
+        await conn.conversation.item.create(previous_item_id="root", item=user_text("Aside"))
         aside: Any = await recv(conn)
         assert aside.type == "conversation.item.added" and aside.previous_item_id is None
         assert (await recv(conn)).type == "conversation.item.done"
@@ -427,10 +406,7 @@ async def test_an_answer_heard_in_part_keeps_the_words_heard(demo: Deployment) -
     words said within the audio played (the demo speaks 20 ms per letter)."""
     async with demo.client().realtime.connect(model="omni") as conn:
         assert (await recv(conn)).type == "session.created"
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "Hello, realtime world!"}],
-        })  # fmt: skip
+        await conn.conversation.item.create(item=user_text("Hello, realtime world!"))
         await conn.response.create()
         heard = await until_done(conn)
         item_id = heard.done.response.output[0].id

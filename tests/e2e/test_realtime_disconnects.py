@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.raw_realtime import RawClient
-from tests.e2e.realtime_client import Heard, recv, take
+from tests.e2e.realtime_client import Heard, recv, take, user_text
 from tests.e2e.realtime_deployment import (
     KEY,
     LONG_TEXT,
@@ -28,9 +28,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]
 async def test_a_disconnect_aborts_the_response_at_every_stage(demo: Deployment) -> None:
     cancelled = demo.metric("omni_realtime_responses_cancelled_total")
     conn = await demo.client().realtime.connect(model="omni").enter()
-    await conn.conversation.item.create(item={
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
-    })  # fmt: skip
+    await conn.conversation.item.create(item=user_text(LONG_TEXT))
     before = demo.stage_counts()
     await conn.response.create()
     heard = Heard()
@@ -62,9 +60,7 @@ def test_a_reset_connection_ends_the_session_and_its_request(demo: Deployment, w
     client = RawClient(demo.serve.port, KEY, rcvbuf=4096 if when == "not_reading" else None)
     assert client.recv()["type"] == "session.created"
     if when != "idle":
-        client.send({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": LONG_TEXT}]}})  # fmt: skip
+        client.send({"type": "conversation.item.create", "item": user_text(LONG_TEXT)})
         client.send({"type": "response.create"})
     if when == "opening":  # the response has started: its request is being submitted
         client.recv_until("response.created")
@@ -103,9 +99,7 @@ async def test_a_close_from_a_client_that_stopped_reading_ends_the_session_at_on
     before = demo.stage_counts()
     conn = await demo.client().realtime.connect(model="omni").enter()
     conn._connection.close_timeout = 2  # websockets' own (openai's options do not list it)
-    await conn.conversation.item.create(item={
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]
-    })  # fmt: skip
+    await conn.conversation.item.create(item=user_text(LONG_TEXT))
     await conn.response.create()
     heard = Heard()
     while "response.output_audio.delta" not in heard.kinds:
@@ -144,14 +138,11 @@ def test_a_client_that_takes_nothing_ends_its_session_and_its_request(
     client = RawClient(impatient.serve.port, KEY, rcvbuf=4096)
     try:
         assert client.recv()["type"] == "session.created"
-        client.send({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": LONG_TEXT}]}})  # fmt: skip
+        client.send({"type": "conversation.item.create", "item": user_text(LONG_TEXT)})
         client.send({"type": "response.create"})
         client.recv_until("response.created")
         # ~7 MB of echoes: more than the kernel's socket buffers take, so a send waits
-        flood = {"type": "message", "role": "user",
-                 "content": [{"type": "input_text", "text": "y" * 30_000}]}  # fmt: skip
+        flood = user_text("y" * 30_000)
         for _ in range(120):
             client.send({"type": "conversation.item.create", "item": flood})
         started = time.monotonic()
