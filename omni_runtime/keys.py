@@ -139,6 +139,8 @@ TRACE_MAX_EVENTS = 10_000
 """A request's trace list is trimmed to this many stamps: a runaway stream stays bounded."""
 RESPONSE_TTL_S = 3600
 """How long `serve` keeps a response for `previous_response_id` (`OMNI_RESPONSES_TTL_S`)."""
+CONVERSATION_TTL_S = 30 * 24 * 3600
+"""How long `serve` keeps a conversation after its last use (`OMNI_CONVERSATIONS_TTL_S`)."""
 STATS_TTL_S = 30
 """A stats key outlives its writer by this long."""
 PAYLOAD_FIELD = "m"
@@ -260,6 +262,11 @@ class Names:
     def kept_response(self, response_id: str) -> str:
         """A response kept for `previous_response_id` (`http/response_store.py`), with a TTL."""
         return f"{self.prefix}response:{response_id}"
+
+    def conversation(self, conversation_id: str) -> str:
+        """A conversation (`http/response_store.py`): a list, its object then its items;
+        with a TTL from its last use."""
+        return f"{self.prefix}conversation:{conversation_id}"
 
     def stats(self, role: str) -> str:
         """A process's latest metrics summary (JSON), for `omni-runtime status`; with a TTL."""

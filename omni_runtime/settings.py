@@ -125,6 +125,8 @@ class Settings(BaseSettings):
     responses_ttl_s: Annotated[int, Field(ge=0, le=30 * 24 * 3600)] = keys.RESPONSE_TTL_S
     """`serve`: how long a response asked with `store` (OpenAI's default) is kept for
     `previous_response_id` and `GET /v1/responses/{id}`; 0: none is kept."""
+    conversations_ttl_s: Annotated[int, Field(gt=0, le=365 * 24 * 3600)] = keys.CONVERSATION_TTL_S
+    """`serve`: how long a conversation (`/v1/conversations`) is kept after its last use."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """Serve Prometheus metrics on this port at /metrics; 0: off."""
     drain_s: Annotated[float, Field(ge=0, le=3600)] = 5.0

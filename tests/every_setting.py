@@ -37,6 +37,7 @@ NON_DEFAULT: dict[str, Any] = {
     "trace": True,
     "trace_ttl_s": 3601,
     "responses_ttl_s": 3599,
+    "conversations_ttl_s": 86_400,
     "metrics_port": 9399,
     "watchdog_s": 29.5,
     "max_deadline_s": 3599.5,

@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from omni_runtime.http.audio import PCM16_RATE
+from omni_runtime.http.conversations import conversations_router
 from omni_runtime.http.errors import (
     ApiError,
     BodyLimit,
@@ -198,6 +199,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     v1.include_router(chat_router(gateway))
     v1.include_router(responses_router(gateway))
+    v1.include_router(conversations_router(gateway))
     v1.include_router(speech_router(gateway))
     v1.include_router(transcriptions_router(gateway))
     app.include_router(v1)

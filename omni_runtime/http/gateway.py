@@ -33,7 +33,7 @@ from omni_runtime.http.events import (
     TextEvent,
     ToolCallEvent,
 )
-from omni_runtime.http.response_store import ResponseStore
+from omni_runtime.http.response_store import ConversationStore, ResponseStore
 from omni_runtime.http.settings import ServeSettings
 from omni_runtime.http.transcripts import text_of
 from omni_runtime.observe.metrics import Metrics
@@ -147,6 +147,8 @@ class Gateway:
         self.sessions: set[Drainable] = set()
         self.kept: ResponseStore | None = None
         """The responses this server keeps (`store`), once started."""
+        self.conversations: ConversationStore | None = None
+        """The conversations (`/v1/conversations`), once started."""
         """Realtime connections open: `stop` asks each to close once its response is done."""
 
     @property
@@ -172,6 +174,9 @@ class Gateway:
         self._probe = self.clients.aio()
         names, ttl_s = self.settings.names, self.settings.responses_ttl_s
         self.kept = ResponseStore(self._probe, names.kept_response, ttl_s, self.metrics)
+        self.conversations = ConversationStore(
+            self._probe, names.conversation, self.settings.conversations_ttl_s, self.metrics
+        )
 
     async def close(self) -> None:
         if self._aborts:

@@ -17,7 +17,9 @@ call's `response.function_call_arguments.delta` and `.done`, then
 
 A response asked with `store` (the default) that completes is kept (`response_store`):
 `previous_response_id` continues its conversation, on any replica of the server; one that
-failed is not kept.
+failed is not kept. A response that names a `conversation` (`/v1/conversations`) reads its
+items before `input`, and when it ends adds its input and output to it; if it cannot
+(the conversation was deleted meanwhile, Redis refused), the response fails.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from omni_runtime.http.errors import ApiError
 from omni_runtime.http.events import Event, FailureEvent, TextEvent, ToolCallEvent
 from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.prompts import count_tokens
-from omni_runtime.http.response_store import Kept, ResponseStore, as_input
+from omni_runtime.http.response_store import (
+    ConversationStore,
+    Kept,
+    ResponseStore,
+    as_input,
+    page,
+)
 from omni_runtime.http.responses_request import InputItem, ResponsesRequest
 from omni_runtime.http.routes import (
     REQUEST_ID_HEADER,
@@ -59,17 +67,18 @@ def responses_router(gateway: Gateway) -> APIRouter:
         req: ResponsesRequest, response: Response, x_omni_trace: TraceHeader = None
     ) -> dict[str, Any] | StreamingResponse:
         if (refused := req.refused()) is not None:
-            param, why = refused
-            raise ApiError(400, why, param=param, code="unsupported_parameter")
+            param, why, code = refused
+            raise ApiError(400, why, param=param, code=code)
         served = gateway.model(req.model)
         if served.outputs.text_stage is None:
             raise ApiError(400, "this pipeline has no text output", param="model")
         store = kept_responses(gateway)
-        history = await _history(store, req.previous_response_id)
+        history = await _history(gateway, req)
         chat = req.as_chat(history)
         prompt = await checked_prompt(gateway, served, chat)
         run = await gateway.open(served, prompt, False, wants(x_omni_trace), req.params(chat))
-        answer = Answer(req, run, count_tokens(prompt), store if req.store else None, history)
+        kept = store if req.store else None
+        answer = Answer(req, run, count_tokens(prompt), kept, history, gateway.conversations)
         if req.stream:
             events = run.events()
             first = await first_event(run, events)
@@ -101,26 +110,12 @@ def responses_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/responses/{response_id}/input_items", response_model=None)
     async def input_items(
-        response_id: ResponseId,
-        after: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
-        limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        order: Literal["asc", "desc"] = "desc",
+        response_id: ResponseId, after: After = None, limit: Limit = 20, order: Order = "desc"
     ) -> dict[str, Any]:
         kept = await kept_responses(gateway).get(response_id)
         if kept is None:
             raise _not_found(response_id)
-        items = kept.input_items(response_id)
-        items = items[::-1] if order == "desc" else items
-        if after is not None:
-            at = next((k for k, item in enumerate(items) if item["id"] == after), None)
-            if at is None:
-                raise ApiError(400, f"no input item {after!r} in response {response_id!r}",
-                               param="after", code="invalid_value")  # fmt: skip
-            items = items[at + 1 :]
-        page = items[:limit]
-        return {"object": "list", "data": page, "has_more": len(items) > limit,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None}  # fmt: skip
+        return page(kept.input_items(response_id), after, limit, order, f"response {response_id!r}")
 
     @router.delete("/responses/{response_id}", response_model=None)
     async def delete(response_id: ResponseId) -> dict[str, Any]:
@@ -132,19 +127,45 @@ def responses_router(gateway: Gateway) -> APIRouter:
 
 
 ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
+After = Annotated[str | None, Query(min_length=1, max_length=256)]
+"""A list's page begins after this item."""
+Limit = Annotated[int, Query(ge=1, le=100)]
+Order = Literal["asc", "desc"]
 
 
 def kept_responses(gateway: Gateway) -> ResponseStore:
     if gateway.kept is None:
-        raise ApiError(503, "not ready: the server is starting", code="not_ready")
+        raise _not_ready()
     return gateway.kept
 
 
-async def _history(store: ResponseStore, previous_response_id: str | None) -> list[InputItem]:
-    """The conversation the response `previous_response_id` holds; a 400 if none is kept."""
-    if previous_response_id is None:
+def conversations(gateway: Gateway) -> ConversationStore:
+    if gateway.conversations is None:
+        raise _not_ready()
+    return gateway.conversations
+
+
+def conversation_not_found(conversation_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"Conversation with id '{conversation_id}' not found.", param=param,
+                    code="not_found")  # fmt: skip
+
+
+def _not_ready() -> ApiError:
+    return ApiError(503, "not ready: the server is starting", code="not_ready")
+
+
+async def _history(gateway: Gateway, req: ResponsesRequest) -> list[InputItem]:
+    """The items before `input`: those of the conversation the request names (a 404 if
+    there is none), or those the response `previous_response_id` holds (a 400 if none is
+    kept)."""
+    if (conversation_id := req.conversation_id()) is not None:
+        held = await conversations(gateway).get(conversation_id)
+        if held is None:
+            raise conversation_not_found(conversation_id, param="conversation")
+        return held.history()
+    if (previous_response_id := req.previous_response_id) is None:
         return []
-    before = await store.get(previous_response_id)
+    before = await kept_responses(gateway).get(previous_response_id)
     if before is None:
         raise ApiError(
             400,
@@ -169,10 +190,13 @@ class Answer:
         prompt_tokens: int,
         store: ResponseStore | None = None,
         history: list[InputItem] | None = None,
+        conversations: ConversationStore | None = None,
     ) -> None:
         self.req, self.run, self.prompt_tokens = req, run, prompt_tokens
         self.store, self.history = store, history or []
         """Where it is kept (None: it is not), and the conversation before its input."""
+        self.conversations = conversations
+        """Where the conversation it names is kept (`req.conversation`)."""
         self.kept = store is not None and store.keeps
         """What its body says as `store`: whether it is kept, once it ended."""
         self.id = f"resp_{run.request_id}"
@@ -204,10 +228,18 @@ class Answer:
         return "incomplete" if self.run.finish_reason == "length" else "completed"
 
     async def keep(self, status: str) -> None:
-        """Keep the ended response with its conversation, if asked and it can be."""
+        """Add its input and output to the conversation it names (an ApiError if that is
+        gone or cannot be written: the response fails); then keep the ended response with
+        its conversation, if asked and it can be."""
+        own, output = self.req.own_items(), as_input(self.items)
+        conversation_id, store = self.req.conversation_id(), self.conversations
+        if conversation_id is not None and store is not None:
+            added = await store.add(conversation_id, [*own, *output])
+            if added is None:
+                raise conversation_not_found(conversation_id, param="conversation")
         if self.store is not None and self.kept:
-            given = [*self.history, *self.req.own_items()]
-            history = [*given, *as_input(self.items)]
+            given = [*self.history, *own]
+            history = [*given, *output]
             kept = Kept(response=self.body(status), history=history, inputs=len(given))
             self.kept = await self.store.keep(self.id, kept)
 
@@ -232,6 +264,7 @@ class Answer:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": fmt}, "truncation": req.truncation or "disabled",
             "store": self.kept, "previous_response_id": req.previous_response_id,
+            "conversation": {"id": conv} if (conv := req.conversation_id()) else None,
             "metadata": req.metadata, "usage": self._usage() if done else None,
         }  # fmt: skip
 
@@ -314,7 +347,12 @@ class Answer:
             item = self._message(msg, whole)
             yield self._event("response.output_item.done", output_index=text_at, item=item)
         status = self.ended_status()
-        await self.keep(status)
+        try:
+            await self.keep(status)
+        except ApiError as e:
+            error = {"code": e.body.code or "server_error", "message": e.body.message}
+            yield self._event("response.failed", response=self.body("failed", error))
+            return
         ended = "response.incomplete" if status == "incomplete" else "response.completed"
         yield self._event(ended, response=self.body(status))
 

@@ -4,10 +4,10 @@ OpenAI's Responses API says the same things as its chat endpoint in other words:
 `instructions` is a system message; `input` is the messages (a string: one user turn;
 items: `message`s, the `function_call`s an answer made and the `function_call_output`s
 the client ran); `tools` are functions, flat; `text.format` is the `response_format`;
-`max_output_tokens` the `max_completion_tokens`; `previous_response_id`, the conversation
-a kept response holds before `input` (`response_store`). `as_chat` writes it as that
-chat, so it is checked and run as one (the same prompt, parameters and 400s).
-Conversations (`conversation`) and background responses are refused.
+`max_output_tokens` the `max_completion_tokens`; `previous_response_id` or
+`conversation`, the items a kept response or conversation holds, before `input`
+(`response_store`). `as_chat` writes it as that chat, so it is checked and run as one (the
+same prompt, parameters and 400s). Background responses are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ from omni_runtime.http.tools import MAX_ARGUMENTS_CHARS, ToolName
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
+"""OpenAI's metadata: up to 16 pairs, keys up to 64 characters, values up to 512."""
 
 
 class ContentPart(RequestModel):
@@ -104,6 +109,13 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+ObjectId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ConversationRef(RequestModel):
+    id: ObjectId
+
+
 class ResponsesRequest(RequestModel):
     model: ShortStr
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -119,15 +131,15 @@ class ResponsesRequest(RequestModel):
     """`auto`: a conversation longer than the thinker's context loses its oldest turns
     (the thinker's `truncation` parameter, as a Realtime session's); else it is a 400."""
     stream: bool = False
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] = (
-        Field(default_factory=dict)
-    )
+    metadata: Metadata = Field(default_factory=dict)
     store: bool = True
     """Keep the response for `previous_response_id` (as OpenAI, by default)."""
-    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    conversation: str | dict[str, Any] | None = None
+    previous_response_id: ObjectId | None = None
+    conversation: ObjectId | ConversationRef | None = None
+    """The conversation the response reads before `input`, and to which its input and
+    output are added when it ends: its id, or `{"id": ...}`."""
     background: bool | None = None
-    """Parsed to be refused (`refused()`): conversation objects and background runs."""
+    """Parsed to be refused (`refused()`): background runs."""
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Refused above 0, as the chat's: no pipeline reports log probabilities."""
 
@@ -137,18 +149,28 @@ class ResponsesRequest(RequestModel):
             raise ValueError("input is empty")
         return self
 
-    def refused(self) -> tuple[str, str] | None:
-        """(param, why) of the first field set that this server cannot honour."""
-        if self.conversation is not None:
-            return "conversation", (
-                "conversation is not supported: continue a conversation with "
-                "previous_response_id, or send it whole as input"
+    def refused(self) -> tuple[str, str, str] | None:
+        """(param, why, code) of the first field set that this server cannot honour."""
+        if self.conversation is not None and self.previous_response_id is not None:
+            return (
+                "conversation",
+                (
+                    "Mutually exclusive parameters: Ensure you are only providing one of: "
+                    "'previous_response_id' or 'conversation'."
+                ),
+                "invalid_value",
             )
+        unsupported = "unsupported_parameter"
         if self.background:
-            return "background", "background responses are not supported: ask without it"
+            why = "background responses are not supported: ask without it"
+            return "background", why, unsupported
         if self.top_logprobs:
-            return "top_logprobs", "logprobs are not supported"
+            return "top_logprobs", "logprobs are not supported", unsupported
         return None
+
+    def conversation_id(self) -> str | None:
+        conv = self.conversation
+        return conv.id if isinstance(conv, ConversationRef) else conv
 
     def params(self, chat: ChatCompletionRequest) -> dict[str, Any]:
         """The stages' parameters: the chat's, and the thinker's `truncation`."""
@@ -170,7 +192,7 @@ class ResponsesRequest(RequestModel):
                 400,
                 f"the conversation holds {len(items)} items with the responses before this "
                 f"one, more than {MAX_MESSAGES}: begin another",
-                param="previous_response_id",
+                param="conversation" if self.conversation else "previous_response_id",
                 code="invalid_value",
             )
         messages: list[dict[str, Any]] = []

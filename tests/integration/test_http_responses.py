@@ -139,7 +139,6 @@ async def test_what_the_server_cannot_honour_is_400(
 ) -> None:
     client, gateway = api
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ]
