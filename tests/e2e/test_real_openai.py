@@ -544,9 +544,10 @@ def test_the_responses_api_answers_streams_parses_and_calls(client: openai.OpenA
 
 
 def test_a_response_goes_on_from_the_one_before_it(client: openai.OpenAI) -> None:
-    """`previous_response_id` on the real models: the second answer knows what only the
-    first turn said, which the same question alone does not (greedy sampling: one outcome
-    each), streamed by the client's helper."""
+    """`previous_response_id` and `conversation` on the real models: the second answer
+    knows what only the first turn said, which the same question alone does not (greedy
+    sampling: one outcome each), streamed by the client's helper; the conversation holds
+    the turn it answered."""
     first = client.responses.create(
         model="voice", input="Remember the word banana.", max_output_tokens=32, temperature=0
     )
@@ -563,6 +564,20 @@ def test_a_response_goes_on_from_the_one_before_it(client: openai.OpenAI) -> Non
     assert "banana" in second.output_text.lower(), second.output_text
     assert "banana" not in alone.output_text.lower(), alone.output_text  # it came from before
     assert client.responses.retrieve(second.id).output_text == second.output_text
+    conv = client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "Remember the word banana."},
+        {"type": "message", "role": "assistant", "content": first.output_text},
+    ])  # fmt: skip
+    third = client.responses.create(
+        model="voice", input="What word did I ask you to remember?", max_output_tokens=32,
+        temperature=0, conversation=conv.id,
+    )  # fmt: skip
+    assert third.output_text == second.output_text  # the same conversation, read from Redis
+    listed: list[Any] = [
+        item.to_dict() for item in client.conversations.items.list(conv.id, order="asc")
+    ]
+    assert [item["role"] for item in listed] == ["user", "assistant", "user", "assistant"]
+    assert listed[-1]["content"][0]["text"] == third.output_text
 
 
 async def test_a_transcription_session_asked_for_when_connecting_transcribes_each_turn(
