@@ -135,7 +135,7 @@ class Inbox:
                 "(OMNI_CLIENT_BUFFER_OUTPUTS)"
             )
             return self.end(rid, msg.stage_id, error, now, drop_buffered=True)
-        usage = TokenUsage.read(msg.prompt_tokens, msg.completion_tokens)
+        usage = TokenUsage.read(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
         out = OrchOutput(rid, msg.stage_id, msg.data, msg.finished, msg.error, msg.error_code)
         out.finish_reason, out.usage = msg.finish_reason, usage
         pending.queue.put_nowait(out)

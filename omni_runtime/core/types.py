@@ -31,21 +31,33 @@ class TokenUsage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Of the prompt's tokens, those the engine did not read again: it had their state from
+    an earlier prompt that began with them (its prompt cache)."""
 
     def __post_init__(self) -> None:
         """Checked where an engine makes it: a count the wire refuses would lose the
         request's last output, and the request would wait out its deadline."""
-        for name in ("prompt_tokens", "completion_tokens"):
+        for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             n = getattr(self, name)
             if type(n) is not int or not 0 <= n <= MAX_TOKEN_COUNT:
                 raise ValueError(f"{name} must be an int in 0..{MAX_TOKEN_COUNT}, not {n!r}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(f"cached_tokens {self.cached_tokens} > prompt_tokens")
 
     @classmethod
-    def read(cls, prompt_tokens: int | None, completion_tokens: int | None) -> TokenUsage | None:
-        """The counts as a message carries them (both, or none)."""
+    def read(
+        cls,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        cached_tokens: int | None = None,
+    ) -> TokenUsage | None:
+        """The counts as a message carries them (both, or none; the cached ones may be left
+        out, as 0). A message is checked when read, so no count here is out of range; one
+        cached count above the prompt's is taken as all of them."""
         if prompt_tokens is None or completion_tokens is None:
             return None
-        return cls(prompt_tokens, completion_tokens)
+        return cls(prompt_tokens, completion_tokens, min(cached_tokens or 0, prompt_tokens))
 
 
 def wants_audio(params: Mapping[str, Any] | None) -> bool:

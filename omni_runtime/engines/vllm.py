@@ -147,7 +147,9 @@ class VllmEngine:
                 made += len(out.outputs[0].token_ids) if out.outputs else 0  # DELTA: the new
                 if out.finished:
                     reason = out.outputs[0].finish_reason if out.outputs else None
-                    usage = None if prompt_ids is None else TokenUsage(len(prompt_ids), made)
+                    usage = (
+                        None if prompt_ids is None else finished_usage(out, len(prompt_ids), made)
+                    )
                     yield Final(text, "length" if reason == "length" else "stop", usage)
                     return
                 if text:
@@ -251,3 +253,11 @@ async def _prompt(data: Any) -> Any:
     if isinstance(data, list | tuple):
         return "".join(str(c) for c in data if c is not None)
     raise ValueError(f"vLLM prompt must be text, got {type(data).__name__}")
+
+
+def finished_usage(out: Any, prompt_tokens: int, made: int) -> TokenUsage:
+    """The counts of a finished request; vLLM says how many of its prompt's tokens its
+    prefix cache held (`num_cached_tokens`, None when it keeps none)."""
+    cached = getattr(out, "num_cached_tokens", None)
+    held = min(cached, prompt_tokens) if type(cached) is int and cached > 0 else 0
+    return TokenUsage(prompt_tokens, made, held)

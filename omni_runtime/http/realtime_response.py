@@ -165,11 +165,13 @@ class Response:
             words = len(str(self.prompt).split()) if not isinstance(self.prompt, dict) else 0
             for m in self.prompt.get("messages", []) if isinstance(self.prompt, dict) else []:
                 words += len(m["content"].split())
-            said, made = words, self.pieces  # estimates, unless the engine counted
+            said, made, cached = words, self.pieces, 0  # estimates, unless the engine counted
             if self.run is not None and (counted := self.run.usage) is not None:
                 said, made = counted.prompt_tokens, counted.completion_tokens
+                cached = counted.cached_tokens
             body["usage"] = {"input_tokens": said, "output_tokens": made,
-                             "total_tokens": said + made}  # fmt: skip
+                             "total_tokens": said + made,
+                             "input_token_details": {"cached_tokens": cached}}  # fmt: skip
         return body
 
     async def _run(self) -> None:

@@ -273,7 +273,8 @@ class Answer:
         used = self.run.usage
         given = used.prompt_tokens if used else self.prompt_tokens
         made = used.completion_tokens if used else len(self.text) + len(self.calls)
-        return {"input_tokens": given, "input_tokens_details": {"cached_tokens": 0},
+        cached = used.cached_tokens if used else 0
+        return {"input_tokens": given, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": made, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": given + made}  # fmt: skip
 

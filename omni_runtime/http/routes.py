@@ -37,6 +37,7 @@ from omni_runtime.http.schemas import (
     Choice,
     ChunkChoice,
     Delta,
+    PromptTokensDetails,
     Usage,
 )
 from omni_runtime.http.tools import call_deltas, calls_out
@@ -288,8 +289,9 @@ async def _chat_whole(
 def _usage(run: Run, prompt_tokens: int, pieces: int) -> Usage:
     """The model's token counts when its engine gave them, else the estimates: the prompt's
     words and the text pieces."""
-    if run.usage is not None:
-        prompt_tokens, pieces = run.usage.prompt_tokens, run.usage.completion_tokens
-    return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=pieces, total_tokens=prompt_tokens + pieces
-    )
+    details = None
+    if (used := run.usage) is not None:
+        prompt_tokens, pieces = used.prompt_tokens, used.completion_tokens
+        details = PromptTokensDetails(cached_tokens=used.cached_tokens)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=pieces,
+                 total_tokens=prompt_tokens + pieces, prompt_tokens_details=details)  # fmt: skip

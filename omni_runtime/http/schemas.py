@@ -332,10 +332,17 @@ class Choice(BaseModel):
     logprobs: None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Of the prompt's tokens, those the engine's prompt cache held (llama.cpp, vLLM)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """When the engine counted the tokens (not the front door's estimate)."""
 
 
 class ChatCompletion(BaseModel):

@@ -92,6 +92,7 @@ class ClientOutbox:
             finish_reason=None if out is None else out.finish_reason,
             prompt_tokens=None if usage is None else usage.prompt_tokens,
             completion_tokens=None if usage is None else usage.completion_tokens,
+            cached_tokens=None if usage is None else usage.cached_tokens,
         )
         stream = self.names.client_out(client_id)
         fields = {keys.PAYLOAD_FIELD: outgoing.encode(msg)}

@@ -245,7 +245,7 @@ class RedisStageClient:
                 data,
                 msg.finished or msg.error is not None,
                 msg.finish_reason,
-                TokenUsage.read(msg.prompt_tokens, msg.completion_tokens),
+                TokenUsage.read(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens),
             )
             self._entry_of[id(out)] = (entry_id, msg.request_id, msg.seq)
             outputs.append(out)

@@ -168,6 +168,8 @@ class StageOutputMsg(_Wire):
     completion_tokens: TokenCount | None = None
     """On a finished output: the model's token counts, when its engine gave them
     (`stage_api.Final.usage`)."""
+    cached_tokens: TokenCount | None = None
+    """Of `prompt_tokens`, those its engine's prompt cache held."""
 
 
 class OrchOutputMsg(_Wire):
@@ -186,6 +188,7 @@ class OrchOutputMsg(_Wire):
     finish_reason: FinishReason | None = None
     prompt_tokens: TokenCount | None = None
     completion_tokens: TokenCount | None = None
+    cached_tokens: TokenCount | None = None
 
 
 class DurableRequest(_Wire):

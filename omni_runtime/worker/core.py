@@ -360,5 +360,6 @@ def _encode_output(
         finish_reason=None if ending is None else ending.finish_reason,
         prompt_tokens=None if usage is None else usage.prompt_tokens,
         completion_tokens=None if usage is None else usage.completion_tokens,
+        cached_tokens=None if usage is None else usage.cached_tokens,
     )
     return outgoing.encode(msg)

@@ -463,7 +463,8 @@ def test_an_answer_cut_at_max_tokens_says_length_and_the_models_token_counts(
 ) -> None:
     """As OpenAI's: a client tells a whole answer from one cut short by `finish_reason`, and
     `usage` is the model's count: the 8 words asked about and, before them, voice.yaml's
-    system prompt in SmolLM2's chat template (the front door's estimate would be 8)."""
+    system prompt in SmolLM2's chat template (the front door's estimate would be 8); the
+    same prompt again is read from llama.cpp's cache (`cached_tokens`)."""
     ask: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Tell me a long story about a dragon."}
     ]
@@ -481,7 +482,13 @@ def test_an_answer_cut_at_max_tokens_says_length_and_the_models_token_counts(
     chunks = list(stream)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [r for r in reasons if r is not None] == ["length"], reasons
-    assert chunks[-1].usage == whole.usage
+    again = chunks[-1].usage
+    assert again is not None and (again.prompt_tokens, again.completion_tokens) == (
+        whole.usage.prompt_tokens, 4,
+    )  # fmt: skip
+    # the same prompt again: llama.cpp had its state, and says so
+    assert again.prompt_tokens_details is not None, again
+    assert (again.prompt_tokens_details.cached_tokens or 0) >= again.prompt_tokens // 2, again
     said = client.chat.completions.create(
         model="voice", messages=[{"role": "user", "content": "What is 2+2?"}], temperature=0
     )

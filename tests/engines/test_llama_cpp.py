@@ -297,3 +297,35 @@ def test_a_chat_prompt_gets_the_system_prompt_first() -> None:
         {"role": "user", "content": "hi"},
     ]
     assert chat_messages("hi", None) == [{"role": "user", "content": "hi"}]
+
+
+async def test_a_conversation_goes_on_from_its_cached_state_after_its_slot_was_taken(
+    needs_llama: None,
+) -> None:
+    """llama.cpp's prompt cache in host memory (`cache_ram_mib`): a conversation's next
+    turn, after another conversation took the engine's one slot, reads only what is new,
+    and its usage says how much it did not read again; with no cache it reads its whole
+    history again. (llama.cpp keeps no state of a prompt of a few dozen tokens: a long
+    first turn.)"""
+
+    async def turns(cache_ram_mib: int) -> tuple[Any, Any]:
+        e = LlamaCppEngine(n_parallel=1, max_tokens=8, temperature=0, cache_ram_mib=cache_ram_mib)
+        await e.start()
+        try:
+            notes = " ".join(f"Note {k} is about the sea." for k in range(40))
+            said = [{"role": "user", "content": f"{notes} Tell me about the oceans, please."}]
+            first = await answer(e, "first", {"messages": said})
+            said += [{"role": "assistant", "content": text(first)},
+                     {"role": "user", "content": "And the rivers?"}]  # fmt: skip
+            other = [{"role": "user", "content": "Name three colours of the rainbow in order."}]
+            await answer(e, "other", {"messages": other})  # takes the slot
+            second = await answer(e, "second", {"messages": said})
+            return first[-1].usage, second[-1].usage
+        finally:
+            await e.close()
+
+    first, cached = await turns(cache_ram_mib=64)
+    _, uncached = await turns(cache_ram_mib=0)
+    assert cached.cached_tokens >= first.prompt_tokens, (first, cached)
+    assert uncached.cached_tokens < first.prompt_tokens // 2, (first, uncached)
+    assert cached.prompt_tokens == uncached.prompt_tokens

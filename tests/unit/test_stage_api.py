@@ -159,7 +159,16 @@ def test_token_counts_the_wire_would_refuse_are_refused_where_they_are_made(coun
         TokenUsage(count, 1)
     with pytest.raises(ValueError, match="completion_tokens"):
         TokenUsage(1, count)
+    with pytest.raises(ValueError, match="cached_tokens"):
+        TokenUsage(1, 1, count)
     assert TokenUsage.read(3, None) is None and TokenUsage.read(3, 4) == TokenUsage(3, 4)
+
+
+def test_cached_tokens_are_some_of_the_prompts() -> None:
+    with pytest.raises(ValueError, match="cached_tokens 4 > prompt_tokens"):
+        TokenUsage(3, 1, 4)
+    assert TokenUsage.read(3, 4, 2) == TokenUsage(3, 4, 2)
+    assert TokenUsage.read(3, 4, 9) == TokenUsage(3, 4, 3)  # a peer's message, as read
 
 
 def test_an_exception_ends_only_its_request_with_an_error() -> None:

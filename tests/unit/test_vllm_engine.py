@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from omni_runtime.engines.vllm import VllmEngine
+from omni_runtime.engines.vllm import VllmEngine, finished_usage
 from omni_runtime.errors import ConfigError
 from omni_runtime.pipeline import StageConfig
 from omni_runtime.stage_api import (
@@ -211,3 +211,10 @@ def test_through_the_worker_driver_from_a_pipeline_entry() -> None:
     wait_until(ended)
     assert [(o.data, o.finished) for o in outs] == [(" to", False), (" be", False), (" to", True)]
     driver.close()
+
+
+@pytest.mark.parametrize(("cached", "held"), [(None, 0), (0, 0), (6, 6), (99, 10), (-1, 0)])
+def test_cached_tokens_are_those_vllm_says_its_prefix_cache_held(cached: Any, held: int) -> None:
+    """`num_cached_tokens` (None when vLLM keeps no prefix cache), some of the prompt's."""
+    out = type("Out", (), {"num_cached_tokens": cached})()
+    assert finished_usage(out, 10, 3) == TokenUsage(10, 3, held)

@@ -59,6 +59,7 @@ OPTIONAL: dict[Any, dict[str, Any]] = {
         "finish_reason": "length",
         "prompt_tokens": 37,
         "completion_tokens": 5,
+        "cached_tokens": 30,
     },
     OrchOutputOut: {
         "error": "boom",
@@ -66,6 +67,7 @@ OPTIONAL: dict[Any, dict[str, Any]] = {
         "finish_reason": "stop",
         "prompt_tokens": 0,
         "completion_tokens": 4096,
+        "cached_tokens": 0,
     },
     DurableRequestOut: {
         "stage_data": {1: ["a", [1, 2]]},
