@@ -22,8 +22,10 @@ request's `params` `voice` and `speed` win over the options.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import sys
 import threading
 from collections.abc import Generator, Iterable, Sequence
 from pathlib import Path
@@ -149,11 +151,66 @@ def speaker_id(voice: Any, speaker: str | int | None, voices: Sequence[str] = ()
     )
 
 
+_espeak_lock = threading.Lock()
+"""espeak-ng is one state per process, a voice set and then text read with it: held
+across both, so requests in different voices on the talker's threads each read theirs."""
+
+
 def phoneme_ids(voice: Any, text: str) -> list[int]:
     """One clause's phoneme ids (piper's sentences in it joined by a pause, one sequence)."""
-    sentences: list[list[str]] = voice.phonemize(text)
+    with _espeak_lock:
+        _mend_espeak_bridge()
+        sentences: list[list[str]] = voice.phonemize(text)
     phonemes = [p for k, s in enumerate(sentences) for p in ([" "] if k else []) + s]
     return list(voice.phonemes_to_ids(phonemes)) if phonemes else []
+
+
+def _mend_espeak_bridge() -> None:
+    """Stop two losses of memory in piper-tts 1.8's espeak-ng bridge, which piper's
+    phonemizer calls for every text: ~1.3 KB each time it sets the voice (espeak-ng
+    loads it again), and each clause's result, which the bridge appends to its list
+    without releasing its own reference (~0.5 KB a clause). A talker lost ~6 KB per
+    request. Its voice is set only when it changes; each result's extra reference is
+    released, only where its count shows one (`_leaked`), so a bridge that does not
+    leak is left alone."""
+    from piper import espeakbridge
+
+    if getattr(espeakbridge.set_voice, "mended", False):
+        return
+    set_voice, get_phonemes, initialize = (
+        espeakbridge.set_voice, espeakbridge.get_phonemes, espeakbridge.initialize
+    )  # fmt: skip
+    current: list[str | None] = [None]
+
+    def set_voice_once(voice: str) -> None:
+        if voice != current[0]:
+            set_voice(voice)
+            current[0] = voice
+
+    def initialize_again(data_dir: str) -> None:
+        initialize(data_dir)
+        current[0] = None
+
+    def get_phonemes_released(text: str) -> list[tuple[str, str, bool]]:
+        clauses = get_phonemes(text)
+        for clause in _leaked(clauses):
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(clause))
+        return clauses
+
+    set_voice_once.mended = True  # type: ignore[attr-defined]
+    espeakbridge.set_voice, espeakbridge.initialize = set_voice_once, initialize_again
+    espeakbridge.get_phonemes = get_phonemes_released
+
+
+def _refs(items: list[Any]) -> list[int]:
+    return [sys.getrefcount(item) for item in items]
+
+
+def _leaked(items: list[Any]) -> list[Any]:
+    """The items of a list just made that hold one reference more than the list's own
+    (counted as for a list made here, which holds none more)."""
+    (held,) = _refs([tuple(["", "", False])])
+    return [item for item, refs in zip(items, _refs(items), strict=True) if refs == held + 1]
 
 
 def chosen_voice(
