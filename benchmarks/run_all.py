@@ -52,14 +52,15 @@ SCENARIOS = (
     "speech_stream",
     "tool_calls",
     "text_only",
+    "soak",
 )
 PEERS = "peers"
 """Only with --peers: Ray Serve is an optional extra, not installed by default."""
 TIMEOUT_S = {True: 300.0, False: 1200.0}
 """Longest run of one scenario, quick / full."""
-LONGER_S = {PEERS: 3.0}
+LONGER_S = {PEERS: 3.0, "soak": 1.5}
 """Scenarios that run longer than most, by how many times: peers starts Ray and runs
-four deployments' cells at four concurrencies."""
+four deployments' cells at four concurrencies; soak's length is its point."""
 
 
 def run_one(name: str, url: str, quick: bool) -> tuple[bool, float, dict[str, Any] | None]:
