@@ -105,9 +105,6 @@ def _load(path: Path, with_session: bool, num_threads: int) -> Any:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = num_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # onnxruntime's arena grew in steps with each longer clause than any before (570 to
-        # 711 MB over 2,500 answers); without it memory is flat, at the same speed
-        options.enable_cpu_mem_arena = False
         session = onnxruntime.InferenceSession(
             str(path), sess_options=options, providers=["CPUExecutionProvider"]
         )

@@ -323,9 +323,9 @@ class ConversationStore:
         except (RedisError, OSError) as e:
             raise unavailable("the conversation cannot be deleted", e) from e
 
-    async def delete_item(self, held: Held, item_id_: str) -> bool:
-        """True if the item was in the conversation until now."""
-        at = next((k for k, e in enumerate(held.entries) if e.id == item_id_), None)
+    async def delete_item(self, held: Held, wanted: str) -> bool:
+        """True if the item `wanted` was in the conversation until now."""
+        at = next((k for k, e in enumerate(held.entries) if e.id == wanted), None)
         if at is None:
             return False
         try:
