@@ -13,7 +13,8 @@ Baseline: each process's memory after the warm-up round, in the same run. A proc
 holds no memory per request once its growth over the second half of the rounds is small
 per 1,000 requests; the thinker's grows until llama.cpp's prompt cache is full, a bound
 of its own (`cache_ram_mib`, docs/engines.md). At the end: no stream entry pending, no
-chunk key left.
+chunk key left. A quick run's memory rows are shown, not judged: over a few hundred
+requests the allocator's churn alone reads as several MB per 1,000.
 """
 
 from __future__ import annotations
@@ -239,11 +240,12 @@ def run(ctx: scenario.Context, sizes: Sizes) -> list[Row]:
         growth = (end - mid) / later if later else float("nan")
         thinker = "thinker" in name
         met = end - warm <= THINKER_CACHE_MB if thinker else growth <= GROWTH_MB_PER_1000
+        judged = not ctx.quick  # a quick run's few hundred requests: a MB of churn is 4/1k
         target = (f"<= {THINKER_CACHE_MB} MB over warm-up (its prompt cache)" if thinker
                   else f"<= {GROWTH_MB_PER_1000} MB / 1,000 requests once warm")  # fmt: skip
         rows.append(Row(
             "soak", cfg, f"{name}: memory growth, second half", "MB/1k req", growth,
-            baseline=f"after warm-up: {warm:.0f} MB", target=target, met=met,
+            baseline=f"after warm-up: {warm:.0f} MB", target=target, met=met if judged else None,
             notes=[f"{name}, resident MB by round: {[round(m[name]) for m in memory]}"],
         ))  # fmt: skip
     failed = sum(v for k, v in outcomes.items() if k.endswith(": failed"))
