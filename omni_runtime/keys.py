@@ -268,6 +268,11 @@ class Names:
         with a TTL from its last use."""
         return f"{self.prefix}conversation:{conversation_id}"
 
+    def background(self, response_id: str, part: str) -> str:
+        """A background response's `lease`, its `end` (set once) or its `events` (a
+        stream), beside the response kept (`http/background.py`)."""
+        return f"{self.prefix}background:{response_id}:{part}"
+
     def stats(self, role: str) -> str:
         """A process's latest metrics summary (JSON), for `omni-runtime status`; with a TTL."""
         return f"{self.prefix}stats:{role}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def wait_until(
@@ -31,3 +31,18 @@ async def wait_for(
             detail = f": {explain()}" if explain is not None else ""
             raise AssertionError(f"condition not met before the deadline{detail}")
         await asyncio.sleep(0.001)
+
+
+async def wait_for_async(
+    cond: Callable[[], Awaitable[bool]],
+    deadline_s: float = 10.0,
+    explain: Callable[[], str] | None = None,
+) -> None:
+    """`wait_for` of a condition that is itself awaited (a request to a server)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not await cond():
+        if loop.time() >= end:
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"condition not met before the deadline{detail}")
+        await asyncio.sleep(0.005)

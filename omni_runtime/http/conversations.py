@@ -19,14 +19,14 @@ from pydantic import Field
 
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway
-from omni_runtime.http.response_store import MAX_ITEMS_ADDED, Held, page, shown
-from omni_runtime.http.responses import (
-    After,
-    Limit,
-    Order,
+from omni_runtime.http.response_store import (
+    MAX_ITEMS_ADDED,
+    Held,
     conversation_not_found,
-    conversations,
+    page,
+    shown,
 )
+from omni_runtime.http.responses import After, Limit, Order, conversations
 from omni_runtime.http.responses_request import InputItem, Metadata
 from omni_runtime.http.schemas import RequestModel
 

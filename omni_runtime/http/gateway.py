@@ -145,11 +145,13 @@ class Gateway:
         self.stopping = False
         """Set by `stop`: new requests are refused, what runs goes on."""
         self.sessions: set[Drainable] = set()
+        """Realtime connections open: `stop` asks each to close once its response is done."""
+        self.background: set[asyncio.Task[None]] = set()
+        """Background responses running here (`background.py`): the drain waits for them."""
         self.kept: ResponseStore | None = None
         """The responses this server keeps (`store`), once started."""
         self.conversations: ConversationStore | None = None
         """The conversations (`/v1/conversations`), once started."""
-        """Realtime connections open: `stop` asks each to close once its response is done."""
 
     @property
     def first(self) -> Served:
@@ -179,6 +181,8 @@ class Gateway:
         )
 
     async def close(self) -> None:
+        if self.background:  # the drain cut them: they end their runs now
+            await asyncio.wait(self.background, timeout=2)
         if self._aborts:
             await asyncio.wait(self._aborts, timeout=2)
         started = [s for s in self.served.values() if s.client is not None]

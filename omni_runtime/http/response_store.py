@@ -57,6 +57,8 @@ class Kept(BaseModel):
     """The conversation up to and including this response's output, as input items."""
     inputs: int | None = None
     """How many of them were its input (the conversation before it and its own `input`)."""
+    events: bool = False
+    """Its events are kept to be read again (`background` and `stream`: `background.py`)."""
 
     def input_items(self, response_id: str) -> list[dict[str, Any]]:
         """Its input items, oldest first, as `GET /v1/responses/{id}/input_items` lists
@@ -184,6 +186,11 @@ def unavailable(what: str, e: BaseException) -> ApiError:
     if is_oom(e):
         return out_of_memory(f"{what}: {oom_message(e)}")
     return ApiError(503, f"{what}: {type(e).__name__}", code="redis_unavailable")
+
+
+def conversation_not_found(conversation_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"Conversation with id '{conversation_id}' not found.", param=param,
+                    code="not_found")  # fmt: skip
 
 
 MAX_ITEMS_ADDED = 20

@@ -139,7 +139,8 @@ class ResponsesRequest(RequestModel):
     """The conversation the response reads before `input`, and to which its input and
     output are added when it ends: its id, or `{"id": ...}`."""
     background: bool | None = None
-    """Parsed to be refused (`refused()`): background runs."""
+    """Answer at once and run on without the client (`background.py`); kept, so not with
+    `store: false`."""
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Refused above 0, as the chat's: no pipeline reports log probabilities."""
 
@@ -160,10 +161,10 @@ class ResponsesRequest(RequestModel):
                 ),
                 "invalid_value",
             )
+        if self.background and not self.store:
+            why = "a background response is kept: ask without store: false"
+            return "background", why, "invalid_value"
         unsupported = "unsupported_parameter"
-        if self.background:
-            why = "background responses are not supported: ask without it"
-            return "background", why, unsupported
         if self.top_logprobs:
             return "top_logprobs", "logprobs are not supported", unsupported
         return None

@@ -126,7 +126,7 @@ def _run_serve(
 class DrainingServer(uvicorn.Server):
     """uvicorn, whose first stop signal only asks for the drain (`stop_requested`): uvicorn
     closes every WebSocket at once when its shutdown begins, so `serve` holds that back
-    until the realtime sessions' responses are done. A second signal begins uvicorn's
+    until the realtime sessions' responses and the background responses are done. A second signal begins uvicorn's
     shutdown at once, a second Ctrl-C (SIGINT) ending it at once too, as in uvicorn."""
 
     stop_requested = False
@@ -184,7 +184,7 @@ async def _serve_until_stopped(
             _stop_listening(server)
             gateway.stop()
         if drain_ends is not None and (
-            not gateway.sessions or loop.time() > drain_ends + CUT_MARGIN_S
+            not (gateway.sessions or gateway.background) or loop.time() > drain_ends + CUT_MARGIN_S
         ):
             # what is left is HTTP, which uvicorn's shutdown waits for, till the drain's end
             left = math.ceil(max(0.0, drain_ends - loop.time()))

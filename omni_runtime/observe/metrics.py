@@ -69,6 +69,9 @@ COUNTERS: Mapping[str, str] = {
     "omni_responses_unkept_total": (
         "Responses asked to be kept (`store`) that were not: too large, or Redis refused."
     ),
+    "omni_background_events_unkept_total": (
+        "Events of streamed background responses not kept for their readers: Redis refused."
+    ),
     "omni_realtime_turns_total": "Realtime responses started (one runtime request each).",
     "omni_realtime_barge_ins_total": "Realtime responses the user's speech interrupted.",
     "omni_realtime_responses_cancelled_total": (

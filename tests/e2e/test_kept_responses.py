@@ -1,6 +1,8 @@
 """Responses kept in the deployment's Redis outlive the `serve` that answered them: one
-killed (SIGKILL) after its answer, the conversation goes on on another replica, on real
-processes and a real redis-server."""
+killed (SIGKILL) after its answer, the conversation goes on on another replica; a
+background response outlives its client (read on, to its end, on another replica) and one
+whose server was killed mid-answer reads as failed. On real processes and a real
+redis-server."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.realtime_deployment import Deployment, front_door
+from tests.waiting import wait_for_async
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 
@@ -35,3 +38,45 @@ async def test_a_conversation_goes_on_after_the_server_that_began_it_died(
         ("user", "Hello there"), ("assistant", first.output_text), ("user", "Go on"),
     ]  # fmt: skip
     assert again.output_text == first.output_text
+
+
+LONG = " ".join(f"w{k}" for k in range(150))
+"""A prompt the demo says in ~3 s (150 tokens at 50 a second)."""
+
+
+async def test_a_background_response_outlives_its_client_but_not_its_server(
+    demo: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    with contextlib.contextmanager(front_door)(demo, tmp_path_factory, "kept-b", {}) as door:
+        async with door.client() as oai:
+            stream = await oai.responses.create(
+                model="omni", input=LONG, background=True, stream=True
+            )
+            first: list[Any] = []
+            async for ev in stream:
+                first.append(ev)
+                if len(first) == 8:
+                    break  # its client goes away mid-answer
+            await stream.close()
+        response_id = first[0].response.id
+        async with demo.client() as other:  # another replica reads it on, to its end
+            resumed = await other.responses.retrieve(response_id, stream=True, starting_after=7)
+            rest: list[Any] = [ev async for ev in resumed]
+        assert [ev.sequence_number for ev in first + rest] == list(range(8 + len(rest)))
+        assert rest[-1].type == "response.completed"
+        deltas = [ev.delta for ev in first + rest if ev.type == "response.output_text.delta"]
+        assert "".join(deltas).split() == LONG.split()
+        async with door.client() as oai:
+            begun = await oai.responses.create(model="omni", input=LONG, background=True)
+        door.serve.proc.send_signal(signal.SIGKILL)  # its server dies mid-answer
+        door.serve.proc.wait(30)
+    got: list[Any] = []
+
+    async def ended() -> bool:  # polled, as a client of a background response does
+        got[:] = [await oai.responses.retrieve(begun.id)]
+        return bool(got[0].status != "in_progress")
+
+    async with demo.client() as oai:
+        await wait_for_async(ended, deadline_s=30, explain=lambda: "still in progress")
+    assert got[0].status == "failed" and got[0].error is not None
+    assert "stopped" in got[0].error.message
