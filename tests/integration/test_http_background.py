@@ -176,7 +176,8 @@ async def test_a_streamed_background_response_cancelled_ends_its_readers(
         keys: list[str] = []
 
         async def saying() -> bool:
-            keys[:] = [k.decode() for k in await redis.keys("*:background:*:events")]
+            found = await redis.keys("*:background:*:events")
+            keys[:] = [k.decode() if isinstance(k, bytes) else k for k in found]
             return bool(keys) and await redis.xlen(keys[0]) > 8
 
         await wait_for_async(saying)
