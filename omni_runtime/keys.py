@@ -95,6 +95,12 @@ def orchestrator_consumer(slot: int) -> str:
     return ORCHESTRATOR_CONSUMER if slot == 0 else f"{ORCHESTRATOR_CONSUMER}-{slot}"
 
 
+def control_group(slot: int) -> str:
+    """An orchestrator slot's own group on the control stream (its consumer's name): every
+    slot reads every abort, and the one that owns the request ends it."""
+    return orchestrator_consumer(slot)
+
+
 STATE_CHUNK_MARK = b"\xff"
 """Splits a chunk field of a slot's states hash from its request id: 0xFF never occurs in
 UTF-8, so in no request id, and a field is either a request's state or one of its chunks."""

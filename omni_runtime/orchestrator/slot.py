@@ -99,9 +99,11 @@ class SlotService:
             block_budget=self._block_ms,
             on_bad=self._answer_malformed,
         )
-        self.control = ControlGuard(shared, slot, home)
         self.outbox = ClientOutbox(shared.writer, names, s.client_stream_ttl_s, s.max_message_bytes)
         self.client_of = self.outbox.client_of
+        self.control = ControlGuard(
+            shared, slot, home, self.client_of.__contains__, self.core.abort_request
+        )
         """request id → client id, for the requests in flight."""
         self.store = RequestStore(
             shared.writer,
@@ -140,8 +142,11 @@ class SlotService:
         most = s.block_ms if self.client_of else s.orchestrator_idle_block_ms
         return min(most, self.shared.leases.read_block_ms())
 
-    def streams(self) -> list[str]:
-        return [self.names.requests, self.names.control, *(st.out_stream for st in self.stages)]
+    def groups(self) -> list[tuple[str, str]]:
+        """The streams this slot reads, each with its group."""
+        shared = [self.names.requests, *(st.out_stream for st in self.stages)]
+        own = (self.names.control, self.control.group)
+        return [*((stream, keys.ORCHESTRATOR_GROUP) for stream in shared), own]
 
     @property
     def idle(self) -> bool:
@@ -151,8 +156,8 @@ class SlotService:
 
     async def start(self) -> int:
         """Restore the slot's durable states, then serve; the number of requests restored."""
-        for stream in self.streams():
-            await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
+        for stream, group in self.groups():
+            await ensure_group(self.shared.client, stream, group)
         self.restored = restored = await self._restore()
         await self.core.start()
         self._reader = asyncio.create_task(self._read_requests(), name=f"requests-{self.slot}")
@@ -301,7 +306,10 @@ class SlotService:
     async def _take(self, entry_id: bytes, cmd: RequestView | AbortView) -> None:
         core, shared = self.core, self.shared
         if isinstance(cmd, AbortView):
-            await core.abort_request(cmd.request_id, cmd.reason)
+            if cmd.request_id in self.client_of:
+                await core.abort_request(cmd.request_id, cmd.reason)
+            else:  # another slot's (or ended): the one that holds it reads it there
+                self.control.forward(cmd.request_id, cmd.reason)
             self._ack(entry_id)
             return
         rid = cmd.request_id
@@ -333,6 +341,8 @@ class SlotService:
         shared.timer.started(rid)
         await core.add_request(rid, cmd.prompt, cmd.deadline_s, cmd.params)
         # acknowledged with the batch that writes its state
+        if (reason := self.control.taken_abort(rid)) is not None:  # its abort came first
+            await core.abort_request(rid, reason)
 
     def _refuse(self, cmd: RequestView, reason: str, error: str) -> None:
         """Answer a request that will not run with its one error final."""

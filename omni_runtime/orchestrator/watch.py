@@ -15,7 +15,6 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from omni_runtime import keys
 from omni_runtime.observe.redis_stats import heartbeat_value
 from omni_runtime.orchestrator.shared import Shared
 from omni_runtime.orchestrator.slot import SlotService
@@ -98,8 +97,8 @@ class Watch:
         self._clients_absent.reset()
         self.shared.stage_watch.restarted(now)
         for slot in slots:
-            for stream in slot.streams():
-                await ensure_group(self.shared.client, stream, keys.ORCHESTRATOR_GROUP)
+            for stream, group in slot.groups():
+                await ensure_group(self.shared.client, stream, group)
             for rid in list(slot.client_of):
                 self.shared.obs.metrics.inc("omni_aborts_total", reason="redis restarted")
                 await slot.core.abort_request(rid, REDIS_LOST_STATE)
