@@ -171,17 +171,22 @@ class Ending:
 
     def __init__(self, state: BackgroundState, response_id: str) -> None:
         self.state, self.response_id = state, response_id
+        self.won = False
+        """The run set its end: what it writes last is the response's last state."""
 
     async def ends(self, status: str) -> bool:
         """True if the run ends the response as `status` (nothing ended it before)."""
         try:
-            return await self.state.end(self.response_id, status)
+            self.won = await self.state.end(self.response_id, status)
         except REDIS_FAILURES as e:
             raise unavailable("the background response cannot end", e) from e
+        return self.won
 
     async def failed(self, error: dict[str, str]) -> tuple[str, dict[str, str], bool]:
         """(status, error, whether the run writes it): failed with `error`, unless a
         cancel or a delete ended it first."""
+        if self.won:  # it failed after it ended (its conversation could not be written)
+            return "failed", error, True
         try:
             if await self.state.end(self.response_id, "failed"):
                 return "failed", error, True

@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+
 from omni_runtime.core.tool_calls import ToolCall
 from omni_runtime.http import background
 from omni_runtime.http.errors import ApiError
@@ -114,7 +116,7 @@ class Answer:
 
     async def in_background(
         self, gateway: Gateway, state: background.BackgroundState
-    ) -> dict[str, Any] | Any:
+    ) -> dict[str, Any] | StreamingResponse:
         """Run on without the client: kept `in_progress` first (a 503, the run let go, if
         it cannot be), then its body (or, streamed, its events as they are kept)."""
         try:

@@ -217,3 +217,16 @@ async def test_a_background_response_needs_a_server_that_keeps_responses() -> No
     async with serving([pipeline_of("echo")], fake_redis_clients(), settings) as (client, _):
         body = {"model": "echo", "input": "Hi", "background": True}
         assert_error(await client.post(RESPONSES, json=body), 400, "background")
+
+
+async def test_a_background_response_whose_conversation_went_is_kept_failed(
+    replicas: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, _gateway = replicas
+    conversation = await sdk(client).conversations.create()
+    begun = await sdk(client).responses.create(
+        model="omni", input=SHORT, background=True, conversation=conversation.id
+    )
+    await sdk(replica).conversations.delete(conversation.id)
+    failed = await ended(replica, begun.id)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "not_found", failed
