@@ -34,6 +34,7 @@ from omni_runtime.errors import OmniError
 from omni_runtime.http.errors import ApiError
 from omni_runtime.http.gateway import Gateway
 from omni_runtime.http.response_store import Kept, ResponseStore, unavailable
+from omni_runtime.http.routes import GuardedStream
 from omni_runtime.redis_io.clients import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
@@ -253,12 +254,25 @@ async def _appended(
 
 
 def followed(
-    state: BackgroundState, response_id: str, after: int, headers: dict[str, str]
+    gateway: Gateway,
+    state: BackgroundState,
+    response_id: str,
+    after: int,
+    headers: dict[str, str],
 ) -> StreamingResponse:
-    """A response's events after the `after`th, as a client reads them (-1: all)."""
-    return StreamingResponse(
-        state.follow(response_id, after), media_type="text/event-stream", headers=headers
-    )
+    """A response's events after the `after`th, as a client reads them (-1: all). Each
+    reader holds a Redis connection while it waits: `max_inflight` of them at most (429)."""
+    if gateway.followers >= gateway.serve.max_inflight:
+        gateway.metrics.inc("omni_requests_refused_total", reason="busy")
+        raise ApiError(429, f"{gateway.followers} background responses read; retry later",
+                       code="busy")  # fmt: skip
+    gateway.followers += 1
+
+    def done() -> None:
+        gateway.followers -= 1
+
+    events = state.follow(response_id, after)
+    return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
 
 
 async def stop(

@@ -148,6 +148,8 @@ class Gateway:
         """Realtime connections open: `stop` asks each to close once its response is done."""
         self.background: set[asyncio.Task[None]] = set()
         """Background responses running here (`background.py`): the drain waits for them."""
+        self.followers = 0
+        """Readers of background responses' events here, each holding a Redis connection."""
         self.kept: ResponseStore | None = None
         """The responses this server keeps (`store`), once started."""
         self.conversations: ConversationStore | None = None

@@ -130,7 +130,7 @@ class Answer:
                              self.run.close)  # fmt: skip
         if stream:
             headers = {**SSE_HEADERS, REQUEST_ID_HEADER: self.run.request_id}
-            return background.followed(state, self.id, -1, headers)
+            return background.followed(gateway, state, self.id, -1, headers)
         return self.body("in_progress")
 
     async def _failed(self, error: dict[str, str]) -> bytes:

@@ -116,7 +116,7 @@ def responses_router(gateway: Gateway) -> APIRouter:
                            "streamed again", param="stream", code="invalid_value")  # fmt: skip
         if stream:
             after = -1 if starting_after is None else starting_after
-            return background.followed(state, response_id, after, SSE_HEADERS)
+            return background.followed(gateway, state, response_id, after, SSE_HEADERS)
         return await state.shown(kept)
 
     @router.post("/responses/{response_id}/cancel", response_model=None)

@@ -230,3 +230,21 @@ async def test_a_background_response_whose_conversation_went_is_kept_failed(
     await sdk(replica).conversations.delete(conversation.id)
     failed = await ended(replica, begun.id)
     assert failed["status"] == "failed" and failed["error"]["code"] == "not_found", failed
+
+
+async def test_readers_of_background_responses_are_bounded_and_counted_out(
+    replicas: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, _replica, gateway = replicas
+    stream = await sdk(client).responses.create(
+        model="echo", input="Hi", background=True, stream=True
+    )
+    events: list[Any] = [ev async for ev in stream]
+    response_id = events[0].response.id
+    assert gateway.followers == 0
+    again = [ev async for ev in await sdk(client).responses.retrieve(response_id, stream=True)]
+    assert again[-1].type == "response.completed" and gateway.followers == 0
+    gateway.followers = gateway.serve.max_inflight  # every reader's place taken
+    error = assert_error(await client.get(f"{RESPONSES}/{response_id}?stream=true"), 429)
+    assert error["code"] == "busy", error
+    gateway.followers = 0
