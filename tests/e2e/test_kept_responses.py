@@ -80,3 +80,20 @@ async def test_a_background_response_outlives_its_client_but_not_its_server(
         await wait_for_async(ended, deadline_s=30, explain=lambda: "still in progress")
     assert got[0].status == "failed" and got[0].error is not None
     assert "stopped" in got[0].error.message
+
+
+async def test_a_draining_server_finishes_its_background_responses(
+    demo: Deployment, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGTERM with a background response running and no client waiting for it: the drain
+    waits for it as for a request in flight, then `serve` exits 0."""
+    env = {"OMNI_DRAIN_S": "20"}
+    with contextlib.contextmanager(front_door)(demo, tmp_path_factory, "kept-c", env) as door:
+        async with door.client() as oai:
+            begun = await oai.responses.create(model="omni", input=LONG, background=True)
+        door.serve.proc.send_signal(signal.SIGTERM)
+        assert door.serve.proc.wait(40) == 0, door.serve.log()
+    async with demo.client() as oai:
+        done = await oai.responses.retrieve(begun.id)
+    assert done.status == "completed", done
+    assert done.output_text.split() == LONG.split()
