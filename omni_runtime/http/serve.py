@@ -126,8 +126,9 @@ def _run_serve(
 class DrainingServer(uvicorn.Server):
     """uvicorn, whose first stop signal only asks for the drain (`stop_requested`): uvicorn
     closes every WebSocket at once when its shutdown begins, so `serve` holds that back
-    until the realtime sessions' responses and the background responses are done. A second signal begins uvicorn's
-    shutdown at once, a second Ctrl-C (SIGINT) ending it at once too, as in uvicorn."""
+    until the realtime sessions' responses and the background responses are done. A second
+    signal begins uvicorn's shutdown at once, a second Ctrl-C (SIGINT) ending it at once
+    too, as in uvicorn."""
 
     stop_requested = False
 

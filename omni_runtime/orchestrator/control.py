@@ -39,8 +39,9 @@ MAX_UNOWNED = 10_000
 
 
 class ControlGuard:
-    """One slot's consumer of the control stream: acknowledges good entries, dead-letters
-    malformed ones (`GroupReader` does the latter)."""
+    """One slot's reader of the control stream: ends the requests it holds that an abort
+    there names, acknowledges good entries, dead-letters malformed ones (`GroupReader`
+    does the latter)."""
 
     def __init__(
         self,
