@@ -103,7 +103,7 @@ def responses_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/responses/{response_id}", response_model=None)
     async def retrieve(
-        response_id: ResponseId, stream: bool = False, starting_after: After_ = None
+        response_id: ResponseId, stream: bool = False, starting_after: StartingAfter = None
     ) -> dict[str, Any] | StreamingResponse:
         """The response as it stands; `stream`: a background one's events, from the one
         after `starting_after` (OpenAI's `include_obfuscation` is read as always false)."""
@@ -162,7 +162,7 @@ def responses_router(gateway: Gateway) -> APIRouter:
 ResponseId = Annotated[str, Path(min_length=1, max_length=256)]
 After = Annotated[str | None, Query(min_length=1, max_length=256)]
 """A list's page begins after this item."""
-After_ = Annotated[int | None, Query(ge=-1, le=1_000_000)]
+StartingAfter = Annotated[int | None, Query(ge=-1, le=1_000_000)]
 """A stream read again begins after this event's sequence number."""
 Limit = Annotated[int, Query(ge=1, le=100)]
 Order = Literal["asc", "desc"]
@@ -216,7 +216,8 @@ async def _history(gateway: Gateway, req: ResponsesRequest) -> list[InputItem]:
             param="previous_response_id",
             code="previous_response_not_found",
         )
-    if before.response.get("status") in background.RUNNING:
+    shown = await background.BackgroundState.of(gateway).shown(before)
+    if shown["status"] in background.RUNNING:
         raise ApiError(400, f"Previous response with id '{previous_response_id}' is still "
                        "in progress.", param="previous_response_id", code="invalid_value")  # fmt: skip
     return before.history
