@@ -134,13 +134,14 @@ class Answer:
         return self.body("in_progress")
 
     async def _failed(self, error: dict[str, str]) -> bytes:
-        """Its `response.failed` event; a background one is kept as it ended (failed, or
-        cancelled by another)."""
-        status = "failed"
+        """Its `response.failed` event. It is kept as it ended, its id having been given
+        (`response.created`): failed with its error, or a background one cancelled by
+        another (who keeps that)."""
+        status, writes = "failed", self.kept
         if self.ending is not None:
             status, error, writes = await self.ending.failed(error)
-            if writes and self.store is not None:
-                await self.store.keep(self.id, self._given(status, error))
+        if writes and self.store is not None:
+            self.kept = await self.store.keep(self.id, self._given(status, error))
         return self._event("response.failed", response=self.body(status, error))
 
     def body(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:

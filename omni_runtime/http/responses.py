@@ -12,8 +12,9 @@ token limit. Streamed (`stream: true`), OpenAI's server-sent events
 (`response_answer.py`).
 
 A response asked with `store` (the default) that completes is kept (`response_store`):
-`previous_response_id` continues its conversation, on any replica of the server; one that
-failed is not kept (a background one is, as it ended). A response that names a
+`previous_response_id` continues its conversation, on any replica of the server; a
+streamed one that failed is kept failed, with its error (a non-streamed one that failed
+is an HTTP error, with no response to keep). A response that names a
 `conversation` (`/v1/conversations`) reads its items before `input`, and when it ends adds
 its input and output to it; if it cannot (the conversation was deleted meanwhile, Redis
 refused), the response fails.

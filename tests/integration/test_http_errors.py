@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -235,6 +236,13 @@ async def test_stage_failure_is_an_openai_error(
             assert "boom" in error["message"]
             events = sse_events((await api.post(CHAT, json={**body, "stream": True})).text)
             assert "boom" in events[-1]["error"]["message"]
+            # a streamed response that fails gave its id: it is kept, failed, with its error
+            asked = {"model": "seed", "input": "a boom b", "stream": True}
+            streamed = (await api.post("/v1/responses", json=asked)).text
+            last = json.loads(streamed.strip().rsplit("data: ", 1)[1])
+            assert last["type"] == "response.failed", last
+            kept = (await api.get(f"/v1/responses/{last['response']['id']}")).json()
+            assert kept["status"] == "failed" and "boom" in kept["error"]["message"], kept
             assert app.state.gateway.inflight == 0
 
 
