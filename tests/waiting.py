@@ -24,25 +24,25 @@ async def wait_for(
     cond: Callable[[], bool], deadline_s: float = 10.0, explain: Callable[[], str] | None = None
 ) -> None:
     """`wait_until` for the event loop: other tasks run between the checks."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        if loop.time() >= end:
-            detail = f": {explain()}" if explain is not None else ""
-            raise AssertionError(f"condition not met before the deadline{detail}")
-        await asyncio.sleep(0.001)
+
+    async def holds() -> bool:
+        return cond()
+
+    await wait_for_async(holds, deadline_s, explain)
 
 
 async def wait_for_async(
     cond: Callable[[], Awaitable[bool]],
     deadline_s: float = 10.0,
     explain: Callable[[], str] | None = None,
+    every_s: float = 0.001,
 ) -> None:
-    """`wait_for` of a condition that is itself awaited (a request to a server)."""
+    """`wait_for` of a condition that is itself awaited (a request to a server, asked
+    again `every_s`)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     while not await cond():
         if loop.time() >= end:
             detail = f": {explain()}" if explain is not None else ""
             raise AssertionError(f"condition not met before the deadline{detail}")
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(every_s)

@@ -77,7 +77,7 @@ async def test_a_background_response_outlives_its_client_but_not_its_server(
         return bool(got[0].status != "in_progress")
 
     async with demo.client() as oai:
-        await wait_for_async(ended, deadline_s=30, explain=lambda: "still in progress")
+        await wait_for_async(ended, 30, lambda: "still in progress", every_s=0.05)
     assert got[0].status == "failed" and got[0].error is not None
     assert "stopped" in got[0].error.message
 

@@ -64,7 +64,7 @@ async def ended(client: httpx.AsyncClient, response_id: str) -> dict[str, Any]:
         seen.update(await status_of(client, response_id))
         return seen["status"] not in ("queued", "in_progress")
 
-    await wait_for_async(done, explain=lambda: f"still {seen.get('status')}")
+    await wait_for_async(done, explain=lambda: f"still {seen.get('status')}", every_s=0.005)
     return seen
 
 
