@@ -1,12 +1,13 @@
 """Background responses (`background: true` on `/v1/responses`): answered at once,
-`in_progress`, the response runs on without its client. `GET /v1/responses/{id}` on any
+`in_progress` (or `queued`, while the server runs `max_inflight` requests: it begins here
+as one ends), the response runs on without its client. `GET /v1/responses/{id}` on any
 replica says how it stands, `POST /v1/responses/{id}/cancel` on any replica stops it, and
 one asked with `stream` too can be read again from any event
 (`GET /v1/responses/{id}?stream=true&starting_after=N`), as OpenAI's clients resume.
 
 Its state lives in the deployment's Redis beside the response kept (`response_store`):
-- the kept response: written `in_progress` before the answer is sent, then once more when
-  it ends;
+- the kept response: written `in_progress` (or `queued`, then `in_progress`) before the
+  answer is sent, then once more when it ends;
 - its lease (`Names.background(id, "lease")`), renewed by the server running it: a
   response in progress whose lease lapsed was running on a server that stopped, and reads
   as failed (nothing else could end it);
@@ -21,6 +22,7 @@ Its state lives in the deployment's Redis beside the response kept (`response_st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +34,7 @@ from fastapi.responses import StreamingResponse
 from omni_runtime.core.tasks import cancel_and_wait
 from omni_runtime.errors import OmniError
 from omni_runtime.http.errors import ApiError
-from omni_runtime.http.gateway import Gateway
+from omni_runtime.http.gateway import Gateway, Run
 from omni_runtime.http.response_store import Kept, ResponseStore, unavailable
 from omni_runtime.http.routes import GuardedStream
 from omni_runtime.redis_io.clients import REDIS_FAILURES
@@ -201,15 +203,11 @@ class Ending:
 
 
 def begin_run(
-    gateway: Gateway,
-    state: BackgroundState,
-    response_id: str,
-    events: AsyncIterator[bytes],
+    gateway: Gateway, state: BackgroundState, response_id: str, events: AsyncIterator[bytes],
     stream: bool,
-    close: Callable[[], None],
-) -> None:
+) -> None:  # fmt: skip
     """Run the response on, on this server, whatever its client does: each event kept for
-    readers when it is `stream`ed; the lease renewed until it ends; `close` then."""
+    readers when it is `stream`ed; the lease renewed until it ends."""
 
     async def run() -> None:
         renewing = asyncio.create_task(_renewing(state, response_id))
@@ -221,7 +219,6 @@ def begin_run(
                         await _appended(gateway, state, response_id, seq, event)
                     seq += 1
         finally:
-            close()
             await cancel_and_wait([renewing])
             try:
                 await state.release(response_id)
@@ -231,6 +228,60 @@ def begin_run(
     task = asyncio.get_running_loop().create_task(run())
     gateway.background.add(task)
     task.add_done_callback(gateway.background.discard)
+
+
+async def placed(
+    gateway: Gateway,
+    state: BackgroundState,
+    response_id: str,
+    request_id: str,
+    opener: Callable[[str], Awaitable[Run]],
+) -> Run | None:
+    """A queued response's run, opened once a place frees (the queued ones are woken as a
+    run ends, and look at least every `RENEW_S`); None if it was cancelled or deleted
+    meanwhile. Raises what opening it raises, but for a place taken first (429)."""
+    while True:
+        try:
+            if await state.ended_as(response_id) is not None:
+                return None
+        except REDIS_FAILURES as e:  # its lease holds it: it waits on
+            log.warning("background response %s: its end cannot be read: %r",
+                        response_id, e)  # fmt: skip
+        if gateway.inflight < gateway.serve.max_inflight:
+            try:
+                return await opener(request_id)
+            except ApiError as e:
+                if e.status != 429:
+                    raise
+        gateway.freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gateway.freed.wait(), RENEW_S)
+
+
+def queue(gateway: Gateway, by: int) -> None:
+    """One more (`by` 1) or one less (-1) response queued here; a 429 when the queue is full
+    (as many as `max_inflight` wait)."""
+    if by > 0 and gateway.queued >= gateway.serve.max_inflight:
+        gateway.metrics.inc("omni_requests_refused_total", reason="busy")
+        raise ApiError(429, f"{gateway.inflight} requests in flight and {gateway.queued} "
+                       "background responses queued; retry later", code="busy")  # fmt: skip
+    gateway.queued += by
+    gateway.metrics.add_gauge("omni_background_queued", by)
+
+
+async def begun(state: BackgroundState, response_id: str, kept: Kept) -> None:
+    """A queued response began: kept `in_progress` (if Redis refuses, it reads `queued`
+    while it runs). A cancel or a delete that came as it began is written again after."""
+    try:
+        await state.store.keep(response_id, kept)
+        ended = await state.ended_as(response_id)
+        if ended == "deleted":
+            await state.store.delete(response_id)
+        elif ended == "cancelled":
+            cancelled = {**kept.response, "status": "cancelled"}
+            await state.store.keep(response_id, kept.model_copy(update={"response": cancelled}))
+    except REDIS_FAILURES as e:
+        log.warning("background response %s: not kept in progress: %r", response_id, e)
 
 
 async def _renewing(state: BackgroundState, response_id: str) -> None:

@@ -144,12 +144,17 @@ class Gateway:
         self._aborts: set[asyncio.Task[None]] = set()
         self.stopping = False
         """Set by `stop`: new requests are refused, what runs goes on."""
+        self.cut = False
+        """Set by `cut_all`: the drain ran out, and no queued response begins."""
         self.sessions: set[Drainable] = set()
         """Realtime connections open: `stop` asks each to close once its response is done."""
         self.background: set[asyncio.Task[None]] = set()
         """Background responses running here (`background.py`): the drain waits for them."""
         self.followers = 0
         """Readers of background responses' events here, each holding a Redis connection."""
+        self.queued, self.freed = 0, asyncio.Event()
+        """Background responses here waiting for a place (`max_inflight` at most), and what
+        wakes them, set as a request in flight ends (`background.py`)."""
         self.kept: ResponseStore | None = None
         """The responses this server keeps (`store`), once started."""
         self.conversations: ConversationStore | None = None
@@ -241,14 +246,16 @@ class Gateway:
         trace: bool = False,
         params: dict[str, Any] | None = None,
         text_stage: int | None = None,
+        queued: str | None = None,
     ) -> Run:
         """Admit and submit one request; 503 when not ready or Redis is out of memory (with
-        `Retry-After`), 429 when at `max_inflight`.
-        `trace`: every process stamps it (`X-Omni-Trace: 1`), read by `omni-runtime trace`;
+        `Retry-After`), 429 when at `max_inflight`; `trace`: every process stamps it
+        (`X-Omni-Trace: 1`), read by `omni-runtime trace`; `queued`: the request id of a
+        background response that waited for a place (`background.py`), run in a drain too;
         `params`: the request's parameters, which every stage receives; with `modalities:
         ["text"]` added when the pipeline speaks but the client wants no audio; `text_stage`:
         the stage whose text the run yields, when not the pipeline's text stage."""
-        if self.stopping:
+        if self.stopping and (queued is None or self.cut):
             self.metrics.inc("omni_requests_refused_total", reason="shutting down")
             raise shutting_down()
         missing = await self.missing(served)
@@ -266,7 +273,7 @@ class Gateway:
             params = {**(params or {}), "modalities": ["text"]}
         self.inflight += 1
         try:
-            request_id = await client.submit(prompt, trace=trace, params=params)
+            request_id = await client.submit(prompt, queued, trace=trace, params=params)
         except CodecError as e:
             self.inflight -= 1
             raise ApiError(413, str(e), code="request_too_large") from e
@@ -290,6 +297,7 @@ class Gateway:
         """The drain ran out: every request in flight ends now with an error its client
         reads (a 503, or an error event in a stream already begun), not a dropped
         connection; each is aborted at every stage."""
+        self.cut = True
         cut = sum(s.client.end_all(SHUTTING_DOWN) for s in self.served.values() if s.client)
         if cut:
             log.warning("drain over: %d request(s) still in flight cut", cut)
@@ -386,6 +394,7 @@ class Run:
             return
         self._closed = True
         self.gateway.inflight -= 1
+        self.gateway.freed.set()
         self.gateway.timer.ended(self.request_id)  # no-op once its finished output was timed
         if not self.ended:
             self.gateway.abort_later(self.client, self.request_id)

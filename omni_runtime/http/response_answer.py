@@ -12,7 +12,7 @@ meanwhile: its status `cancelled`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -34,6 +34,9 @@ from omni_runtime.http.responses_request import InputItem, ResponsesRequest
 from omni_runtime.http.routes import REQUEST_ID_HEADER, SSE_HEADERS
 from omni_runtime.http.tools import call_id
 
+Opener = Callable[[str], Awaitable[Run]]
+"""Submits a queued background response under its request id (`Gateway.open`'s `queued`)."""
+
 
 class Answer:
     """One response: its output items as they are made, and the body that says them."""
@@ -41,20 +44,21 @@ class Answer:
     def __init__(
         self,
         req: ResponsesRequest,
-        run: Run,
+        request_id: str,
         prompt_tokens: int,
         store: ResponseStore | None = None,
         history: list[InputItem] | None = None,
         conversations: ConversationStore | None = None,
     ) -> None:
-        self.req, self.run, self.prompt_tokens = req, run, prompt_tokens
+        self.req, self.request_id, self.prompt_tokens = req, request_id, prompt_tokens
+        self._run: Run | None = None
         self.store, self.history = store, history or []
         """Where it is kept (None: it is not), and the conversation before its input."""
         self.conversations = conversations
         """Where the conversation it names is kept (`req.conversation`)."""
         self.kept = store is not None and store.keeps
         """What its body says as `store`: whether it is kept, once it ended."""
-        self.id = f"resp_{run.request_id}"
+        self.id = f"resp_{request_id}"
         self.created_at = int(time.time())
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
@@ -65,6 +69,17 @@ class Answer:
         self.seq = 0
         self.ending: background.Ending | None = None
         """A background response's: whether this run is the one that ends it."""
+
+    @property
+    def run(self) -> Run:
+        """Its request as submitted (a queued background response has none yet)."""
+        if self._run is None:
+            raise RuntimeError(f"{self.id} is queued: it has no run yet")
+        return self._run
+
+    @run.setter
+    def run(self, run: Run) -> None:
+        self._run = run
 
     def take(self, ev: Event) -> None:
         """A run's event, whole: its text joins the message, a call is an item."""
@@ -124,14 +139,73 @@ class Answer:
         except ApiError:
             self.run.close()
             raise
+        return self._on(gateway, state, self._running(), "in_progress")
+
+    async def queued(
+        self, gateway: Gateway, state: background.BackgroundState, opener: Opener
+    ) -> dict[str, Any] | StreamingResponse:
+        """Every place taken (`max_inflight`): kept `queued`, and run on this server (which
+        holds its lease meanwhile) once a place frees; as many as `max_inflight` wait at
+        most (a 429 past that). `opener` submits it under its id."""
+        background.queue(gateway, 1)
+        try:
+            await state.begin(self.id, self._given("queued"))
+        except ApiError:
+            background.queue(gateway, -1)
+            raise
+        return self._on(gateway, state, self._later(gateway, state, opener), "queued")
+
+    def _on(
+        self,
+        gateway: Gateway,
+        state: background.BackgroundState,
+        events: AsyncIterator[bytes],
+        status: str,
+    ) -> dict[str, Any] | StreamingResponse:
+        """Its run begun on without its client: its body as it stands, or its events."""
         self.ending = background.Ending(state, self.id)
         stream = self.streams_again
-        background.begin_run(gateway, state, self.id, self.streamed(self.run.events()), stream,
-                             self.run.close)  # fmt: skip
+        background.begin_run(gateway, state, self.id, events, stream)
         if stream:
-            headers = {**SSE_HEADERS, REQUEST_ID_HEADER: self.run.request_id}
+            headers = {**SSE_HEADERS, REQUEST_ID_HEADER: self.request_id}
             return background.followed(gateway, state, self.id, -1, headers)
-        return self.body("in_progress")
+        return self.body(status)
+
+    async def _running(self) -> AsyncGenerator[bytes, None]:
+        """Its events as its run makes them; the run closed when they end (or are let go)."""
+        try:
+            async with aclosing(self.streamed(self.run.events())) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.run.close()
+
+    async def _later(
+        self, gateway: Gateway, state: background.BackgroundState, opener: Opener
+    ) -> AsyncIterator[bytes]:
+        """A queued response's events: created and queued, then as any once it runs; failed
+        with what stopped it if it cannot begin, cancelled if it was meanwhile."""
+        run: Run | None = None
+        error: dict[str, str] | None = None
+        try:
+            yield self._event("response.created", response=self.body("queued"))
+            yield self._event("response.queued", response=self.body("queued"))
+            run = await background.placed(gateway, state, self.id, self.request_id, opener)
+        except ApiError as e:
+            error = {"code": e.body.code or "server_error", "message": e.body.message}
+        finally:
+            background.queue(gateway, -1)
+        if error is not None:
+            yield await self._failed(error)
+            return
+        if run is None:  # cancelled or deleted while it waited: who did wrote its end
+            yield await self._failed(background.ended_error("cancelled"))
+            return
+        self.run = run
+        await background.begun(state, self.id, self._given("in_progress"))
+        async with aclosing(self._running()) as events:
+            async for event in events:
+                yield event
 
     async def _failed(self, error: dict[str, str]) -> bytes:
         """Its `response.failed` event. It is kept as it ended, its id having been given
@@ -181,7 +255,7 @@ class Answer:
                 "total_tokens": given + made}  # fmt: skip
 
     def _message_id(self) -> str:
-        return f"msg_{self.run.request_id}"
+        return f"msg_{self.request_id}"
 
     def _message(self, item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
         content = [_part(text)] if status == "completed" else []
@@ -192,8 +266,8 @@ class Answer:
         self, call: ToolCall, status: str, arguments: str | None = None
     ) -> dict[str, Any]:
         k = len(self.calls)
-        return {"type": "function_call", "id": f"fc_{self.run.request_id}_{k}",
-                "call_id": call_id(self.run.request_id, k), "name": call.name,
+        return {"type": "function_call", "id": f"fc_{self.request_id}_{k}",
+                "call_id": call_id(self.request_id, k), "name": call.name,
                 "arguments": call.arguments if arguments is None else arguments,
                 "status": status}  # fmt: skip
 
@@ -201,9 +275,10 @@ class Answer:
         self.seq += 1
         return background.sse(kind, self.seq - 1, **fields)
 
-    async def streamed(self, events: AsyncGenerator[Event, None]) -> AsyncIterator[bytes]:
+    async def streamed(self, events: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
         """OpenAI's events as the pipeline makes the answer (see the module docstring)."""
-        yield self._event("response.created", response=self.body("in_progress"))
+        if self.seq == 0:  # a queued one said it was created
+            yield self._event("response.created", response=self.body("in_progress"))
         yield self._event("response.in_progress", response=self.body("in_progress"))
         msg = self._message_id()
         place = {"item_id": msg, "content_index": 0}

@@ -22,6 +22,8 @@ refused), the response fails.
 
 from __future__ import annotations
 
+import functools
+import uuid
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
@@ -75,9 +77,17 @@ def responses_router(gateway: Gateway) -> APIRouter:
         if state is not None and not store.keeps:
             raise ApiError(400, "this server keeps no responses (OMNI_RESPONSES_TTL_S=0): "
                            "ask without background", param="background", code="invalid_value")  # fmt: skip
-        run = await gateway.open(served, prompt, False, wants(x_omni_trace), req.params(chat))
-        kept = store if req.store else None
-        answer = Answer(req, run, count_tokens(prompt), kept, history, gateway.conversations)
+        kept, tokens = store if req.store else None, count_tokens(prompt)
+        opener = functools.partial(
+            gateway.open, served, prompt, False, wants(x_omni_trace), req.params(chat)
+        )
+        full = gateway.inflight >= gateway.serve.max_inflight
+        if state is not None and full and not gateway.stopping:  # (a drain: `open` says so)
+            later = Answer(req, uuid.uuid4().hex, tokens, kept, history, gateway.conversations)
+            return await later.queued(gateway, state, lambda rid: opener(queued=rid))
+        run = await opener()
+        answer = Answer(req, run.request_id, tokens, kept, history, gateway.conversations)
+        answer.run = run
         if state is not None:
             return await answer.in_background(gateway, state)
         if req.stream:

@@ -154,6 +154,9 @@ GAUGES: Mapping[str, str] = {
     "omni_engine_waiting": "Requests an async engine holds waiting for a batch slot, by stage.",
     "omni_engine_capacity": "Requests an async engine can run at once (batch slots), by stage.",
     "omni_realtime_sessions_open": "WebSocket sessions open (Realtime and speech streams).",
+    "omni_background_queued": (
+        "Background responses waiting for a place on this server (max_inflight), not running yet."
+    ),
 }
 """Every gauge name, with its help text."""
 

@@ -248,3 +248,115 @@ async def test_readers_of_background_responses_are_bounded_and_counted_out(
     error = assert_error(await client.get(f"{RESPONSES}/{response_id}?stream=true"), 429)
     assert error["code"] == "busy", error
     gateway.followers = 0
+
+
+@pytest.fixture
+async def one_place() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway]]:
+    """A server that runs one request at a time (`max_inflight` 1), and a replica."""
+    pipelines = [pipeline_of("echo"), omni(token_delay_ms=50)]
+    clients = fake_redis_clients()
+    async with serving(pipelines, clients, fast_settings(), max_inflight=1) as (client, gateway):
+        other = Gateway(pipelines, gateway.settings, clients, ServeSettings(ready_cache_s=0))
+        async with http(create_app(other)) as replica:
+            yield client, replica, gateway
+
+
+async def test_background_responses_past_max_inflight_are_queued_and_run_in_turn(
+    one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, gateway = one_place
+    running = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    waiting = await sdk(client).responses.create(model="omni", input=PROMPT, background=True)
+    assert running.status == "in_progress" and waiting.status == "queued"
+    assert waiting.background is True and waiting.output == []
+    assert gateway.metrics.gauge("omni_background_queued") == 1
+    polled = await status_of(replica, waiting.id)
+    assert polled["status"] in ("queued", "in_progress", "completed"), polled
+    body = {"model": "omni", "input": "Hi", "background": True}  # the queue is full too
+    assert assert_error(await client.post(RESPONSES, json=body), 429)["code"] == "busy"
+    plain = {"model": "omni", "input": "Hi"}  # one that would wait for its answer is refused
+    assert_error(await client.post(RESPONSES, json=plain), 429)
+    first, second = await ended(replica, running.id), await ended(replica, waiting.id)
+    assert first["status"] == second["status"] == "completed", (first, second)
+    assert first["output"][0]["content"][0]["text"].split() == SHORT.split()
+    assert second["output"][0]["content"][0]["text"] == PROMPT_TEXT
+    await wait_for(lambda: gateway.inflight == gateway.queued == 0 and not gateway.background)
+    assert gateway.metrics.gauge("omni_background_queued") == 0
+
+
+async def test_a_queued_response_cancelled_never_runs(
+    one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, gateway = one_place
+    running = await sdk(client).responses.create(model="omni", input=LONG, background=True)
+    waiting = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    assert waiting.status == "queued"
+    cancelled = await sdk(replica).responses.cancel(waiting.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    await wait_for(lambda: gateway.queued == 0, deadline_s=10)  # it left the queue
+    assert gateway.inflight == 1  # the one running still is, and alone
+    await sdk(replica).responses.cancel(running.id)
+    await wait_for(lambda: gateway.inflight == 0 and not gateway.background, deadline_s=10)
+    assert (await status_of(replica, waiting.id))["status"] == "cancelled"
+    assert gateway.metrics.value("omni_requests_received_total") == 1  # it was never submitted
+    deleted_too = await sdk(client).responses.create(model="omni", input=LONG, background=True)
+    queued = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    assert queued.status == "queued"
+    assert (await replica.delete(f"{RESPONSES}/{queued.id}")).status_code == 200
+    await sdk(replica).responses.cancel(deleted_too.id)
+    await wait_for(lambda: gateway.queued == 0 and not gateway.background, deadline_s=10)
+    assert_error(await client.get(f"{RESPONSES}/{queued.id}"), 404)
+
+
+async def test_a_streamed_queued_response_says_it_waits_then_streams_as_any(
+    one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, gateway = one_place
+    await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    stream = await sdk(client).responses.create(
+        model="omni", input=PROMPT, background=True, stream=True
+    )
+    events = [ev async for ev in stream]
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    kinds = [ev.type for ev in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"], kinds
+    assert events[0].response.status == events[1].response.status == "queued"
+    assert events[2].response.status == "in_progress" and kinds.count("response.created") == 1
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == PROMPT_TEXT
+    response_id = events[0].response.id
+    again = [ev async for ev in await sdk(replica).responses.retrieve(response_id, stream=True)]
+    assert [ev.type for ev in again] == kinds
+    await wait_for(lambda: gateway.inflight == gateway.queued == 0 and not gateway.background)
+
+
+async def test_a_draining_server_runs_the_responses_it_queued(
+    one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, gateway = one_place
+    running = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    waiting = await sdk(client).responses.create(model="omni", input=PROMPT, background=True)
+    assert waiting.status == "queued"
+    gateway.stop()  # the drain begins: nothing new, what was taken runs
+    body = {"model": "omni", "input": "Hi", "background": True}
+    assert assert_error(await client.post(RESPONSES, json=body), 503)["code"] == "shutting_down"
+    await wait_for(lambda: not gateway.background, deadline_s=15)
+    assert (await status_of(replica, running.id))["status"] == "completed"
+    assert (await status_of(replica, waiting.id))["status"] == "completed"
+
+
+async def test_a_drain_that_runs_out_fails_the_responses_still_queued(
+    one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
+) -> None:
+    client, replica, gateway = one_place
+    running = await sdk(client).responses.create(model="omni", input=LONG, background=True)
+    waiting = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
+    assert waiting.status == "queued"
+    gateway.stop()
+    assert gateway.cut_all() == 1  # the drain ran out: the one running is cut
+    await wait_for(lambda: not gateway.background, deadline_s=10)
+    for response_id in (running.id, waiting.id):
+        failed = await status_of(replica, response_id)
+        assert failed["status"] == "failed", failed
+        assert failed["error"]["code"] == "shutting_down", failed
+    assert gateway.metrics.value("omni_requests_received_total") == 1  # it never began
