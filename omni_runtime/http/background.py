@@ -45,6 +45,9 @@ LEASE_MS = 10_000
 """A background response's lease: its server renews it three times as often; a response in
 progress whose lease lapsed was running on a server that stopped."""
 RENEW_S = LEASE_MS / 3000
+QUEUED_LOOK_S = 1.0
+"""A queued response looks this often whether a cancel or a delete on another replica ended
+it (one here wakes it at once), and whether a place freed it was not woken for."""
 EVENTS_TTL_S = 3600
 """A streamed background response's events can be read again this long after the last."""
 FOLLOW_BLOCK_MS = 2000
@@ -238,9 +241,11 @@ async def placed(
     opener: Callable[[str], Awaitable[Run]],
 ) -> Run | None:
     """A queued response's run, opened once a place frees (the queued ones are woken as a
-    run ends, and look at least every `RENEW_S`); None if it was cancelled or deleted
-    meanwhile. Raises what opening it raises, but for a place taken first (429)."""
+    run ends or one is stopped here, and look every `QUEUED_LOOK_S`); None if it was
+    cancelled or deleted meanwhile. Raises what opening it raises, but for a place taken first (429)."""
     while True:
+        if response_id not in gateway.queued:  # cancelled or deleted here
+            return None
         try:
             if await state.ended_as(response_id) is not None:
                 return None
@@ -255,18 +260,24 @@ async def placed(
                     raise
         gateway.freed.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gateway.freed.wait(), RENEW_S)
+            await asyncio.wait_for(gateway.freed.wait(), QUEUED_LOOK_S)
 
 
-def queue(gateway: Gateway, by: int) -> None:
-    """One more (`by` 1) or one less (-1) response queued here; a 429 when the queue is full
-    (as many as `max_inflight` wait)."""
-    if by > 0 and gateway.queued >= gateway.serve.max_inflight:
+def enqueue(gateway: Gateway, response_id: str) -> None:
+    """Queued here; a 429 when the queue is full (as many as `max_inflight` wait)."""
+    if len(gateway.queued) >= gateway.serve.max_inflight:
         gateway.metrics.inc("omni_requests_refused_total", reason="busy")
-        raise ApiError(429, f"{gateway.inflight} requests in flight and {gateway.queued} "
+        raise ApiError(429, f"{gateway.inflight} requests in flight and {len(gateway.queued)} "
                        "background responses queued; retry later", code="busy")  # fmt: skip
-    gateway.queued += by
-    gateway.metrics.add_gauge("omni_background_queued", by)
+    gateway.queued.add(response_id)
+    gateway.metrics.set_gauge("omni_background_queued", len(gateway.queued))
+
+
+def dequeue(gateway: Gateway, response_id: str) -> None:
+    """No longer queued here (it began, or was stopped: its place is free at once)."""
+    gateway.queued.discard(response_id)
+    gateway.metrics.set_gauge("omni_background_queued", len(gateway.queued))
+    gateway.freed.set()
 
 
 async def begun(state: BackgroundState, response_id: str, kept: Kept) -> None:

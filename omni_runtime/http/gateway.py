@@ -152,9 +152,9 @@ class Gateway:
         """Background responses running here (`background.py`): the drain waits for them."""
         self.followers = 0
         """Readers of background responses' events here, each holding a Redis connection."""
-        self.queued, self.freed = 0, asyncio.Event()
-        """Background responses here waiting for a place (`max_inflight` at most), and what
-        wakes them, set as a request in flight ends (`background.py`)."""
+        self.queued, self.freed = set[str](), asyncio.Event()
+        """Background responses here waiting for a place (`max_inflight` at most; by id), and
+        what wakes them, set as a request in flight ends (`background.py`)."""
         self.kept: ResponseStore | None = None
         """The responses this server keeps (`store`), once started."""
         self.conversations: ConversationStore | None = None

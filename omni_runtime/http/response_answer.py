@@ -147,11 +147,11 @@ class Answer:
         """Every place taken (`max_inflight`): kept `queued`, and run on this server (which
         holds its lease meanwhile) once a place frees; as many as `max_inflight` wait at
         most (a 429 past that). `opener` submits it under its id."""
-        background.queue(gateway, 1)
+        background.enqueue(gateway, self.id)
         try:
             await state.begin(self.id, self._given("queued"))
         except ApiError:
-            background.queue(gateway, -1)
+            background.dequeue(gateway, self.id)
             raise
         return self._on(gateway, state, self._later(gateway, state, opener), "queued")
 
@@ -194,7 +194,7 @@ class Answer:
         except ApiError as e:
             error = {"code": e.body.code or "server_error", "message": e.body.message}
         finally:
-            background.queue(gateway, -1)
+            background.dequeue(gateway, self.id)
         if error is not None:
             yield await self._failed(error)
             return

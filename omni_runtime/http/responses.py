@@ -194,7 +194,9 @@ def conversations(gateway: Gateway) -> ConversationStore:
 async def _stop(gateway: Gateway, kept: Kept, as_status: str) -> dict[str, Any] | None:
     served = gateway.served.get(kept.response.get("model", ""))
     abort = served.client.abort if served is not None and served.client is not None else None
-    return await background.stop(background.BackgroundState.of(gateway), kept, as_status, abort)
+    stopped = await background.stop(background.BackgroundState.of(gateway), kept, as_status, abort)
+    background.dequeue(gateway, kept.response["id"])  # if it was queued here
+    return stopped
 
 
 async def _current(gateway: Gateway, response_id: str) -> dict[str, Any]:
