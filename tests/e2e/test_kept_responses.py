@@ -1,8 +1,8 @@
 """Responses kept in the deployment's Redis outlive the `serve` that answered them: one
 killed (SIGKILL) after its answer, the conversation goes on on another replica; a
 background response outlives its client (read on, to its end, on another replica) and one
-whose server was killed mid-answer reads as failed. On real processes and a real
-redis-server."""
+whose server was killed mid-answer reads as failed; a draining server finishes those it
+runs and those it queued. On real processes and a real redis-server."""
 
 from __future__ import annotations
 
@@ -85,15 +85,20 @@ async def test_a_background_response_outlives_its_client_but_not_its_server(
 async def test_a_draining_server_finishes_its_background_responses(
     demo: Deployment, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """SIGTERM with a background response running and no client waiting for it: the drain
-    waits for it as for a request in flight, then `serve` exits 0."""
-    env = {"OMNI_DRAIN_S": "20"}
+    """SIGTERM with a background response running, another queued behind it (the server
+    runs one request at a time) and no client waiting for either: the drain waits for the
+    first as for a request in flight, runs the second, then `serve` exits 0."""
+    env = {"OMNI_DRAIN_S": "20", "OMNI_MAX_INFLIGHT": "1"}
     with contextlib.contextmanager(front_door)(demo, tmp_path_factory, "kept-c", env) as door:
         async with door.client() as oai:
             begun = await oai.responses.create(model="omni", input=LONG, background=True)
+            queued = await oai.responses.create(model="omni", input="And then", background=True)
+        assert (begun.status, queued.status) == ("in_progress", "queued")
         door.serve.proc.send_signal(signal.SIGTERM)
         assert door.serve.proc.wait(40) == 0, door.serve.log()
     async with demo.client() as oai:
         done = await oai.responses.retrieve(begun.id)
+        after = await oai.responses.retrieve(queued.id)
     assert done.status == "completed", done
     assert done.output_text.split() == LONG.split()
+    assert after.status == "completed" and after.output_text == "And then", after
