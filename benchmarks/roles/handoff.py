@@ -7,7 +7,8 @@ the key -> BLPOP -> GET: the adapter's own round trips, with no threads between)
 `raw_threads` (RPUSH -> BLPOP with SPEC §4's two thread hand-offs and nothing else: the
 caller wakes a sending thread through a Condition, the BLPOP thread wakes the consumer
 through an Event).
-Chunks carry a CLOCK_MONOTONIC stamp; the receiver prints `{"lat_ns", "missing"}`.
+Chunks carry a CLOCK_MONOTONIC stamp, read once the payload is decoded (every kind's);
+the receiver prints `{"lat_ns", "missing"}`.
 """
 
 from __future__ import annotations
@@ -130,9 +131,10 @@ def recv_relayed(
         with lock:
             taken = got[:]
             got.clear()
+        payloads = [codec.decode(raw) for raw in taken]  # usable, as the other kinds' are
         now = time.monotonic_ns()
-        for raw in taken:
-            record(codec.decode(raw), now)
+        for payload in payloads:
+            record(payload, now)
     stop.set()
     thread.join(10)
 
