@@ -206,9 +206,12 @@ class Ending:
 
 
 def begin_run(
-    gateway: Gateway, state: BackgroundState, response_id: str, events: AsyncIterator[bytes],
+    gateway: Gateway,
+    state: BackgroundState,
+    response_id: str,
+    events: AsyncIterator[bytes],
     stream: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Run the response on, on this server, whatever its client does: each event kept for
     readers when it is `stream`ed; the lease renewed until it ends."""
 
@@ -242,7 +245,8 @@ async def placed(
 ) -> Run | None:
     """A queued response's run, opened once a place frees (the queued ones are woken as a
     run ends or one is stopped here, and look every `QUEUED_LOOK_S`); None if it was
-    cancelled or deleted meanwhile. Raises what opening it raises, but for a place taken first (429)."""
+    cancelled or deleted meanwhile. Raises what opening it raises, but for a place another
+    took first (429: it waits on)."""
     while True:
         if response_id not in gateway.queued:  # cancelled or deleted here
             return None
