@@ -115,7 +115,12 @@ def test_the_vocoder_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> N
     assert shrinking == "cpu:0"
     given: list[Any] = []
     inner_run = session.session.run
-    monkeypatch.setattr(session.session, "run", lambda *a: given.append(a[2]) or inner_run(*a))
+
+    def run(*args: Any) -> Any:
+        given.append(args[2])  # the run options it was given
+        return inner_run(*args)
+
+    monkeypatch.setattr(session.session, "run", run)
     trims: list[int] = []
     monkeypatch.setattr(piper, "_malloc_trim", trims.append)
     monkeypatch.setattr(piper, "TRIM_EVERY", 2)
