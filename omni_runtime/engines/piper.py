@@ -58,8 +58,8 @@ DEFAULT_MAX_CHUNK_MS = 1000
 Pcm = npt.NDArray[np.float32]
 
 TRIM_EVERY = 50
-"""A vocoder hands the memory its C allocator holds free back to the system every this many
-synthesis runs (`GivesBack`)."""
+"""A vocoder hands the memory its C allocator holds free back to the system whenever it has
+no synthesis running, and at least every this many runs (`GivesBack`)."""
 
 _load_lock = threading.Lock()
 _loaded: dict[tuple[str, bool, int], Any] = {}
@@ -121,10 +121,11 @@ def _load(path: Path, with_session: bool, num_threads: int) -> Any:
 
 class GivesBack:
     """An onnxruntime session that gives memory back: each run returns its arena's
-    extensions (`memory.enable_memory_arena_shrinkage`), and every `TRIM_EVERY` runs what the
-    C allocator then holds free goes back to the system (glibc's `malloc_trim`). Without
-    both, a vocoder's memory ratchets up to what its longest clauses ever needed at once,
-    on each of its threads (`docs/engines.md`). Piper calls only `run`."""
+    extensions (`memory.enable_memory_arena_shrinkage`), and what the C allocator then holds
+    free goes back to the system (glibc's `malloc_trim`, ~0.1 ms) as the last run going
+    ends, or every `TRIM_EVERY` runs while others overlap. Without both, a vocoder's memory
+    ratchets up to what its longest clauses ever needed at once, on each of its threads
+    (`docs/engines.md`). Piper calls only `run`."""
 
     def __init__(self, session: Any) -> None:
         import onnxruntime
@@ -132,16 +133,19 @@ class GivesBack:
         self.session = session
         self.options = onnxruntime.RunOptions()
         self.options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        self._runs = 0
+        self._runs = self._running = 0
         self._lock = threading.Lock()
 
     def run(self, output_names: Any, input_feed: Any, run_options: Any = None) -> Any:
+        with self._lock:
+            self._running += 1
         try:
             return self.session.run(output_names, input_feed, run_options or self.options)
         finally:
             with self._lock:
+                self._running -= 1
                 self._runs += 1
-                due = self._runs % TRIM_EVERY == 0
+                due = self._running == 0 or self._runs % TRIM_EVERY == 0
             if due and _malloc_trim is not None:
                 _malloc_trim(0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 import tracemalloc
 from typing import Any
 
@@ -123,14 +124,50 @@ def test_the_vocoder_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(session.session, "run", run)
     trims: list[int] = []
     monkeypatch.setattr(piper, "_malloc_trim", trims.append)
-    monkeypatch.setattr(piper, "TRIM_EVERY", 2)
     before = session._runs
     chunks = talk(SENTENCES)
     assert audio(unwrap(piper.vocoder(chunks))).size > 0
     runs = session._runs - before
     assert runs == len(given) >= len(chunks) - 1  # each clause with phonemes is one run
     assert all(options is session.options for options in given)
-    assert len(trims) in (runs // 2, runs // 2 + 1) and set(trims) == {0}
+    assert trims == [0] * runs  # each run ran alone: the heap was trimmed after each
+
+
+def test_runs_that_overlap_trim_the_heap_as_the_last_ends_or_every_few(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    both_in = threading.Barrier(2)
+    first_out = threading.Event()
+
+    class Session:
+        def run(self, _names: Any, feed: Any, _options: Any) -> Any:
+            both_in.wait(10)
+            if feed == "second":  # ends after the first: the last one running
+                first_out.wait(10)
+            return feed
+
+    trims: list[int] = []
+    monkeypatch.setattr(piper, "_malloc_trim", trims.append)
+    session = piper.GivesBack(Session())
+
+    def run_first() -> None:
+        session.run(None, "first")
+        first_out.set()
+
+    first = threading.Thread(target=run_first)
+    first.start()
+    assert session.run(None, "second") == "second"
+    first.join(10)
+    assert trims == [0]  # not as the first ended (the second still ran): as the last did
+    monkeypatch.setattr(piper, "TRIM_EVERY", 3)  # the next first to end is the third run
+    both_in = threading.Barrier(2)
+    first_out.clear()
+    trims.clear()
+    first = threading.Thread(target=run_first)
+    first.start()
+    session.run(None, "second")
+    first.join(10)
+    assert trims == [0, 0]  # as the third run ended (every third), then as the last did
 
 
 def test_long_clauses_come_in_pieces_of_at_most_max_chunk_ms() -> None:
