@@ -58,12 +58,11 @@ DEFAULT_MAX_CHUNK_MS = 1000
 Pcm = npt.NDArray[np.float32]
 
 TRIM_EVERY = 50
-"""A vocoder hands the memory its C allocator holds free back to the system whenever it has
-no synthesis running, and at least every this many runs (`GivesBack`)."""
+"""A vocoder that releases memory trims its heap at least every this many runs (`GivesBack`)."""
 
 _load_lock = threading.Lock()
-_loaded: dict[tuple[str, bool, int], Any] = {}
-"""Voices this process has loaded: (model path, with its ONNX session, threads) → PiperVoice."""
+_loaded: dict[tuple[str, bool, int, bool], Any] = {}
+"""Voices loaded here: (model path, with a session, threads, releasing memory) → PiperVoice."""
 
 
 def bundled_voice() -> Path:
@@ -78,7 +77,10 @@ def bundled_voice() -> Path:
 
 
 def load_voice(
-    model: str | Path | None = None, with_session: bool = True, num_threads: int = 1
+    model: str | Path | None = None,
+    with_session: bool = True,
+    num_threads: int = 1,
+    release_memory: bool = True,
 ) -> Any:
     """This process's `PiperVoice` for `model` (default: the bundled voice), loaded once.
 
@@ -86,16 +88,18 @@ def load_voice(
     `num_threads`: onnxruntime's threads per synthesis (0: one per core). One, without
     spinning, is the default: concurrent requests run on threads of their own anyway, and
     idle threads spinning for work take the cores the other stages need.
+    `release_memory`: its session gives memory back after its runs (`GivesBack`).
     """
     path = Path(model) if model else bundled_voice()
-    key = (str(path), with_session, num_threads if with_session else 0)
+    threads, release = (num_threads, release_memory) if with_session else (0, False)
+    key = (str(path), with_session, threads, release)
     with _load_lock:
         if key not in _loaded:
-            _loaded[key] = _load(path, with_session, num_threads)
+            _loaded[key] = _load(path, with_session, threads, release)
         return _loaded[key]
 
 
-def _load(path: Path, with_session: bool, num_threads: int) -> Any:
+def _load(path: Path, with_session: bool, num_threads: int, release_memory: bool) -> Any:
     from piper import PiperVoice
     from piper.config import PiperConfig
 
@@ -110,22 +114,19 @@ def _load(path: Path, with_session: bool, num_threads: int) -> Any:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = num_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = GivesBack(
-            onnxruntime.InferenceSession(
-                str(path), sess_options=options, providers=["CPUExecutionProvider"]
-            )
+        session = onnxruntime.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
         )
+        session = GivesBack(session) if release_memory else session
     voice_cls: Any = PiperVoice  # the talker's voice has no session: piper's types want one
     return voice_cls(session=session, config=config)
 
 
 class GivesBack:
-    """An onnxruntime session that gives memory back: each run returns its arena's
-    extensions (`memory.enable_memory_arena_shrinkage`), and what the C allocator then holds
-    free goes back to the system (glibc's `malloc_trim`, ~0.1 ms) as the last run going
-    ends, or every `TRIM_EVERY` runs while others overlap. Without both, a vocoder's memory
-    ratchets up to what its longest clauses ever needed at once, on each of its threads
-    (`docs/engines.md`). Piper calls only `run`."""
+    """A session that gives memory back, its runs a little slower: each returns its arena's
+    extensions (`memory.enable_memory_arena_shrinkage`), and glibc's free memory goes back
+    (`malloc_trim`) as the last run going ends, or every `TRIM_EVERY` runs. Else memory
+    ratchets up to what the longest clauses ever needed at once (`docs/engines.md`)."""
 
     def __init__(self, session: Any) -> None:
         import onnxruntime
@@ -153,9 +154,8 @@ class GivesBack:
         return getattr(self.session, name)
 
 
-_LIBC = ctypes.util.find_library("c")
+_LIBC = ctypes.util.find_library("c")  # glibc has malloc_trim; other C libraries may not
 _malloc_trim = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None
-"""Hands the heap's free memory back to the system, where the C library has it (glibc)."""
 
 
 def resolve_voice(
@@ -270,7 +270,8 @@ def chosen_voice(
     chosen = voice_params(params, options.get("voice"), options.get("speed", 1.0), voices)
     model = options.get("model")
     path, spk = resolve_voice(chosen.voice, model, options.get("speaker"), voices)
-    piper_voice = load_voice(path, with_session=with_session, num_threads=num_threads)
+    release = options.get("release_memory", True)
+    piper_voice = load_voice(path, with_session, num_threads, release)
     stem = (Path(model) if model else bundled_voice()).name.removesuffix(".onnx")
     names = [*sorted(voices), stem, *stem.split("-")[1:2]]
     return piper_voice, speaker_id(piper_voice, spk, names), chosen.speed  # unknown: fails here
@@ -330,12 +331,13 @@ def vocoder(
     num_threads: int = 1,
     noise_scale: float | None = None,
     noise_w_scale: float | None = None,
+    release_memory: bool = True,
     params: dict[str, Any] | None = None,
 ) -> Generator[Any, None, None]:
     """The talker's chunks → PCM chunks (float32, mono; `normalize`: each clause's peak at 1,
     as piper does per sentence). `speed` scales the voice's phoneme lengths by 1/speed.
     `noise_scale`/`noise_w_scale`: piper's sampling noise (None: the voice's own); both 0
-    gives the same audio for the same text every time."""
+    gives the same audio for the same text every time. `release_memory`: see `GivesBack`."""
     from piper.config import SynthesisConfig
 
     if max_chunk_ms < 10 or not 0 <= num_threads <= 64:
@@ -344,9 +346,8 @@ def vocoder(
         if noise is not None and not 0.0 <= noise <= 2.0:  # NaN fails this too
             raise ConfigError(f"piper vocoder: {name} must be 0-2, got {noise!r}")
     voice_options = {"model": model, "voice": voice, "voices": voices, "speaker": speaker}
-    piper_voice, spk, chosen_speed = chosen_voice(
-        params, {**voice_options, "speed": speed}, True, num_threads
-    )
+    chosen = {**voice_options, "speed": speed, "release_memory": release_memory}
+    piper_voice, spk, chosen_speed = chosen_voice(params, chosen, True, num_threads)
     config = piper_voice.config
     synthesis = SynthesisConfig(
         speaker_id=spk,

@@ -131,6 +131,10 @@ def test_the_vocoder_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> N
     assert runs == len(given) >= len(chunks) - 1  # each clause with phonemes is one run
     assert all(options is session.options for options in given)
     assert trims == [0] * runs  # each run ran alone: the heap was trimmed after each
+    kept = piper.load_voice(with_session=True, release_memory=False)
+    assert kept is not voice and not isinstance(kept.session, piper.GivesBack)
+    assert audio(unwrap(piper.vocoder(chunks, release_memory=False))).size > 0
+    assert trims == [0] * runs  # the one that keeps its memory trims nothing
 
 
 def test_runs_that_overlap_trim_the_heap_as_the_last_ends_or_every_few(
