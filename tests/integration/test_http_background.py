@@ -320,7 +320,7 @@ async def test_a_streamed_queued_response_says_it_waits_then_streams_as_any(
     stream = await sdk(client).responses.create(
         model="omni", input=PROMPT, background=True, stream=True
     )
-    events = [ev async for ev in stream]
+    events: list[Any] = [ev async for ev in stream]
     assert [ev.sequence_number for ev in events] == list(range(len(events)))
     kinds = [ev.type for ev in events]
     assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"], kinds
@@ -329,7 +329,9 @@ async def test_a_streamed_queued_response_says_it_waits_then_streams_as_any(
     assert events[-1].type == "response.completed"
     assert events[-1].response.output_text == PROMPT_TEXT
     response_id = events[0].response.id
-    again = [ev async for ev in await sdk(replica).responses.retrieve(response_id, stream=True)]
+    again: list[Any] = [
+        ev async for ev in await sdk(replica).responses.retrieve(response_id, stream=True)
+    ]
     assert [ev.type for ev in again] == kinds
     await wait_for(lambda: gateway.inflight == 0 and not (gateway.queued or gateway.background))
 
