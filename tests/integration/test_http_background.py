@@ -261,13 +261,20 @@ async def one_place() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClien
             yield client, replica, gateway
 
 
+async def one_behind(client: httpx.AsyncClient, first: str, second: str) -> tuple[Any, Any]:
+    """Two background responses on a server with one place: the first runs, the second
+    waits (`queued`)."""
+    running = await sdk(client).responses.create(model="omni", input=first, background=True)
+    waiting = await sdk(client).responses.create(model="omni", input=second, background=True)
+    assert running.status == "in_progress" and waiting.status == "queued", (running, waiting)
+    return running, waiting
+
+
 async def test_background_responses_past_max_inflight_are_queued_and_run_in_turn(
     one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
 ) -> None:
     client, replica, gateway = one_place
-    running = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
-    waiting = await sdk(client).responses.create(model="omni", input=PROMPT, background=True)
-    assert running.status == "in_progress" and waiting.status == "queued"
+    running, waiting = await one_behind(client, SHORT, PROMPT)
     assert waiting.background is True and waiting.output == []
     assert gateway.metrics.gauge("omni_background_queued") == 1
     polled = await status_of(replica, waiting.id)
@@ -288,9 +295,7 @@ async def test_a_queued_response_cancelled_never_runs(
     one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
 ) -> None:
     client, replica, gateway = one_place
-    running = await sdk(client).responses.create(model="omni", input=LONG, background=True)
-    waiting = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
-    assert waiting.status == "queued"
+    running, waiting = await one_behind(client, LONG, SHORT)
     cancelled = await sdk(replica).responses.cancel(waiting.id)
     assert cancelled.status == "cancelled" and cancelled.output == []
     await wait_for(lambda: not gateway.queued, deadline_s=10)  # it left the queue
@@ -303,9 +308,7 @@ async def test_a_queued_response_cancelled_never_runs(
     await wait_for(lambda: gateway.inflight == 0 and not gateway.background, deadline_s=10)
     assert (await status_of(replica, waiting.id))["status"] == "cancelled"
     assert gateway.metrics.value("omni_requests_received_total") == 1  # neither was submitted
-    deleted_too = await sdk(client).responses.create(model="omni", input=LONG, background=True)
-    queued = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
-    assert queued.status == "queued"
+    deleted_too, queued = await one_behind(client, LONG, SHORT)
     assert (await replica.delete(f"{RESPONSES}/{queued.id}")).status_code == 200
     await sdk(replica).responses.cancel(deleted_too.id)
     await wait_for(lambda: not (gateway.queued or gateway.background), deadline_s=10)
@@ -340,9 +343,7 @@ async def test_a_draining_server_runs_the_responses_it_queued(
     one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
 ) -> None:
     client, replica, gateway = one_place
-    running = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
-    waiting = await sdk(client).responses.create(model="omni", input=PROMPT, background=True)
-    assert waiting.status == "queued"
+    running, waiting = await one_behind(client, SHORT, PROMPT)
     gateway.stop()  # the drain begins: nothing new, what was taken runs
     body = {"model": "omni", "input": "Hi", "background": True}
     assert assert_error(await client.post(RESPONSES, json=body), 503)["code"] == "shutting_down"
@@ -355,9 +356,7 @@ async def test_a_drain_that_runs_out_fails_the_responses_still_queued(
     one_place: tuple[httpx.AsyncClient, httpx.AsyncClient, Gateway],
 ) -> None:
     client, replica, gateway = one_place
-    running = await sdk(client).responses.create(model="omni", input=LONG, background=True)
-    waiting = await sdk(client).responses.create(model="omni", input=SHORT, background=True)
-    assert waiting.status == "queued"
+    running, waiting = await one_behind(client, LONG, SHORT)
     gateway.stop()
     assert gateway.cut_all() == 1  # the drain ran out: the one running is cut
     await wait_for(lambda: not gateway.background, deadline_s=10)
