@@ -82,8 +82,14 @@ def encode(obj: Any) -> bytes:
     Each thread keeps one packer: `msgpack.packb` makes a new one per call, and getting
     its buffer cost more than the packing itself for a small message (docs/performance.md). A packer that failed, is in use further up this thread's stack,
     or grew past `_PACKER_KEEP_BYTES` is not kept."""
-    check_depth(obj)
-    return _pack(obj)
+    try:
+        data = _pack(obj)
+    except CodecError:
+        check_depth(obj)  # too deep for the packer too: say so
+        raise
+    if not _shallow(data, MAX_DEPTH):
+        check_depth(obj)
+    return data
 
 
 def encode_raw(obj: Any, max_depth: int = MAX_DEPTH - 1) -> msgspec.Raw:
@@ -118,13 +124,16 @@ def encode_decoded(obj: Any) -> bytes:
     Never for a value from user code: msgspec encodes sets, dataclasses, naive datetimes
     and more, which `encode` refuses. Hand those to `encode`, or to `encode_raw` first: a
     `msgspec.Raw` is written as it is, and so is a message struct (`wire.outgoing`)."""
-    check_depth(obj)
     try:
-        return _ENCODER.encode(obj)
+        data = _ENCODER.encode(obj)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as e:
+        check_depth(obj)
         raise CodecError(f"cannot encode: {e}") from e
+    if not _shallow(data, MAX_DEPTH):
+        check_depth(obj)
+    return data
 
 
 def decode(
@@ -144,7 +153,8 @@ def decode(
         obj = _DECODER.decode(data)
     except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
         raise _decode_failed(e, MAX_DEPTH) from e  # CodecError passes as it is
-    check_depth(obj)
+    if not _shallow(data, MAX_DEPTH):
+        check_depth(obj)
     return obj
 
 
@@ -162,7 +172,7 @@ def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
         obj = _CHECKER.decode(raw)
     except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
         raise _decode_failed(e, max_depth) from e  # CodecError passes as it is
-    if not within(obj, max_depth):
+    if not _shallow(raw, max_depth) and not within(obj, max_depth):
         raise CodecError(_too_deep(max_depth))
 
 
@@ -180,6 +190,24 @@ def check_field(obj: Any, max_depth: int = MAX_DEPTH - 1) -> None:
 
 
 _NESTING: Final = frozenset((list, dict, tuple))
+_HEADS: Final = bytes(int(0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF) for b in range(256))
+"""1 for each byte that can begin a msgpack array or map, 0 for the others."""
+_SHALLOW_SCAN_BYTES: Final = 4096
+"""Encoded messages up to this size are scanned for `_shallow`; bigger ones (audio, mostly
+bytes in few containers) are walked, which costs them less than a scan."""
+
+
+def _shallow(data: Any, depth: int) -> bool:
+    """Whether encoded bytes surely nest at most `depth` levels: each level of lists and maps
+    begins with a header byte of its own, so having no more such bytes than `depth` is
+    proof. One C pass over a small message, where `within` makes a Python call per
+    container of the decoded value (most of a small message's decoding). False means
+    only "walk it"."""
+    if len(data) <= depth:
+        return True
+    if len(data) > _SHALLOW_SCAN_BYTES or not isinstance(data, bytes | bytearray):
+        return False
+    return data.translate(_HEADS).count(1) <= depth
 
 
 def within(obj: Any, depth: int) -> bool:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
 from omni_runtime.errors import CodecError
+from omni_runtime.wire import codec
 from omni_runtime.wire.codec import (
     BATCH_HEADER_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -437,6 +438,26 @@ def test_nesting_is_bounded_the_same_both_ways(enc: Any) -> None:
             decode(b"\x91" * depth + b"\x00")
         with pytest.raises(CodecError, match="nested deeper"):
             check(b"\x91" * depth + b"\x00")
+
+
+@SETTINGS
+@given(read_values, st.integers(0, 8))
+def test_the_header_byte_bound_never_passes_what_the_walk_refuses(obj: Any, depth: int) -> None:
+    """Small messages skip the walk of their decoded value when their bytes prove them
+    shallow: that proof must hold whatever the values' own bytes look like."""
+    raw = encode(obj)
+    if codec._shallow(raw, depth):
+        assert codec.within(decode(raw), depth)
+
+
+def test_header_like_bytes_inside_values_still_read() -> None:
+    """Bytes that look like list and map headers (inside a bin, an int) only send a
+    message to the walk, which passes it."""
+    msg = {"data": {"pcm": b"\x9f\x8f\xde" * 100, "n": [0x9F] * 40}, "finished": False}
+    raw = encode(msg)
+    assert not codec._shallow(raw, MAX_DEPTH)
+    assert decode(raw) == msg
+    check(raw)
 
 
 def test_nesting_through_map_keys_counts_too() -> None:
