@@ -66,7 +66,10 @@ class ChunkReceiver:
         self.on_ready = on_ready
         """Called on the RECV thread after new chunks were committed: wakes a sleeping scheduler."""
         self._stop = threading.Event()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        """The book's lock (taken directly where nothing waits or is notified: a Condition's
+        `with` is a Python call more)."""
+        self._cv = threading.Condition(self._lock)
         self._book = RecvBook(READ_AHEAD, parks=transport.signals_puts)
         self._last_sweep = time.monotonic()
         self._sweeps: list[tuple[float, str, int]] = []
@@ -88,11 +91,11 @@ class ChunkReceiver:
         self.transport.wake()
 
     def poll_ready(self) -> dict[str, list[Chunk]]:
-        with self._cv:
+        with self._lock:
             return self._book.take_ready()
 
     def cleanup_receiver(self, request_id: str) -> None:
-        with self._cv:
+        with self._lock:
             self._book.cleanup(request_id)
 
     def discard(self, request_id: str) -> None:
@@ -105,7 +108,7 @@ class ChunkReceiver:
         self.transport.wake()
 
     def pending_receives(self) -> int:
-        with self._cv:
+        with self._lock:
             return self._book.registered()
 
     def request_stop(self) -> None:
@@ -138,7 +141,7 @@ class ChunkReceiver:
     def _idle_wait_s(self) -> float | None:
         """0: work to do now; else how long to wait for puts; None: nothing registered."""
         now = time.monotonic()
-        with self._cv:
+        with self._lock:
             next_sweep = min((at for at, _r, _f in self._sweeps), default=None)
             if self._book.busy() or (next_sweep is not None and next_sweep <= now):
                 return 0.0
@@ -179,14 +182,14 @@ class ChunkReceiver:
                 rids[rid] = upto
         if not rids:
             return False
-        with self._cv:
+        with self._lock:
             self._book.woken(rids)
             return self._book.busy()
 
     def _round(self) -> None:
         """Due sweeps, subscriptions, then one fetch + commit of every queued request."""
         sweeps: list[tuple[str, int]] = []
-        with self._cv:
+        with self._lock:
             routes = self._book.take_routes()
             if self._sweeps:
                 now = time.monotonic()
@@ -211,7 +214,7 @@ class ChunkReceiver:
             done = True
         finally:
             if not done:  # whatever stopped it (then raised on): the routes are retried
-                with self._cv:
+                with self._lock:
                     self._book.retry_routes(routes)
                     self._book.requeue(batch)
 
@@ -226,9 +229,9 @@ class ChunkReceiver:
             fetched = True
         finally:
             if not fetched:  # whatever stopped it (then raised on): the round is retried
-                with self._cv:
+                with self._lock:
                     self._book.requeue(batch)
-        with self._cv:
+        with self._lock:
             done = self._book.commit(batch, values)  # a MalformedChunk is not a chunk: skipped
         for rid, chunk_id in done.malformed:
             self.metrics.inc("omni_malformed_chunks_total", stage=self.stage_id)

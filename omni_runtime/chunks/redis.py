@@ -90,7 +90,7 @@ class RedisConnector:
         self._cluster = is_cluster(client)
         self.notify_key = keys.receiver_notify_key(uuid.uuid4().hex, prefix)
         self._sender = WakeupSender(prefix, ttl_s)
-        self._inbox = WakeupInbox(prefix)
+        self._inbox = WakeupInbox()
         self._waiter = NotifyWaiter(client, self.notify_key)
         self._held = None if self._cluster else HeldPuts(client.connection_pool)
         self._fresh = False
@@ -149,27 +149,27 @@ class RedisConnector:
         """Inline values first; the rest in one MULTI: owed UNLINKs, MGET, UNLINK of what
         was read (exactly GETDEL), and the wake-ups queued meanwhile (on a cluster, the
         same in one pipeline of per-key UNLINKs and GETDELs)."""
-        names = [stored_chunk_key(key, self.prefix) for key in keys]
-        raws: dict[str, bytes | None] = dict(self._inbox.serve(names))
-        missing = [n for n in names if n not in raws]
+        raws: dict[str, bytes | None] = dict(self._inbox.serve(keys))
+        missing = [k for k in keys if k not in raws]
         if missing:
             owed = list(self._inbox.unlink)
+            names = self._names(missing)
             per_key = self._cluster
             try:
                 try:
-                    replies = self._read_round(owed, missing, per_key)
+                    replies = self._read_round(self._names(owed), names, per_key)
                 except OutOfMemoryError:  # Redis full refuses all of a MULTI, reads too:
                     per_key = True  # per-key GETDELs, which it runs (and which free memory)
-                    replies = self._read_round(owed, missing, per_key)
+                    replies = self._read_round(self._names(owed), names, per_key)
             except RedisError as e:
                 raise TransportError(f"MGET of {len(missing)} key(s) failed: {e}") from e
             self._inbox.paid(owed)
             fetched = replies[-1 - len(missing) : -1] if per_key else replies[-3]
             raws.update(zip(missing, fetched, strict=True))
-            self._inbox.read(n for n, raw in zip(missing, fetched, strict=True) if raw is not None)
+            self._inbox.read(k for k, raw in zip(missing, fetched, strict=True) if raw is not None)
             self._inbox.take(replies[-1] or [])
             self._fresh = True
-        return [self._fetched(n, raws[n]) for n in names]
+        return [self._fetched(k, raws[k]) for k in keys]
 
     def _read_round(self, owed: list[str], missing: list[str], per_key: bool) -> list[Any]:
         """One round trip: owed UNLINKs, the reads, the wake-ups queued meanwhile."""
@@ -232,12 +232,13 @@ class RedisConnector:
             owed = [] if self._cluster else owed
         try:
             if owed and (self._cluster or len(owed) >= OWED_MAX):
-                self.client.unlink(*owed)
+                self.client.unlink(*self._names(owed))
                 self._inbox.paid(owed)
                 owed = []
             end = time.monotonic() + timeout_s
             while True:
-                elements, kicked, sent = self._waiter.wait(max(0.0, end - time.monotonic()), owed)
+                left_s = max(0.0, end - time.monotonic())
+                elements, kicked, sent = self._waiter.wait(left_s, self._names(owed))
                 if sent:
                     self._inbox.paid(owed)
                     owed = []
@@ -303,12 +304,18 @@ class RedisConnector:
             raise CodecError(f"{name}: {len(data)} bytes exceed the limit of {self.max_bytes}")
         return data
 
-    def _fetched(self, name: str, raw: bytes | None) -> Fetched:
+    def _names(self, chunk_keys: Sequence[str]) -> list[str]:
+        """Redis names of bare chunk keys."""
+        return [stored_chunk_key(k, self.prefix) for k in chunk_keys]
+
+    def _fetched(self, key: str, raw: bytes | None) -> Fetched:
         if raw is None:
             return None
         try:
-            return self._decode(name, raw)
+            return codec.decode(raw, max_bytes=self.max_bytes)
         except CodecError as e:
+            name = stored_chunk_key(key, self.prefix)  # named only here: off the hot path
+            log.error("malformed value under %r (%d bytes) dropped: %s", name, len(raw), e)
             return MalformedChunk(name, str(e))
 
     def _decode(self, name: str, raw: bytes) -> Any:

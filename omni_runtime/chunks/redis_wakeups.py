@@ -124,10 +124,10 @@ class WakeupSender:
 
 class WakeupInbox:
     """The receiver's side (RECV thread only, no lock): routes woken, inline values, and
-    the keys whose deletion is owed because their value was served inline."""
+    the keys whose deletion is owed because their value was served inline. All by bare
+    chunk key (`<req>_<stage>_<id>`): a value served inline never needs its Redis name."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self) -> None:
         self.woken: dict[str, int] = {}
         """Routes with puts reported since last taken, and the highest chunk id of each."""
         self._inline: dict[str, bytes] = {}
@@ -142,37 +142,37 @@ class WakeupInbox:
             key, value = _parse_wakeup(element)
             if key is None:
                 continue
-            name = keys.stored_chunk_key(key, self.prefix)
-            if name in self.unlink:  # put again since we served it: keep the new value
-                del self.unlink[name]
-            elif name in self._read:  # the wake-up of a value already read: stale
-                del self._read[name]
+            if key in self.unlink:  # put again since we served it: keep the new value
+                del self.unlink[key]
+            elif key in self._read:  # the wake-up of a value already read: stale
+                del self._read[key]
                 continue
             route, chunk_id = route_and_id(key)
             self.woken[route] = max(chunk_id, self.woken.get(route, -1))
             if value:
-                self._inline[name] = value
+                self._inline[key] = value
                 if len(self._inline) > MAX_HELD:
                     self._inline.pop(next(iter(self._inline)))
 
-    def serve(self, names: Sequence[str]) -> dict[str, bytes]:
-        """The values of `names` that came inline; their keys are owed a delete."""
-        served = {n: self._inline.pop(n) for n in names if n in self._inline}
+    def serve(self, chunk_keys: Sequence[str]) -> dict[str, bytes]:
+        """The values of `chunk_keys` that came inline; their deletes are owed."""
+        inline = self._inline
+        served = {k: inline.pop(k) for k in chunk_keys if k in inline}
         self.unlink.update(dict.fromkeys(served))
         return served
 
-    def read(self, names: Iterable[str]) -> None:
+    def read(self, chunk_keys: Iterable[str]) -> None:
         """These keys were read (and deleted) in Redis."""
-        for name in names:
-            self._inline.pop(name, None)
-            self._read[name] = None
+        for key in chunk_keys:
+            self._inline.pop(key, None)
+            self._read[key] = None
         while len(self._read) > MAX_HELD:
             self._read.pop(next(iter(self._read)))
 
-    def paid(self, names: Iterable[str]) -> None:
+    def paid(self, chunk_keys: Iterable[str]) -> None:
         """These owed deletes were sent."""
-        for name in names:
-            self.unlink.pop(name, None)
+        for key in chunk_keys:
+            self.unlink.pop(key, None)
 
     def take_woken(self) -> dict[str, int]:
         woken, self.woken = self.woken, {}
@@ -201,6 +201,7 @@ class NotifyWaiter:
         self._in_flight = False
         self._skip = 0
         """Replies ahead of the BLPOP's still to be read (the UNLINK sent with it)."""
+        self._wait_cmds: bytes | None = None
 
     def kick(self) -> None:
         self._kicked.set()  # before looking at the pair: `wait` checks it after making one
@@ -219,18 +220,23 @@ class NotifyWaiter:
             if conn is None:
                 timeout_s = 0.0 if self._kicked.is_set() else timeout_s
                 return self._slice(timeout_s, unlink), self._drain(), bool(unlink)
-            if not self._in_flight:
-                blpop = ("BLPOP", self.notify_key, BLOCK_S)
-                lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
-                cmds = [("UNLINK", *unlink), blpop, lpop] if unlink else [blpop, lpop]
-                rconn.send(conn, cmds)
+            just_sent = not self._in_flight
+            if just_sent:
+                if self._wait_cmds is None:  # the same two commands every time: packed once
+                    blpop = ("BLPOP", self.notify_key, BLOCK_S)
+                    lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
+                    self._wait_cmds = b"".join(conn.pack_commands([blpop, lpop]))
+                head = conn.pack_commands([("UNLINK", *unlink)]) if unlink else []
+                conn.send_packed_command([b"".join([*head, self._wait_cmds])])
                 self._in_flight, self._skip, sent = True, int(bool(unlink)), bool(unlink)
             if self._pair is None:
                 self._pair = socket.socketpair()
                 for end in self._pair:
                     end.setblocking(False)
             sock, kicks = self._socket, self._pair[0]
-            readable, kick_byte = rconn.readable(conn), False
+            # Every earlier reply was read whole, so just after a send nothing can be
+            # buffered that `select` would miss: the poll (three syscalls) is saved.
+            readable, kick_byte = (False if just_sent else rconn.readable(conn)), False
             if not readable and sock is not None and not self._kicked.is_set():
                 ready = select.select([sock, kicks], [], [], timeout_s)[0]
                 readable, kick_byte = sock in ready, kicks in ready

@@ -46,7 +46,10 @@ class ChunkSender:
         self.build_payload: Callable[[Any], Any] = build_payload or (lambda snap: snap)
         self.snapshot = snapshot
         self._stop = threading.Event()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        """The book's lock (taken directly where nothing waits or is notified: a Condition's
+        `with` is a Python call more)."""
+        self._cv = threading.Condition(self._lock)
         self._book = SendBook()
         self.thread = threading.Thread(
             target=self._loop, name=f"chunk-save-{stage_id}", daemon=True
@@ -64,7 +67,7 @@ class ChunkSender:
             self._cv.notify()
 
     def cancel_sender(self, request_id: str) -> None:
-        with self._cv:
+        with self._lock:
             self._book.cancel(request_id, time.monotonic())
 
     def discard(self, request_id: str) -> None:
@@ -98,7 +101,7 @@ class ChunkSender:
                 staged = self._build(item, cancelled)
                 if staged is not None:
                     batch.append(staged)
-            with self._cv:
+            with self._lock:
                 more = bool(self._book.queue)
             if batch and (not more or len(batch) >= self.transport.max_batch):
                 self._flush(batch)
@@ -128,14 +131,14 @@ class ChunkSender:
         return Staged(item.request_id, {"data": payload, "finished": item.is_final})
 
     def _skip(self, item: SendItem) -> None:
-        with self._cv:
+        with self._lock:
             self._book.done(item)
 
     def _flush(self, batch: list[Staged]) -> None:
         """Put the batch; only a successful put advances ids. A chunk the transport rejects
         (cannot encode, too large) fails alone: dropped, or a final sent with data None."""
         while batch:
-            with self._cv:
+            with self._lock:
                 self._book.number(batch)
             items = [
                 (
@@ -184,17 +187,17 @@ class ChunkSender:
                     continue
                 keep.append(Staged(staged.request_id, {"data": None, "finished": True}))
             else:
-                with self._cv:
+                with self._lock:
                     self._book.done(SendItem(staged.request_id, None, False))
         return keep
 
     def _sent(self, batch: list[Staged], ok: bool) -> None:
-        with self._cv:
+        with self._lock:
             self._book.sent(batch, ok)
 
     def _purge(self, item: SendItem) -> None:
         """Delete every chunk key this stage wrote for a discarded request."""
-        with self._cv:
+        with self._lock:
             upto = self._book.purge(item)
         if not upto:
             return

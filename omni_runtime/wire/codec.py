@@ -87,7 +87,7 @@ def encode(obj: Any) -> bytes:
     except CodecError:
         check_depth(obj)  # too deep for the packer too: say so
         raise
-    if not _shallow(data, MAX_DEPTH):
+    if not shallow(data, MAX_DEPTH):
         check_depth(obj)
     return data
 
@@ -131,7 +131,7 @@ def encode_decoded(obj: Any) -> bytes:
     except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as e:
         check_depth(obj)
         raise CodecError(f"cannot encode: {e}") from e
-    if not _shallow(data, MAX_DEPTH):
+    if not shallow(data, MAX_DEPTH):
         check_depth(obj)
     return data
 
@@ -153,7 +153,7 @@ def decode(
         obj = _DECODER.decode(data)
     except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
         raise _decode_failed(e, MAX_DEPTH) from e  # CodecError passes as it is
-    if not _shallow(data, MAX_DEPTH):
+    if not shallow(data, MAX_DEPTH):
         check_depth(obj)
     return obj
 
@@ -164,15 +164,16 @@ def typed_decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(type_, ext_hook=_ext_hook)
 
 
-def check(raw: Any, max_depth: int = MAX_DEPTH) -> None:
+def check(raw: Any, max_depth: int = MAX_DEPTH, *, shallow_known: bool = False) -> None:
     """Raise `CodecError` where `decode` would (malformed msgpack, a bad array, too deep),
     without building arrays: for data kept as read (`msgspec.Raw`) and relayed as is;
-    `max_depth`: what is left of `MAX_DEPTH` where the data sits in its message."""
+    `max_depth`: what is left of `MAX_DEPTH` where the data sits in its message;
+    `shallow_known`: the message around it was found `shallow` (so is every part of it)."""
     try:
         obj = _CHECKER.decode(raw)
     except (RecursionError, msgspec.DecodeError, TypeError) as e:  # the ext hook's
         raise _decode_failed(e, max_depth) from e  # CodecError passes as it is
-    if not _shallow(raw, max_depth) and not within(obj, max_depth):
+    if not (shallow_known or shallow(raw, max_depth) or within(obj, max_depth)):
         raise CodecError(_too_deep(max_depth))
 
 
@@ -193,11 +194,11 @@ _NESTING: Final = frozenset((list, dict, tuple))
 _HEADS: Final = bytes(int(0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF) for b in range(256))
 """1 for each byte that can begin a msgpack array or map, 0 for the others."""
 _SHALLOW_SCAN_BYTES: Final = 4096
-"""Encoded messages up to this size are scanned for `_shallow`; bigger ones (audio, mostly
+"""Encoded messages up to this size are scanned for `shallow`; bigger ones (audio, mostly
 bytes in few containers) are walked, which costs them less than a scan."""
 
 
-def _shallow(data: Any, depth: int) -> bool:
+def shallow(data: Any, depth: int) -> bool:
     """Whether encoded bytes surely nest at most `depth` levels: each level of lists and maps
     begins with a header byte of its own, so having no more such bytes than `depth` is
     proof. One C pass over a small message, where `within` makes a Python call per

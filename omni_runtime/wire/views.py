@@ -194,9 +194,12 @@ def decode_views(raw: bytes, view: Any, batches: bool) -> list[Any] | None:
     try:
         got = _decoder(view, batches).decode(raw)
         msgs = got if isinstance(got, list) else [got]
+        whole = codec.shallow(raw, _PAYLOAD_DEPTH)  # then so is every field in it
         for msg in msgs:
             if type(msg) is StageOutputRelayView:
-                codec.check(msg.data, _PAYLOAD_DEPTH)
+                codec.check(msg.data, _PAYLOAD_DEPTH, shallow_known=whole)
+                continue
+            if whole:
                 continue
             free = _FREE_FORM.get(type(msg))
             if free is not None and not codec.within(getattr(msg, free), _PAYLOAD_DEPTH):
