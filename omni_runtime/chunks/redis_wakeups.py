@@ -225,9 +225,9 @@ class NotifyWaiter:
                 if self._wait_cmds is None:  # the same two commands every time: packed once
                     blpop = ("BLPOP", self.notify_key, BLOCK_S)
                     lpop = ("LPOP", self.notify_key, WAKEUP_BATCH)
-                    self._wait_cmds = b"".join(conn.pack_commands([blpop, lpop]))
-                head = conn.pack_commands([("UNLINK", *unlink)]) if unlink else []
-                conn.send_packed_command([b"".join([*head, self._wait_cmds])])
+                    self._wait_cmds = rconn.packed(conn, [blpop, lpop])
+                head = rconn.packed(conn, [("UNLINK", *unlink)]) if unlink else b""
+                rconn.send(conn, head + self._wait_cmds)
                 self._in_flight, self._skip, sent = True, int(bool(unlink)), bool(unlink)
             if self._pair is None:
                 self._pair = socket.socketpair()

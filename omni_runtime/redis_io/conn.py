@@ -1,21 +1,19 @@
 """The one Redis connection layer: every use of redis-py below its command API is here.
 
-The runtime packs some round trips by hand on connections it holds (outputs, chunks,
-wake-up reads, the stream writer's batches, held stream reads): redis-py's command path
-costs more than those round trips (`docs/performance.md`). That calls what redis-py does
-not promise to keep (`pack_commands`, `send_packed_command`, `read_response`, `can_read`,
-sockets and writers, pool internals, the cluster client's `_determine_slot`): only this
-module does, `tests/unit/test_redis_conn.py` fails if any of it changes shape, and
+The runtime packs round trips by hand on connections it holds (outputs, chunks, wake-up
+reads, the writer's batches, held reads): redis-py's command path costs more than they do.
+That calls what redis-py does not promise to keep (`pack_commands`, `send_packed_command`,
+`read_response`, `can_read`, sockets, writers, pool internals, `_determine_slot`): only
+here; `tests/unit/test_redis_conn.py` fails if any of it changes shape, and
 `pyproject.toml` bounds redis-py to the releases CI runs.
 
-Packing: per command, hiredis's `pack_command` is several times faster than redis-py's
-Python packer (docs/performance.md), but copies every argument, slower for the MiB-size
-values of audio and tensor chunks. So a command of small str/bytes/int/float goes to
-hiredis, anything else (big, memoryview, a type redis-py refuses) to redis-py's packer.
+Packing: hiredis's `pack_command` is several times faster than redis-py's Python packer,
+but copies every argument, slower for MiB-size audio and tensor values: so a command of
+small str/bytes/int/float goes to hiredis, anything else to redis-py's packer.
 
-Timers: redis-py's asyncio connection sends under a `wait_for` task, and reads each reply
-under a timer of its own (a share of an orchestrator's CPU: docs/performance.md). Here a
-send waits only when buffered, and inside `one_timeout` replies share one deadline.
+Timers: redis-py's asyncio connection sends under a `wait_for` task and reads each reply
+under a timer (a share of an orchestrator's CPU). Here a send waits only when buffered,
+and inside `one_timeout` replies share one deadline (both in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ def pack_small(args: tuple[Any, ...]) -> bytes | None:
                 return None
         elif kind is not int and kind is not float:
             return None
-    packed: bytes = _hiredis_pack(args)
-    return packed
+    return _hiredis_pack(args)
 
 
 class SmallFirstPacker:
@@ -211,9 +208,14 @@ def socket_of(conn: AbstractConnection) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def send(conn: AbstractConnection, commands: Sequence[Command], check_health: bool = True) -> None:
-    """Pack `commands` and write them in one send; their replies are read by `reply`."""
-    conn.send_packed_command(conn.pack_commands(commands), check_health=check_health)
+def packed(conn: AbstractConnection, commands: Sequence[Command]) -> bytes:
+    return b"".join(conn.pack_commands(commands))  # packed once, for `send` to write again
+
+
+def send(conn: AbstractConnection, commands: Sequence[Command] | bytes, check: bool = True) -> None:
+    """Pack `commands` (bytes: by `packed`) and write them in one send; `reply` reads."""
+    data = [commands] if isinstance(commands, bytes) else conn.pack_commands(commands)
+    conn.send_packed_command(data, check_health=check)
 
 
 def reply(conn: AbstractConnection) -> Any:
@@ -244,8 +246,8 @@ def in_step(
     keep_on_error_reply: bool = False,
 ) -> Iterator[None]:
     """A round trip on `conn`: whatever stops it midway drops the connection (`on_failure`,
-    else a disconnect), since a reply half read must never be read as the next command's.
-    With `keep_on_error_reply`, an error reply read whole leaves it as it is."""
+    else a disconnect): a reply half read must never be read as the next command's (an
+    error reply read whole leaves it, with `keep_on_error_reply`)."""
     whole = False
     try:
         yield
@@ -278,13 +280,11 @@ def on_connect(conn: AbstractConnection, callback: Callable[[AbstractConnection]
 
 
 async def take_async(pool: aioredis.ConnectionPool) -> AsyncConnection:
-    conn: AsyncConnection = await pool.get_connection()
-    return conn
+    return await pool.get_connection()  # type: ignore[no-any-return]
 
 
 def write_now(conn: AsyncConnection, commands: Sequence[Command]) -> None:
-    """Write `commands` to `conn` (connected) now, without waiting: the socket takes them
-    at once, or the transport buffers them (`drain`)."""
+    """Write `commands` to `conn` (connected) now: the socket or its buffer (`drain`) takes them."""
     if conn._writer is None:
         raise redis.exceptions.ConnectionError("not connected")
     write_chunks(conn._writer, conn.pack_commands(commands))

@@ -50,7 +50,7 @@ def xreadgroup_sync(
         return stream_reply(reply)
     args = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "BLOCK", block_ms)
     with rconn.in_step(conn, keep_on_error_reply=True):  # a whole error reply: still in step
-        rconn.send(conn, [(*args, "STREAMS", *streams, *streams.values())], check_health=False)
+        rconn.send(conn, [(*args, "STREAMS", *streams, *streams.values())], check=False)
         reply = rconn.reply(conn)
     return stream_entries(reply)
 

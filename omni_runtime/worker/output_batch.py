@@ -295,7 +295,7 @@ class HeldConnection:
         conn = self._conn
         assert conn is not None
         with rconn.in_step(conn, self._drop):
-            rconn.send(conn, commands, check_health=False)
+            rconn.send(conn, commands, check=False)
         self.up = True
 
     def replies(self, count: int) -> list[Any]:
