@@ -8,6 +8,10 @@ sequential cells, and what the worker's loop spends per step around them.
   engine in memory (sequential mode), under `load.closed_loop`'s users and think times
   (the same draws). Prints E2E p50 and each stage's span p50 (from its input to its last
   output), the figures no runtime can beat on this machine.
+- **streaming floor** (`--streaming`): the same engines and users, each output handed to
+  the next engine's input stream (a `ChunkStream`) the moment its step returns, as the
+  runtime's streaming mode does over Redis. Prints TTFA and E2E p50 (p99): the floor of
+  the peers benchmark's streaming cells.
 - **pass cost**: a `WorkerCore` driving an unpaced `Thinker` and `Talker` with 32 requests
   (sequential inputs): the core's own time per step (bookkeeping and encoding every
   output), i.e. what a loop that steps the engine itself adds to each step period.
@@ -28,7 +32,7 @@ from benchmarks.harness.stats import percentile
 from benchmarks.peers.load import prompt_tokens
 from benchmarks.ttfp import THINK_MAX_S
 from omni_runtime.observe.metrics import Metrics
-from omni_runtime.stage_api import EngineOutput
+from omni_runtime.stage_api import ChunkStream, EngineOutput
 from omni_runtime.wire.messages import StageInputMsg
 from omni_runtime.worker.actions import Input
 from omni_runtime.worker.core import WorkerCore
@@ -67,6 +71,104 @@ class _Stage(threading.Thread):
                     self.done(out.request_id, self._outs.pop(out.request_id))
 
 
+class _StreamStage(threading.Thread):
+    """One engine stepped while it has work; each output goes to `emit` as its step returns.
+    Its inbox takes new requests and nudges (an upstream extended a stream it reads)."""
+
+    def __init__(self, engine: Any, emit: Callable[[EngineOutput], None]) -> None:
+        super().__init__(daemon=True)
+        self.engine, self.emit = engine, emit
+        self.inbox: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_work()
+            try:
+                while True:
+                    item = self.inbox.get(block=block)
+                    if item is not None:
+                        engine.add_request(*item)
+                    block = False
+            except queue.Empty:
+                pass
+            if engine.has_work():
+                for out in engine.step():
+                    self.emit(out)
+
+
+def _users(conc: int, n: int, start: Callable[[str], threading.Event]) -> None:
+    """`load.closed_loop`'s users: each waits its think time, then one request to its end."""
+    left = [n]
+    lock = threading.Lock()
+
+    def user(i: int) -> None:
+        think = random.Random(f"{conc}-{i}")
+        for k in range(n):
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            time.sleep(think.uniform(0.0, THINK_MAX_S))
+            start(f"u{i}-{k}").wait()
+
+    users = [threading.Thread(target=user, args=(i,)) for i in range(conc)]
+    for u in users:
+        u.start()
+    for u in users:
+        u.join()
+
+
+def streaming_floor(conc: int, n: int) -> None:
+    prompt, _tokens = prompt_tokens()
+    sent: dict[str, float] = {}
+    first_audio: dict[str, float] = {}
+    ended_at: dict[str, float] = {}
+    ended: dict[str, threading.Event] = {}
+    talker_in: dict[str, ChunkStream] = {}
+    code2wav_in: dict[str, ChunkStream] = {}
+
+    def heard(out: EngineOutput) -> None:
+        now = time.perf_counter()
+        if out.data is not None and len(out.data) and out.request_id not in first_audio:
+            first_audio[out.request_id] = now
+        if out.finished:
+            ended_at[out.request_id] = now
+            ended[out.request_id].set()
+
+    def handed(streams: dict[str, ChunkStream], stage: _StreamStage) -> Callable[..., None]:
+        def emit(out: EngineOutput) -> None:
+            data = [] if out.data is None else [out.data]
+            streams[out.request_id].extend(data, closed=out.finished)
+            stage.inbox.put(None)
+
+        return emit
+
+    code2wav = _StreamStage(Code2Wav(16000, 20, 50), heard)
+    talker = _StreamStage(Talker(2), handed(code2wav_in, code2wav))
+    thinker = _StreamStage(Thinker(20), handed(talker_in, talker))
+    for stage in (code2wav, talker, thinker):
+        stage.start()
+
+    def start(rid: str) -> threading.Event:
+        ended[rid] = threading.Event()
+        talker_in[rid], code2wav_in[rid] = ChunkStream(), ChunkStream()
+        talker.inbox.put((rid, talker_in[rid]))
+        code2wav.inbox.put((rid, code2wav_in[rid]))
+        sent[rid] = time.perf_counter()
+        thinker.inbox.put((rid, prompt))
+        return ended[rid]
+
+    _users(conc, n, start)
+    ttfa = [(first_audio[r] - t) * 1e3 for r, t in sent.items()]
+    e2e = [(ended_at[r] - t) * 1e3 for r, t in sent.items()]
+    print(
+        f"floor, streaming, c={conc}: TTFA p50 {percentile(ttfa, 50):.1f} ms "
+        f"(p99 {percentile(ttfa, 99):.1f}), E2E p50 {percentile(e2e, 50):.0f} ms "
+        f"(p99 {percentile(e2e, 99):.0f}) over {len(e2e)}"
+    )
+
+
 def floor(conc: int, n: int) -> None:
     prompt, _tokens = prompt_tokens()
     marks: dict[str, list[float]] = {}
@@ -87,28 +189,14 @@ def floor(conc: int, n: int) -> None:
     thinker = _Stage(Thinker(20), then(talker))
     for stage in (code2wav, talker, thinker):
         stage.start()
-    left = [n]
-    lock = threading.Lock()
 
-    def user(i: int) -> None:
-        think = random.Random(f"{conc}-{i}")
-        for k in range(n):
-            with lock:
-                if left[0] <= 0:
-                    return
-                left[0] -= 1
-            time.sleep(think.uniform(0.0, THINK_MAX_S))
-            rid = f"u{i}-{k}"
-            ended[rid] = threading.Event()
-            marks[rid] = [time.perf_counter()]
-            thinker.inbox.put((rid, prompt))
-            ended[rid].wait()
+    def start(rid: str) -> threading.Event:
+        ended[rid] = threading.Event()
+        marks[rid] = [time.perf_counter()]
+        thinker.inbox.put((rid, prompt))
+        return ended[rid]
 
-    users = [threading.Thread(target=user, args=(i,)) for i in range(conc)]
-    for u in users:
-        u.start()
-    for u in users:
-        u.join()
+    _users(conc, n, start)
     spans = [[(m[i + 1] - m[i]) * 1e3 for i in range(3)] for m in marks.values()]
     e2e = [(m[3] - m[0]) * 1e3 for m in marks.values()]
     stages = ", ".join(
@@ -176,10 +264,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conc", default="1,32")
     p.add_argument("--n", default="8,96")
+    p.add_argument("--streaming", action="store_true", help="the streaming floor only")
     args = p.parse_args()
-    pass_cost()
+    if not args.streaming:
+        pass_cost()
     for conc, n in zip(args.conc.split(","), args.n.split(","), strict=True):
-        floor(int(conc), int(n))
+        (streaming_floor if args.streaming else floor)(int(conc), int(n))
 
 
 if __name__ == "__main__":
