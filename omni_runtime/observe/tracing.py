@@ -12,7 +12,7 @@ Events (where they are stamped):
 - `input_submitted` — the orchestrator submitted the request's input to stage k;
 - `input_write_start` / `input_written` — the write carrying that input began / ended;
 - `input_read` — a worker of stage k read the input (its XREADGROUP returned);
-- `output_read` — the orchestrator read a finished output of stage k (before validation);
+- `output_read` — the orchestrator read an output of stage k (before validation);
 - `output_returned` — that output left the stage client for the router.
 
 Clocks: callers stamp with CLOCK_MONOTONIC (`time.monotonic_ns`), which only
