@@ -42,38 +42,8 @@ Done = Callable[[str, list[Any]], None]
 
 
 class _Stage(threading.Thread):
-    """One engine stepped back to back; a finished request's outputs go to `done`."""
-
-    def __init__(self, engine: Any, done: Done) -> None:
-        super().__init__(daemon=True)
-        self.engine, self.done = engine, done
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._outs: dict[str, list[Any]] = {}
-
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            block = not engine.has_work()
-            try:
-                while True:
-                    rid, data = self.inbox.get(block=block)
-                    engine.add_request(rid, data)
-                    block = False
-            except queue.Empty:
-                pass
-            if not engine.has_work():
-                continue
-            for out in engine.step():
-                got = self._outs.setdefault(out.request_id, [])
-                if out.data is not None:
-                    got.append(out.data)
-                if out.finished:
-                    self.done(out.request_id, self._outs.pop(out.request_id))
-
-
-class _StreamStage(threading.Thread):
     """One engine stepped while it has work; each output goes to `emit` as its step returns.
-    Its inbox takes new requests and nudges (an upstream extended a stream it reads)."""
+    Its inbox takes new requests, and nudges (None: an upstream extended a stream it reads)."""
 
     def __init__(self, engine: Any, emit: Callable[[EngineOutput], None]) -> None:
         super().__init__(daemon=True)
@@ -95,6 +65,20 @@ class _StreamStage(threading.Thread):
             if engine.has_work():
                 for out in engine.step():
                     self.emit(out)
+
+
+def _whole(done: Done) -> Callable[[EngineOutput], None]:
+    """An `emit` that gathers each request's outputs and hands them to `done` at its end."""
+    outs: dict[str, list[Any]] = {}
+
+    def emit(out: EngineOutput) -> None:
+        got = outs.setdefault(out.request_id, [])
+        if out.data is not None:
+            got.append(out.data)
+        if out.finished:
+            done(out.request_id, outs.pop(out.request_id))
+
+    return emit
 
 
 def _users(conc: int, n: int, start: Callable[[str], threading.Event]) -> None:
@@ -136,7 +120,7 @@ def streaming_floor(conc: int, n: int) -> None:
             ended_at[out.request_id] = now
             ended[out.request_id].set()
 
-    def handed(streams: dict[str, ChunkStream], stage: _StreamStage) -> Callable[..., None]:
+    def handed(streams: dict[str, ChunkStream], stage: _Stage) -> Callable[..., None]:
         def emit(out: EngineOutput) -> None:
             data = [] if out.data is None else [out.data]
             streams[out.request_id].extend(data, closed=out.finished)
@@ -144,9 +128,9 @@ def streaming_floor(conc: int, n: int) -> None:
 
         return emit
 
-    code2wav = _StreamStage(Code2Wav(16000, 20, 50), heard)
-    talker = _StreamStage(Talker(2), handed(code2wav_in, code2wav))
-    thinker = _StreamStage(Thinker(20), handed(talker_in, talker))
+    code2wav = _Stage(Code2Wav(16000, 20, 50), heard)
+    talker = _Stage(Talker(2), handed(code2wav_in, code2wav))
+    thinker = _Stage(Thinker(20), handed(talker_in, talker))
     for stage in (code2wav, talker, thinker):
         stage.start()
 
@@ -184,9 +168,9 @@ def floor(conc: int, n: int) -> None:
 
         return done
 
-    code2wav = _Stage(Code2Wav(16000, 20, 50), then(None))
-    talker = _Stage(Talker(2), then(code2wav))
-    thinker = _Stage(Thinker(20), then(talker))
+    code2wav = _Stage(Code2Wav(16000, 20, 50), _whole(then(None)))
+    talker = _Stage(Talker(2), _whole(then(code2wav)))
+    thinker = _Stage(Thinker(20), _whole(then(talker)))
     for stage in (code2wav, talker, thinker):
         stage.start()
 
