@@ -11,7 +11,8 @@ streaming deployment of `workers/omni.yaml`. Per concurrency and round, the cell
 alternate: the floor, then omni-runtime, each `load.closed_loop` (the peers benchmark's
 users, think times and checks; the client is this process). Prints per cell TTFA and
 E2E p50 (p99) and CPU per request of every process of each (the stages or the
-orchestrator and workers, this process, redis-server), with omni-runtime / floor.
+orchestrator and workers, this process, redis-server), with omni-runtime / floor per
+round, then each process's share.
 
 No durability, routing, recovery, validation or limits: a stage that dies loses its
 requests. What the runtime adds over this is the price of those.
@@ -160,13 +161,10 @@ class Floor:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        command = [sys.executable, "-m", "benchmarks.peers.process_floor", "--redis-url", url]
         self.procs = {
-            s: subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.peers.process_floor", "--stage", s, "--redis-url", url],
-                stdout=subprocess.PIPE,
-            )
-            for s in STAGES
-        }  # fmt: skip
+            s: subprocess.Popen([*command, "--stage", s], stdout=subprocess.PIPE) for s in STAGES
+        }
         for s, p in self.procs.items():
             assert p.stdout is not None
             if p.stdout.readline().strip() != b"ready":
@@ -185,16 +183,15 @@ class Floor:
 
 async def cell(
     name: str, run: Any, pids: dict[str, int], conc: int, n: int
-) -> tuple[Samples, float]:
-    """One closed loop; its samples and CPU ms per request of `pids`."""
+) -> tuple[Samples, dict[str, float]]:
+    """One closed loop; its samples and the CPU ms per request of each of `pids`."""
     sampler = CpuSampler(pids)
     sampler.start()
     samples: Samples = await run(conc, n)
     used = sampler.stop()
-    cpu_ms = sum(v for k, v in used.items() if k in pids) * 1e3 / max(1, samples.done)
     if samples.errors:
         raise RuntimeError(f"{name}, c={conc}: {samples.errors[:3]}")
-    return samples, cpu_ms
+    return samples, {k: v * 1e3 / max(1, samples.done) for k, v in used.items() if k in pids}
 
 
 async def measure(url: str, concs: list[int], ns: list[int], rounds: int) -> None:
@@ -224,22 +221,30 @@ async def measure(url: str, concs: list[int], ns: list[int], rounds: int) -> Non
             }
             for run, _pids in systems.values():  # warm-up
                 await run(2, 4)
+            by_process: dict[int, dict[str, dict[str, float]]] = {}
             print("| c | system | TTFA p50 (p99) | E2E p50 (p99) | CPU ms / request |")
             print("| --- | --- | --- | --- | --- |")
             for conc, n in zip(concs, ns, strict=True):
-                got: dict[str, list[tuple[Samples, float]]] = {s: [] for s in systems}
+                got: dict[str, list[tuple[Samples, dict[str, float]]]] = {s: [] for s in systems}
                 for _ in range(rounds):
                     for name, (run, pids) in systems.items():
                         got[name].append(await cell(name, run, pids, conc, n))
                 for name, cells in got.items():
+                    cpu_ms = statistics.median(sum(c.values()) for _s, c in cells)
                     print(f"| {conc} | {name} | {_figure(cells, 'ttfa', 1)} | "
-                          f"{_figure(cells, 'e2e', 0)} | "
-                          f"{statistics.median(c for _s, c in cells):.0f} |", flush=True)  # fmt: skip
+                          f"{_figure(cells, 'e2e', 0)} | {cpu_ms:.0f} |", flush=True)  # fmt: skip
                 pairs = list(zip(got["omni-runtime"], got["floor"], strict=True))
                 ttfa = ", ".join(f"+{_p50(o) - _p50(f):.1f}" for (o, _), (f, _) in pairs)
-                cpu = ", ".join(f"{o / f:.2f}x" for (_, o), (_, f) in pairs)
+                cpu = ", ".join(
+                    f"{sum(o.values()) / sum(f.values()):.2f}x" for (_, o), (_, f) in pairs
+                )
                 print(f"|   | omni-runtime against the floor, per round | TTFA p50 {ttfa} ms | "
                       f"| CPU {cpu} |", flush=True)  # fmt: skip
+                by_process[conc] = {s: _by_process(cells) for s, cells in got.items()}
+            for conc, systems_cpu in by_process.items():
+                for name, per in systems_cpu.items():
+                    shares = ", ".join(f"{k} {v:.0f}" for k, v in per.items())
+                    print(f"CPU ms / request by process, c={conc}, {name}: {shares}")
     finally:
         omni.stop()
         floor.stop()
@@ -249,7 +254,14 @@ def _p50(samples: Samples) -> float:
     return samples.p("ttfa", 50) or 0.0
 
 
-def _figure(cells: list[tuple[Samples, float]], metric: str, digits: int) -> str:
+def _by_process(cells: list[tuple[Samples, dict[str, float]]]) -> dict[str, float]:
+    """Each process's median over the rounds, largest first."""
+    names = {k for _s, c in cells for k in c}
+    per = {k: statistics.median(c.get(k, 0.0) for _s, c in cells) for k in names}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def _figure(cells: list[tuple[Samples, dict[str, float]]], metric: str, digits: int) -> str:
     """Median over the rounds of each round's p50 (p99)."""
     p50 = statistics.median(s.p(metric, 50) or 0.0 for s, _c in cells)
     p99 = statistics.median(s.p(metric, 99) or 0.0 for s, _c in cells)
