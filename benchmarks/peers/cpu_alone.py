@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from typing import Any
 from benchmarks.harness.cpu import CpuSampler, process_tree
 from benchmarks.harness.procs import Deployment, RoleProc, role_env, watched
 from benchmarks.harness.redis import redis_for_run, server_pid
-from benchmarks.peers.__main__ import omni_source
+from benchmarks.peers.__main__ import INSTALL_HINT, omni_source
 from benchmarks.peers.load import ONE_REQUEST_S, Samples, closed_loop
 from benchmarks.ttfp import OMNI
 from omni_runtime.client import OmniClient
@@ -160,7 +162,10 @@ def report(got: dict[str, list[PerProcess]], conc: int) -> dict[str, Any]:
             "per_process_ms": per_process}  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
+    if importlib.util.find_spec("ray") is None:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--conc", type=int, default=1)
@@ -173,7 +178,8 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     print(f"results written to {RESULTS}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

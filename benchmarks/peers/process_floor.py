@@ -39,7 +39,7 @@ import redis.asyncio as aredis
 
 from benchmarks.harness.cpu import CpuSampler
 from benchmarks.harness.procs import Deployment, watched
-from benchmarks.harness.redis import redis_for_run, server_pid
+from benchmarks.harness.redis import delete_keys, redis_for_run, server_pid
 from benchmarks.peers.__main__ import omni_source
 from benchmarks.peers.load import ONE_REQUEST_S, Samples, closed_loop
 from benchmarks.ttfp import AUDIO_STAGE, OMNI, TEXT_STAGE
@@ -179,6 +179,7 @@ class Floor:
             p.terminate()
         for p in self.procs.values():
             p.wait(10)
+        delete_keys(self.url, f"{PREFIX}:*")  # a shared Redis keeps none of the floor's lists
 
 
 async def cell(
