@@ -15,7 +15,8 @@ orchestrator and workers, this process, redis-server), with omni-runtime / floor
 round, then each process's share.
 
 No durability, routing, recovery, validation or limits: a stage that dies loses its
-requests. What the runtime adds over this is the price of those.
+requests. What the runtime adds over this is the price of those. Needs Redis 7 or later
+(BLMPOP).
 """
 
 from __future__ import annotations
