@@ -110,9 +110,7 @@ class Systems:
 
     def run_ray(self, mode: str, conc: int, n: int) -> Samples:
         assert self.ray is not None
-        self.ray.send({"mode": mode, "concurrency": conc, "n": n})
-        timeout_s = ONE_REQUEST_S * 8 * -(-n // conc) + 120
-        return Samples.from_json(self.ray.recv(timeout_s)["samples"])
+        return ray_loop(self.ray, mode, conc, n)
 
     async def cell(self, system: str, mode: str, conc: int, n: int) -> Cell:
         ray = self.ray_pids()
@@ -131,6 +129,13 @@ class Systems:
         cell = Cell(system, mode, conc, samples, sampler.stop(), load=os.getloadavg()[0])
         cell.other_idle_s = sum(v for k, v in idle.stop().items() if k in other)
         return cell
+
+
+def ray_loop(driver: RoleProc, mode: str, conc: int, n: int) -> Samples:
+    """One closed loop of the Ray driver (`ray_driver.py`) against its `mode` application."""
+    driver.send({"mode": mode, "concurrency": conc, "n": n})
+    timeout_s = ONE_REQUEST_S * 8 * -(-n // conc) + 120
+    return Samples.from_json(driver.recv(timeout_s)["samples"])
 
 
 def _ray_process_of(name: str, mode: str) -> bool:

@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.cpu import CpuSampler, process_tree
-from benchmarks.harness.procs import Deployment, RoleProc, role_env, watched
+from benchmarks.harness.procs import Deployment, RoleProc, role_env
 from benchmarks.harness.redis import redis_for_run, server_pid
-from benchmarks.peers.__main__ import INSTALL_HINT, omni_source
-from benchmarks.peers.load import ONE_REQUEST_S, Samples, closed_loop
+from benchmarks.peers.__main__ import INSTALL_HINT, ray_loop
+from benchmarks.peers.load import Samples
+from benchmarks.peers.omni_ab import cell as omni_cell
 from benchmarks.ttfp import OMNI
-from omni_runtime.client import OmniClient
-from omni_runtime.pipeline import load_pipeline
 
 MODE = "streaming"
 OMNI_SYS, RAY_SYS = "omni-runtime", "Ray Serve"
@@ -101,14 +100,11 @@ class Run:
 
     async def _omni_loop(self, conc: int, n: int) -> Samples:
         assert self.omni is not None
-        async with OmniClient(self.omni.settings, outputs=load_pipeline(OMNI).outputs) as c:
-            timeout_s = ONE_REQUEST_S * 4 * -(-n // conc) + 60
-            return await watched([self.omni], closed_loop(omni_source(c), conc, n), timeout_s)
+        return await omni_cell(self.omni, conc, n)
 
     def _ray_loop(self, conc: int, n: int) -> Samples:
         assert self.ray is not None
-        self.ray.send({"mode": MODE, "concurrency": conc, "n": n})
-        return Samples.from_json(self.ray.recv(ONE_REQUEST_S * 8 * -(-n // conc) + 120)["samples"])
+        return ray_loop(self.ray, MODE, conc, n)
 
 
 async def measure(url: str, rounds: int, conc: int, n: int) -> dict[str, list[PerProcess]]:
