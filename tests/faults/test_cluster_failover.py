@@ -17,7 +17,7 @@ from omni_runtime.local.redis_server import redis_server_binary
 from tests.faults.failover import fail_over_under_load
 from tests.services import unavailable
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 NODE_TIMEOUT_MS = 5000
 """`cluster-node-timeout` (CI's; Redis's default is 15 s): the replica takes over after

@@ -16,7 +16,7 @@ from omni_runtime import keys
 from omni_runtime.client.client import OmniClient
 from tests.faults.harness import FaultDeployment
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 DRAIN_S = 0.3
 DELAY_S = 2.0

@@ -12,7 +12,7 @@ import pytest
 
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 
 async def test_a_stage_with_no_live_replica_is_a_fast_error(redis_url: str, tmp_path: Path) -> None:

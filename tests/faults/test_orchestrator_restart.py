@@ -13,7 +13,7 @@ import pytest
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import ENV, LEASE_TTL_S, wait_for_slots
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 
 async def test_sigkill_and_restart_of_the_only_orchestrator_loses_nothing(

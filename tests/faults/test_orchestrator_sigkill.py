@@ -14,7 +14,7 @@ from tests.backends import REAL_REDIS_FIXTURES
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import ENV, LEASE_TTL_S, TakeoverClock, leases, wait_for_slots
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 TAKEOVER_BOUND_S = 3.0
 """From the lease's lapse to the survivor holding the slot."""

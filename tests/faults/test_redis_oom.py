@@ -25,7 +25,7 @@ from tests.faults.orchestrators import wait_for_slots
 from tests.faults.private_redis import PrivateRedis
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300)]
 
 HEADROOM_BYTES = 3 * 1024 * 1024
 """maxmemory is set to what Redis uses at rest plus this."""

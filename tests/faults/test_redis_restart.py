@@ -18,7 +18,7 @@ from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_f
 from tests.faults.orchestrators import ENV
 from tests.faults.private_redis import PrivateRedis
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300)]
 
 RESTART_BOUND_S = 10.0
 DEADLINE_S = 15.0

@@ -10,7 +10,7 @@ import pytest
 
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 
 async def test_sigkill_of_a_replica_under_load_loses_nothing(

@@ -13,7 +13,7 @@ import pytest
 
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 
 async def test_sigstop_past_the_ttl_then_sigcont_loses_and_repeats_nothing(

@@ -17,7 +17,7 @@ import pytest
 from tests.faults.harness import FULL, FaultDeployment, header, run_load, seed_final_2
 from tests.faults.orchestrators import wait_for_slots
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 DRAIN_S = 5.0
 STALL_LIMIT_S = 0.5

@@ -15,7 +15,7 @@ from omni_runtime.local.redis_server import redis_server_binary
 from tests.faults.failover import fail_over_under_load
 from tests.services import unavailable
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_server]
+pytestmark = [pytest.mark.solo, pytest.mark.timeout(300), pytest.mark.redis_server]
 
 DOWN_AFTER_MS = 1000
 """Sentinel's `down-after-milliseconds`, tuned down from 30 s so the test fails over in

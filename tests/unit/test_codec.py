@@ -197,7 +197,11 @@ def test_oversize_input_raises_codec_error() -> None:
     assert DEFAULT_MAX_MESSAGE_BYTES == 64 * 1024 * 1024
 
 
-@pytest.mark.parametrize("obj", [object(), {1, 2}, frozenset(), 1j, {"k": [object()]}], ids=repr)
+@pytest.mark.parametrize(
+    "obj",
+    [object(), {1, 2}, frozenset(), 1j, {"k": [object()]}],
+    ids=["object", "set", "frozenset", "complex", "nested-object"],  # the same in every process
+)
 def test_unsupported_type_raises_codec_error_naming_it(obj: Any) -> None:
     with pytest.raises(CodecError, match="cannot encode"):
         encode(obj)
