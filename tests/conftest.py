@@ -52,7 +52,7 @@ def _unavailable(reason: str) -> NoReturn:
 
 def _given(env: str) -> str | None:
     """The server URL `.ci/run` gave in `env`, for one test process only: each test flushes
-    its server, so the second of pytest-xdist's workers (`-n 2`) starts servers of its own."""
+    its server, so every pytest-xdist worker but the first (`-n 2`) starts servers of its own."""
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return None
     return os.environ.get(env)
