@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.serving import free_port
-from tests.e2e.test_cli import OMNI, ROOT, cli_env
+from tests.e2e.test_cli import OMNI, ROOT, cli_env, describe
 from tests.e2e.test_lifecycle_signals import Launched, launched, serve_ready
 from tests.e2e.test_run_lifecycle import START_DEADLINE_S
 from tests.waiting import wait_until
@@ -39,7 +39,9 @@ def redis_url_of(serve: Launched) -> str:
 
 
 def stage_pids(redis_url: str, stage: int) -> set[int]:
-    """The pids of stage `stage`'s workers, as `omni-runtime status` shows them."""
+    """The pids of stage `stage`'s workers, as `omni-runtime status` shows them. Its exit
+    code 1 (some stage has no live worker: between a kill and the new process's first
+    beat) still comes with the snapshot."""
     shown = subprocess.run(
         [sys.executable, "-m", "omni_runtime.cli", "status", "--once", "--json"],
         cwd=ROOT,
@@ -47,8 +49,9 @@ def stage_pids(redis_url: str, stage: int) -> set[int]:
         capture_output=True,
         text=True,
         timeout=60,
-        check=True,
+        check=False,
     )
+    assert shown.returncode in (0, 1), describe(shown)
     processes = json.loads(shown.stdout)["processes"]
     return {p["pid"] for p in processes if p["kind"] == "worker" and p["stage"] == stage}
 
