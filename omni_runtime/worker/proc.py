@@ -209,8 +209,8 @@ class StageWorker:
         self.observed.start(self.clients.sync, Probes(ready=self._not_ready))
         self._takeover.redelivery.remember_previous_life(self.worker_id)  # before any claim
         self._control.start()  # before any input, taken over or read: aborts come first
-        self._takeover.replace()
-        self._heartbeat.start()
+        self._heartbeat.start()  # first: the stage is never without a live replica's key
+        self._takeover.replace()  # between the replaced one's (deleted here) and this one's
         self._output.start()
         self._input.start()
         self._start_watchdog()

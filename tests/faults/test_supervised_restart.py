@@ -3,7 +3,7 @@ supervisor starting it again as an embedded `serve` does (`ProcessGroup.restart_
 every 0.5 s): the process started in its place takes the dead one's inputs (or slots)
 over at once (`--replaces`), not once its heartbeat (or leases) expired; nothing lost,
 nothing repeated, no request failed (the stage never looked down: the new replica beats
-before the dead one's heartbeat expires)."""
+before the dead one's heartbeat expires or is deleted)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,41 @@ async def test_a_request_that_kills_each_replacement_fails_alone(
     assert (report.ok, report.failed, report.lost, report.duplicated) == (n - 1, 1, 0, 0), report
     assert "the last time alone" in next(iter(report.error_texts.values()))
     assert len(restarted) == 3, restarted
+
+
+async def test_a_replacement_beats_before_it_deletes_the_dead_replicas_heartbeat(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """`--replaces` deletes the dead replica's heartbeat key at once. The replacement's own
+    key must be there first: an orchestrator looking in between sees the stage with no
+    live worker and fails every request in flight on it. Redis's keyspace events give
+    the order of the two keys' writes."""
+    with FaultDeployment(redis_url, tmp_path, "seed.yaml") as d:
+        async with OmniClient(d.settings) as client:
+            await client.wait_ready([0, 1, 2], timeout_s=60)
+        beating = d.settings.names.heartbeat_pattern(1)
+        (dead_key,) = (key.decode() for key in d.redis.scan_iter(beating))
+        name, worker = next((n, p) for n, p, _f in d.group.procs if n.startswith("stage1"))
+        d.redis.config_set("notify-keyspace-events", "Kg$")
+        events = d.redis.pubsub()
+        try:
+            events.psubscribe(f"__keyspace@*__:{beating}")
+            assert events.get_message(timeout=5)["type"] == "psubscribe"
+            d.signal("stage1", signal.SIGKILL)
+            assert await asyncio.to_thread(worker.wait, 30) == -signal.SIGKILL
+            d.redis.pexpire(dead_key, 60_000)  # as if it had beaten just before it died
+            assert d.group.restart_dead() == [name]
+            seen: list[tuple[str, str]] = []
+            while (dead_key, "del") not in seen:
+                message = await asyncio.to_thread(events.get_message, True, 60)
+                assert message is not None, f"no keyspace event in 60 s after {seen}"
+                channel, event = message["channel"].decode(), message["data"].decode()
+                seen.append((channel.split("__:", 1)[1], event))
+        finally:
+            events.close()
+            d.redis.config_set("notify-keyspace-events", "")
+    new_beats = [i for i, (key, event) in enumerate(seen) if key != dead_key and event == "set"]
+    assert new_beats and new_beats[0] < seen.index((dead_key, "del")), seen
 
 
 def idle_ms(d: FaultDeployment, stream: str) -> int:
