@@ -26,6 +26,7 @@ Ray is optional: `pip install -e '.[peers]'`. Without it this says so and exits 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import sys
@@ -63,6 +64,26 @@ def omni_source(client: OmniClient) -> Any:
             yield out.stage_id, out.data
 
     return stream
+
+
+@contextlib.asynccontextmanager
+async def warm_omni_demo(
+    url: str, mode: str, tag: str
+) -> AsyncIterator[tuple[Any, dict[str, int]]]:
+    """The omni demo deployed on `url` and warmed up: (its load source, pid of each of its
+    processes: the workers, the orchestrator, this process as its client, redis-server)."""
+    d = Deployment(url, OMNI, f"{tag}-{os.getpid()}", mode=mode).start()
+    try:
+        await d.wait_ready()
+        async with OmniClient(d.settings, outputs=load_pipeline(OMNI).outputs) as client:
+            source = omni_source(client)
+            await closed_loop(source, 2, 4)  # warm-up
+            pids = {**d.pids(), "client": os.getpid()}
+            if (redis_pid := server_pid(url)) is not None:
+                pids["redis-server"] = redis_pid
+            yield source, pids
+    finally:
+        d.stop()
 
 
 class Systems:

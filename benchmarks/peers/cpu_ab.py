@@ -32,7 +32,9 @@ HERE = Path(__file__).resolve()
 
 
 async def cell(url: str, mode: str, conc: int, n: int) -> dict[str, float]:
-    """CPU ms per request of each process, one cell, in this process's version."""
+    """CPU ms per request of each process, one cell, in this process's version. It runs in
+    the other version's tree too, so it imports only what every version has (it deploys by
+    hand what `__main__.warm_omni_demo` does)."""
     from benchmarks.harness.cpu import proc_cpu_ns
     from benchmarks.harness.procs import Deployment
     from benchmarks.harness.redis import server_pid

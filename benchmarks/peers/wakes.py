@@ -26,13 +26,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.procs import Deployment
-from benchmarks.harness.redis import redis_for_run, server_pid
-from benchmarks.peers.__main__ import omni_source
+from benchmarks.harness.redis import redis_for_run
+from benchmarks.peers.__main__ import warm_omni_demo
 from benchmarks.peers.load import closed_loop
-from benchmarks.ttfp import OMNI
-from omni_runtime.client import OmniClient
-from omni_runtime.pipeline import load_pipeline
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "wakes.json"
 
@@ -63,21 +59,12 @@ def pin(pids: dict[str, int], role: str) -> None:
 
 
 async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    d = Deployment(url, OMNI, f"wakes-{os.getpid()}", mode=args.mode).start()
-    try:
-        await d.wait_ready()
-        async with OmniClient(d.settings, outputs=load_pipeline(OMNI).outputs) as client:
-            await closed_loop(omni_source(client), 2, 4)  # warm-up
-            pids = {**d.pids(), "client": os.getpid()}
-            if (redis_pid := server_pid(url)) is not None:
-                pids["redis-server"] = redis_pid
-            if args.pin:
-                pin(pids, args.pin)
-            before = {name: threads(pid) for name, pid in pids.items()}
-            await closed_loop(omni_source(client), args.conc, args.n)
-            after = {name: threads(pid) for name, pid in pids.items()}
-    finally:
-        d.stop()
+    async with warm_omni_demo(url, args.mode, "wakes") as (source, pids):
+        if args.pin:
+            pin(pids, args.pin)
+        before = {name: threads(pid) for name, pid in pids.items()}
+        await closed_loop(source, args.conc, args.n)
+        after = {name: threads(pid) for name, pid in pids.items()}
     rows = []
     for name in pids:
         for tid, (wakes_1, ns_1) in after[name].items():
